@@ -1,0 +1,35 @@
+"""The library's exception types.
+
+Every message says what to do. Only the CLI turns these into exit codes; the library never
+calls ``sys.exit``.
+"""
+
+from __future__ import annotations
+
+
+class HooktraceError(Exception):
+    """Base class of every error hooktrace raises on purpose."""
+
+
+class TraceError(HooktraceError):
+    """A trace cannot be read: missing, not a trace, corrupt, or of an unknown format."""
+
+
+class TraceNotFound(TraceError):
+    """The path given as a run does not exist or is not a run directory."""
+
+
+class FormatVersionError(TraceError):
+    """The trace was written by a newer format than this hooktrace reads."""
+
+
+class TensorNotRecorded(HooktraceError, LookupError):
+    """A full tensor or record that the trace does not hold was asked for."""
+
+
+class RecordingError(HooktraceError):
+    """Recording was misconfigured or failed (raised at once only with ``strict=True``)."""
+
+
+class ConfigError(HooktraceError, ValueError):
+    """An option has a bad value."""

@@ -1,0 +1,167 @@
+"""One step's observations, handed from the training thread to the writer thread.
+
+The training thread only appends to lists while hooks fire. Everything that costs time
+(stacking the statistics, the device-to-host copy, building columns) happens in
+:meth:`PendingStep.materialize`, which the writer thread calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from hooktrace.recorder.stats import STATS_WIDTH
+from hooktrace.trace.schema import NO_GRADIENT_DTYPE
+from hooktrace.trace.writer import StepData
+
+
+class Meta(NamedTuple):
+    """What a hook knows about one record, kept as cheap Python values."""
+
+    micro_step: int
+    phase: str
+    seq: int
+    module: str
+    call: int
+    kind: str
+    slot: str
+    dtype: torch.dtype | None  # None: a parameter with no gradient
+    shape: tuple[int, ...]
+    units: int
+    unit_size: int
+
+
+@dataclass
+class PendingStep:
+    step: int
+    start_time: float
+    meta: list[Meta] = field(default_factory=list)
+    stats: list[torch.Tensor | None] = field(default_factory=list)
+    activity: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
+    micro_steps: int = 0
+    skipped: bool = False
+    end_time: float = 0.0
+    dropped: int = 0
+    nbytes: int = 0
+
+    def materialize(self) -> StepData:
+        n = len(self.meta)
+        stats = np.full((n, STATS_WIDTH), np.nan)
+        stats[:, 5:] = 0
+        present = [i for i, s in enumerate(self.stats) if s is not None]
+        for rows, values in _gather([self.stats[i] for i in present], present):  # type: ignore[misc]
+            stats[rows] = values
+        numel = np.array([_numel(m.shape) if m.dtype is not None else 0 for m in self.meta], dtype=np.int64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            zero_fraction = np.where(numel > 0, stats[:, 5] / np.maximum(numel, 1), np.nan)
+        columns = {
+            "step": np.full(n, self.step, dtype=np.int64),
+            "micro_step": np.array([m.micro_step for m in self.meta], dtype=np.int32),
+            "phase": [m.phase for m in self.meta],
+            "seq": np.array([m.seq for m in self.meta], dtype=np.int64),
+            "module": [m.module for m in self.meta],
+            "call": np.array([m.call for m in self.meta], dtype=np.int32),
+            "kind": [m.kind for m in self.meta],
+            "slot": [m.slot for m in self.meta],
+            "dtype": [dtype_name(m.dtype) for m in self.meta],
+            "shape": [",".join(map(str, m.shape)) for m in self.meta],
+            "numel": numel,
+            "mean": stats[:, 0],
+            "std": stats[:, 1],
+            "min": stats[:, 2],
+            "max": stats[:, 3],
+            "norm": stats[:, 4],
+            "zero_fraction": zero_fraction,
+            "nan_count": stats[:, 6].astype(np.int64),
+            "inf_count": stats[:, 7].astype(np.int64),
+            "units": np.array([m.units for m in self.meta], dtype=np.int32),
+            "unit_size": np.array([m.unit_size for m in self.meta], dtype=np.int64),
+        }
+        activity: list[tuple[int, np.ndarray]] = []
+        if self.activity:
+            rows = [row for row, _ in self.activity]
+            for chunk_rows, merged in _gather_ragged([a for _, a in self.activity], rows):
+                activity.extend(zip(chunk_rows, merged, strict=True))
+            activity.sort(key=lambda item: item[0])
+        tensors = []
+        for row, tensor, event in self.tensors:
+            if event is not None:
+                event.synchronize()  # waits in this thread only, never in training
+            array, name = to_numpy(tensor)
+            tensors.append((row, array, name))
+        return StepData(
+            step=self.step,
+            micro_steps=self.micro_steps,
+            skipped=self.skipped,
+            start_time=self.start_time,
+            end_time=self.end_time,
+            columns=columns,
+            activity=activity,
+            tensors=tensors,
+            dropped=self.dropped,
+        )
+
+
+def _gather(tensors: list[torch.Tensor], rows: list[int]) -> list[tuple[list[int], np.ndarray]]:
+    """Stack equal-shaped tensors per device and copy each stack to the host once."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out = []
+    for indices in by_device.values():
+        stacked = torch.stack([tensors[i] for i in indices]).cpu().numpy()
+        out.append(([rows[i] for i in indices], stacked))
+    return out
+
+
+def _gather_ragged(tensors: list[torch.Tensor], rows: list[int]) -> list[tuple[list[int], list[np.ndarray]]]:
+    """Like _gather for 1-D tensors of different lengths: one concatenation, one copy."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out = []
+    for indices in by_device.values():
+        merged = torch.cat([tensors[i] for i in indices]).cpu().numpy()
+        bounds = np.cumsum([0] + [tensors[i].numel() for i in indices])
+        pieces = [merged[bounds[k] : bounds[k + 1]] for k in range(len(indices))]
+        out.append(([rows[i] for i in indices], pieces))
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dtype: torch.dtype | None) -> str:
+    if dtype is None:
+        return NO_GRADIENT_DTYPE
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A host tensor as numpy with the exact bits, and the dtype's name.
+
+    numpy has no bfloat16 (and no float8): those travel as unsigned integers of the same width
+    and the name says how to read them back.
+    """
+    name = dtype_name(tensor.dtype)
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.uint16), name
+    try:
+        return tensor.numpy(), name
+    except TypeError:
+        return tensor.view(torch.uint8).numpy(), name

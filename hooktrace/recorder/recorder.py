@@ -1,0 +1,670 @@
+"""The recorder: hooks on modules, tensors and optimizers, and the step they belong to.
+
+Hooks only observe: they queue statistics on the tensor's device and append to lists. At each
+step boundary the step's observations go to the background writer. A fault inside hooktrace
+warns once and stops recording (``strict=True`` raises instead); the trace written so far is
+kept. Every hook is removed when the recorder closes, normally or by an exception.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hooktrace.errors import ConfigError, RecordingError
+from hooktrace.recorder.flatten import flatten, flatten_call
+from hooktrace.recorder.pending import Meta, PendingStep
+from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
+from hooktrace.recorder.stats import activity, summarize, unit_dim
+from hooktrace.trace import schema
+from hooktrace.trace.writer import TraceWriter
+
+Models = nn.Module | Mapping[str, nn.Module] | Iterable[nn.Module]
+
+# Module types whose 3-D outputs are (N, C, L): their units are channels, not the last dim.
+_CHANNELS_FIRST = (
+    nn.modules.conv._ConvNd,
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.modules.pooling._MaxPoolNd,
+    nn.modules.pooling._AvgPoolNd,
+    nn.modules.pooling._AdaptiveAvgPoolNd,
+    nn.modules.pooling._AdaptiveMaxPoolNd,
+    nn.GroupNorm,
+)
+
+_ACTIVE: Recorder | None = None
+
+
+def active_recorder() -> Recorder | None:
+    return _ACTIVE
+
+
+def _in_backward() -> bool:
+    """True inside the autograd engine: a forward seen now is a checkpoint recomputation."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class Recorder:
+    """Records the named modules of one or more models into a run directory.
+
+    Use :func:`hooktrace.record` to make one. Steps advance on each optimizer step (any
+    ``torch.optim`` optimizer holding a recorded parameter) and on :meth:`step`.
+    """
+
+    def __init__(
+        self,
+        models: Models,
+        out: str | os.PathLike[str],
+        *,
+        modules: ModuleFilter = None,
+        exclude: ModuleFilter = None,
+        every: int = 1,
+        steps: StepSpec = None,
+        inputs: bool = False,
+        params: bool = True,
+        full_every: int | None = None,
+        full_steps: StepSpec = None,
+        full_modules: ModuleFilter = None,
+        max_tensor_mb: float = 256.0,
+        max_units: int = 65536,
+        compression: str | None = None,
+        buffer_mb: float = 256.0,
+        strict: bool = False,
+        overwrite: bool = False,
+        command: list[str] | None = None,
+    ) -> None:
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RecordingError(
+                f"a recording into {_ACTIVE.out} is already active: close it before starting another"
+            )
+        self.out = Path(out)
+        self.strict = strict
+        self.inputs = inputs
+        self.params = params
+        self.max_tensor_bytes = int(max_tensor_mb * (1 << 20))
+        self.max_units = max_units
+        self._steps = StepSelection(steps, every=every)
+        full_wanted = full_every is not None or full_steps is not None or full_modules is not None
+        self._full_steps = (
+            StepSelection(full_steps, every=full_every or 1) if full_wanted else None
+        )
+        if compression not in (None, "gzip", "lzf"):
+            raise ConfigError(f"compression must be gzip, lzf or none (got {compression!r})")
+        self.roots = _name_roots(models)
+        include = module_matcher(modules, default=True)
+        skip = module_matcher(exclude, default=False)
+        full_match = module_matcher(full_modules, default=True)
+        self._modules = {
+            name: module
+            for name, module in _named_modules(self.roots)
+            if include(name) and not skip(name)
+        }
+        self._full_modules = {name for name in self._modules if full_match(name)}
+        self._full_match = full_match
+        self._param_entries = [
+            (module, slot, p)
+            for module, slot, p in _named_parameters(self.roots)
+            if module in self._modules
+        ]
+        self.rank = _rank()
+        self._prepare_out(overwrite)
+
+        config = {
+            "modules": _describe(modules), "exclude": _describe(exclude), "every": every,
+            "steps": _describe(steps), "inputs": inputs, "params": params,
+            "full_every": full_every, "full_steps": _describe(full_steps),
+            "full_modules": _describe(full_modules), "max_tensor_mb": max_tensor_mb,
+            "max_units": max_units, "compression": compression, "buffer_mb": buffer_mb,
+            "strict": strict,
+        }  # fmt: skip
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        manifest = {
+            "format": schema.FORMAT_NAME,
+            "format_version": schema.FORMAT_VERSION,
+            "hooktrace_version": _version(),
+            "torch_version": torch.__version__,
+            "python_version": platform.python_version(),
+            "platform": platform.platform(),
+            "command": command if command is not None else list(sys.argv),
+            "config": config,
+            "roots": list(self.roots),
+            "start_time": time.time(),
+            "world_size": world_size,
+        }
+        self._writer = TraceWriter(
+            self.out,
+            rank=self.rank,
+            manifest=manifest if self.rank == 0 else None,
+            compression=compression,
+            max_buffer_bytes=int(buffer_mb * (1 << 20)),
+        )
+        self.current_step = 0
+        self.micro_step = 0
+        self.error: str | None = None
+        self._active = True
+        self._closed = False
+        self._handles: list[RemovableHandle] = []
+        self._tensor_handles: list[RemovableHandle] = []
+        self._reset_step_state()
+        self._root_depth = 0
+        self._phase = "train"
+        self._backward_active = False
+        self._optimizer_owned: dict[int, bool] = {}
+        self._param_ids = {id(p) for _, _, p in self._param_entries} | {
+            id(p) for root in self.roots.values() for p in root.parameters()
+        }
+        self._writer.add_modules(self._module_rows())
+        _ACTIVE = self
+        try:
+            self._install()
+        except BaseException:
+            self.close(status=schema.STATUS_FAILED, error="hooks could not be installed")
+            raise
+
+    # -- public API --------------------------------------------------------------------------
+
+    def step(self, *, skipped: bool = False) -> None:
+        """Mark the end of a step, where no torch.optim optimizer marks it."""
+        self._end_step(skipped=skipped)
+
+    def close(self, *, status: str = schema.STATUS_COMPLETE, error: str | None = None) -> None:
+        """Flush what was recorded, remove every hook and finish the trace. Idempotent."""
+        global _ACTIVE
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._active and self._pending.meta:
+                self._submit()
+        finally:
+            self._active = False
+            for handle in (*self._handles, *self._tensor_handles):
+                handle.remove()
+            self._handles.clear()
+            self._tensor_handles.clear()
+            if _ACTIVE is self:
+                _ACTIVE = None
+            if self.error is not None and status == schema.STATUS_COMPLETE:
+                status = schema.STATUS_INCOMPLETE
+            self._writer.close(status, error=error or self.error)
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+        elif isinstance(exc, KeyboardInterrupt):
+            self.close(status=schema.STATUS_INCOMPLETE, error="interrupted (KeyboardInterrupt)")
+        else:
+            self.close(status=schema.STATUS_FAILED, error=f"{type(exc).__name__}: {exc}")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("recording" if self._active else "stopped")
+        return (
+            f"<hooktrace Recorder {state} into '{self.out}': step {self.current_step}, "
+            f"{len(self._modules)} modules, {self._writer.steps_written} steps written>"
+        )
+
+    # -- installing hooks --------------------------------------------------------------------
+
+    def _install(self) -> None:
+        for name, module in self._modules.items():
+            channels = isinstance(module, _CHANNELS_FIRST)
+            if self.inputs:
+                # before the forward runs: an in-place op inside it would change its input
+                hook = self._input_hook(name)
+                self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+            self._handles.append(
+                module.register_forward_hook(self._forward_hook(name, channels), with_kwargs=True)
+            )
+        for root in self.roots.values():
+            # the root's phase is set before any other pre-hook, and its depth is left after
+            # its own output was recorded, so the root's records carry the root's phase
+            self._handles.append(root.register_forward_pre_hook(self._root_enter, prepend=True))
+            self._handles.append(root.register_forward_hook(self._root_exit, always_call=True))
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+
+    def _forward_hook(self, name: str, channels_first: bool) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if self._recording:
+                try:
+                    self._on_forward(name, module, args, kwargs, output, channels_first)
+                except Exception as exc:
+                    self._fault(exc, f"the forward of {name!r}")
+
+        return hook
+
+    def _input_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if self._recording and not _in_backward():
+                try:
+                    phase = self._phase_of(module)
+                    call = self._calls.get((phase, name), 0)  # the forward hook counts the call
+                    full = self._full_step and name in self._full_modules
+                    for slot, tensor in flatten_call(args, kwargs):
+                        self._observe(name, call, "input", slot, tensor, phase=phase, full=full, units=True)
+                except Exception as exc:
+                    self._fault(exc, f"the inputs of {name!r}")
+
+        return hook
+
+    def _phase_of(self, module: nn.Module) -> str:
+        """Inside a root's forward, the root's phase; outside, the module's own."""
+        if self._root_depth:
+            return self._phase
+        return "train" if torch.is_grad_enabled() and module.training else "eval"
+
+    def _grad_hook(self, module: str, call: int, kind: str, slot: str) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            if self._recording:
+                try:
+                    self._on_grad(module, call, kind, slot, grad)
+                except Exception as exc:
+                    self._fault(exc, f"the backward of {module!r}")
+
+        return hook
+
+    # -- what hooks do -----------------------------------------------------------------------
+
+    def _root_enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if _in_backward():
+            return
+        if self._root_depth == 0:
+            if self._backward_active:  # the last backward raised before it finished
+                self._backward_active = False
+            training = torch.is_grad_enabled() and module.training
+            self._phase = "train" if training else "eval"
+            if training and self._recording and self.params and not self._params_recorded:
+                self._params_recorded = True
+                try:
+                    self._record_params("param")
+                except Exception as exc:
+                    self._fault(exc, "the parameters")
+        self._root_depth += 1
+
+    def _root_exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not _in_backward():
+            self._root_depth = max(0, self._root_depth - 1)
+
+    def _on_forward(
+        self,
+        name: str,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        channels_first: bool,
+    ) -> None:
+        if _in_backward():
+            self._on_recompute(name, output)
+            return
+        phase = self._phase_of(module)
+        key = (phase, name)
+        call = self._calls.get(key, 0)
+        self._calls[key] = call + 1
+        full = self._full_step and name in self._full_modules
+        for slot, tensor in flatten(output):
+            if channels_first and tensor.dim() == 3:
+                self._channel_shapes.add(tensor.shape)
+            self._observe(name, call, "output", slot, tensor, phase=phase, full=full, units=True)
+            if phase == "train" and tensor.requires_grad:
+                self._grad_hooked.add((name, call))
+                handle = tensor.register_hook(self._grad_hook(name, call, "grad_output", slot))
+                self._tensor_handles.append(handle)
+
+    def _on_recompute(self, name: str, output: Any) -> None:
+        """A forward run again by activation checkpointing: record nothing twice.
+
+        Non-reentrant checkpointing keeps the original graph, whose hooks already fire. The
+        reentrant kind ran the original forward under no_grad, so gradients reach only the
+        recomputed outputs: hook those, under the original call's index.
+        """
+        call = self._recompute_calls.get(name, 0)
+        self._recompute_calls[name] = call + 1
+        if (name, call) in self._grad_hooked:
+            return
+        for slot, tensor in flatten(output):
+            if tensor.requires_grad:
+                self._grad_hooked.add((name, call))
+                handle = tensor.register_hook(self._grad_hook(name, call, "grad_output", slot))
+                self._tensor_handles.append(handle)
+
+    def _on_grad(self, module: str, call: int, kind: str, slot: str, grad: torch.Tensor) -> None:
+        if not self._backward_active:
+            self._backward_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        full = self._full_step and self._wants_full(module)
+        self._observe(module, call, kind, slot, grad, phase="train", full=full, units=False)
+
+    def _backward_done(self) -> None:
+        """Queued on the autograd engine: runs once when a backward pass completes."""
+        self._backward_active = False
+        self.micro_step += 1
+        self._calls.clear()
+        self._grad_hooked.clear()
+        self._recompute_calls.clear()
+
+    def watch(self, tensor: torch.Tensor, name: str) -> None:
+        if not self._recording or _in_backward():
+            return
+        try:
+            phase = self._phase if self._root_depth else ("train" if torch.is_grad_enabled() else "eval")
+            key = (phase, name)
+            call = self._calls.get(key, 0)
+            self._calls[key] = call + 1
+            full = self._full_step and self._wants_full(name)
+            self._observe(name, call, "tensor", "0", tensor, phase=phase, full=full, units=True)
+            if phase == "train" and tensor.requires_grad:
+                handle = tensor.register_hook(self._grad_hook(name, call, "grad_tensor", "0"))
+                self._tensor_handles.append(handle)
+        except Exception as exc:
+            self._fault(exc, f"the watched tensor {name!r}")
+
+    def _observe(
+        self,
+        module: str,
+        call: int,
+        kind: str,
+        slot: str,
+        tensor: torch.Tensor,
+        *,
+        phase: str,
+        full: bool,
+        units: bool,
+    ) -> None:
+        """The hot path: queue this tensor's statistics and note where they belong."""
+        pending = self._pending
+        row = len(pending.meta)
+        cached = self._lookup(tensor)
+        if cached is None:
+            stats = summarize(tensor)
+            counts = None
+            if units and tensor.is_floating_point():
+                dim = unit_dim(tensor, channels_first=tensor.shape in self._channel_shapes)
+                if dim is not None and 0 < tensor.shape[dim] <= self.max_units:
+                    counts = activity(tensor, dim)
+            self._recent.append((tensor, tensor._version, stats, counts))
+        else:
+            stats, counts = cached
+        n_units = unit_size = 0
+        if counts is not None and units:
+            n_units = counts.numel()
+            unit_size = tensor.numel() // max(n_units, 1)
+            pending.activity.append((row, counts))
+        pending.meta.append(
+            Meta(self.micro_step, phase, self._seq, module, call, kind, slot, tensor.dtype,
+                 tuple(tensor.shape), n_units, unit_size)
+        )  # fmt: skip
+        pending.stats.append(stats)
+        self._seq += 1
+        if full:
+            self._snapshot(row, tensor)
+
+    def _lookup(self, tensor: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """Statistics already queued for this very tensor (a container's output is its last
+        child's output; one gradient reaches both): summarise each tensor once."""
+        for seen, version, stats, counts in self._recent:
+            if seen is tensor and seen._version == version:
+                return stats, counts
+        return None
+
+    def _snapshot(self, row: int, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.max_tensor_bytes:
+            self._pending.dropped += 1
+            return
+        source = tensor.detach()
+        if source.layout != torch.strided:
+            source = source.to_dense()
+        event = None
+        if source.device.type == "cuda":
+            copy = source.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        elif source.device.type == "cpu":
+            copy = source.clone(memory_format=torch.contiguous_format)
+        else:
+            copy = source.to("cpu")
+        self._pending.tensors.append((row, copy, event))
+        self._pending.nbytes += nbytes
+
+    def _wants_full(self, name: str) -> bool:
+        if name in self._modules:
+            return name in self._full_modules
+        return bool(self._full_match(name))
+
+    def _record_params(self, kind: str) -> None:
+        """Parameters as the step's first forward uses them; gradients as accumulated at its
+        end (labelled with the step's last micro-step)."""
+        full_step = self._full_step
+        saved_micro_step = self.micro_step
+        if kind == "grad_param":
+            self.micro_step = max(self.micro_step - 1, 0)
+        try:
+            self._record_param_values(kind, full_step)
+        finally:
+            self.micro_step = saved_micro_step
+
+    def _record_param_values(self, kind: str, full_step: bool) -> None:
+        for module, slot, param in self._param_entries:
+            value = param if kind == "param" else param.grad
+            full = full_step and module in self._full_modules
+            if value is None:
+                self._pending.meta.append(
+                    Meta(self.micro_step, "train", self._seq, module, 0, kind, slot, None, (), 0, 0)
+                )
+                self._pending.stats.append(None)
+                self._seq += 1
+            else:
+                self._observe(module, 0, kind, slot, value, phase="train", full=full, units=False)
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        owned = self._optimizer_owned.get(id(optimizer))
+        if owned is None:
+            owned = any(
+                id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]
+            )
+            self._optimizer_owned[id(optimizer)] = owned
+        if owned:
+            self._end_step()
+
+    def _end_step(self, *, skipped: bool = False) -> None:
+        if self._closed:
+            raise RecordingError("step() after close(): the recording has ended")
+        if self._recording:
+            try:
+                if self.params:
+                    self._record_params("grad_param")
+                self._pending.skipped = skipped
+                self._submit()
+            except Exception as exc:
+                self._fault(exc, f"the end of step {self.current_step}")
+        if self._writer.error is not None and self._active:
+            self._fault(self._writer.error, "the trace writer")
+        self.current_step += 1
+        self.micro_step = 0
+        self._reset_step_state()
+
+    def _submit(self) -> None:
+        pending = self._pending
+        pending.micro_steps = self.micro_step
+        pending.end_time = time.time()
+        pending.nbytes += 96 * len(pending.meta)
+        self._pending = PendingStep(self.current_step, time.time())
+        self._recent.clear()
+        self._writer.submit(pending)
+        # grad hooks of this step's graph are no longer needed once its backward ran
+        self._tensor_handles = [h for h in self._tensor_handles if _alive(h)]
+
+    def _reset_step_state(self) -> None:
+        self._recording = self._active and self.current_step in self._steps
+        self._full_step = self._recording and self._full_steps is not None and self.current_step in self._full_steps
+        self._pending = PendingStep(self.current_step, time.time())
+        self._calls: dict[tuple[str, str], int] = {}
+        self._recompute_calls: dict[str, int] = {}
+        self._grad_hooked: set[tuple[str, int]] = set()
+        self._channel_shapes: set[torch.Size] = set()
+        self._recent: deque[tuple[torch.Tensor, int, Any, Any]] = deque(maxlen=4)
+        self._params_recorded = False
+        self._seq = 0
+
+    # -- faults ------------------------------------------------------------------------------
+
+    def _fault(self, exc: BaseException, where: str) -> None:
+        message = f"hooktrace failed in {where} at step {self.current_step}: {type(exc).__name__}: {exc}"
+        if self.strict:
+            raise RecordingError(message) from exc
+        if self._active:
+            warnings.warn(
+                f"{message}. Recording stopped; training goes on and the trace keeps every step "
+                f"written before (in {self.out}).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.error = self.error or message
+        self._active = False
+        self._recording = False
+        self._pending = PendingStep(self.current_step, time.time())
+
+    # -- set-up helpers ----------------------------------------------------------------------
+
+    def _prepare_out(self, overwrite: bool) -> None:
+        if self.out.exists() and not self.out.is_dir():
+            raise ConfigError(f"{self.out} is a file: give a directory for the trace")
+        if (self.out / schema.MANIFEST).exists() and self.rank == 0 and not overwrite:
+            raise ConfigError(
+                f"{self.out} already holds a trace: choose another output directory, delete it, "
+                "or pass overwrite=True"
+            )
+        if overwrite and self.rank == 0:
+            _clear_trace(self.out)
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"cannot create {self.out}: {exc.strerror}; choose a writable directory") from exc
+
+    def _module_rows(self) -> list[dict[str, Any]]:
+        rows = []
+        root_of = {}
+        for root_name, root in self.roots.items():
+            for _, module in root.named_modules():
+                root_of.setdefault(id(module), root_name)
+        for name, module in self._modules.items():
+            parent = name.rpartition(".")[0] if "." in name else ""
+            rows.append(
+                {
+                    "module": name,
+                    "type": f"{type(module).__module__}.{type(module).__qualname__}",
+                    "root": root_of.get(id(module), ""),
+                    "parent": parent if parent in self._modules or parent in self.roots else "",
+                    "depth": name.count(".") + (0 if name in self.roots else 1),
+                    "parameters": sum(p.numel() for p in module.parameters()),
+                    "first_step": self.current_step,
+                }
+            )
+        return rows
+
+
+def _name_roots(models: Models) -> dict[str, nn.Module]:
+    """Root names: a lone model is named by its class; several are named by key or class."""
+    if isinstance(models, nn.Module):
+        return {type(models).__name__: models}
+    if isinstance(models, Mapping):
+        roots = dict(models)
+    else:
+        roots = {}
+        for model in models:
+            base = type(model).__name__
+            name, n = base, 1
+            while name in roots:
+                name, n = f"{base}#{n}", n + 1
+            roots[name] = model
+    if not roots or not all(isinstance(m, nn.Module) for m in roots.values()):
+        raise ConfigError("record() takes an nn.Module, a dict of them by name, or a list of them")
+    return roots
+
+
+def _named_modules(roots: dict[str, nn.Module]) -> Iterable[tuple[str, nn.Module]]:
+    """Every module once. A lone model's modules keep their own names; several are prefixed."""
+    lone = len(roots) == 1
+    seen: set[int] = set()
+    for root_name, root in roots.items():
+        for qualname, module in root.named_modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            if not qualname:
+                yield root_name, module
+            else:
+                yield (qualname if lone else f"{root_name}.{qualname}"), module
+
+
+def _named_parameters(roots: dict[str, nn.Module]) -> Iterable[tuple[str, str, nn.Parameter]]:
+    lone = len(roots) == 1
+    seen: set[int] = set()
+    for root_name, root in roots.items():
+        for qualname, param in root.named_parameters():
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            owner, _, slot = qualname.rpartition(".")
+            if not owner:
+                module = root_name
+            else:
+                module = owner if lone else f"{root_name}.{owner}"
+            yield module, slot, param
+
+
+def _alive(handle: RemovableHandle) -> bool:
+    return handle.hooks_dict_ref() is not None
+
+
+def _rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return int(os.environ.get("RANK", "0"))
+
+
+def _describe(spec: Any) -> Any:
+    if spec is None or isinstance(spec, (str, int, float, bool)):
+        return spec
+    if callable(spec):
+        return f"<function {getattr(spec, '__qualname__', repr(spec))}>"
+    try:
+        return [_describe(s) if not isinstance(s, range) else str(s) for s in spec]
+    except TypeError:
+        return repr(spec)
+
+
+def _clear_trace(out: Path) -> None:
+    import shutil
+
+    for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, schema.TENSORS_DIR, schema.STATUS_DIR):
+        shutil.rmtree(out / name, ignore_errors=True)
+    (out / schema.MANIFEST).unlink(missing_ok=True)
+
+
+def _version() -> str:
+    from hooktrace import __version__
+
+    return __version__

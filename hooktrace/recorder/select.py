@@ -1,0 +1,104 @@
+"""Which modules and which steps to record: one filter type, normalised in one place."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Union
+
+from hooktrace.errors import ConfigError
+
+ModuleFilter = Union[str, Iterable[str], Callable[[str], bool], None]
+"""A regex (searched in the name), a list of exact names, or a predicate on the name."""
+
+StepSpec = Union[str, Iterable[Union[int, range, tuple[int, int]]], None]
+"""``"0-10,20,100-"``, or ints, ranges and inclusive ``(first, last)`` pairs."""
+
+
+def module_matcher(spec: ModuleFilter, *, default: bool) -> Callable[[str], bool]:
+    """Turn any filter form into a predicate on the module name."""
+    if spec is None:
+        return lambda name: default
+    if isinstance(spec, str):
+        pattern = _compile(spec)
+        return lambda name: pattern.search(name) is not None
+    if callable(spec):
+        return spec
+    names = list(spec)
+    if all(isinstance(n, str) for n in names):
+        patterns = [_compile(n) for n in names if _is_regex(n)]
+        exact = {n for n in names if not _is_regex(n)}
+        return lambda name: name in exact or any(p.search(name) for p in patterns)
+    raise ConfigError("a module filter is a regex, a list of names or regexes, or a function of the name")
+
+
+def _is_regex(text: str) -> bool:
+    return any(c in text for c in "^$*+?[](){}|\\")
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise ConfigError(f"bad module pattern {pattern!r}: {exc}; write a Python regex such as 'blocks\\.0'") from exc
+
+
+class StepSelection:
+    """A set of step numbers, possibly open-ended, with an ``every`` stride on top."""
+
+    def __init__(self, spec: StepSpec = None, *, every: int = 1) -> None:
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ConfigError(f"every must be a whole number of steps, 1 or more (got {every!r})")
+        self.every = every
+        self.ranges: list[tuple[int, float]] | None = None if spec is None else parse_steps(spec)
+
+    def __contains__(self, step: int) -> bool:
+        if step % self.every:
+            return False
+        if self.ranges is None:
+            return True
+        return any(lo <= step <= hi for lo, hi in self.ranges)
+
+    def __repr__(self) -> str:
+        return f"StepSelection({self.ranges!r}, every={self.every})"
+
+
+def parse_steps(spec: StepSpec) -> list[tuple[int, float]]:
+    """Inclusive (first, last) ranges; ``last`` is infinity for open ranges like ``"100-"``."""
+    if spec is None:
+        return [(0, float("inf"))]
+    if isinstance(spec, str):
+        return [_parse_range(part.strip()) for part in spec.split(",") if part.strip()]
+    ranges: list[tuple[int, float]] = []
+    for item in spec:
+        if isinstance(item, bool):
+            raise ConfigError(f"bad step {item!r}: give step numbers such as 5 or '0-10'")
+        if isinstance(item, int):
+            ranges.append((item, item))
+        elif isinstance(item, range):
+            if item.step != 1:
+                ranges.extend((s, s) for s in item)
+            elif len(item):
+                ranges.append((item.start, item.stop - 1))
+        elif isinstance(item, tuple) and len(item) == 2 and all(isinstance(v, int) for v in item):
+            ranges.append((item[0], item[1]))
+        elif isinstance(item, str):
+            ranges.append(_parse_range(item))
+        else:
+            raise ConfigError(f"bad step {item!r}: give ints, ranges, (first, last) pairs or '0-10,20'")
+    for lo, hi in ranges:
+        if lo < 0 or hi < lo:
+            raise ConfigError(f"bad step range {lo}-{hi}: steps count from 0 and a range goes upwards")
+    return ranges
+
+
+def _parse_range(text: str) -> tuple[int, float]:
+    first, dash, last = text.partition("-")
+    try:
+        lo = int(first)
+        hi: float = (float("inf") if not last.strip() else int(last)) if dash else lo
+    except ValueError:
+        raise ConfigError(f"bad step range {text!r}: write steps as '5', '0-10' or '100-'") from None
+    if lo < 0 or hi < lo:
+        raise ConfigError(f"bad step range {text!r}: steps count from 0 and a range goes upwards")
+    return lo, hi

@@ -1,0 +1,361 @@
+"""The background, crash-safe trace writer.
+
+The recorder hands over one :class:`PendingStep` per recorded step and goes back to training.
+A single writer thread turns it into numpy (``materialize``, where device-to-host copies are
+waited for), buffers a few steps, and flushes them as one unit: first the HDF5 segment (closed,
+then renamed), then the records, steps and modules Parquet parts (each written under a
+temporary name, then renamed). A crash at any moment leaves only whole files behind.
+
+Memory is bounded: ``submit`` blocks while more than ``max_buffer_bytes`` wait to be written
+(backpressure), so nothing is dropped silently. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import h5py
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hooktrace.trace import schema
+
+_CLOSE = object()
+
+
+@dataclass
+class StepData:
+    """One recorded step as numpy, ready to write.
+
+    ``columns`` holds the record columns the recorder knows (see ``RECORD_COLUMNS_IN``); the
+    writer adds where activity and tensors land. ``activity`` and ``tensors`` pair a row
+    index with its per-unit counts or its full tensor (with the tensor's own dtype name, which
+    for bfloat16 travels as uint16 bits).
+    """
+
+    step: int
+    micro_steps: int
+    skipped: bool
+    start_time: float
+    end_time: float
+    columns: dict[str, Any]
+    activity: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    tensors: list[tuple[int, np.ndarray, str]] = field(default_factory=list)
+    dropped: int = 0
+
+    @property
+    def rows(self) -> int:
+        return len(self.columns["step"])
+
+
+RECORD_COLUMNS_IN = (
+    "step", "micro_step", "phase", "seq", "module", "call", "kind", "slot", "dtype", "shape",
+    "numel", "mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count",
+    "units", "unit_size",
+)  # fmt: skip
+
+
+class PendingStep(Protocol):
+    """What the recorder submits: cheap to create, converted in the writer thread."""
+
+    nbytes: int
+
+    def materialize(self) -> StepData: ...
+
+
+def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
+    tmp = path.with_name(schema.temporary_name(path.name))
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
+    os.replace(tmp, path)
+
+
+class TraceWriter:
+    """Writes one rank's shard of a run directory from a background thread."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        manifest: Mapping[str, Any] | None = None,
+        compression: str | None = None,
+        max_buffer_bytes: int = 256 << 20,
+        flush_seconds: float = 1.0,
+        flush_rows: int = 200_000,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.compression = compression
+        self.max_buffer_bytes = max_buffer_bytes
+        self.flush_seconds = flush_seconds
+        self.flush_rows = flush_rows
+
+        self.error: BaseException | None = None
+        self.steps_written = 0
+        self.records_written = 0
+        self.tensors_written = 0
+        self.bytes_written = 0
+        self.steps_lost = 0
+        self.blocked_seconds = 0.0
+
+        self._dirs = {
+            name: self.run_dir / schema.rank_dir(name, rank)
+            for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, schema.TENSORS_DIR)
+        }
+        for d in self._dirs.values():
+            d.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / schema.STATUS_DIR).mkdir(parents=True, exist_ok=True)
+        self._status_path = self.run_dir / schema.STATUS_DIR / f"rank={rank}.json"
+        self._started = time.time()
+        if manifest is not None:
+            write_json_atomic(self.run_dir / schema.MANIFEST, manifest)
+        self._write_status(schema.STATUS_RECORDING)
+
+        self._part = 0
+        self._queue: queue.Queue[object] = queue.Queue()
+        self._pending_bytes = 0
+        self._space = threading.Condition()
+        self._buffer: list[StepData] = []
+        self._buffered_bytes = 0  # bytes of the steps in _buffer, released when flushed
+        self._new_modules: list[dict[str, Any]] = []
+        self._modules_lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="hooktrace-writer", daemon=True)
+        self._thread.start()
+
+    # -- called from the training thread ---------------------------------------------------
+
+    def submit(self, pending: PendingStep) -> None:
+        """Queue a step; blocks while the writer is ``max_buffer_bytes`` behind."""
+        if self._closed:
+            raise RuntimeError("submit() after close()")
+        with self._space:
+            if self._pending_bytes > 0 and self._pending_bytes + pending.nbytes > self.max_buffer_bytes:
+                t0 = time.perf_counter()
+                while (
+                    self._pending_bytes > 0
+                    and self._pending_bytes + pending.nbytes > self.max_buffer_bytes
+                    and self._thread.is_alive()
+                ):
+                    self._space.wait(timeout=0.5)
+                self.blocked_seconds += time.perf_counter() - t0
+            self._pending_bytes += pending.nbytes
+        self._queue.put(pending)
+
+    def add_modules(self, rows: list[dict[str, Any]]) -> None:
+        """Module table rows; written with the next flush."""
+        with self._modules_lock:
+            self._new_modules.extend(rows)
+
+    def close(self, status: str, *, error: str | None = None, extra: Mapping[str, Any] | None = None) -> None:
+        """Flush everything, stop the thread and write the final status. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_CLOSE)
+        self._thread.join()
+        if self.error is not None and status == schema.STATUS_COMPLETE:
+            status = schema.STATUS_INCOMPLETE
+        if self.error is not None:
+            error = error or f"trace writer failed: {self.error!r}"
+        self._write_status(status, error=error, extra=extra, final=True)
+
+    # -- the writer thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_flush = time.monotonic()
+        while True:
+            timeout = max(0.05, self.flush_seconds - (time.monotonic() - last_flush))
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            if item is _CLOSE:
+                self._flush_safely()
+                return
+            if item is not None:
+                pending: PendingStep = item  # type: ignore[assignment]
+                if self.error is None:
+                    try:
+                        self._buffer.append(pending.materialize())
+                    except BaseException as exc:  # a fault here must not reach training
+                        self._fail(exc)
+                else:
+                    self.steps_lost += 1
+                if self.error is None:
+                    self._buffered_bytes += pending.nbytes
+                else:
+                    self._release(pending.nbytes)
+            if not self._buffer:
+                continue
+            rows = sum(d.rows for d in self._buffer)
+            if rows >= self.flush_rows or time.monotonic() - last_flush >= self.flush_seconds:
+                self._flush_safely()
+                last_flush = time.monotonic()
+
+    def _release(self, nbytes: int) -> None:
+        with self._space:
+            self._pending_bytes -= nbytes
+            self._space.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        self.steps_lost += len(self._buffer)
+        self._buffer.clear()
+
+    def _flush_safely(self) -> None:
+        nbytes, self._buffered_bytes = self._buffered_bytes, 0
+        steps = len(self._buffer)
+        try:
+            if self.error is None:
+                self._flush()
+            else:
+                self._buffer.clear()
+        except BaseException as exc:
+            self.steps_lost += steps
+            self._fail(exc)
+        finally:
+            self._release(nbytes)
+
+    def _flush(self) -> None:
+        with self._modules_lock:
+            modules, self._new_modules = self._new_modules, []
+        if not self._buffer and not modules:
+            return
+        steps, self._buffer = self._buffer, []
+        index = self._part
+        self._part += 1
+        if steps:
+            columns = _concat_columns(steps)
+            segment = self._write_segment(index, steps, columns)
+            ordered = {name: columns[name] for name in schema.RECORD_SCHEMA.names}
+            records = pa.Table.from_pydict(ordered).cast(schema.RECORD_SCHEMA)
+            self._write_parquet(records, self._dirs[schema.RECORDS_DIR], index)
+            self._write_parquet(_steps_table(steps), self._dirs[schema.STEPS_DIR], index)
+            self.steps_written += len(steps)
+            self.records_written += records.num_rows
+            self.bytes_written += segment
+        if modules:
+            table = pa.Table.from_pylist(modules, schema=schema.MODULE_SCHEMA)
+            self._write_parquet(table, self._dirs[schema.MODULES_DIR], index)
+
+    def _write_segment(self, index: int, steps: list[StepData], columns: dict[str, Any]) -> int:
+        """Write activity and full tensors; fill the location columns. Returns bytes written."""
+        n = len(columns["step"])
+        offsets = np.full(n, -1, dtype=np.int64)
+        keys = [""] * n
+        activity: list[np.ndarray] = []
+        tensors: list[tuple[int, np.ndarray, str]] = []
+        base = 0
+        position = 0
+        for data in steps:
+            for row, counts in data.activity:
+                offsets[base + row] = position
+                activity.append(counts)
+                position += len(counts)
+            tensors.extend((base + row, array, dtype) for row, array, dtype in data.tensors)
+            base += data.rows
+        columns["activity_offset"] = offsets
+        columns["tensor_key"] = keys
+        if not activity and not tensors:
+            columns["segment"] = [None] * n
+            return 0
+
+        name = schema.segment_name(index)
+        final = self._dirs[schema.TENSORS_DIR] / name
+        tmp = final.with_name(schema.temporary_name(name))
+        written = 0
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = schema.FORMAT_NAME
+            f.attrs["format_version"] = schema.FORMAT_VERSION
+            if activity:
+                merged = np.concatenate(activity).astype(np.int64, copy=False)
+                f.create_dataset("activity", data=merged, compression="gzip", compression_opts=1)
+                written += merged.nbytes
+            group = f.create_group("t") if tensors else None
+            for row, array, dtype in tensors:
+                key = f"t/{row}"
+                assert group is not None
+                ds = group.create_dataset(
+                    str(row),
+                    data=array,
+                    compression=self.compression if array.size > 1 else None,
+                )
+                ds.attrs["dtype"] = dtype
+                keys[row] = key
+                written += array.nbytes
+                self.tensors_written += 1
+        os.replace(tmp, final)
+        relative = f"{schema.rank_dir(schema.TENSORS_DIR, self.rank)}/{name}"
+        columns["segment"] = [relative] * n
+        return written
+
+    def _write_parquet(self, table: pa.Table, directory: Path, index: int) -> None:
+        name = schema.part_name(index)
+        tmp = directory / schema.temporary_name(name)
+        pq.write_table(table, tmp, compression="zstd")
+        os.replace(tmp, directory / name)
+
+    def _write_status(
+        self,
+        status: str,
+        *,
+        error: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+        final: bool = False,
+    ) -> None:
+        payload: dict[str, Any] = {
+            "rank": self.rank,
+            "status": status,
+            "start_time": self._started,
+            "end_time": time.time() if final else None,
+            "error": error,
+            "steps_written": self.steps_written,
+            "records_written": self.records_written,
+            "tensors_written": self.tensors_written,
+            "steps_lost": self.steps_lost,
+            "writer_blocked_seconds": round(self.blocked_seconds, 6),
+        }
+        if extra:
+            payload.update(extra)
+        write_json_atomic(self._status_path, payload)
+
+
+def _concat_columns(steps: list[StepData]) -> dict[str, Any]:
+    columns: dict[str, Any] = {}
+    for name in RECORD_COLUMNS_IN:
+        parts = [d.columns[name] for d in steps]
+        if isinstance(parts[0], np.ndarray):
+            columns[name] = np.concatenate(parts)
+        else:
+            columns[name] = [v for p in parts for v in p]
+    return columns
+
+
+def _steps_table(steps: list[StepData]) -> pa.Table:
+    return pa.Table.from_pylist(
+        [
+            {
+                "step": d.step,
+                "micro_steps": d.micro_steps,
+                "skipped": d.skipped,
+                "records": d.rows,
+                "full_tensors": len(d.tensors),
+                "dropped": d.dropped,
+                "start_time": d.start_time,
+                "end_time": d.end_time,
+            }
+            for d in steps
+        ],
+        schema=schema.STEP_SCHEMA,
+    )
