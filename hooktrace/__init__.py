@@ -18,14 +18,42 @@ from hooktrace.errors import (
     TraceError,
     TraceNotFound,
 )
-from hooktrace.trace.reader import Trace, load
 
 if TYPE_CHECKING:
     import os
 
     import torch
 
+    from hooktrace.analyze.anomalies import anomalies
+    from hooktrace.analyze.dead_units import dead_relus
+    from hooktrace.analyze.diff import diff
+    from hooktrace.analyze.summary import summary
     from hooktrace.recorder.recorder import Models, Recorder
+    from hooktrace.trace.check import check
+    from hooktrace.trace.reader import Trace, load
+
+# Imported on first use: `hooktrace --help` must not pay for pandas, and nothing on the
+# analyzer side may pull in torch.
+_LAZY = {
+    "load": "hooktrace.trace.reader",
+    "Trace": "hooktrace.trace.reader",
+    "check": "hooktrace.trace.check",
+    "summary": "hooktrace.analyze.summary",
+    "diff": "hooktrace.analyze.diff",
+    "dead_relus": "hooktrace.analyze.dead_units",
+    "anomalies": "hooktrace.analyze.anomalies",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hooktrace' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __version__ = "0.1.0"
 
@@ -39,7 +67,12 @@ __all__ = [
     "TraceError",
     "TraceNotFound",
     "__version__",
+    "anomalies",
+    "check",
+    "dead_relus",
+    "diff",
     "load",
+    "summary",
     "record",
     "watch",
 ]

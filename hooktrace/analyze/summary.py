@@ -1,0 +1,91 @@
+"""What a trace holds, at a glance: :func:`summary`. Never imports torch."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from hooktrace.trace.reader import Trace, load
+
+
+@dataclass
+class Summary:
+    path: Path
+    status: str
+    format_version: str
+    versions: dict[str, str]
+    command: list[str]
+    duration_s: float | None
+    ranks: list[int]
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    micro_steps: int
+    skipped_steps: int
+    modules: int
+    roots: list[str]
+    records: int
+    kinds: dict[str, int]
+    phases: dict[str, int]
+    full_tensors: int
+    bytes_on_disk: dict[str, int]
+    error: str | None
+    largest: pd.DataFrame = field(repr=False)
+    """The modules with the most records, for a first look."""
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in self.__dict__.items() if k != "largest"}
+        out["path"] = str(self.path)
+        return out
+
+
+def summary(run: str | os.PathLike[str] | Trace) -> Summary:
+    """Summarise a run: steps, modules, kinds, sizes and status. Reads only four columns."""
+    trace = run if isinstance(run, Trace) else load(run)
+    rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key"])
+    steps_table = trace.steps
+    manifest = trace.manifest
+    start, end = manifest.get("start_time"), manifest.get("end_time")
+    errors = [s.get("error") for s in manifest["ranks"].values() if s.get("error")]
+    per_module = (
+        rows.groupby(rows["module"].astype(str)).size().sort_values(ascending=False).rename("records")
+    )
+    return Summary(
+        path=trace.path,
+        status=trace.status,
+        format_version=trace.format_version,
+        versions={
+            key.removesuffix("_version"): str(manifest.get(key, "?"))
+            for key in ("hooktrace_version", "torch_version", "python_version")
+        },
+        command=list(manifest.get("command") or []),
+        duration_s=(end - start) if start and end else None,
+        ranks=trace.ranks,
+        steps=int(rows["step"].nunique()),
+        first_step=int(rows["step"].min()) if len(rows) else None,
+        last_step=int(rows["step"].max()) if len(rows) else None,
+        micro_steps=int(steps_table["micro_steps"].sum()) if not steps_table.empty else 0,
+        skipped_steps=int(steps_table["skipped"].sum()) if not steps_table.empty else 0,
+        modules=int(trace.modules["module"].nunique()) if not trace.modules.empty else rows["module"].nunique(),
+        roots=list(manifest.get("roots") or []),
+        records=len(rows),
+        kinds=_counts(rows["kind"]),
+        phases=_counts(rows["phase"]),
+        full_tensors=int((rows["tensor_key"] != "").sum()),
+        bytes_on_disk={name: _size(trace.path / name) for name in ("records", "steps", "modules", "tensors")},
+        error=errors[0] if errors else None,
+        largest=per_module.head(10).reset_index().rename(columns={"index": "module"}),
+    )
+
+
+def _counts(column: pd.Series) -> dict[str, int]:
+    counts = column.astype(str).value_counts()
+    return {str(k): int(v) for k, v in counts.items()}
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0

@@ -1,0 +1,68 @@
+"""The ``hooktrace`` command: a thin Click layer over the library.
+
+Each command lives in its own module and is imported only when it runs, so ``hooktrace
+--help`` starts fast and never imports torch. A command parses its options, calls one public
+library function of the same name, and formats the result.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+import click
+
+from hooktrace import __version__
+from hooktrace.cli.common import fail
+
+# command name -> "module:attribute" (modules under hooktrace.cli)
+COMMANDS = {
+    "summary": "hooktrace.cli.summary:summary",
+    "check": "hooktrace.cli.check:check",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, _, attribute = target.partition(":")
+        command = getattr(importlib.import_module(module_name), attribute)
+        assert isinstance(command, click.Command)
+        return command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hooktrace")
+def cli() -> None:
+    """Record what happens inside a PyTorch training run, and analyze it offline.
+
+    \b
+    Example:
+      hooktrace record train.py -- --epochs 1
+      hooktrace summary runs/train-20261120-101500
+    """
+
+
+def main(argv: list[str] | None = None) -> Any:
+    """Entry point: library errors are one line and exit 2; so is anything unexpected."""
+    try:
+        return cli.main(args=argv, prog_name="hooktrace", standalone_mode=True)
+    except (Exception, SystemExit) as exc:
+        if isinstance(exc, SystemExit):
+            raise
+        if os.environ.get("HOOKTRACE_DEBUG"):
+            raise
+        fail(f"internal error: {type(exc).__name__}: {exc} (set HOOKTRACE_DEBUG=1 to see where)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""What every command shares: loading a run, errors as exit code 2, output formats."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import click
+
+from hooktrace.errors import HooktraceError
+
+if TYPE_CHECKING:
+    import pandas as pd  # imported by the commands that print tables, not by --help
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_ERROR = 2
+
+
+class CommandError(click.ClickException):
+    """A one-line error with exit code 2 (1 means 'found something', as with diff and cmp)."""
+
+    exit_code = EXIT_ERROR
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"hooktrace: error: {self.format_message()}", err=True)
+
+
+def fail(message: str) -> NoReturn:
+    click.echo(f"hooktrace: error: {message}", err=True)
+    sys.exit(EXIT_ERROR)
+
+
+def library_errors(func: F) -> F:
+    """Turn the library's own exceptions into one-line errors with exit code 2."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except HooktraceError as exc:
+            raise CommandError(_one_line(str(exc))) from exc
+        except OSError as exc:
+            raise CommandError(_one_line(f"{exc.strerror or exc}: {exc.filename or ''}".strip(": "))) from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def run_argument(name: str = "run") -> Callable[[F], F]:
+    """A run directory argument (existence is checked by the library, with a better message)."""
+    return click.argument(name, type=click.Path(path_type=Path))
+
+
+FORMATS = ("table", "csv", "json", "parquet")
+
+
+def output_options(func: F) -> F:
+    """``--format`` and ``--output``, shared by every command that prints a table."""
+    func = click.option(
+        "--output",
+        "-o",
+        type=click.Path(dir_okay=False, path_type=Path),
+        help="Write to this file instead of standard output (required for parquet).",
+    )(func)
+    func = click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(FORMATS),
+        default="table",
+        show_default=True,
+        help="Output format.",
+    )(func)
+    return func
+
+
+def emit_frame(frame: pd.DataFrame, fmt: str, output: Path | None, *, table_text: str | None = None) -> None:
+    """Write ``frame`` in the chosen format; ``table_text`` is the human rendering."""
+    if fmt == "parquet":
+        if output is None:
+            raise CommandError("--format parquet writes a binary file: give --output FILE.parquet")
+        frame.to_parquet(output, index=False)
+        return
+    if fmt == "csv":
+        text = frame.to_csv(index=False)
+    elif fmt == "json":
+        text = json.dumps(json.loads(frame.to_json(orient="records")), indent=2) + "\n"
+    else:
+        text = table_text if table_text is not None else frame.to_string(index=False) + "\n"
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        output.write_text(text)

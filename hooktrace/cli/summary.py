@@ -1,0 +1,70 @@
+"""``hooktrace summary RUN``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+import click
+
+from hooktrace.cli.common import library_errors, run_argument
+
+if TYPE_CHECKING:
+    from hooktrace.analyze.summary import Summary
+
+
+@click.command()
+@run_argument()
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@library_errors
+def summary(run: Path, as_json: bool) -> None:
+    """What RUN recorded: steps, modules, kinds, sizes and status.
+
+    \b
+    Example:
+      hooktrace summary runs/mlp
+    """
+    from hooktrace.analyze.summary import summary as summary_of
+
+    result = summary_of(run)
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2, default=str))
+    else:
+        click.echo(render(result), nl=False)
+
+
+def render(s: Summary) -> str:
+    span = f"{s.first_step}–{s.last_step}" if s.steps else "none"
+    duration = f", {s.duration_s:.1f} s" if s.duration_s is not None else ""
+    lines = [
+        f"run       {s.path}",
+        f"status    {s.status}{duration}" + (f"  ({s.error})" if s.error else ""),
+        f"format    {s.format_version}; hooktrace {s.versions['hooktrace']}, torch {s.versions['torch']}, "
+        f"python {s.versions['python']}",
+    ]
+    if s.command:
+        lines.append(f"command   {' '.join(s.command)}")
+    lines += [
+        f"ranks     {', '.join(map(str, s.ranks)) or 'none'}",
+        f"steps     {s.steps} recorded (steps {span}), {s.micro_steps} micro-steps, {s.skipped_steps} skipped",
+        f"modules   {s.modules} (roots: {', '.join(s.roots) or '-'})",
+        f"records   {s.records:,}: " + ", ".join(f"{k} {v:,}" for k, v in s.kinds.items()),
+        "phases    " + (", ".join(f"{k} {v:,}" for k, v in s.phases.items()) or "-"),
+        f"tensors   {s.full_tensors:,} full tensors saved",
+        "on disk   " + ", ".join(f"{k} {_human(v)}" for k, v in s.bytes_on_disk.items()),
+    ]
+    if not s.largest.empty:
+        lines.append("most records:")
+        lines += [f"  {row.module:<40} {row.records:>8,}" for row in s.largest.head(5).itertuples()]
+    return "\n".join(lines) + "\n"
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1000 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"
