@@ -1,0 +1,93 @@
+"""``hooktrace summary`` and ``hooktrace check`` through CliRunner, and the help texts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import hooktrace
+from hooktrace.cli import COMMANDS, cli
+
+
+@pytest.fixture
+def run(run_dir: Path) -> Path:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, run_dir):
+        for _ in range(3):
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return run_dir
+
+
+def test_summary(run: Path) -> None:
+    result = CliRunner().invoke(cli, ["summary", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "status    complete" in result.output
+    assert "3 recorded (steps 0–2), 3 micro-steps, 0 skipped" in result.output
+    assert "modules   4 (roots: Sequential)" in result.output
+    data = json.loads(CliRunner().invoke(cli, ["summary", "--json", str(run)]).output)
+    assert data["steps"] == 3 and data["kinds"]["grad_output"] == 12  # root + 3 children, 3 steps
+
+
+def test_check_whole_and_broken(run: Path) -> None:
+    result = CliRunner().invoke(cli, ["check", str(run)])
+    assert (result.exit_code, result.output.split(":")[1].split()[0]) == (0, "whole")
+
+    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:100])  # truncated
+    result = CliRunner().invoke(cli, ["check", str(run)])
+    assert result.exit_code == 1
+    assert "unreadable, left out: records/rank=0/part-000000.parquet" in result.output
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p / "missing", "no run at"),
+        (lambda p: p, "is not a hooktrace run"),
+        (lambda p: (p / "f").write_text("x") and p / "f", "is a file"),
+    ],
+)
+def test_bad_runs_get_one_line_and_exit_2(tmp_path: Path, make, message: str) -> None:  # type: ignore[no-untyped-def]
+    for command in ("summary", "check"):
+        result = CliRunner().invoke(cli, [command, str(make(tmp_path))])
+        assert result.exit_code == 2, result.output
+        assert message in result.output
+        assert len(result.output.strip().splitlines()) == 1
+        assert "Traceback" not in result.output
+
+
+def test_future_format_version_is_refused(run: Path) -> None:
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["format_version"] = "9.0"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(cli, ["summary", str(run)])
+    assert result.exit_code == 2 and "upgrade hooktrace" in result.output
+
+
+def test_every_command_has_help_with_an_example() -> None:
+    for name in COMMANDS:
+        result = CliRunner().invoke(cli, [name, "--help"])
+        assert result.exit_code == 0, name
+        assert "Example:" in result.output, name
+        assert f"hooktrace {name}" in result.output, name
+
+
+def test_every_command_is_in_the_readme() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for name in COMMANDS:
+        assert f"hooktrace {name}" in readme, name
+
+
+def test_python_m_hooktrace(run: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "hooktrace", "summary", str(run)], capture_output=True, text=True)
+    assert result.returncode == 0 and "status    complete" in result.stdout

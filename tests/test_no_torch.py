@@ -1,0 +1,55 @@
+"""The analyzer never imports torch: it works where importing torch fails."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import hooktrace
+
+BLOCK_TORCH = "import sys; sys.modules['torch'] = None\n"
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", BLOCK_TORCH + textwrap.dedent(code)], capture_output=True, text=True)
+
+
+def test_load_summary_and_check_work_without_torch(run_dir: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with hooktrace.record(model, run_dir, full_every=1) as rec:
+        model(torch.randn(2, 4)).sum().backward()
+        rec.step()
+
+    result = _run(
+        f"""
+        import hooktrace
+        trace = hooktrace.load({str(run_dir)!r})
+        print(len(trace.records), trace.tensor("0", "output", step=0).shape)
+        print(hooktrace.summary(trace).steps, hooktrace.check(trace).whole)
+        try:
+            import torch
+        except ImportError:
+            print("torch blocked")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == [f"{len(hooktrace.load(run_dir).records)} (2, 4)", "1 True", "torch blocked"]
+
+    for command in (["summary", str(run_dir)], ["check", str(run_dir)], ["--help"]):
+        result = _run(f"from hooktrace.cli import main; main({command!r})")
+        assert result.returncode == 0, (command, result.stderr)
+
+
+def test_help_does_not_import_pandas() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys; from hooktrace.cli import cli\n"
+         "try:\n    cli.main(['--help'])\nexcept SystemExit: pass\n"
+         "print('pandas' in sys.modules, 'torch' in sys.modules)"],
+        capture_output=True, text=True,
+    )
+    assert result.stdout.strip().endswith("False False"), result.stdout + result.stderr
