@@ -55,6 +55,7 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -72,8 +73,8 @@ __all__ = [
     "dead_relus",
     "diff",
     "load",
-    "summary",
     "record",
+    "summary",
     "watch",
 ]
 

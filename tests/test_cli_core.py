@@ -89,5 +89,7 @@ def test_every_command_is_in_the_readme() -> None:
 
 
 def test_python_m_hooktrace(run: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "hooktrace", "summary", str(run)], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "hooktrace", "summary", str(run)], capture_output=True, text=True
+    )
     assert result.returncode == 0 and "status    complete" in result.stdout

@@ -16,7 +16,9 @@ BLOCK_TORCH = "import sys; sys.modules['torch'] = None\n"
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", BLOCK_TORCH + textwrap.dedent(code)], capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH + textwrap.dedent(code)], capture_output=True, text=True
+    )
 
 
 def test_load_summary_and_check_work_without_torch(run_dir: Path) -> None:
@@ -38,7 +40,11 @@ def test_load_summary_and_check_work_without_torch(run_dir: Path) -> None:
         """
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:3] == [f"{len(hooktrace.load(run_dir).records)} (2, 4)", "1 True", "torch blocked"]
+    assert result.stdout.split("\n")[:3] == [
+        f"{len(hooktrace.load(run_dir).records)} (2, 4)",
+        "1 True",
+        "torch blocked",
+    ]
 
     for command in (["summary", str(run_dir)], ["check", str(run_dir)], ["--help"]):
         result = _run(f"from hooktrace.cli import main; main({command!r})")
@@ -47,9 +53,14 @@ def test_load_summary_and_check_work_without_torch(run_dir: Path) -> None:
 
 def test_help_does_not_import_pandas() -> None:
     result = subprocess.run(
-        [sys.executable, "-c", "import sys; from hooktrace.cli import cli\n"
-         "try:\n    cli.main(['--help'])\nexcept SystemExit: pass\n"
-         "print('pandas' in sys.modules, 'torch' in sys.modules)"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys; from hooktrace.cli import cli\n"
+            "try:\n    cli.main(['--help'])\nexcept SystemExit: pass\n"
+            "print('pandas' in sys.modules, 'torch' in sys.modules)",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert result.stdout.strip().endswith("False False"), result.stdout + result.stderr

@@ -22,7 +22,12 @@ KEY = ["rank", "step", "micro_step", "phase", "module", "call", "kind", "slot"]
 def _hooks_left(model: nn.Module) -> list[str]:
     left = []
     for name, m in model.named_modules():
-        for attr in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        for attr in (
+            "_forward_hooks",
+            "_forward_pre_hooks",
+            "_backward_hooks",
+            "_backward_pre_hooks",
+        ):
             if getattr(m, attr):
                 left.append(f"{name or '<root>'}.{attr}")
     if _global_optimizer_post_hooks:
@@ -32,7 +37,12 @@ def _hooks_left(model: nn.Module) -> list[str]:
 
 @pytest.mark.parametrize(
     ("name", "optimizer"),
-    [("ReferenceMLP", "sgd"), ("InplaceCNN", "sgd"), ("SmallCNN", "adam"), ("TinyTransformer", "adam")],
+    [
+        ("ReferenceMLP", "sgd"),
+        ("InplaceCNN", "sgd"),
+        ("SmallCNN", "adam"),
+        ("TinyTransformer", "adam"),
+    ],
 )
 def test_parameters_are_bit_identical_with_and_without_recording(
     run_dir: Path, name: str, optimizer: str
@@ -110,7 +120,16 @@ def test_nan_and_inf_are_counted(run_dir: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int8, torch.bool]
+    "dtype",
+    [
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int8,
+        torch.bool,
+    ],
 )
 def test_full_tensors_round_trip_exactly(run_dir: Path, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
@@ -171,7 +190,9 @@ def test_dict_and_dataclass_outputs_are_flattened_into_slots(tmp_path: Path) -> 
 def test_shared_module_and_rnn_cell_get_one_call_index_per_call(tmp_path: Path) -> None:
     records = _train("SharedTwice", tmp_path / "shared").records
     for kind in ("output", "grad_output"):
-        calls = records[(records["module"] == "shared") & (records["kind"] == kind) & (records["step"] == 0)]
+        calls = records[
+            (records["module"] == "shared") & (records["kind"] == kind) & (records["step"] == 0)
+        ]
         assert sorted(calls["call"]) == [0, 1], kind
     _unique(records)
 
@@ -263,7 +284,9 @@ def test_frozen_and_unused_parameters(run_dir: Path) -> None:
     none = grads[grads["dtype"] == "None"]
     assert set(none["module"]) == {"frozen", "unused"}
     assert not records[(records["module"] == "unused") & (records["kind"] == "output")].shape[0]
-    assert not records[(records["module"] == "frozen") & (records["kind"] == "grad_output")].shape[0]
+    assert not records[(records["module"] == "frozen") & (records["kind"] == "grad_output")].shape[
+        0
+    ]
 
 
 def test_sparse_gradients_are_summarised(run_dir: Path) -> None:
@@ -295,7 +318,10 @@ def test_a_fault_inside_hooktrace_warns_once_and_training_goes_on(run_dir: Path)
 
 def test_strict_makes_a_fault_fatal(run_dir: Path) -> None:
     model = make_model("SharedTwice")
-    with pytest.raises(RecordingError, match="hooktrace failed"), hooktrace.record(model, run_dir, strict=True) as rec:
+    with (
+        pytest.raises(RecordingError, match="hooktrace failed"),
+        hooktrace.record(model, run_dir, strict=True) as rec,
+    ):
         rec._observe = None  # type: ignore[assignment,method-assign]
         make_batch("SharedTwice").run(model)
     assert _hooks_left(model) == []
@@ -323,7 +349,10 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
 
 def test_only_one_recording_at_a_time(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
-    with hooktrace.record(model, tmp_path / "a"), pytest.raises(RecordingError, match="already active"):
+    with (
+        hooktrace.record(model, tmp_path / "a"),
+        pytest.raises(RecordingError, match="already active"),
+    ):
         hooktrace.record(model, tmp_path / "b")
 
 

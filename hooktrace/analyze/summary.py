@@ -52,7 +52,10 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
     start, end = manifest.get("start_time"), manifest.get("end_time")
     errors = [s.get("error") for s in manifest["ranks"].values() if s.get("error")]
     per_module = (
-        rows.groupby(rows["module"].astype(str)).size().sort_values(ascending=False).rename("records")
+        rows.groupby(rows["module"].astype(str))
+        .size()
+        .sort_values(ascending=False)
+        .rename("records")
     )
     return Summary(
         path=trace.path,
@@ -70,13 +73,17 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         last_step=int(rows["step"].max()) if len(rows) else None,
         micro_steps=int(steps_table["micro_steps"].sum()) if not steps_table.empty else 0,
         skipped_steps=int(steps_table["skipped"].sum()) if not steps_table.empty else 0,
-        modules=int(trace.modules["module"].nunique()) if not trace.modules.empty else rows["module"].nunique(),
+        modules=int(trace.modules["module"].nunique())
+        if not trace.modules.empty
+        else rows["module"].nunique(),
         roots=list(manifest.get("roots") or []),
         records=len(rows),
         kinds=_counts(rows["kind"]),
         phases=_counts(rows["phase"]),
         full_tensors=int((rows["tensor_key"] != "").sum()),
-        bytes_on_disk={name: _size(trace.path / name) for name in ("records", "steps", "modules", "tensors")},
+        bytes_on_disk={
+            name: _size(trace.path / name) for name in ("records", "steps", "modules", "tensors")
+        },
         error=errors[0] if errors else None,
         largest=per_module.head(10).reset_index().rename(columns={"index": "module"}),
     )

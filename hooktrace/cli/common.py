@@ -45,7 +45,9 @@ def library_errors(func: F) -> F:
         except HooktraceError as exc:
             raise CommandError(_one_line(str(exc))) from exc
         except OSError as exc:
-            raise CommandError(_one_line(f"{exc.strerror or exc}: {exc.filename or ''}".strip(": "))) from exc
+            raise CommandError(
+                _one_line(f"{exc.strerror or exc}: {exc.filename or ''}".strip(": "))
+            ) from exc
 
     return wrapper  # type: ignore[return-value]
 
@@ -81,7 +83,9 @@ def output_options(func: F) -> F:
     return func
 
 
-def emit_frame(frame: pd.DataFrame, fmt: str, output: Path | None, *, table_text: str | None = None) -> None:
+def emit_frame(
+    frame: pd.DataFrame, fmt: str, output: Path | None, *, table_text: str | None = None
+) -> None:
     """Write ``frame`` in the chosen format; ``table_text`` is the human rendering."""
     if fmt == "parquet":
         if output is None:

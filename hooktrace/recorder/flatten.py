@@ -21,7 +21,9 @@ def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     yield from _walk(value, prefix, 0)
 
 
-def flatten_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+def flatten_call(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Slots of a call's inputs: positional arguments by index, keyword arguments by name."""
     for i, arg in enumerate(args):
         yield from _walk(arg, str(i), 0)

@@ -55,7 +55,9 @@ class PendingStep:
         present = [i for i, s in enumerate(self.stats) if s is not None]
         for rows, values in _gather([self.stats[i] for i in present], present):  # type: ignore[misc]
             stats[rows] = values
-        numel = np.array([_numel(m.shape) if m.dtype is not None else 0 for m in self.meta], dtype=np.int64)
+        numel = np.array(
+            [_numel(m.shape) if m.dtype is not None else 0 for m in self.meta], dtype=np.int64
+        )
         with np.errstate(invalid="ignore", divide="ignore"):
             zero_fraction = np.where(numel > 0, stats[:, 5] / np.maximum(numel, 1), np.nan)
         columns = {
@@ -118,7 +120,9 @@ def _gather(tensors: list[torch.Tensor], rows: list[int]) -> list[tuple[list[int
     return out
 
 
-def _gather_ragged(tensors: list[torch.Tensor], rows: list[int]) -> list[tuple[list[int], list[np.ndarray]]]:
+def _gather_ragged(
+    tensors: list[torch.Tensor], rows: list[int]
+) -> list[tuple[list[int], list[np.ndarray]]]:
     """Like _gather for 1-D tensors of different lengths: one concatenation, one copy."""
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):

@@ -20,8 +20,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from hooktrace.errors import ConfigError, RecordingError
@@ -65,6 +65,19 @@ class Recorder:
     ``torch.optim`` optimizer holding a recorded parameter) and on :meth:`step`.
     """
 
+    out: Path
+    # per-step state, set by _reset_step_state()
+    _recording: bool
+    _full_step: bool
+    _pending: PendingStep
+    _calls: dict[tuple[str, str], int]
+    _recompute_calls: dict[str, int]
+    _grad_hooked: set[tuple[str, int]]
+    _channel_shapes: set[torch.Size]
+    _recent: deque[tuple[torch.Tensor, int, Any, Any]]
+    _params_recorded: bool
+    _seq: int
+
     def __init__(
         self,
         models: Models,
@@ -100,9 +113,7 @@ class Recorder:
         self.max_units = max_units
         self._steps = StepSelection(steps, every=every)
         full_wanted = full_every is not None or full_steps is not None or full_modules is not None
-        self._full_steps = (
-            StepSelection(full_steps, every=full_every or 1) if full_wanted else None
-        )
+        self._full_steps = StepSelection(full_steps, every=full_every or 1) if full_wanted else None
         if compression not in (None, "gzip", "lzf"):
             raise ConfigError(f"compression must be gzip, lzf or none (got {compression!r})")
         self.roots = _name_roots(models)
@@ -207,7 +218,10 @@ class Recorder:
         return self
 
     def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         if exc is None:
             self.close()
@@ -243,7 +257,9 @@ class Recorder:
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
 
     def _forward_hook(self, name: str, channels_first: bool) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        def hook(
+            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        ) -> None:
             if self._recording:
                 try:
                     self._on_forward(name, module, args, kwargs, output, channels_first)
@@ -260,7 +276,9 @@ class Recorder:
                     call = self._calls.get((phase, name), 0)  # the forward hook counts the call
                     full = self._full_step and name in self._full_modules
                     for slot, tensor in flatten_call(args, kwargs):
-                        self._observe(name, call, "input", slot, tensor, phase=phase, full=full, units=True)
+                        self._observe(
+                            name, call, "input", slot, tensor, phase=phase, full=full, units=True
+                        )
                 except Exception as exc:
                     self._fault(exc, f"the inputs of {name!r}")
 
@@ -272,7 +290,9 @@ class Recorder:
             return self._phase
         return "train" if torch.is_grad_enabled() and module.training else "eval"
 
-    def _grad_hook(self, module: str, call: int, kind: str, slot: str) -> Callable[[torch.Tensor], None]:
+    def _grad_hook(
+        self, module: str, call: int, kind: str, slot: str
+    ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self._recording:
                 try:
@@ -366,7 +386,11 @@ class Recorder:
         if not self._recording or _in_backward():
             return
         try:
-            phase = self._phase if self._root_depth else ("train" if torch.is_grad_enabled() else "eval")
+            phase = (
+                self._phase
+                if self._root_depth
+                else ("train" if torch.is_grad_enabled() else "eval")
+            )
             key = (phase, name)
             call = self._calls.get(key, 0)
             self._calls[key] = call + 1
@@ -418,7 +442,9 @@ class Recorder:
         if full:
             self._snapshot(row, tensor)
 
-    def _lookup(self, tensor: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    def _lookup(
+        self, tensor: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """Statistics already queued for this very tensor (a container's output is its last
         child's output; one gradient reaches both): summarise each tensor once."""
         for seen, version, stats, counts in self._recent:
@@ -482,7 +508,9 @@ class Recorder:
         owned = self._optimizer_owned.get(id(optimizer))
         if owned is None:
             owned = any(
-                id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]
+                id(p) in self._param_ids
+                for group in optimizer.param_groups
+                for p in group["params"]
             )
             self._optimizer_owned[id(optimizer)] = owned
         if owned:
@@ -518,20 +546,26 @@ class Recorder:
 
     def _reset_step_state(self) -> None:
         self._recording = self._active and self.current_step in self._steps
-        self._full_step = self._recording and self._full_steps is not None and self.current_step in self._full_steps
+        self._full_step = (
+            self._recording
+            and self._full_steps is not None
+            and self.current_step in self._full_steps
+        )
         self._pending = PendingStep(self.current_step, time.time())
-        self._calls: dict[tuple[str, str], int] = {}
-        self._recompute_calls: dict[str, int] = {}
-        self._grad_hooked: set[tuple[str, int]] = set()
-        self._channel_shapes: set[torch.Size] = set()
-        self._recent: deque[tuple[torch.Tensor, int, Any, Any]] = deque(maxlen=4)
+        self._calls = {}
+        self._recompute_calls = {}
+        self._grad_hooked = set()
+        self._channel_shapes = set()
+        self._recent = deque(maxlen=4)
         self._params_recorded = False
         self._seq = 0
 
     # -- faults ------------------------------------------------------------------------------
 
     def _fault(self, exc: BaseException, where: str) -> None:
-        message = f"hooktrace failed in {where} at step {self.current_step}: {type(exc).__name__}: {exc}"
+        message = (
+            f"hooktrace failed in {where} at step {self.current_step}: {type(exc).__name__}: {exc}"
+        )
         if self.strict:
             raise RecordingError(message) from exc
         if self._active:
@@ -561,11 +595,13 @@ class Recorder:
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise ConfigError(f"cannot create {self.out}: {exc.strerror}; choose a writable directory") from exc
+            raise ConfigError(
+                f"cannot create {self.out}: {exc.strerror}; choose a writable directory"
+            ) from exc
 
     def _module_rows(self) -> list[dict[str, Any]]:
         rows = []
-        root_of = {}
+        root_of: dict[int, str] = {}
         for root_name, root in self.roots.items():
             for _, module in root.named_modules():
                 root_of.setdefault(id(module), root_name)
@@ -628,10 +664,7 @@ def _named_parameters(roots: dict[str, nn.Module]) -> Iterable[tuple[str, str, n
                 continue
             seen.add(id(param))
             owner, _, slot = qualname.rpartition(".")
-            if not owner:
-                module = root_name
-            else:
-                module = owner if lone else f"{root_name}.{owner}"
+            module = root_name if not owner else owner if lone else f"{root_name}.{owner}"
             yield module, slot, param
 
 
@@ -659,7 +692,13 @@ def _describe(spec: Any) -> Any:
 def _clear_trace(out: Path) -> None:
     import shutil
 
-    for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, schema.TENSORS_DIR, schema.STATUS_DIR):
+    for name in (
+        schema.RECORDS_DIR,
+        schema.STEPS_DIR,
+        schema.MODULES_DIR,
+        schema.TENSORS_DIR,
+        schema.STATUS_DIR,
+    ):
         shutil.rmtree(out / name, ignore_errors=True)
     (out / schema.MANIFEST).unlink(missing_ok=True)
 

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Union
 
 from hooktrace.errors import ConfigError
 
-ModuleFilter = Union[str, Iterable[str], Callable[[str], bool], None]
+ModuleFilter = str | Iterable[str] | Callable[[str], bool] | None
 """A regex (searched in the name), a list of exact names, or a predicate on the name."""
 
-StepSpec = Union[str, Iterable[Union[int, range, tuple[int, int]]], None]
+StepSpec = str | Iterable[int | range | tuple[int, int]] | None
 """``"0-10,20,100-"``, or ints, ranges and inclusive ``(first, last)`` pairs."""
 
 
@@ -29,7 +28,9 @@ def module_matcher(spec: ModuleFilter, *, default: bool) -> Callable[[str], bool
         patterns = [_compile(n) for n in names if _is_regex(n)]
         exact = {n for n in names if not _is_regex(n)}
         return lambda name: name in exact or any(p.search(name) for p in patterns)
-    raise ConfigError("a module filter is a regex, a list of names or regexes, or a function of the name")
+    raise ConfigError(
+        "a module filter is a regex, a list of names or regexes, or a function of the name"
+    )
 
 
 def _is_regex(text: str) -> bool:
@@ -40,7 +41,9 @@ def _compile(pattern: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
     except re.error as exc:
-        raise ConfigError(f"bad module pattern {pattern!r}: {exc}; write a Python regex such as 'blocks\\.0'") from exc
+        raise ConfigError(
+            f"bad module pattern {pattern!r}: {exc}; write a Python regex such as 'blocks\\.0'"
+        ) from exc
 
 
 class StepSelection:
@@ -85,10 +88,14 @@ def parse_steps(spec: StepSpec) -> list[tuple[int, float]]:
         elif isinstance(item, str):
             ranges.append(_parse_range(item))
         else:
-            raise ConfigError(f"bad step {item!r}: give ints, ranges, (first, last) pairs or '0-10,20'")
+            raise ConfigError(
+                f"bad step {item!r}: give ints, ranges, (first, last) pairs or '0-10,20'"
+            )
     for lo, hi in ranges:
         if lo < 0 or hi < lo:
-            raise ConfigError(f"bad step range {lo}-{hi}: steps count from 0 and a range goes upwards")
+            raise ConfigError(
+                f"bad step range {lo}-{hi}: steps count from 0 and a range goes upwards"
+            )
     return ranges
 
 
@@ -98,7 +105,9 @@ def _parse_range(text: str) -> tuple[int, float]:
         lo = int(first)
         hi: float = (float("inf") if not last.strip() else int(last)) if dash else lo
     except ValueError:
-        raise ConfigError(f"bad step range {text!r}: write steps as '5', '0-10' or '100-'") from None
+        raise ConfigError(
+            f"bad step range {text!r}: write steps as '5', '0-10' or '100-'"
+        ) from None
     if lo < 0 or hi < lo:
         raise ConfigError(f"bad step range {text!r}: steps count from 0 and a range goes upwards")
     return lo, hi

@@ -39,7 +39,9 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
     for rank in range(world):
         info = statuses.get(str(rank))
         if info is None:
-            report.problems.append(f"rank {rank} wrote no status: it never started or its status file is lost")
+            report.problems.append(
+                f"rank {rank} wrote no status: it never started or its status file is lost"
+            )
             continue
         status = info.get("status")
         last = _last_step(trace, rank)
@@ -51,7 +53,9 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
             why = info.get("error") or "no reason given"
             report.problems.append(f"rank {rank} is {status} after step {last}: {why}")
         if info.get("steps_lost"):
-            report.problems.append(f"rank {rank} lost {info['steps_lost']} step(s) the writer could not write")
+            report.problems.append(
+                f"rank {rank} lost {info['steps_lost']} step(s) the writer could not write"
+            )
 
     for skipped in trace.skipped:
         report.problems.append(f"unreadable, left out: {skipped}")
@@ -63,7 +67,9 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
     for segment in sorted(s for s in steps["segment"].dropna().astype(str).unique()):
         path = trace.path / segment
         if not path.exists():
-            report.problems.append(f"segment {segment} is missing: its activity and full tensors are lost")
+            report.problems.append(
+                f"segment {segment} is missing: its activity and full tensors are lost"
+            )
             continue
         try:
             with h5py.File(path, "r"):
@@ -75,13 +81,17 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
     recorded = set(steps["step"].unique())
     listed = set(table["step"].unique()) if not table.empty else set()
     if recorded - listed:
-        report.notes.append(f"{len(recorded - listed)} step(s) have records but no row in the steps table")
+        report.notes.append(
+            f"{len(recorded - listed)} step(s) have records but no row in the steps table"
+        )
     dropped = int(table["dropped"].sum()) if not table.empty else 0
     if dropped:
         report.notes.append(f"{dropped} full tensor(s) were not saved: larger than max_tensor_mb")
     skipped_steps = int(table["skipped"].sum()) if not table.empty else 0
     if skipped_steps:
-        report.notes.append(f"{skipped_steps} optimizer step(s) were skipped (e.g. by a GradScaler)")
+        report.notes.append(
+            f"{skipped_steps} optimizer step(s) were skipped (e.g. by a GradScaler)"
+        )
     return report
 
 

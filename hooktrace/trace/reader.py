@@ -70,7 +70,8 @@ class Trace:
         merged = dict(self._manifest)
         merged["status"] = self.status
         ends = [s.get("end_time") for s in self._status.values()]
-        merged["end_time"] = max(ends) if ends and all(e is not None for e in ends) else None
+        finished = [float(e) for e in ends if e is not None]
+        merged["end_time"] = max(finished) if finished and len(finished) == len(ends) else None
         merged["ranks"] = {str(r): s for r, s in sorted(self._status.items())}
         return merged
 
@@ -205,7 +206,14 @@ class Trace:
     ) -> np.ndarray:
         """A saved full tensor, dtype kept exactly (bfloat16 as ``ml_dtypes.bfloat16``)."""
         row = self.record(
-            module, kind, step=step, slot=slot, call=call, rank=rank, micro_step=micro_step, phase=phase
+            module,
+            kind,
+            step=step,
+            slot=slot,
+            call=call,
+            rank=rank,
+            micro_step=micro_step,
+            phase=phase,
         )
         if not row["tensor_key"]:
             raise TensorNotRecorded(
@@ -222,13 +230,24 @@ class Trace:
         return np.asarray(data)
 
     def activity(
-        self, module: str, kind: str = "output", *, step: int, slot: str = "0", call: int = 0, rank: int = 0
+        self,
+        module: str,
+        kind: str = "output",
+        *,
+        step: int,
+        slot: str = "0",
+        call: int = 0,
+        rank: int = 0,
     ) -> np.ndarray:
         """Per-unit positive counts of one record (each out of ``unit_size`` values)."""
         row = self.record(module, kind, step=step, slot=slot, call=call, rank=rank)
         if int(row["units"]) == 0:
-            raise TensorNotRecorded(f"no per-unit activity was recorded for the {kind} of {module!r}")
-        return self.read_activity(row["segment"], [int(row["activity_offset"])], int(row["units"]))[0]
+            raise TensorNotRecorded(
+                f"no per-unit activity was recorded for the {kind} of {module!r}"
+            )
+        return self.read_activity(row["segment"], [int(row["activity_offset"])], int(row["units"]))[
+            0
+        ]
 
     def read_activity(self, segment: str, offsets: Sequence[int], units: int) -> list[np.ndarray]:
         """Slices of one segment's activity array: for analyses that read many at once."""
@@ -303,11 +322,15 @@ class Trace:
         if not path.is_relative_to(self.path.resolve()):
             raise TraceError(f"refusing to read {segment!r}: it points outside the run directory")
         if not path.exists():
-            raise TraceError(f"segment {segment} is missing from {self.path}: run `hooktrace check`")
+            raise TraceError(
+                f"segment {segment} is missing from {self.path}: run `hooktrace check`"
+            )
         return path
 
     def _what_exists(self, module: str, kind: str, rank: int) -> str:
-        rows = self.query(columns=["step", "module", "kind", "slot"], modules=[module], ranks=[rank])
+        rows = self.query(
+            columns=["step", "module", "kind", "slot"], modules=[module], ranks=[rank]
+        )
         if rows.empty:
             names = self.query(columns=["module"], ranks=[rank])["module"].astype(str).unique()[:8]
             return f"the trace has no module {module!r} (modules include: {', '.join(names)})"
@@ -329,9 +352,13 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:
-        raise TraceError(f"{path} is unreadable ({_one_line(exc)}): the trace's manifest is damaged") from exc
+        raise TraceError(
+            f"{path} is unreadable ({_one_line(exc)}): the trace's manifest is damaged"
+        ) from exc
     if not isinstance(manifest, dict) or manifest.get("format") != schema.FORMAT_NAME:
-        raise TraceError(f"{path} is not a hooktrace manifest: give a run directory hooktrace wrote")
+        raise TraceError(
+            f"{path} is not a hooktrace manifest: give a run directory hooktrace wrote"
+        )
     try:
         major, _ = schema.parse_version(str(manifest["format_version"]))
     except (KeyError, ValueError) as exc:

@@ -109,7 +109,12 @@ class TraceWriter:
 
         self._dirs = {
             name: self.run_dir / schema.rank_dir(name, rank)
-            for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, schema.TENSORS_DIR)
+            for name in (
+                schema.RECORDS_DIR,
+                schema.STEPS_DIR,
+                schema.MODULES_DIR,
+                schema.TENSORS_DIR,
+            )
         }
         for d in self._dirs.values():
             d.mkdir(parents=True, exist_ok=True)
@@ -139,7 +144,10 @@ class TraceWriter:
         if self._closed:
             raise RuntimeError("submit() after close()")
         with self._space:
-            if self._pending_bytes > 0 and self._pending_bytes + pending.nbytes > self.max_buffer_bytes:
+            if (
+                self._pending_bytes > 0
+                and self._pending_bytes + pending.nbytes > self.max_buffer_bytes
+            ):
                 t0 = time.perf_counter()
                 while (
                     self._pending_bytes > 0
@@ -156,7 +164,9 @@ class TraceWriter:
         with self._modules_lock:
             self._new_modules.extend(rows)
 
-    def close(self, status: str, *, error: str | None = None, extra: Mapping[str, Any] | None = None) -> None:
+    def close(
+        self, status: str, *, error: str | None = None, extra: Mapping[str, Any] | None = None
+    ) -> None:
         """Flush everything, stop the thread and write the final status. Idempotent."""
         if self._closed:
             return

@@ -1,0 +1,273 @@
+"""The numerics of ``hooktrace diff``: align two runs' records and compare them. No torch.
+
+One chunk of records from each run goes in (a few steps, as :func:`hooktrace.diff` reads
+them); one row per aligned record comes out, with a ``status``:
+
+- ``equal``: within tolerance;
+- ``differs``: a statistic (or, where both runs saved it, the full tensor) is out of tolerance;
+- ``changed``: the shape or the dtype differs (a structural difference);
+- ``only_a`` / ``only_b``: one run has no such record.
+
+Tolerance is symmetric, ``|a - b| <= atol + rtol * scale``. For full tensors the scale of each
+element is ``max(|a|, |b|)``; for statistics it is the size of the tensor's values, so that a
+mean near zero is not judged relative to itself: ``max(rms_a, rms_b)`` (rms = norm / sqrt(numel))
+for mean, std, min and max, ``max(norm_a, norm_b)`` for norm, 1 for zero_fraction. NaN equals
+NaN (both runs NaN at the same place is no divergence) and inf equals an inf of the same sign.
+numel, nan_count and inf_count must be equal.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import ml_dtypes
+import numpy as np
+import pandas as pd
+
+from hooktrace.trace.schema import COUNT_COLUMNS, STAT_COLUMNS
+
+KEYS = ("rank", "step", "micro_step", "phase", "module", "call", "kind", "slot")
+"""Records align on these columns."""
+
+VALUES = ("seq", "dtype", "shape", "numel", *STAT_COLUMNS, *COUNT_COLUMNS, "segment", "tensor_key")
+"""The columns read from each run besides the keys."""
+
+TENSOR_METRICS = ("max_abs_error", "max_rel_error", "cosine", "mismatch_fraction")
+
+TABLE_DTYPES: dict[str, str] = {
+    **{k: "int64" if k not in ("phase", "module", "kind", "slot") else "str" for k in KEYS},
+    "seq": "int64",
+    "status": "str",
+    "exceeded": "str",
+    "dtype_a": "str",
+    "dtype_b": "str",
+    "shape_a": "str",
+    "shape_b": "str",
+    "norm_a": "float64",
+    "norm_b": "float64",
+    **{f"d_{c}": "float64" for c in ("numel", *STAT_COLUMNS, *COUNT_COLUMNS)},
+    "rel_diff": "float64",
+    **dict.fromkeys(TENSOR_METRICS, "float64"),
+}
+"""The diff table's columns and dtypes, the same in every chunk (``str`` is pandas' string)."""
+
+_STAT_SCALE = {"mean": "rms", "std": "rms", "min": "rms", "max": "rms", "norm": "norm", "zero_fraction": "one"}
+_FLOAT8 = {
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+    "bfloat16": ml_dtypes.bfloat16,
+}
+
+
+def align(a: pd.DataFrame, b: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    """An outer join of two runs' records on ``keys``: values get ``_a`` / ``_b`` suffixes and
+    ``in_a`` / ``in_b`` say which run has the record. Equal layouts skip the join."""
+    keys = list(keys)
+    for col in keys:
+        if isinstance(a[col].dtype, pd.CategoricalDtype) or isinstance(b[col].dtype, pd.CategoricalDtype):
+            categories = pd.Index(a[col].astype("category").cat.categories).union(
+                b[col].astype("category").cat.categories
+            )
+            a = a.assign(**{col: pd.Categorical(a[col], categories=categories)})
+            b = b.assign(**{col: pd.Categorical(b[col], categories=categories)})
+    values_a = a.drop(columns=keys).add_suffix("_a")
+    values_b = b.drop(columns=keys).add_suffix("_b")
+    if len(a) == len(b) and all(_same(a[c], b[c]) for c in keys):
+        merged = pd.concat(
+            [a[keys].reset_index(drop=True), values_a.reset_index(drop=True), values_b.reset_index(drop=True)],
+            axis=1,
+        )
+        merged["in_a"] = True
+        merged["in_b"] = True
+        return merged
+    left = pd.concat([a[keys], values_a], axis=1)
+    right = pd.concat([b[keys], values_b], axis=1)
+    if left.duplicated(keys).any() or right.duplicated(keys).any():
+        # a record key seen twice (should not happen): pair the n-th with the n-th
+        left["_n"] = left.groupby(keys, observed=True).cumcount()
+        right["_n"] = right.groupby(keys, observed=True).cumcount()
+        keys = [*keys, "_n"]
+    merged = left.merge(right, on=keys, how="outer", indicator="_side", sort=False)
+    merged["in_a"] = (merged["_side"] != "right_only").to_numpy()
+    merged["in_b"] = (merged["_side"] != "left_only").to_numpy()
+    return merged.drop(columns=[c for c in ("_side", "_n") if c in merged.columns])
+
+
+def compare(merged: pd.DataFrame, *, rtol: float, atol: float, tensors: TensorPair | None) -> pd.DataFrame:
+    """One row per aligned record, in the diff table's columns, in execution order."""
+    n = len(merged)
+    in_a = merged["in_a"].to_numpy(bool)
+    in_b = merged["in_b"].to_numpy(bool)
+    both = in_a & in_b
+    dtype_a, dtype_b = _strings(merged["dtype_a"]), _strings(merged["dtype_b"])
+    shape_a, shape_b = _strings(merged["shape_a"]), _strings(merged["shape_b"])
+    changed = both & ((dtype_a != dtype_b) | (shape_a != shape_b))
+    comparable = both & ~changed
+
+    def num(col: str) -> np.ndarray:
+        return merged[col].to_numpy(dtype=np.float64, na_value=np.nan)
+
+    norm_a, norm_b = num("norm_a"), num("norm_b")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rms = np.fmax(norm_a / np.sqrt(num("numel_a")), norm_b / np.sqrt(num("numel_b")))
+        scales = {"rms": rms, "norm": np.fmax(norm_a, norm_b), "one": np.ones(n)}
+        out: dict[str, Any] = {}
+        bad: dict[str, np.ndarray] = {}
+        rel = np.zeros(n)
+        for stat in STAT_COLUMNS:
+            va, vb = num(f"{stat}_a"), num(f"{stat}_b")
+            delta = vb - va
+            scale = scales[_STAT_SCALE[stat]]
+            scale = np.where(np.isfinite(scale), scale, 0.0)
+            same = (va == vb) | (np.isnan(va) & np.isnan(vb))
+            gap = np.where(same, 0.0, np.abs(delta))
+            gap = np.where(np.isnan(gap), np.inf, gap)
+            bad[stat] = gap > atol + rtol * scale
+            rel = np.fmax(rel, np.where(gap == 0, 0.0, gap / scale))
+            out[f"d_{stat}"] = delta
+        for count in ("numel", *COUNT_COLUMNS):
+            delta = num(f"{count}_b") - num(f"{count}_a")
+            bad[count] = delta != 0
+            out[f"d_{count}"] = delta
+    stats_differ = np.zeros(n, dtype=bool)
+    for mask in bad.values():
+        stats_differ |= mask
+    metrics = {m: np.full(n, np.nan) for m in TENSOR_METRICS}
+    full = comparable & (_strings(merged["tensor_key_a"]) != "") & (_strings(merged["tensor_key_b"]) != "")
+    full &= pd.notna(merged["tensor_key_a"]).to_numpy() & pd.notna(merged["tensor_key_b"]).to_numpy()
+    if full.any() and tensors is not None:
+        rows = np.flatnonzero(full)
+        found = tensors.compare(merged.iloc[rows], rtol=rtol, atol=atol)
+        for m in TENSOR_METRICS:
+            metrics[m][rows] = found[m]
+        decided = rows[~np.isnan(found["mismatch_fraction"])]
+        # full tensors decide exactly; statistics are only what they summarise
+        stats_differ[decided] = found["mismatch_fraction"][~np.isnan(found["mismatch_fraction"])] > 0
+    differs = comparable & stats_differ
+    status = np.select(
+        [~in_b, ~in_a, changed, differs], ["only_a", "only_b", "changed", "differs"], default="equal"
+    )
+    rel = np.where(comparable, rel, np.inf)
+    exceeded = np.full(n, "", dtype=object)
+    for name in (*STAT_COLUMNS, "numel", *COUNT_COLUMNS):
+        mark = differs & bad[name]
+        exceeded[mark] = exceeded[mark] + f"{name},"
+    tensor_bad = differs & (metrics["mismatch_fraction"] > 0)
+    exceeded[tensor_bad] = "tensor," + exceeded[tensor_bad]
+    exceeded[changed] = np.where(shape_a[changed] != shape_b[changed], "shape,", "") + np.where(
+        dtype_a[changed] != dtype_b[changed], "dtype,", ""
+    )
+    seq = np.where(in_a, num("seq_a"), num("seq_b")).astype(np.int64)
+    table = pd.DataFrame(
+        {
+            **{k: merged[k].to_numpy() for k in KEYS if k in merged.columns},
+            "seq": seq,
+            "status": status,
+            "exceeded": [e.rstrip(",") for e in exceeded],
+            "dtype_a": dtype_a,
+            "dtype_b": dtype_b,
+            "shape_a": shape_a,
+            "shape_b": shape_b,
+            "norm_a": norm_a,
+            "norm_b": norm_b,
+            **out,
+            "rel_diff": rel,
+            **metrics,
+        }
+    )
+    return table.astype({c: t for c, t in TABLE_DTYPES.items() if c in table.columns})
+
+
+class TensorPair:
+    """Reads the full tensors of two runs, a few open HDF5 segments at a time."""
+
+    def __init__(self, root_a: Path, root_b: Path, *, max_open: int = 8) -> None:
+        self.roots = (root_a, root_b)
+        self.max_open = max_open
+        self._open: OrderedDict[Path, h5py.File] = OrderedDict()
+
+    def compare(self, rows: pd.DataFrame, *, rtol: float, atol: float) -> dict[str, np.ndarray]:
+        out = {m: np.full(len(rows), np.nan) for m in TENSOR_METRICS}
+        order = np.lexsort((_strings(rows["segment_b"]), _strings(rows["segment_a"])))
+        for i in order:
+            row = rows.iloc[i]
+            x = self._load(0, str(row["segment_a"]), str(row["tensor_key_a"]))
+            y = self._load(1, str(row["segment_b"]), str(row["tensor_key_b"]))
+            if x is None or y is None or x.shape != y.shape:
+                continue
+            for name, value in tensor_metrics(x, y, rtol=rtol, atol=atol).items():
+                out[name][i] = value
+        return out
+
+    def close(self) -> None:
+        while self._open:
+            self._open.popitem(last=False)[1].close()
+
+    def _load(self, side: int, segment: str, key: str) -> np.ndarray | None:
+        root = self.roots[side]
+        path = (root / segment).resolve()
+        if not path.is_relative_to(root.resolve()) or not path.exists():
+            return None  # `hooktrace check` reports missing segments; compare statistics only
+        f = self._open.pop(path, None)
+        if f is None:
+            f = h5py.File(path, "r")
+            if len(self._open) >= self.max_open:
+                self._open.popitem(last=False)[1].close()
+        self._open[path] = f
+        if key not in f:
+            return None
+        dataset = f[key]
+        data = np.asarray(dataset[()])
+        dtype = str(dataset.attrs.get("dtype", data.dtype.name))
+        if dtype in _FLOAT8:
+            data = data.view(_FLOAT8[dtype])
+        if data.dtype.kind == "c":
+            return None
+        return data.astype(np.float64).reshape(-1)
+
+
+def tensor_metrics(a: np.ndarray, b: np.ndarray, *, rtol: float, atol: float) -> dict[str, float]:
+    """max |a-b|, max |a-b| / max(|a|,|b|), cosine similarity, fraction out of tolerance."""
+    if a.size == 0:
+        return {"max_abs_error": 0.0, "max_rel_error": 0.0, "cosine": 1.0, "mismatch_fraction": 0.0}
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        same = (a == b) | (np.isnan(a) & np.isnan(b))
+        gap = np.where(same, 0.0, np.abs(a - b))
+        gap = np.where(np.isnan(gap), np.inf, gap)
+        size = np.fmax(np.abs(a), np.abs(b))
+        ok = same | (np.isfinite(gap) & (gap <= atol + rtol * size))
+        rel = np.where(gap == 0, 0.0, gap / size)
+        finite = np.isfinite(a) & np.isfinite(b)
+        if finite.all():
+            na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+            if na == 0 and nb == 0:
+                cosine = 1.0
+            elif na == 0 or nb == 0:
+                cosine = 0.0
+            else:
+                cosine = float(np.dot(a / na, b / nb))
+        else:
+            cosine = float("nan")
+    return {
+        "max_abs_error": float(gap.max()),
+        "max_rel_error": float(np.nan_to_num(rel, nan=np.inf).max()),
+        "cosine": cosine,
+        "mismatch_fraction": float(1.0 - ok.mean()),
+    }
+
+
+def _same(x: pd.Series, y: pd.Series) -> bool:
+    if isinstance(x.dtype, pd.CategoricalDtype):
+        return bool(np.array_equal(x.cat.codes.to_numpy(), y.cat.codes.to_numpy()))
+    return bool(np.array_equal(x.to_numpy(), y.to_numpy()))
+
+
+def _strings(column: pd.Series) -> np.ndarray:
+    """A column as an object array of str, missing values as NaN (never equal to a str)."""
+    return np.asarray(column.astype("str").to_numpy(dtype=object, na_value=np.nan))

@@ -1,0 +1,152 @@
+"""What the checks report: :class:`Finding`, its table, and the step filter they share.
+
+A finding is one thing worth a look: a kind (``nonfinite_forward``, ``exploding_gradient``,
+``dead_layer``, ...), a severity, the module and the step, the evidence as numbers and as a
+sentence, and a one-line explanation. Severities:
+
+- ``error``: training is broken: a NaN or Inf was produced, gradients explode;
+- ``warning``: training is likely hurt: a dead layer, vanishing gradients, a gradient or
+  activation spike, a parameter that never gets a gradient;
+- ``info``: worth knowing, often intended: gradients exactly zero, saturated tanh/sigmoid.
+
+Tables of findings come worst first: by severity, then grouped by kind (in the order of
+:data:`KIND_ORDER`), then earliest step first. Never imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Final
+
+import pandas as pd
+
+from hooktrace.errors import ConfigError
+
+SEVERITIES: Final = ("error", "warning", "info")
+
+KIND_ORDER: Final = (
+    "nonfinite_forward",
+    "nonfinite_backward",
+    "nonfinite_param",
+    "exploding_gradient",
+    "dead_layer",
+    "vanishing_gradient",
+    "no_gradient",
+    "gradient_spike",
+    "activation_spike",
+    "zero_gradient",
+    "saturated",
+)
+
+COLUMNS: Final = (
+    "kind",
+    "severity",
+    "module",
+    "slot",
+    "rank",
+    "step",
+    "last_step",
+    "micro_step",
+    "value",
+    "reference",
+    "count",
+    "evidence",
+    "explanation",
+)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One finding; ``value`` is what was seen, ``reference`` what it was held against (a
+    baseline or a bound), ``count`` how many steps or records it covers (see each kind)."""
+
+    kind: str
+    severity: str
+    module: str
+    step: int
+    evidence: str
+    explanation: str
+    slot: str = ""
+    rank: int = 0
+    last_step: int | None = None
+    micro_step: int | None = None
+    value: float = float("nan")
+    reference: float = float("nan")
+    count: int = 1
+
+
+def findings_frame(findings: Iterable[Finding]) -> pd.DataFrame:
+    """A DataFrame of ``findings`` with :data:`COLUMNS`, worst first."""
+    rows = [asdict(f) for f in findings]
+    frame = pd.DataFrame(rows, columns=list(COLUMNS))
+    frame["last_step"] = frame["last_step"].fillna(frame["step"])
+    for name in ("rank", "step", "last_step", "count"):
+        frame[name] = frame[name].astype("int64")
+    frame["micro_step"] = frame["micro_step"].astype("Int64")
+    for name in ("value", "reference"):
+        frame[name] = frame[name].astype("float64")
+    for name in ("kind", "severity", "module", "slot", "evidence", "explanation"):
+        frame[name] = frame[name].astype(object)
+    severity = frame["severity"].map({s: i for i, s in enumerate(SEVERITIES)})
+    kind = frame["kind"].map({k: i for i, k in enumerate(KIND_ORDER)}).fillna(len(KIND_ORDER))
+    order = pd.DataFrame({"s": severity, "k": kind, "step": frame["step"], "r": frame["rank"]})
+    order = order.sort_values(["s", "k", "step", "r"], kind="stable")
+    return frame.loc[order.index].reset_index(drop=True)
+
+
+StepsSpec = str | tuple[int, int] | Iterable[int] | None
+"""``"0-100"``, ``"50"`` or ``"100-"`` (to the end), an inclusive ``(first, last)`` pair, or
+step numbers."""
+
+
+def step_filter(spec: StepsSpec) -> tuple[int, int] | list[int] | None:
+    """``spec`` as :meth:`Trace.query` takes it; raises ConfigError on a bad spec."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        first, dash, last = spec.strip().partition("-")
+        try:
+            lo = int(first)
+            hi = (int(last) if last.strip() else 2**62) if dash else lo
+        except ValueError:
+            raise ConfigError(
+                f"bad steps {spec!r}: write a step or an inclusive range: '5', '0-100' or '100-'"
+            ) from None
+        return _checked((lo, hi))
+    if isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(v, int) for v in spec):
+        return _checked((spec[0], spec[1]))
+    steps = list(spec)
+    if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+        raise ConfigError("steps must be step numbers, a (first, last) pair or a string '0-100'")
+    return steps
+
+
+def _checked(pair: tuple[int, int]) -> tuple[int, int]:
+    lo, hi = pair
+    if lo < 0 or hi < lo:
+        raise ConfigError(f"bad step range {lo}-{hi}: steps count from 0 and a range goes upwards")
+    return pair
+
+
+def type_name(qualified: str) -> str:
+    """``torch.nn.modules.activation.ReLU`` -> ``ReLU``: what family checks match on."""
+    return qualified.rpartition(".")[2]
+
+
+def modules_of_type(modules: pd.DataFrame, names: Sequence[str]) -> dict[str, str]:
+    """Module name -> class name, for the modules whose class name is one of ``names``."""
+    if modules.empty:
+        return {}
+    short = modules["type"].astype(str).map(type_name)
+    chosen = modules[short.isin(list(names))]
+    return dict(zip(chosen["module"].astype(str), short[chosen.index], strict=True))
+
+
+def fmt(value: float) -> str:
+    """A number for evidence: 3 significant digits, NaN and Inf spelled out."""
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "Inf" if value > 0 else "-Inf"
+    return f"{value:.3g}"
