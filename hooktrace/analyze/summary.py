@@ -76,7 +76,7 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         modules=int(trace.modules["module"].nunique())
         if not trace.modules.empty
         else rows["module"].nunique(),
-        roots=list(manifest.get("roots") or []),
+        roots=_roots(trace),
         records=len(rows),
         kinds=_counts(rows["kind"]),
         phases=_counts(rows["phase"]),
@@ -87,6 +87,13 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         error=errors[0] if errors else None,
         largest=per_module.head(10).reset_index().rename(columns={"index": "module"}),
     )
+
+
+def _roots(trace: Trace) -> list[str]:
+    modules = trace.modules
+    if modules.empty:
+        return list(trace.manifest.get("roots") or [])
+    return list(dict.fromkeys(modules.loc[modules["depth"] == 0, "module"]))
 
 
 def _counts(column: pd.Series) -> dict[str, int]:

@@ -80,7 +80,7 @@ class Recorder:
 
     def __init__(
         self,
-        models: Models,
+        models: Models | None,
         out: str | os.PathLike[str],
         *,
         modules: ModuleFilter = None,
@@ -116,22 +116,15 @@ class Recorder:
         self._full_steps = StepSelection(full_steps, every=full_every or 1) if full_wanted else None
         if compression not in (None, "gzip", "lzf"):
             raise ConfigError(f"compression must be gzip, lzf or none (got {compression!r})")
-        self.roots = _name_roots(models)
-        include = module_matcher(modules, default=True)
-        skip = module_matcher(exclude, default=False)
-        full_match = module_matcher(full_modules, default=True)
-        self._modules = {
-            name: module
-            for name, module in _named_modules(self.roots)
-            if include(name) and not skip(name)
-        }
-        self._full_modules = {name for name in self._modules if full_match(name)}
-        self._full_match = full_match
-        self._param_entries = [
-            (module, slot, p)
-            for module, slot, p in _named_parameters(self.roots)
-            if module in self._modules
-        ]
+        self._include = module_matcher(modules, default=True)
+        self._skip = module_matcher(exclude, default=False)
+        self._full_match = module_matcher(full_modules, default=True)
+        self.roots: dict[str, nn.Module] = {}
+        self._modules: dict[str, nn.Module] = {}
+        self._full_modules: set[str] = set()
+        self._param_entries: list[tuple[str, str, nn.Parameter]] = []
+        self._param_ids: set[int] = set()
+        self._known: set[int] = set()  # ids of modules already named
         self.rank = _rank()
         self._prepare_out(overwrite)
 
@@ -153,7 +146,7 @@ class Recorder:
             "platform": platform.platform(),
             "command": command if command is not None else list(sys.argv),
             "config": config,
-            "roots": list(self.roots),
+            "roots": list(_name_roots(models)) if models is not None else [],
             "start_time": time.time(),
             "world_size": world_size,
         }
@@ -176,12 +169,12 @@ class Recorder:
         self._phase = "train"
         self._backward_active = False
         self._optimizer_owned: dict[int, bool] = {}
-        self._param_ids = {id(p) for _, _, p in self._param_entries} | {
-            id(p) for root in self.roots.values() for p in root.parameters()
-        }
-        self._writer.add_modules(self._module_rows())
         _ACTIVE = self
         try:
+            if models is not None:
+                lone = isinstance(models, nn.Module)
+                for name, model in _name_roots(models).items():
+                    self._add_root(name, model, prefixed=not lone)
             self._install()
         except BaseException:
             self.close(status=schema.STATUS_FAILED, error="hooks could not be installed")
@@ -240,7 +233,33 @@ class Recorder:
     # -- installing hooks --------------------------------------------------------------------
 
     def _install(self) -> None:
-        for name, module in self._modules.items():
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+
+    def _add_root(self, root_name: str, root: nn.Module, *, prefixed: bool) -> None:
+        """Name a root model's modules and parameters, and hook the modules selected.
+
+        Modules already named (shared with an earlier root) keep their first name.
+        """
+        new: dict[str, nn.Module] = {}
+        for qualname, module in root.named_modules():
+            if id(module) in self._known:
+                continue
+            self._known.add(id(module))
+            name = _qualified(root_name, qualname, prefixed)
+            if self._include(name) and not self._skip(name):
+                new[name] = module
+        self.roots[root_name] = root
+        self._modules.update(new)
+        self._full_modules.update(name for name in new if self._full_match(name))
+        for qualname, param in root.named_parameters():
+            if id(param) in self._param_ids:
+                continue
+            self._param_ids.add(id(param))
+            owner, _, slot = qualname.rpartition(".")
+            module_name = _qualified(root_name, owner, prefixed)
+            if module_name in new:
+                self._param_entries.append((module_name, slot, param))
+        for name, module in new.items():
             channels = isinstance(module, _CHANNELS_FIRST)
             if self.inputs:
                 # before the forward runs: an in-place op inside it would change its input
@@ -249,12 +268,11 @@ class Recorder:
             self._handles.append(
                 module.register_forward_hook(self._forward_hook(name, channels), with_kwargs=True)
             )
-        for root in self.roots.values():
-            # the root's phase is set before any other pre-hook, and its depth is left after
-            # its own output was recorded, so the root's records carry the root's phase
-            self._handles.append(root.register_forward_pre_hook(self._root_enter, prepend=True))
-            self._handles.append(root.register_forward_hook(self._root_exit, always_call=True))
-        self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+        # the root's phase is set before any other pre-hook, and its depth is left after its
+        # own output was recorded, so the root's records carry the root's phase
+        self._handles.append(root.register_forward_pre_hook(self._root_enter, prepend=True))
+        self._handles.append(root.register_forward_hook(self._root_exit, always_call=True))
+        self._writer.add_modules(self._module_rows(root_name, new))
 
     def _forward_hook(self, name: str, channels_first: bool) -> Callable[..., None]:
         def hook(
@@ -599,21 +617,17 @@ class Recorder:
                 f"cannot create {self.out}: {exc.strerror}; choose a writable directory"
             ) from exc
 
-    def _module_rows(self) -> list[dict[str, Any]]:
+    def _module_rows(self, root_name: str, modules: dict[str, nn.Module]) -> list[dict[str, Any]]:
         rows = []
-        root_of: dict[int, str] = {}
-        for root_name, root in self.roots.items():
-            for _, module in root.named_modules():
-                root_of.setdefault(id(module), root_name)
-        for name, module in self._modules.items():
-            parent = name.rpartition(".")[0] if "." in name else ""
+        for name, module in modules.items():
+            parent = name.rpartition(".")[0]
             rows.append(
                 {
                     "module": name,
                     "type": f"{type(module).__module__}.{type(module).__qualname__}",
-                    "root": root_of.get(id(module), ""),
-                    "parent": parent if parent in self._modules or parent in self.roots else "",
-                    "depth": name.count(".") + (0 if name in self.roots else 1),
+                    "root": root_name,
+                    "parent": parent if parent in self._modules else ("" if name == root_name else root_name),
+                    "depth": 0 if name == root_name else name.count(".") + (0 if name.startswith(root_name + ".") else 1),
                     "parameters": sum(p.numel() for p in module.parameters()),
                     "first_step": self.current_step,
                 }
@@ -640,32 +654,12 @@ def _name_roots(models: Models) -> dict[str, nn.Module]:
     return roots
 
 
-def _named_modules(roots: dict[str, nn.Module]) -> Iterable[tuple[str, nn.Module]]:
-    """Every module once. A lone model's modules keep their own names; several are prefixed."""
-    lone = len(roots) == 1
-    seen: set[int] = set()
-    for root_name, root in roots.items():
-        for qualname, module in root.named_modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            if not qualname:
-                yield root_name, module
-            else:
-                yield (qualname if lone else f"{root_name}.{qualname}"), module
-
-
-def _named_parameters(roots: dict[str, nn.Module]) -> Iterable[tuple[str, str, nn.Parameter]]:
-    lone = len(roots) == 1
-    seen: set[int] = set()
-    for root_name, root in roots.items():
-        for qualname, param in root.named_parameters():
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            owner, _, slot = qualname.rpartition(".")
-            module = root_name if not owner else owner if lone else f"{root_name}.{owner}"
-            yield module, slot, param
+def _qualified(root_name: str, qualname: str, prefixed: bool) -> str:
+    """A module's name: the root's name for the root itself; its qualified name inside a
+    lone model; ``root.qualname`` when several models are recorded."""
+    if not qualname:
+        return root_name
+    return f"{root_name}.{qualname}" if prefixed else qualname
 
 
 def _alive(handle: RemovableHandle) -> bool:
