@@ -38,24 +38,35 @@ VALUES = ("seq", "dtype", "shape", "numel", *STAT_COLUMNS, *COUNT_COLUMNS, "segm
 
 TENSOR_METRICS = ("max_abs_error", "max_rel_error", "cosine", "mismatch_fraction")
 
+STATUSES = ("equal", "differs", "changed", "only_a", "only_b")
+
 TABLE_DTYPES: dict[str, str] = {
-    **{k: "int64" if k not in ("phase", "module", "kind", "slot") else "str" for k in KEYS},
+    **{k: "category" if k in ("phase", "module", "kind", "slot") else "int64" for k in KEYS},
     "seq": "int64",
-    "status": "str",
-    "exceeded": "str",
-    "dtype_a": "str",
-    "dtype_b": "str",
+    "status": "category",
+    "exceeded": "category",
+    "dtype_a": "category",
+    "dtype_b": "category",
     "shape_a": "str",
     "shape_b": "str",
     "norm_a": "float64",
     "norm_b": "float64",
-    **{f"d_{c}": "float64" for c in ("numel", *STAT_COLUMNS, *COUNT_COLUMNS)},
+    **{f"d_{c}": "float64" for c in (*STAT_COLUMNS, "numel", *COUNT_COLUMNS)},
     "rel_diff": "float64",
     **dict.fromkeys(TENSOR_METRICS, "float64"),
 }
-"""The diff table's columns and dtypes, the same in every chunk (``str`` is pandas' string)."""
+"""The diff table's columns and dtypes. ``exceeded`` names what is out of tolerance
+(statistics, ``tensor``, ``shape``, ``dtype``); ``rel_diff`` is the largest statistic
+difference relative to its scale (inf where the records do not pair up)."""
 
-_STAT_SCALE = {"mean": "rms", "std": "rms", "min": "rms", "max": "rms", "norm": "norm", "zero_fraction": "one"}
+_STAT_SCALE = {
+    "mean": "rms",
+    "std": "rms",
+    "min": "rms",
+    "max": "rms",
+    "norm": "norm",
+    "zero_fraction": "one",
+}
 _FLOAT8 = {
     "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
     "float8_e5m2": ml_dtypes.float8_e5m2,
@@ -70,7 +81,9 @@ def align(a: pd.DataFrame, b: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame
     ``in_a`` / ``in_b`` say which run has the record. Equal layouts skip the join."""
     keys = list(keys)
     for col in keys:
-        if isinstance(a[col].dtype, pd.CategoricalDtype) or isinstance(b[col].dtype, pd.CategoricalDtype):
+        if isinstance(a[col].dtype, pd.CategoricalDtype) or isinstance(
+            b[col].dtype, pd.CategoricalDtype
+        ):
             categories = pd.Index(a[col].astype("category").cat.categories).union(
                 b[col].astype("category").cat.categories
             )
@@ -80,7 +93,11 @@ def align(a: pd.DataFrame, b: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame
     values_b = b.drop(columns=keys).add_suffix("_b")
     if len(a) == len(b) and all(_same(a[c], b[c]) for c in keys):
         merged = pd.concat(
-            [a[keys].reset_index(drop=True), values_a.reset_index(drop=True), values_b.reset_index(drop=True)],
+            [
+                a[keys].reset_index(drop=True),
+                values_a.reset_index(drop=True),
+                values_b.reset_index(drop=True),
+            ],
             axis=1,
         )
         merged["in_a"] = True
@@ -99,15 +116,18 @@ def align(a: pd.DataFrame, b: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame
     return merged.drop(columns=[c for c in ("_side", "_n") if c in merged.columns])
 
 
-def compare(merged: pd.DataFrame, *, rtol: float, atol: float, tensors: TensorPair | None) -> pd.DataFrame:
+def compare(
+    merged: pd.DataFrame, *, rtol: float, atol: float, tensors: TensorPair | None
+) -> pd.DataFrame:
     """One row per aligned record, in the diff table's columns, in execution order."""
     n = len(merged)
     in_a = merged["in_a"].to_numpy(bool)
     in_b = merged["in_b"].to_numpy(bool)
     both = in_a & in_b
-    dtype_a, dtype_b = _strings(merged["dtype_a"]), _strings(merged["dtype_b"])
-    shape_a, shape_b = _strings(merged["shape_a"]), _strings(merged["shape_b"])
-    changed = both & ((dtype_a != dtype_b) | (shape_a != shape_b))
+    dtype_a, dtype_b = _objects(merged["dtype_a"]), _objects(merged["dtype_b"])
+    shapes_differ = (merged["shape_a"] != merged["shape_b"]).to_numpy(dtype=bool, na_value=True)
+    dtypes_differ = dtype_a != dtype_b
+    changed = both & (dtypes_differ | shapes_differ)
     comparable = both & ~changed
 
     def num(col: str) -> np.ndarray:
@@ -139,8 +159,9 @@ def compare(merged: pd.DataFrame, *, rtol: float, atol: float, tensors: TensorPa
     for mask in bad.values():
         stats_differ |= mask
     metrics = {m: np.full(n, np.nan) for m in TENSOR_METRICS}
-    full = comparable & (_strings(merged["tensor_key_a"]) != "") & (_strings(merged["tensor_key_b"]) != "")
-    full &= pd.notna(merged["tensor_key_a"]).to_numpy() & pd.notna(merged["tensor_key_b"]).to_numpy()
+    has_a = (merged["tensor_key_a"] != "").to_numpy(dtype=bool, na_value=False)
+    has_b = (merged["tensor_key_b"] != "").to_numpy(dtype=bool, na_value=False)
+    full = comparable & has_a & has_b
     if full.any() and tensors is not None:
         rows = np.flatnonzero(full)
         found = tensors.compare(merged.iloc[rows], rtol=rtol, atol=atol)
@@ -148,32 +169,33 @@ def compare(merged: pd.DataFrame, *, rtol: float, atol: float, tensors: TensorPa
             metrics[m][rows] = found[m]
         decided = rows[~np.isnan(found["mismatch_fraction"])]
         # full tensors decide exactly; statistics are only what they summarise
-        stats_differ[decided] = found["mismatch_fraction"][~np.isnan(found["mismatch_fraction"])] > 0
+        stats_differ[decided] = (
+            found["mismatch_fraction"][~np.isnan(found["mismatch_fraction"])] > 0
+        )
     differs = comparable & stats_differ
-    status = np.select(
-        [~in_b, ~in_a, changed, differs], ["only_a", "only_b", "changed", "differs"], default="equal"
-    )
+    code: np.ndarray = np.select([~in_b, ~in_a, changed, differs], [3, 4, 2, 1], default=0)
     rel = np.where(comparable, rel, np.inf)
     exceeded = np.full(n, "", dtype=object)
     for name in (*STAT_COLUMNS, "numel", *COUNT_COLUMNS):
         mark = differs & bad[name]
         exceeded[mark] = exceeded[mark] + f"{name},"
-    tensor_bad = differs & (metrics["mismatch_fraction"] > 0)
-    exceeded[tensor_bad] = "tensor," + exceeded[tensor_bad]
-    exceeded[changed] = np.where(shape_a[changed] != shape_b[changed], "shape,", "") + np.where(
-        dtype_a[changed] != dtype_b[changed], "dtype,", ""
-    )
-    seq = np.where(in_a, num("seq_a"), num("seq_b")).astype(np.int64)
+    mark = differs & (metrics["mismatch_fraction"] > 0)
+    exceeded[mark] = "tensor," + exceeded[mark]
+    exceeded[changed & shapes_differ] = "shape,"
+    exceeded[changed & dtypes_differ] = exceeded[changed & dtypes_differ] + "dtype,"
+    labels, codes = np.unique(exceeded, return_inverse=True)
     table = pd.DataFrame(
         {
-            **{k: merged[k].to_numpy() for k in KEYS if k in merged.columns},
-            "seq": seq,
-            "status": status,
-            "exceeded": [e.rstrip(",") for e in exceeded],
-            "dtype_a": dtype_a,
-            "dtype_b": dtype_b,
-            "shape_a": shape_a,
-            "shape_b": shape_b,
+            **{k: merged[k] for k in KEYS if k in merged.columns},
+            "seq": np.where(in_a, num("seq_a"), num("seq_b")).astype(np.int64),
+            "status": pd.Categorical.from_codes(code, categories=pd.Index(STATUSES)),
+            "exceeded": pd.Categorical.from_codes(
+                codes, categories=pd.Index([str(x).rstrip(",") for x in labels])
+            ),
+            "dtype_a": merged["dtype_a"],
+            "dtype_b": merged["dtype_b"],
+            "shape_a": merged["shape_a"],
+            "shape_b": merged["shape_b"],
             "norm_a": norm_a,
             "norm_b": norm_b,
             **out,
@@ -181,7 +203,7 @@ def compare(merged: pd.DataFrame, *, rtol: float, atol: float, tensors: TensorPa
             **metrics,
         }
     )
-    return table.astype({c: t for c, t in TABLE_DTYPES.items() if c in table.columns})
+    return table[list(TABLE_DTYPES)].astype(TABLE_DTYPES)
 
 
 class TensorPair:
@@ -194,7 +216,9 @@ class TensorPair:
 
     def compare(self, rows: pd.DataFrame, *, rtol: float, atol: float) -> dict[str, np.ndarray]:
         out = {m: np.full(len(rows), np.nan) for m in TENSOR_METRICS}
-        order = np.lexsort((_strings(rows["segment_b"]), _strings(rows["segment_a"])))
+        order = np.lexsort(
+            (_objects(rows["segment_b"]).astype(str), _objects(rows["segment_a"]).astype(str))
+        )
         for i in order:
             row = rows.iloc[i]
             x = self._load(0, str(row["segment_a"]), str(row["tensor_key_a"]))
@@ -268,6 +292,6 @@ def _same(x: pd.Series, y: pd.Series) -> bool:
     return bool(np.array_equal(x.to_numpy(), y.to_numpy()))
 
 
-def _strings(column: pd.Series) -> np.ndarray:
-    """A column as an object array of str, missing values as NaN (never equal to a str)."""
-    return np.asarray(column.astype("str").to_numpy(dtype=object, na_value=np.nan))
+def _objects(column: pd.Series) -> np.ndarray:
+    """A column as an object array (categoricals decoded through their categories)."""
+    return np.asarray(column.astype(object).to_numpy(), dtype=object)

@@ -1,0 +1,294 @@
+"""``hooktrace.diff``: where and when two runs first diverge, and how far apart they are.
+
+Never imports torch. Records align on (rank, step, micro_step, phase, module, call, kind,
+slot); ``hooktrace.analyze.diff_compare`` says what "equal within tolerance" means. "First" is
+execution order: the smallest (step, seq) of run A (seq of run B for records only B has).
+
+Memory stays bounded: both runs are read a few steps at a time (about ``chunk_rows`` records
+of each), and only what differs is kept. ``DiffResult.table`` holds the records that differ
+(``rows="differing"``, the default) or every aligned record (``rows="all"``, as large as the
+runs); give a ``sink`` to receive each chunk's rows instead of keeping them, as the CLI does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pandas as pd
+
+from hooktrace.analyze.diff_compare import (
+    KEYS,
+    TABLE_DTYPES,
+    VALUES,
+    TensorPair,
+    align,
+    compare,
+)
+from hooktrace.analyze.diff_result import Accumulator, DiffResult, Divergence, Structure
+from hooktrace.errors import ConfigError, HooktraceError
+from hooktrace.trace import schema
+from hooktrace.trace.reader import Trace, load
+
+__all__ = [
+    "DEFAULT_ATOL",
+    "DEFAULT_RTOL",
+    "DiffResult",
+    "Divergence",
+    "NothingToCompare",
+    "Structure",
+    "diff",
+]
+
+DEFAULT_RTOL = 1e-5
+DEFAULT_ATOL = 1e-8
+"""numpy.isclose's defaults; see diff_compare for what they are relative to."""
+
+Run = str | os.PathLike[str] | Trace
+StepFilter = str | tuple[int, int] | Iterable[int] | None
+"""``"0-10,20"``, an inclusive ``(first, last)`` pair, or step numbers."""
+
+
+class NothingToCompare(HooktraceError):
+    """The two runs (after the filters) share no step: there is nothing to compare."""
+
+
+def diff(
+    run_a: Run,
+    run_b: Run | None = None,
+    *,
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+    steps: StepFilter = None,
+    modules: str | Iterable[str] | None = None,
+    kinds: Iterable[str] | None = None,
+    ranks: Iterable[int] | None = None,
+    rank: int | None = None,
+    against_rank: int | None = None,
+    rows: Literal["differing", "all"] = "differing",
+    sink: Callable[[pd.DataFrame], None] | None = None,
+    stop_at_first: bool = False,
+    chunk_rows: int = 100_000,
+) -> DiffResult:
+    """Compare two runs record by record, in execution order.
+
+    ``modules`` is a regex searched in module names, or a list of exact names. ``rank`` with
+    ``against_rank`` compares one rank against another (of ``run_b``, or of ``run_a`` itself
+    when ``run_b`` is None): data-parallel ranks must hold equal parameters after every step.
+    ``stop_at_first`` stops reading after the chunk holding the first divergence.
+
+    Raises :class:`NothingToCompare` when the runs share no step, ``ConfigError`` on bad options
+    and ``TraceError`` when a run cannot be read.
+    """
+    if not (rtol >= 0 and atol >= 0):
+        raise ConfigError(f"rtol and atol must be 0 or more (got rtol={rtol}, atol={atol})")
+    if rows not in ("differing", "all"):
+        raise ConfigError(f"rows must be 'differing' or 'all' (got {rows!r})")
+    if against_rank is not None and ranks is not None:
+        raise ConfigError("give either ranks or rank/against_rank, not both")
+    if run_b is None and against_rank is None:
+        raise ConfigError(
+            "give a second run to compare with, or against_rank to compare two ranks of one run"
+        )
+    kinds = _kinds(kinds)
+    trace_a = run_a if isinstance(run_a, Trace) else load(run_a)
+    trace_b = trace_a if run_b is None else (run_b if isinstance(run_b, Trace) else load(run_b))
+    pair = against_rank is not None
+    ranks_a = [rank or 0] if pair else (None if ranks is None else [int(r) for r in ranks])
+    ranks_b = [int(against_rank)] if pair else ranks_a  # type: ignore[arg-type]
+    in_range = _step_predicate(steps)
+
+    plan_a = _plan(trace_a, "A", ranks_a, kinds, modules, in_range)
+    plan_b = _plan(trace_b, "B", ranks_b, kinds, modules, in_range)
+    names = sorted(set(plan_a.names) | set(plan_b.names)) if modules is not None else None
+    common = sorted(set(plan_a.counts.index) & set(plan_b.counts.index))
+    span_a, span_b = _span(plan_a.counts), _span(plan_b.counts)
+    if not common:
+        raise NothingToCompare(
+            f"the runs share no recorded step (run A: steps {span_a[0]}–{span_a[1]}, run B: steps "
+            f"{span_b[0]}–{span_b[1]}): nothing to compare; give runs that overlap, or other --steps"
+        )
+    size = plan_a.counts.reindex(common).to_numpy() + plan_b.counts.reindex(common).to_numpy()
+    keys = [k for k in KEYS if k != "rank"] if pair else list(KEYS)
+    acc = Accumulator(last_step=common[-1])
+    kept: list[pd.DataFrame] = []
+    tensors = TensorPair(trace_a.path, trace_b.path)
+    try:
+        for chunk in _chunks(common, size, max(1, chunk_rows) * 2):
+            frames = []
+            for trace, side_ranks in ((trace_a, ranks_a), (trace_b, ranks_b)):
+                frame = trace.query(
+                    columns=[*KEYS, *VALUES], steps=(chunk[0], chunk[-1]), modules=names,
+                    kinds=kinds, ranks=side_ranks,
+                )  # fmt: skip
+                if len(chunk) != chunk[-1] - chunk[0] + 1:
+                    frame = frame[frame["step"].isin(chunk)]
+                frames.append(frame.drop(columns="rank") if pair else frame)
+            merged = align(frames[0], frames[1], keys)
+            del frames
+            if pair:
+                merged.insert(0, "rank", rank or 0)
+            part = compare(merged, rtol=rtol, atol=atol, tensors=tensors)
+            acc.add(part, merged)
+            del merged
+            keep = part if rows == "all" else part[part["status"] != "equal"]
+            keep = keep.sort_values(["step", "seq", "rank"], kind="stable")
+            if sink is not None:
+                sink(keep.reset_index(drop=True))
+            else:
+                kept.append(keep)
+            if stop_at_first and acc.first is not None:
+                acc.stopped_at = int(chunk[-1])
+                break
+    finally:
+        tensors.close()
+
+    notes = _notes(trace_a, trace_b, span_a, span_b, common, plan_a, plan_b, acc.stopped_at)
+    empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
+    table = pd.concat([empty, *kept], ignore_index=True).astype(TABLE_DTYPES)
+    return DiffResult(
+        run_a=trace_a.path, run_b=trace_b.path, rtol=rtol, atol=atol, first=acc.first,
+        table=table, structure=acc.structure(plan_a.counts.index, plan_b.counts.index, common),
+        modules=acc.module_table(), steps_a=span_a, steps_b=span_b, steps=len(common),
+        first_step=common[0], last_step=common[-1], records=acc.records, differing=acc.differing,
+        complete=acc.stopped_at is None, ranks=(rank or 0, against_rank) if pair else (None, None),
+        notes=notes,
+    )  # fmt: skip
+
+
+@dataclass
+class _Plan:
+    counts: pd.Series  # records per step, indexed by step
+    names: list[str]  # modules matching the module filter
+
+
+def _plan(
+    trace: Trace,
+    side: str,
+    ranks: list[int] | None,
+    kinds: list[str] | None,
+    modules: str | Iterable[str] | None,
+    in_range: Callable[[pd.Series], pd.Series],
+) -> _Plan:
+    """Read only the step (and module) column to learn which steps hold how many records."""
+    names: list[str] | None = None
+    if isinstance(modules, str):
+        try:
+            pattern = re.compile(modules)
+        except re.error as exc:
+            raise ConfigError(
+                f"bad module pattern {modules!r}: {exc}; write a Python regex such as 'blocks\\.0'"
+            ) from exc
+        found = (
+            trace.query(columns=["module"], kinds=kinds, ranks=ranks)["module"]
+            .astype("str")
+            .unique()
+        )
+        names = [str(m) for m in found if pattern.search(str(m))]
+    elif modules is not None:
+        names = [str(m) for m in modules]
+    if ranks is not None and not set(ranks) & set(trace.ranks):
+        raise NothingToCompare(
+            f"run {side} ({trace.path}) has no rank {', '.join(map(str, ranks))}: its ranks are "
+            f"{', '.join(map(str, trace.ranks))}"
+        )
+    frame = trace.query(columns=["step"], modules=names, kinds=kinds, ranks=ranks)
+    frame = frame[in_range(frame["step"])]
+    if frame.empty:
+        raise NothingToCompare(
+            f"run {side} ({trace.path}) has no records that match the filters (modules, kinds, "
+            "ranks, steps): loosen them"
+        )
+    return _Plan(frame.groupby("step").size(), names or [])
+
+
+def _chunks(steps: list[int], sizes: Any, budget: int) -> Iterable[list[int]]:
+    chunk: list[int] = []
+    total = 0
+    for step, n in zip(steps, sizes, strict=True):
+        chunk.append(step)
+        total += int(n)
+        if total >= budget:
+            yield chunk
+            chunk, total = [], 0
+    if chunk:
+        yield chunk
+
+
+def _kinds(kinds: Iterable[str] | None) -> list[str] | None:
+    if kinds is None:
+        return None
+    chosen = [str(k) for k in kinds]
+    unknown = sorted(set(chosen) - set(schema.KINDS))
+    if unknown:
+        raise ConfigError(
+            f"unknown kind(s) {', '.join(unknown)}: choose from {', '.join(schema.KINDS)}"
+        )
+    return chosen
+
+
+def _step_predicate(spec: StepFilter) -> Callable[[pd.Series], pd.Series]:
+    if spec is None:
+        return lambda s: s == s
+    ranges: list[tuple[float, float]] = []
+    if isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(v, int) for v in spec):
+        ranges.append((spec[0], spec[1]))
+    elif isinstance(spec, str):
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            first, dash, last = part.partition("-")
+            try:
+                lo = int(first)
+                hi = (float("inf") if not last.strip() else int(last)) if dash else lo
+            except ValueError:
+                raise ConfigError(
+                    f"bad step range {part!r}: write steps as '5', '0-10' or '100-'"
+                ) from None
+            ranges.append((lo, hi))
+    else:
+        ranges.extend((int(s), int(s)) for s in spec)
+
+    def predicate(steps: pd.Series) -> pd.Series:
+        mask = steps != steps
+        for lo, hi in ranges:
+            mask |= (steps >= lo) & (steps <= hi)
+        return mask
+
+    return predicate
+
+
+def _span(counts: pd.Series) -> tuple[int, int]:
+    return int(counts.index.min()), int(counts.index.max())
+
+
+def _notes(
+    a: Trace, b: Trace, span_a: tuple[int, int], span_b: tuple[int, int], common: list[int],
+    plan_a: _Plan, plan_b: _Plan, stopped_at: int | None,
+) -> list[str]:  # fmt: skip
+    notes = []
+    for side, trace in (("A", a), ("B", b)):
+        if trace.status != schema.STATUS_COMPLETE:
+            notes.append(
+                f"run {side} is {trace.status}: compared what it holds (`hooktrace check {trace.path}`)"
+            )
+        if trace.skipped:
+            notes.append(f"run {side} has {len(trace.skipped)} unreadable file(s), left out")
+        if b is a:
+            break
+    if span_a != span_b:
+        notes.append(
+            f"compared the overlap, steps {common[0]}–{common[-1]}: run A has steps {span_a[0]}–{span_a[1]}, "
+            f"run B {span_b[0]}–{span_b[1]}"
+        )
+    only = len(plan_a.counts) + len(plan_b.counts) - 2 * len(common)
+    if only:
+        notes.append(
+            f"{only} step(s) recorded by one run only were not compared (see .structure.steps_only_a/_b)"
+        )
+    if stopped_at is not None:
+        notes.append(
+            f"stopped at the first divergence: table and modules cover steps up to {stopped_at} only"
+        )
+    return notes
