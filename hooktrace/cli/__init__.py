@@ -21,6 +21,7 @@ from hooktrace.cli.common import fail
 COMMANDS = {
     "summary": "hooktrace.cli.summary:summary",
     "check": "hooktrace.cli.check:check",
+    "diff": "hooktrace.cli.diff:diff",
 }
 
 

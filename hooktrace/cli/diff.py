@@ -1,0 +1,260 @@
+"""``hooktrace diff RUN_A RUN_B``: exit 0 when the runs match, 1 when they differ, 2 on error."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import click
+
+from hooktrace.cli.common import CommandError, library_errors, output_options
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from hooktrace.analyze.diff import DiffResult
+
+# the library's DEFAULT_RTOL / DEFAULT_ATOL, repeated so that `hooktrace --help` needs no pandas
+RTOL = 1e-5
+ATOL = 1e-8
+
+
+@click.command()
+@click.argument("run_a", type=click.Path(path_type=Path))
+@click.argument("run_b", type=click.Path(path_type=Path), required=False)
+@click.option("--rtol", type=float, default=RTOL, show_default=True, help="Relative tolerance.")
+@click.option("--atol", type=float, default=ATOL, show_default=True, help="Absolute tolerance.")
+@click.option("--steps", help="Only these steps: '0-10,20', '100-'.")
+@click.option("--modules", help="Only modules whose name matches this regex.")
+@click.option("--kinds", help="Only these kinds, comma-separated: output,grad_output,param,...")
+@click.option("--ranks", help="Only these ranks, comma-separated.")
+@click.option("--rank", type=int, help="With --against-rank: the rank of RUN_A to compare.")
+@click.option(
+    "--against-rank",
+    type=int,
+    help="Compare --rank (default 0) with this rank of RUN_B, or of RUN_A.",
+)
+@click.option(
+    "--top", type=click.IntRange(min=0), default=10, show_default=True, help="Modules to list."
+)
+@click.option(
+    "--all",
+    "all_rows",
+    is_flag=True,
+    help="csv/json/parquet: every aligned record, equal ones too.",
+)
+@click.option(
+    "--stop-at-first", is_flag=True, help="Stop reading at the first divergence (faster)."
+)
+@output_options
+@library_errors
+def diff(
+    run_a: Path,
+    run_b: Path | None,
+    rtol: float,
+    atol: float,
+    steps: str | None,
+    modules: str | None,
+    kinds: str | None,
+    ranks: str | None,
+    rank: int | None,
+    against_rank: int | None,
+    top: int,
+    all_rows: bool,
+    stop_at_first: bool,
+    fmt: str,
+    output: Path | None,
+) -> None:
+    """Where and when RUN_A and RUN_B first diverge, in execution order, and how far apart
+    they are at the last step both recorded.
+
+    Records align on (rank, step, micro-step, phase, module, call, kind, slot); a record
+    matches when each statistic is within atol + rtol x its scale (full tensors, where both
+    runs saved them, decide element by element). Exits 0 when the runs match, 1 when they
+    differ, 2 on error: it can guard numerics in CI. --format csv/json/parquet writes the
+    records that differ (--all: every record).
+
+    \b
+    Example:
+      hooktrace diff runs/before runs/after --rtol 1e-4
+      hooktrace diff runs/ddp --rank 0 --against-rank 1 --kinds param
+    """
+    from hooktrace.analyze.diff import diff as diff_runs
+
+    if run_b is None and against_rank is None:
+        raise CommandError("give RUN_B, or --against-rank R to compare two ranks of RUN_A")
+    if rank is not None and against_rank is None:
+        raise CommandError("--rank goes with --against-rank: give both, or use --ranks to filter")
+    if fmt == "parquet" and output is None:
+        raise CommandError("--format parquet writes a binary file: give --output FILE.parquet")
+    writer = None if fmt == "table" else _TableWriter(fmt, output)
+    try:
+        result = diff_runs(
+            run_a,
+            run_b,
+            rtol=rtol,
+            atol=atol,
+            steps=steps,
+            modules=modules,
+            kinds=_split(kinds, str, "--kinds"),
+            ranks=_split(ranks, int, "--ranks"),
+            rank=rank,
+            against_rank=against_rank,
+            rows="all" if all_rows else "differing",
+            sink=writer.write if writer is not None else lambda frame: None,
+            stop_at_first=stop_at_first,
+        )
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:
+        text = render(result, top=top)
+        if output is None:
+            click.echo(text, nl=False)
+        else:
+            output.write_text(text)
+    sys.exit(0 if result.match else 1)
+
+
+def render(result: DiffResult, *, top: int = 10) -> str:
+    """The human report: verdict, first divergence, structure, the modules that differ most."""
+    r = result
+    label = f"{r.run_a} vs {r.run_b}"
+    if r.ranks[1] is not None:
+        other = "" if r.run_b == r.run_a else f"{r.run_b} "
+        label = f"{r.run_a} rank {r.ranks[0]} vs {other}rank {r.ranks[1]}"
+    span = f"{r.steps} step{'s' if r.steps != 1 else ''} ({r.first_step}–{r.last_step})"
+    tolerance = f"rtol {r.rtol:g}, atol {r.atol:g}"
+    if r.match:
+        lines = [f"MATCH  {label}: {r.records:,} records over {span} agree ({tolerance})"]
+    else:
+        s = r.structure
+        lines = [
+            f"DIFFER  {label} ({tolerance})",
+            f"compared {r.records:,} records over {span}: {r.differing:,} differ"
+            + (f" ({s.records_only_a:,} only in A, {s.records_only_b:,} only in B, {len(s.changed)} changed)"
+               if s.differs else ""),
+        ]  # fmt: skip
+    if r.first is not None:
+        lines.append(f"first divergence: {r.first.describe()}")
+        for name, (a, b) in r.first.values.items():
+            lines.append(f"    {name:<14} A {_num(a):>14}   B {_num(b):>14}" + _delta(a, b))
+        if r.first.errors:
+            e = r.first.errors
+            lines.append(
+                f"    full tensor    max abs error {_num(e.get('max_abs_error'))}, max rel error "
+                f"{_num(e.get('max_rel_error'))}, cosine {_num(e.get('cosine'))}, "
+                f"{100 * e.get('mismatch_fraction', 0):.3g}% of elements out of tolerance"
+            )
+    structure = r.structure.lines()
+    if structure:
+        lines.append("structure:")
+        lines += [f"  {line}" for line in structure]
+    modules = r.modules
+    if top and not modules.empty and modules["last_differing"].fillna(0).gt(0).any():
+        lines.append(f"modules that differ most at step {r.last_step} (the last common step):")
+        lines.append(
+            f"  {'module':<36} {'differing':>9} {'rel diff':>10} {'max abs err':>12} {'since step':>10}"
+        )
+        shown = modules[modules["last_differing"].fillna(0) > 0].head(top)
+        for row in shown.to_dict("records"):
+            lines.append(
+                f"  {_cut(str(row['module']), 36):<36} {int(row['last_differing']):>9} "
+                f"{_num(row['last_rel_diff']):>10} {_num(row['last_max_abs_error']):>12} "
+                f"{_num(row['first_step']):>10}"
+            )
+    elif not r.match and r.complete:
+        lines.append(f"no module differs at step {r.last_step}, the last common step")
+    lines += [f"note: {note}" for note in r.notes]
+    return "\n".join(lines) + "\n"
+
+
+class _TableWriter:
+    """Writes the diff table chunk by chunk, so memory stays bounded however long the runs."""
+
+    def __init__(self, fmt: str, output: Path | None) -> None:
+        self.fmt = fmt
+        self.output = output
+        self.stream: IO[str] | None = None
+        self.parquet: Any = None
+        self.chunks = 0
+
+    def write(self, frame: pd.DataFrame) -> None:
+        if self.fmt == "parquet":
+            self._write_parquet(frame)
+        elif self.fmt == "csv":
+            self._text(frame.to_csv(index=False, header=self.chunks == 0))
+        elif len(frame):  # json: one array, one record per line
+            records = frame.to_json(orient="records", lines=True).strip().replace("\n", ",\n")
+            self._text(("[\n" if self.chunks == 0 else ",\n") + records)
+        else:
+            return
+        self.chunks += 1
+
+    def close(self) -> None:
+        if self.fmt == "json":
+            self._text("\n]\n" if self.chunks else "[]\n")
+        if self.fmt == "parquet" and self.parquet is None:
+            import pandas as pd
+
+            from hooktrace.analyze.diff_compare import TABLE_DTYPES
+
+            self._write_parquet(
+                pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
+            )
+        if self.parquet is not None:
+            self.parquet.close()
+        if self.stream is not None and self.output is not None:
+            self.stream.close()
+
+    def _text(self, text: str) -> None:
+        if self.output is None:
+            click.echo(text, nl=False)
+            return
+        if self.stream is None:
+            self.stream = self.output.open("w")
+        self.stream.write(text)
+
+    def _write_parquet(self, frame: pd.DataFrame) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        from hooktrace.analyze.diff_compare import TABLE_DTYPES
+
+        types = {"int64": pa.int64(), "float64": pa.float64()}
+        schema = pa.schema([(c, types.get(t, pa.string())) for c, t in TABLE_DTYPES.items()])
+        if self.parquet is None:
+            assert self.output is not None
+            self.parquet = pq.ParquetWriter(self.output, schema)
+        self.parquet.write_table(pa.Table.from_pandas(frame, preserve_index=False).cast(schema))
+
+
+def _split(text: str | None, kind: Callable[[str], Any], option: str) -> list[Any] | None:
+    if text is None:
+        return None
+    try:
+        return [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise CommandError(
+            f"bad {option} {text!r}: give a comma-separated list such as 0,1"
+        ) from None
+
+
+def _num(value: Any) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def _delta(a: Any, b: Any) -> str:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return f"   (B - A {b - a:+.3g})"
+    return ""
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else "…" + text[-(width - 1) :]
