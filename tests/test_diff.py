@@ -1,0 +1,227 @@
+"""``hooktrace.diff`` on pairs of real recordings with planted differences."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from diff_runs import Net, perturb_weight, scale_grad_from, scale_on_from, train
+
+import hooktrace
+from hooktrace.analyze.diff import DEFAULT_ATOL, DEFAULT_RTOL, NothingToCompare
+from hooktrace.errors import ConfigError, TraceNotFound
+from hooktrace.trace.schema import GRAD_KINDS
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def base(runs: Path) -> Path:
+    return train(runs / "base")
+
+
+def test_same_seed_matches(base: Path, tmp_path: Path) -> None:
+    result = hooktrace.diff(base, train(tmp_path / "again"))
+    assert result.match and result.first is None
+    assert result.differing == 0 and result.table.empty
+    assert result.records == len(hooktrace.load(base).records)
+    assert (result.steps, result.first_step, result.last_step) == (4, 0, 3)
+    assert not result.structure.differs and result.notes == []
+    assert "match over steps 0–3" in repr(result)
+
+
+@pytest.mark.parametrize("module", ["fc1", "fc2"])
+def test_perturbed_weight_diverges_first_at_that_module(
+    base: Path, tmp_path: Path, module: str
+) -> None:
+    result = hooktrace.diff(base, train(tmp_path / "b", before_step=perturb_weight(module, 2)))
+    first = result.first
+    assert first is not None and not result.match
+    assert (first.step, first.module, first.slot) == (2, module, "weight")
+    assert first.kind == "param" and first.kind not in GRAD_KINDS and first.pass_name == "forward"
+    assert first.values and all(a != b for a, b in first.values.values())
+    assert result.table["step"].min() == 2  # nothing differs before
+    assert list(result.table.iloc[0][["step", "module", "kind"]]) == [2, module, "param"]
+
+
+def test_changed_op_diverges_at_its_output(base: Path, tmp_path: Path) -> None:
+    result = hooktrace.diff(base, train(tmp_path / "b", before_step=scale_on_from(2)))
+    first = result.first
+    assert first is not None
+    assert (first.step, first.module, first.kind, first.pass_name) == (
+        2,
+        "scale",
+        "output",
+        "forward",
+    )
+    a, b = first.values["mean"]
+    assert b == pytest.approx(a * 1.001, rel=1e-5)
+
+
+def test_data_order_diverges_at_step_0_first_module(base: Path, tmp_path: Path) -> None:
+    result = hooktrace.diff(base, train(tmp_path / "b", reverse_data=True))
+    step0 = hooktrace.load(base).query(steps=[0])
+    expected = step0[step0["kind"] != "param"].iloc[0]  # same initial parameters
+    first = result.first
+    assert first is not None
+    assert (first.step, first.module, first.kind) == (0, expected["module"], expected["kind"])
+    assert (first.module, first.kind) == ("fc1", "output")
+
+
+def test_gradient_only_change_diverges_in_the_backward_pass(base: Path, tmp_path: Path) -> None:
+    result = hooktrace.diff(base, train(tmp_path / "b", before_step=scale_grad_from(1)))
+    first = result.first
+    assert first is not None and first.pass_name == "backward"
+    assert (first.step, first.module, first.kind, first.slot) == (1, "fc2", "grad_param", "weight")
+    assert first.values["norm"][1] == pytest.approx(2 * first.values["norm"][0], rel=1e-6)
+    at_step_1 = result.table[result.table["step"] == 1]
+    assert set(at_step_1["kind"].astype(str)) <= set(GRAD_KINDS)  # the forward is unchanged
+
+
+def test_different_architectures_list_structure(base: Path, tmp_path: Path) -> None:
+    result = hooktrace.diff(base, train(tmp_path / "b", hidden=16, extra=True))
+    s = result.structure
+    assert not result.match and s.differs
+    assert s.modules_only_b == ["extra"] and s.modules_only_a == []
+    changed = s.changed.set_index(["module", "kind", "slot"])
+    assert changed.loc[("fc1", "output", "0"), "shape_a"] == "6,8"
+    assert changed.loc[("fc1", "output", "0"), "shape_b"] == "6,16"
+    assert changed.loc[("fc1", "param", "weight"), "step"] == 0
+    assert s.records_only_b == len(hooktrace.load(tmp_path / "b").query(modules=["extra"]))
+    assert result.first is not None and result.first.status == "changed"
+    assert any("modules only in run B (1): extra" in line for line in s.lines())
+
+
+def test_step_ranges_compared_over_overlap(base: Path, tmp_path: Path) -> None:
+    result = hooktrace.diff(base, train(tmp_path / "short", n_steps=2))
+    assert result.match and (result.steps_a, result.steps_b) == ((0, 3), (0, 1))
+    assert (result.first_step, result.last_step) == (0, 1)
+    assert any("compared the overlap, steps 0–1" in note for note in result.notes)
+    sampled = hooktrace.diff(base, train(tmp_path / "every2", every=2))
+    assert sampled.match and sampled.steps == 2 and sampled.structure.steps_only_a == [1, 3]
+
+
+def test_statistics_match_an_independent_computation(base: Path, tmp_path: Path) -> None:
+    other = train(tmp_path / "b", before_step=scale_on_from(1))
+    table = hooktrace.diff(base, other, rows="all").table
+    a, b = hooktrace.load(base).records, hooktrace.load(other).records
+    keys = ["rank", "step", "micro_step", "phase", "module", "call", "kind", "slot"]
+    joined = a.merge(b, on=keys, suffixes=("_a", "_b")).astype({k: str for k in keys})
+    expected = joined.set_index(keys)["norm_b"] - joined.set_index(keys)["norm_a"]
+    got = table.astype({k: str for k in keys}).set_index(keys)["d_norm"]
+    assert len(table) == len(a) == len(b)
+    pd.testing.assert_series_equal(got.sort_index(), expected.sort_index(), check_names=False)
+    rtol = DEFAULT_RTOL
+    differs = table["status"] == "differs"
+    assert (table.loc[differs, "step"] >= 1).all() and differs.sum() > 0
+    assert (
+        table.loc[~differs, "d_norm"].abs() <= DEFAULT_ATOL + rtol * table.loc[~differs, "norm_a"]
+    ).all()
+
+
+def test_full_tensors_decide_exactly(base: Path, tmp_path: Path) -> None:
+    def swap(step: int, model: Net) -> None:
+        if step == 1:
+            with torch.no_grad():
+                w = model.fc1.weight
+                w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
+
+    a = train(tmp_path / "a", full_every=1)
+    b = train(tmp_path / "b", full_every=1, before_step=swap)
+    first = hooktrace.diff(a, b).first
+    assert first is not None and (first.step, first.module, first.kind) == (1, "fc1", "param")
+    wa = hooktrace.load(a).tensor("fc1", "param", step=1, slot="weight").astype(np.float64)
+    wb = hooktrace.load(b).tensor("fc1", "param", step=1, slot="weight").astype(np.float64)
+    assert first.errors["mismatch_fraction"] == pytest.approx(2 / wa.size)
+    assert first.errors["max_abs_error"] == pytest.approx(np.abs(wa - wb).max())
+    cosine = (wa * wb).sum() / np.linalg.norm(wa) / np.linalg.norm(wb)
+    assert first.errors["cosine"] == pytest.approx(cosine)
+    # statistics cannot see a swap: without full tensors the first divergence is downstream
+    stats_only = hooktrace.diff(train(tmp_path / "c"), train(tmp_path / "d", before_step=swap))
+    assert stats_only.first is not None
+    assert (stats_only.first.step, stats_only.first.module, stats_only.first.kind) == (
+        1,
+        "fc1",
+        "output",
+    )
+    assert hooktrace.diff(a, b, atol=10.0).match
+
+
+def test_nan_in_both_runs_is_no_divergence(tmp_path: Path) -> None:
+    def poison(step: int, model: Net) -> None:
+        model.scale.factor = float("nan")
+        model.scale.on = step >= 1
+
+    a = train(tmp_path / "a", before_step=poison)
+    assert hooktrace.load(a).records["nan_count"].sum() > 0
+    assert hooktrace.diff(a, train(tmp_path / "b", before_step=poison)).match
+    only_b = hooktrace.diff(train(tmp_path / "c"), a)
+    first = only_b.first
+    assert first is not None and (first.step, first.module, first.kind) == (1, "scale", "output")
+    assert "nan_count" in first.values
+
+
+def test_chunks_give_the_same_answer(base: Path, tmp_path: Path) -> None:
+    other = train(tmp_path / "b", before_step=scale_on_from(2))
+    whole = hooktrace.diff(base, other, rows="all")
+    chunked = hooktrace.diff(base, other, rows="all", chunk_rows=1)
+    pd.testing.assert_frame_equal(whole.table, chunked.table)
+    assert whole.first == chunked.first
+    pd.testing.assert_frame_equal(whole.modules, chunked.modules)
+    seen: list[int] = []
+    streamed = hooktrace.diff(base, other, chunk_rows=1, sink=lambda frame: seen.append(len(frame)))
+    assert streamed.table.empty and sum(seen) == whole.differing and len(seen) == 4
+    early = hooktrace.diff(base, other, chunk_rows=1, stop_at_first=True)
+    assert early.first == whole.first and not early.complete and early.records < whole.records
+
+
+def test_filters(base: Path, tmp_path: Path) -> None:
+    other = train(tmp_path / "b", before_step=perturb_weight("fc1", 1))
+    grads = hooktrace.diff(base, other, kinds=["grad_output", "grad_param"])
+    assert grads.first is not None and grads.first.kind == "grad_output" and grads.first.step == 1
+    fc2 = hooktrace.diff(base, other, modules="^fc2$")
+    assert set(fc2.table["module"].astype(str)) == {"fc2"}
+    assert fc2.first is not None and (fc2.first.module, fc2.first.kind) == ("fc2", "output")
+    later = hooktrace.diff(base, other, steps="3-")
+    assert (later.first_step, later.steps) == (3, 1)
+    assert hooktrace.diff(base, other, steps=(0, 0)).match
+
+
+def test_ranks_of_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "ddp"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        train(run, before_step=perturb_weight("fc2", 3) if rank == 1 else None)
+    result = hooktrace.diff(run, rank=0, against_rank=1)
+    assert result.ranks == (0, 1) and not result.match
+    first = result.first
+    assert first is not None and (first.step, first.module, first.kind) == (3, "fc2", "param")
+    assert hooktrace.diff(run, run, ranks=[1]).match
+    assert hooktrace.diff(run, run, rank=0, against_rank=1, steps="0-2").match
+    with pytest.raises(NothingToCompare, match="no rank 5"):
+        hooktrace.diff(run, rank=0, against_rank=5)
+
+
+def test_errors(base: Path, tmp_path: Path) -> None:
+    with pytest.raises(TraceNotFound):
+        hooktrace.diff(base, tmp_path / "missing")
+    with pytest.raises(NothingToCompare, match="no records that match"):
+        hooktrace.diff(base, base, steps="100-")
+    with pytest.raises(ConfigError, match="unknown kind"):
+        hooktrace.diff(base, base, kinds=["outputs"])
+    with pytest.raises(ConfigError, match="rtol"):
+        hooktrace.diff(base, base, rtol=-1)
+    with pytest.raises(ConfigError, match="bad module pattern"):
+        hooktrace.diff(base, base, modules="(")
+    with pytest.raises(ConfigError, match="second run"):
+        hooktrace.diff(base)
+    late = train(tmp_path / "late", steps="2-3")
+    with pytest.raises(NothingToCompare, match="share no recorded step"):
+        hooktrace.diff(train(tmp_path / "early", steps="0-1"), late)
