@@ -19,6 +19,7 @@ from hooktrace.cli.common import fail
 
 # command name -> "module:attribute" (modules under hooktrace.cli)
 COMMANDS = {
+    "record": "hooktrace.cli.record:record",
     "summary": "hooktrace.cli.summary:summary",
     "check": "hooktrace.cli.check:check",
     "diff": "hooktrace.cli.diff:diff",
@@ -54,15 +55,23 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> Any:
-    """Entry point: library errors are one line and exit 2; so is anything unexpected."""
+    """Entry point. Every error is one line on stderr and exit code 2: usage errors, the
+    library's own errors, and anything unexpected (HOOKTRACE_DEBUG=1 shows the traceback)."""
     try:
-        return cli.main(args=argv, prog_name="hooktrace", standalone_mode=True)
-    except (Exception, SystemExit) as exc:
-        if isinstance(exc, SystemExit):
-            raise
+        code = cli.main(args=argv, prog_name="hooktrace", standalone_mode=False)
+    except click.UsageError as exc:
+        where = exc.ctx.command_path if exc.ctx is not None else "hooktrace"
+        fail(f"{exc.format_message()} (see `{where} --help`)")
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        fail("aborted")
+    except Exception as exc:
         if os.environ.get("HOOKTRACE_DEBUG"):
             raise
         fail(f"internal error: {type(exc).__name__}: {exc} (set HOOKTRACE_DEBUG=1 to see where)")
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -235,27 +235,44 @@ class Recorder:
     def _install(self) -> None:
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
 
-    def _add_root(self, root_name: str, root: nn.Module, *, prefixed: bool) -> None:
+    def _add_root(self, root_name: str, root: nn.Module, *, prefixed: bool) -> nn.Module:
         """Name a root model's modules and parameters, and hook the modules selected.
 
-        Modules already named (shared with an earlier root) keep their first name.
+        Wrappers are looked through: DistributedDataParallel's ``module.`` and torch.compile's
+        ``_orig_mod.`` never appear in names. A compiled model is hooked on the outside only
+        (hooks inside a compiled graph would change it), with its parameters under its name.
+        Modules already named (shared with an earlier root) keep their first name. Returns
+        the module that was hooked as the root.
         """
+        inner, compiled = unwrap(root)
+        hooked = root if compiled else inner
+        if compiled:
+            warnings.warn(
+                f"hooktrace: {root_name} runs under torch.compile: its outputs, gradients and "
+                "parameters are recorded, its submodules are not (hooks inside a compiled graph "
+                "would change it). Run with TORCHDYNAMO_DISABLE=1 to record every module.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._known.update(id(m) for m in root.modules() if m is not root)
         new: dict[str, nn.Module] = {}
-        for qualname, module in root.named_modules():
+        for qualname, module in hooked.named_modules():
             if id(module) in self._known:
                 continue
             self._known.add(id(module))
             name = _qualified(root_name, qualname, prefixed)
             if self._include(name) and not self._skip(name):
                 new[name] = module
-        self.roots[root_name] = root
+        self.roots[root_name] = hooked
         self._modules.update(new)
         self._full_modules.update(name for name in new if self._full_match(name))
-        for qualname, param in root.named_parameters():
+        for qualname, param in inner.named_parameters():
             if id(param) in self._param_ids:
                 continue
             self._param_ids.add(id(param))
             owner, _, slot = qualname.rpartition(".")
+            if compiled:
+                owner, slot = "", qualname
             module_name = _qualified(root_name, owner, prefixed)
             if module_name in new:
                 self._param_entries.append((module_name, slot, param))
@@ -270,9 +287,10 @@ class Recorder:
             )
         # the root's phase is set before any other pre-hook, and its depth is left after its
         # own output was recorded, so the root's records carry the root's phase
-        self._handles.append(root.register_forward_pre_hook(self._root_enter, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_exit, always_call=True))
+        self._handles.append(hooked.register_forward_pre_hook(self._root_enter, prepend=True))
+        self._handles.append(hooked.register_forward_hook(self._root_exit, always_call=True))
         self._writer.add_modules(self._module_rows(root_name, new))
+        return hooked
 
     def _forward_hook(self, name: str, channels_first: bool) -> Callable[..., None]:
         def hook(
@@ -553,6 +571,11 @@ class Recorder:
 
     def _submit(self) -> None:
         pending = self._pending
+        # a signal can land between a hook's two appends: keep only whole records
+        whole = min(len(pending.meta), len(pending.stats))
+        del pending.meta[whole:], pending.stats[whole:]
+        pending.activity = [(row, counts) for row, counts in pending.activity if row < whole]
+        pending.tensors = [item for item in pending.tensors if item[0] < whole]
         pending.micro_steps = self.micro_step
         pending.end_time = time.time()
         pending.nbytes += 96 * len(pending.meta)
@@ -626,8 +649,12 @@ class Recorder:
                     "module": name,
                     "type": f"{type(module).__module__}.{type(module).__qualname__}",
                     "root": root_name,
-                    "parent": parent if parent in self._modules else ("" if name == root_name else root_name),
-                    "depth": 0 if name == root_name else name.count(".") + (0 if name.startswith(root_name + ".") else 1),
+                    "parent": parent
+                    if parent in self._modules
+                    else ("" if name == root_name else root_name),
+                    "depth": 0
+                    if name == root_name
+                    else name.count(".") + (0 if name.startswith(root_name + ".") else 1),
                     "parameters": sum(p.numel() for p in module.parameters()),
                     "first_step": self.current_step,
                 }
@@ -638,13 +665,13 @@ class Recorder:
 def _name_roots(models: Models) -> dict[str, nn.Module]:
     """Root names: a lone model is named by its class; several are named by key or class."""
     if isinstance(models, nn.Module):
-        return {type(models).__name__: models}
+        return {type(unwrap(models)[0]).__name__: models}
     if isinstance(models, Mapping):
         roots = dict(models)
     else:
         roots = {}
         for model in models:
-            base = type(model).__name__
+            base = type(unwrap(model)[0]).__name__
             name, n = base, 1
             while name in roots:
                 name, n = f"{base}#{n}", n + 1
@@ -652,6 +679,21 @@ def _name_roots(models: Models) -> dict[str, nn.Module]:
     if not roots or not all(isinstance(m, nn.Module) for m in roots.values()):
         raise ConfigError("record() takes an nn.Module, a dict of them by name, or a list of them")
     return roots
+
+
+def unwrap(module: nn.Module) -> tuple[nn.Module, bool]:
+    """The model inside DDP / DataParallel / torch.compile wrappers; and whether compiled."""
+    compiled = False
+    while True:
+        kind = type(module).__name__
+        inner = getattr(module, "_orig_mod" if kind == "OptimizedModule" else "module", None)
+        if kind in ("OptimizedModule", "DistributedDataParallel", "DataParallel") and isinstance(
+            inner, nn.Module
+        ):
+            compiled = compiled or kind == "OptimizedModule"
+            module = inner
+        else:
+            return module, compiled
 
 
 def _qualified(root_name: str, qualname: str, prefixed: bool) -> str:

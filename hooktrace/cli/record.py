@@ -1,0 +1,209 @@
+"""``hooktrace record SCRIPT [ARGS]...``: record an unmodified training script."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hooktrace.cli.common import CommandError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+# option name -> recorder keyword; the same keys are accepted in a --config TOML file
+_KEYS = {
+    "out": None,
+    "modules": "modules",
+    "exclude": "exclude",
+    "every": "every",
+    "steps": "steps",
+    "full_every": "full_every",
+    "full_steps": "full_steps",
+    "full_modules": "full_modules",
+    "inputs": "inputs",
+    "params": "params",
+    "max_tensor_mb": "max_tensor_mb",
+    "compression": "compression",
+    "strict": "strict",
+    "overwrite": "overwrite",
+}
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.argument("script", type=click.Path(path_type=Path))
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.option(
+    "--out",
+    "-o",
+    type=click.Path(path_type=Path),
+    help="Run directory. [default: runs/SCRIPT-TIMESTAMP]",
+)
+@click.option(
+    "--modules",
+    multiple=True,
+    help="Record only modules whose name matches this regex (repeatable).",
+)
+@click.option(
+    "--exclude", multiple=True, help="Skip modules whose name matches this regex (repeatable)."
+)
+@click.option("--every", type=click.IntRange(min=1), help="Record every N-th step. [default: 1]")
+@click.option("--steps", help="Record only these steps, e.g. '0-100,500,1000-'.")
+@click.option(
+    "--full-every", type=click.IntRange(min=1), help="Save full tensors every N-th recorded step."
+)
+@click.option("--full-steps", help="Save full tensors at these steps, e.g. '0,10-12'.")
+@click.option(
+    "--full-modules", multiple=True, help="Save full tensors of modules matching this regex only."
+)
+@click.option("--inputs/--no-inputs", default=None, help="Also record module inputs. [default: no]")
+@click.option(
+    "--params/--no-params",
+    default=None,
+    help="Record parameters and their gradients. [default: yes]",
+)
+@click.option(
+    "--max-tensor-mb",
+    type=click.FloatRange(min=0),
+    help="Skip full tensors larger than this. [default: 256]",
+)
+@click.option(
+    "--compression",
+    type=click.Choice(["none", "gzip", "lzf"]),
+    help="Compress full tensors. [default: none]",
+)
+@click.option(
+    "--strict",
+    is_flag=True,
+    default=None,
+    help="A fault inside hooktrace stops training instead of recording.",
+)
+@click.option("--overwrite", is_flag=True, default=None, help="Replace a trace already in --out.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(path_type=Path),
+    help="TOML file with the same keys (CLI wins).",
+)
+@click.option("--quiet", "-q", is_flag=True, help="Say nothing on stderr before and after the run.")
+def record(
+    script: Path, args: tuple[str, ...], config_file: Path | None, quiet: bool, **given: Any
+) -> None:
+    """Run SCRIPT with ARGS as `python SCRIPT ARGS` would, recording every model it trains.
+
+    Every module of every model is recorded (statistics each step); the script's output,
+    exceptions and exit code are its own. Options go before SCRIPT; everything after it is
+    the script's.
+
+    \b
+    Example:
+      hooktrace record --every 10 --full-steps 0,100 train.py --epochs 3
+      hooktrace summary runs/train-20261120-101500
+    """
+    settings = _settings(config_file, given)
+    if not script.exists():
+        raise CommandError(f"{script}: no such script; give the path of a Python training script")
+    if not script.is_file():
+        raise CommandError(f"{script} is not a file; give the path of a Python training script")
+    out = settings.pop("out", None)
+    out = Path(out) if out else _default_out(script)
+    options = _recorder_options(settings)
+
+    from hooktrace.errors import HooktraceError
+    from hooktrace.recorder.launch import run_script
+    from hooktrace.recorder.select import StepSelection, module_matcher
+
+    try:  # every bad value is reported before the script starts
+        StepSelection(options.get("steps"), every=options.get("every", 1))
+        StepSelection(options.get("full_steps"), every=options.get("full_every") or 1)
+        for key in ("modules", "exclude", "full_modules"):
+            module_matcher(options.get(key), default=True)
+    except HooktraceError as exc:
+        raise CommandError(str(exc)) from exc
+
+    if not quiet:
+        click.echo(f"hooktrace: recording {script} into {out}", err=True)
+    command = (
+        ["hooktrace", *sys.argv[1:]]
+        if sys.argv and sys.argv[0]
+        else ["hooktrace", "record", str(script), *args]
+    )
+    try:
+        code = run_script(script, list(args), out=out, options=options, command=command)
+    except HooktraceError as exc:  # raised while setting up, before the script runs
+        raise CommandError(str(exc)) from exc
+    if not quiet:
+        _report(out)
+    sys.exit(code)
+
+
+def _settings(config_file: Path | None, given: dict[str, Any]) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            loaded = tomllib.loads(config_file.read_text())
+        except OSError as exc:
+            raise CommandError(f"cannot read --config {config_file}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise CommandError(f"--config {config_file} is not valid TOML: {exc}") from exc
+        unknown = sorted(set(loaded) - set(_KEYS))
+        if unknown:
+            raise CommandError(
+                f"--config {config_file}: unknown key(s) {', '.join(unknown)}; use {', '.join(_KEYS)}"
+            )
+        settings.update(loaded)
+    for key, value in given.items():
+        if value is None or value == ():
+            continue
+        settings[key] = value
+    return settings
+
+
+def _recorder_options(settings: dict[str, Any]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for key, value in settings.items():
+        target = _KEYS[key]
+        if target is None:
+            continue
+        if key in ("modules", "exclude", "full_modules"):
+            patterns = [value] if isinstance(value, str) else list(value)
+            value = "|".join(f"(?:{p})" for p in patterns)  # regexes, searched in the name
+        if key == "compression" and value == "none":
+            value = None
+        if key in ("steps", "full_steps") and isinstance(value, int):
+            value = str(value)
+        options[target] = value
+    return options
+
+
+def _default_out(script: Path) -> Path:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        if run_id in ("", "none"):
+            raise CommandError(
+                "under torchrun every rank must write into one run: give --out DIR (or run "
+                "torchrun with --rdzv-id or --standalone)"
+            )
+        return Path("runs") / f"{script.stem}-{run_id[:12]}"
+    return Path("runs") / f"{script.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _report(out: Path) -> None:
+    try:
+        from hooktrace.trace.reader import load
+
+        trace = load(out)
+        steps = trace.steps
+        click.echo(
+            f"hooktrace: {trace.status}: {len(steps)} steps, "
+            f"{int(steps['records'].sum()) if len(steps) else 0:,} records in {out}",
+            err=True,
+        )
+    except Exception as exc:  # the report is a courtesy; the script's exit code matters
+        click.echo(f"hooktrace: wrote {out} ({exc})", err=True)
