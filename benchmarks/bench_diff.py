@@ -19,9 +19,12 @@ import textwrap
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent  # benchmark this checkout's hooktrace, whatever is installed
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(HERE))
 
-from synthetic import generate_trace, module_names, rows_per_step
+from synthetic import generate_trace, module_names, rows_per_step  # noqa: E402
 
 MEASURE = """
 import json, resource, sys, time
@@ -71,7 +74,9 @@ CASES = {
 
 def measure(body: str, **paths: str) -> dict[str, object]:
     code = MEASURE.format(body=textwrap.dedent(body).format(**paths).strip())
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, cwd=REPO
+    )
     if done.returncode != 0:
         raise SystemExit(f"benchmark case failed:\n{done.stderr}")
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))

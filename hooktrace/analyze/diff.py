@@ -282,7 +282,10 @@ def _notes(
             f"compared the overlap, steps {common[0]}–{common[-1]}: run A has steps {span_a[0]}–{span_a[1]}, "
             f"run B {span_b[0]}–{span_b[1]}"
         )
-    only = len(plan_a.counts) + len(plan_b.counts) - 2 * len(common)
+    inside = [
+        s for s in (*plan_a.counts.index, *plan_b.counts.index) if common[0] <= s <= common[-1]
+    ]
+    only = len(inside) - 2 * len(common)
     if only:
         notes.append(
             f"{only} step(s) recorded by one run only were not compared (see .structure.steps_only_a/_b)"

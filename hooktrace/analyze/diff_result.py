@@ -231,9 +231,8 @@ class Accumulator:
         kinds_a, kinds_b = {k for _, k, _ in a}, {k for _, k, _ in b}
         changed = pd.DataFrame(list(self.changed.values()))
         if not changed.empty:
-            changed = changed[
-                ["module", "kind", "slot", "step", "shape_a", "shape_b", "dtype_a", "dtype_b"]
-            ]
+            columns = ["module", "kind", "slot", "step", "shape_a", "shape_b", "dtype_a", "dtype_b"]
+            changed = changed.sort_values(["step", "seq"], kind="stable")[columns]
         return Structure(
             modules_only_a=sorted(mods_a - mods_b), modules_only_b=sorted(mods_b - mods_a),
             kinds_only_a=sorted(kinds_a - kinds_b), kinds_only_b=sorted(kinds_b - kinds_a),

@@ -145,7 +145,7 @@ def render(result: DiffResult, *, top: int = 10) -> str:
             e = r.first.errors
             lines.append(
                 f"    full tensor    max abs error {_num(e.get('max_abs_error'))}, max rel error "
-                f"{_num(e.get('max_rel_error'))}, cosine {_num(e.get('cosine'))}, "
+                f"{_num(e.get('max_rel_error'))}, cosine {_num(e.get('cosine'), 10)}, "
                 f"{100 * e.get('mismatch_fraction', 0):.3g}% of elements out of tolerance"
             )
     structure = r.structure.lines()
@@ -162,7 +162,7 @@ def render(result: DiffResult, *, top: int = 10) -> str:
         for row in shown.to_dict("records"):
             lines.append(
                 f"  {_cut(str(row['module']), 36):<36} {int(row['last_differing']):>9} "
-                f"{_num(row['last_rel_diff']):>10} {_num(row['last_max_abs_error']):>12} "
+                f"{_num(row['last_rel_diff'], 4):>10} {_num(row['last_max_abs_error'], 4):>12} "
                 f"{_num(row['first_step']):>10}"
             )
     elif not r.match and r.complete:
@@ -242,11 +242,11 @@ def _split(text: str | None, kind: Callable[[str], Any], option: str) -> list[An
         ) from None
 
 
-def _num(value: Any) -> str:
+def _num(value: Any, digits: int = 6) -> str:
     if value is None or (isinstance(value, float) and value != value):
         return "-"
     if isinstance(value, float):
-        return f"{value:.6g}"
+        return f"{value:.{digits}g}"
     return str(value)
 
 
