@@ -96,9 +96,11 @@ def diff(
     kinds = _kinds(kinds)
     trace_a = run_a if isinstance(run_a, Trace) else load(run_a)
     trace_b = trace_a if run_b is None else (run_b if isinstance(run_b, Trace) else load(run_b))
+    if modules is not None and not isinstance(modules, str):
+        modules = [str(m) for m in modules]
     pair = against_rank is not None
     ranks_a = [rank or 0] if pair else (None if ranks is None else [int(r) for r in ranks])
-    ranks_b = [int(against_rank)] if pair else ranks_a  # type: ignore[arg-type]
+    ranks_b = ranks_a if against_rank is None else [int(against_rank)]
     in_range = _step_predicate(steps)
 
     plan_a = _plan(trace_a, "A", ranks_a, kinds, modules, in_range)
