@@ -188,6 +188,9 @@ def test_filters(base: Path, tmp_path: Path) -> None:
     fc2 = hooktrace.diff(base, other, modules="^fc2$")
     assert set(fc2.table["module"].astype(str)) == {"fc2"}
     assert fc2.first is not None and (fc2.first.module, fc2.first.kind) == ("fc2", "output")
+    names = hooktrace.diff(base, other, modules=iter(["fc2", "act"]))  # read once, for both runs
+    assert set(names.table["module"].astype(str)) == {"fc2", "act"}
+    assert names.first is not None and (names.first.module, names.first.kind) == ("act", "output")
     later = hooktrace.diff(base, other, steps="3-")
     assert (later.first_step, later.steps) == (3, 1)
     assert hooktrace.diff(base, other, steps=(0, 0)).match
