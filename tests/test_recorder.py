@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import warnings
 from pathlib import Path
 
@@ -240,8 +242,11 @@ def test_eval_under_no_grad_is_phase_eval_and_not_a_step(run_dir: Path) -> None:
     records = trace.records
     assert sorted(trace.steps["step"]) == [0, 1, 2, 3]  # step 3: the last eval passes
     evals = records[records["phase"] == "eval"]
-    assert set(evals["kind"]) == {"output"}  # no gradients, no parameters in eval
-    assert list(evals[evals["module"] == "body"]["call"]) == [0, 1] * 3
+    # no gradients in eval; parameters where an eval pass was the step's first forward
+    assert set(evals["kind"]) == {"output", "param"}
+    assert set(evals.loc[evals["kind"] == "param", "step"]) == {1, 2, 3}
+    outputs = evals[(evals["module"] == "body") & (evals["kind"] == "output")]
+    assert list(outputs["call"]) == [0, 1] * 3
     assert set(evals["step"]) == {1, 2, 3}
     train = records[records["phase"] == "train"]
     assert set(train["step"]) == {0, 1, 2}
@@ -374,3 +379,50 @@ def test_repr_says_what_is_inside(run_dir: Path) -> None:
     trace = _train("SharedTwice", run_dir)
     text = repr(trace)
     assert "status complete" in text and "steps 0–1 (2)" in text and "grad_output" in text
+
+
+def test_what_replay_needs_is_recorded_with_full_inputs(run_dir: Path) -> None:
+    model = make_model("InplaceCNN")
+    batch = make_batch("InplaceCNN")
+    torch.manual_seed(3)
+    expected_rng = torch.get_rng_state()
+    with hooktrace.record(model, run_dir, inputs=True, full_every=1) as rec:
+        default_loss(batch.run(model), batch.target).backward()
+        rec.step()
+    records = hooktrace.load(run_dir).records
+    buffers = records[records["kind"] == "buffer"]
+    assert set(buffers["slot"]) == {"running_mean", "running_var", "num_batches_tracked"}
+    assert set(buffers["module"]) == {"bn"}
+    specs = records[records["call_spec"] != ""]
+    assert set(specs["kind"]) == {"input"}
+    assert sorted(specs["module"]) == sorted(["InplaceCNN", "conv", "bn", "relu", "pool", "fc"])
+    spec = json.loads(specs.set_index("module").loc["conv", "call_spec"])
+    assert spec["args"] == [{"tensor": "0"}] and spec["kwargs"] == {}
+    assert spec["training"] is True and spec["grad_enabled"] is True
+    root = json.loads(specs.set_index("module").loc["InplaceCNN", "call_spec"])
+    rng = np.frombuffer(base64.b64decode(root["cpu_rng_state"]), dtype=np.uint8)
+    assert np.array_equal(rng, expected_rng.numpy())  # no draw happened before the first call
+
+
+def test_call_specs_round_trip_nested_calls() -> None:
+    from hooktrace.recorder.flatten import describe_call, flatten_call, rebuild_call
+
+    a, b, c = torch.ones(1), torch.zeros(2), torch.full((3,), 2.0)
+    args = (a, (b, None, 3), [{"k": c}])
+    kwargs = {"mask": None, "scale": float("inf"), "mode": "x", "extra": b}
+    spec = json.loads(json.dumps(describe_call(args, kwargs)))
+    tensors = dict(flatten_call(args, kwargs))
+    got_args, got_kwargs = rebuild_call(spec, tensors)
+    assert got_args[0] is a and got_args[1][0] is b and got_args[1][1:] == (None, 3)
+    assert (
+        got_args[2][0]["k"] is c
+        and isinstance(got_args[1], tuple)
+        and isinstance(got_args[2], list)
+    )
+    assert (
+        got_kwargs["mask"] is None
+        and got_kwargs["scale"] == float("inf")
+        and got_kwargs["extra"] is b
+    )
+    with pytest.raises(ValueError, match="object was not recorded|type object"):
+        rebuild_call(describe_call((object(),), {}), {})

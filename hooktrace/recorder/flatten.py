@@ -50,3 +50,71 @@ def _walk(value: Any, slot: str, depth: int) -> Iterator[tuple[str, torch.Tensor
     for key, item in items:
         child = f"{slot}.{key}" if slot else str(key)
         yield from _walk(item, child, depth + 1)
+
+
+# -- call specs: a call's structure, for replay --------------------------------------------
+#
+# A JSON description of args and kwargs in which each tensor is replaced by its slot (the
+# same slots flatten_call yields) and plain values are kept: replay rebuilds the call from it
+# and the saved input tensors. Values that JSON cannot hold are described by their type.
+
+
+def describe_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    return {
+        "args": [_describe(arg, str(i), 0) for i, arg in enumerate(args)],
+        "kwargs": {str(key): _describe(arg, str(key), 0) for key, arg in kwargs.items()},
+    }
+
+
+def _describe(value: Any, slot: str, depth: int) -> Any:
+    if isinstance(value, torch.Tensor):
+        return {"tensor": slot or "0"}
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else {"float": repr(value)}
+    if depth >= MAX_DEPTH:
+        return {"opaque": type(value).__qualname__}
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {
+            "dict": {
+                k: _describe(v, f"{slot}.{k}" if slot else k, depth + 1) for k, v in value.items()
+            }
+        }
+    if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
+        items = [
+            _describe(v, f"{slot}.{i}" if slot else str(i), depth + 1) for i, v in enumerate(value)
+        ]
+        return {"tuple": items} if isinstance(value, tuple) else {"list": items}
+    return {"opaque": type(value).__qualname__}
+
+
+def rebuild_call(
+    spec: Mapping[str, Any], tensors: Mapping[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    """The inverse of describe_call: args and kwargs with each slot's tensor put back.
+
+    Raises KeyError naming a slot whose tensor is missing, and ValueError for a value that
+    was not recorded (an object JSON cannot hold).
+    """
+    args = [_rebuild(a, tensors) for a in spec["args"]]
+    kwargs = {k: _rebuild(v, tensors) for k, v in spec["kwargs"].items()}
+    return args, kwargs
+
+
+def _rebuild(value: Any, tensors: Mapping[str, Any]) -> Any:
+    if not isinstance(value, dict):
+        return value
+    if "tensor" in value:
+        return tensors[value["tensor"]]
+    if "float" in value:
+        return float(value["float"])
+    if "dict" in value:
+        return {k: _rebuild(v, tensors) for k, v in value["dict"].items()}
+    if "tuple" in value:
+        return tuple(_rebuild(v, tensors) for v in value["tuple"])
+    if "list" in value:
+        return [_rebuild(v, tensors) for v in value["list"]]
+    raise ValueError(
+        f"an argument of type {value.get('opaque', '?')} was not recorded and cannot be replayed"
+    )

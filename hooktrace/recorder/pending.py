@@ -42,6 +42,7 @@ class PendingStep:
     stats: list[torch.Tensor | None] = field(default_factory=list)
     activity: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
+    specs: dict[int, str] = field(default_factory=dict)  # row -> call spec (JSON)
     micro_steps: int = 0
     skipped: bool = False
     end_time: float = 0.0
@@ -82,6 +83,7 @@ class PendingStep:
             "inf_count": stats[:, 7].astype(np.int64),
             "units": np.array([m.units for m in self.meta], dtype=np.int32),
             "unit_size": np.array([m.unit_size for m in self.meta], dtype=np.int64),
+            "call_spec": [self.specs.get(row, "") for row in range(n)],
         }
         activity: list[tuple[int, np.ndarray]] = []
         if self.activity:

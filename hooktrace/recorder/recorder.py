@@ -8,6 +8,8 @@ kept. Every hook is removed when the recorder closes, normally or by an exceptio
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import platform
 import sys
@@ -25,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from hooktrace.errors import ConfigError, RecordingError
-from hooktrace.recorder.flatten import flatten, flatten_call
+from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
 from hooktrace.recorder.pending import Meta, PendingStep
 from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
 from hooktrace.recorder.stats import activity, summarize, unit_dim
@@ -123,6 +125,7 @@ class Recorder:
         self._modules: dict[str, nn.Module] = {}
         self._full_modules: set[str] = set()
         self._param_entries: list[tuple[str, str, nn.Parameter]] = []
+        self._buffer_entries: list[tuple[str, str, torch.Tensor]] = []
         self._param_ids: set[int] = set()
         self._known: set[int] = set()  # ids of modules already named
         self.rank = _rank()
@@ -276,6 +279,14 @@ class Recorder:
             module_name = _qualified(root_name, owner, prefixed)
             if module_name in new:
                 self._param_entries.append((module_name, slot, param))
+        for qualname, buffer in inner.named_buffers():
+            owner, _, slot = qualname.rpartition(".")
+            if compiled:
+                owner, slot = "", qualname
+            module_name = _qualified(root_name, owner, prefixed)
+            if module_name in new and id(buffer) not in self._param_ids:
+                self._param_ids.add(id(buffer))
+                self._buffer_entries.append((module_name, slot, buffer))
         for name, module in new.items():
             channels = isinstance(module, _CHANNELS_FIRST)
             if self.inputs:
@@ -311,6 +322,10 @@ class Recorder:
                     phase = self._phase_of(module)
                     call = self._calls.get((phase, name), 0)  # the forward hook counts the call
                     full = self._full_step and name in self._full_modules
+                    if full:  # what replay needs to call the module again
+                        self._pending.specs[len(self._pending.meta)] = self._call_spec(
+                            module, args, kwargs
+                        )
                     for slot, tensor in flatten_call(args, kwargs):
                         self._observe(
                             name, call, "input", slot, tensor, phase=phase, full=full, units=True
@@ -319,6 +334,15 @@ class Recorder:
                     self._fault(exc, f"the inputs of {name!r}")
 
         return hook
+
+    @staticmethod
+    def _call_spec(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+        spec = describe_call(args, kwargs)
+        spec["training"] = module.training
+        spec["grad_enabled"] = torch.is_grad_enabled()
+        # dropout inside the module draws from here: replay restores it
+        spec["cpu_rng_state"] = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+        return json.dumps(spec, separators=(",", ":"))
 
     def _phase_of(self, module: nn.Module) -> str:
         """Inside a root's forward, the root's phase; outside, the module's own."""
@@ -348,10 +372,11 @@ class Recorder:
                 self._backward_active = False
             training = torch.is_grad_enabled() and module.training
             self._phase = "train" if training else "eval"
-            if training and self._recording and self.params and not self._params_recorded:
+            if self._recording and self.params and not self._params_recorded:
                 self._params_recorded = True
                 try:
                     self._record_params("param")
+                    self._record_params("buffer")
                 except Exception as exc:
                     self._fault(exc, "the parameters")
         self._root_depth += 1
@@ -514,8 +539,8 @@ class Recorder:
         return bool(self._full_match(name))
 
     def _record_params(self, kind: str) -> None:
-        """Parameters as the step's first forward uses them; gradients as accumulated at its
-        end (labelled with the step's last micro-step)."""
+        """Parameters and buffers as the step's first forward finds them; gradients as
+        accumulated at the step's end (labelled with the step's last micro-step)."""
         full_step = self._full_step
         saved_micro_step = self.micro_step
         if kind == "grad_param":
@@ -526,17 +551,19 @@ class Recorder:
             self.micro_step = saved_micro_step
 
     def _record_param_values(self, kind: str, full_step: bool) -> None:
-        for module, slot, param in self._param_entries:
-            value = param if kind == "param" else param.grad
+        phase = "train" if kind == "grad_param" else self._phase
+        entries = self._buffer_entries if kind == "buffer" else self._param_entries
+        for module, slot, tensor in entries:
+            value = tensor.grad if kind == "grad_param" else tensor
             full = full_step and module in self._full_modules
             if value is None:
                 self._pending.meta.append(
-                    Meta(self.micro_step, "train", self._seq, module, 0, kind, slot, None, (), 0, 0)
+                    Meta(self.micro_step, phase, self._seq, module, 0, kind, slot, None, (), 0, 0)
                 )
                 self._pending.stats.append(None)
                 self._seq += 1
             else:
-                self._observe(module, 0, kind, slot, value, phase="train", full=full, units=False)
+                self._observe(module, 0, kind, slot, value, phase=phase, full=full, units=False)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -576,6 +603,7 @@ class Recorder:
         del pending.meta[whole:], pending.stats[whole:]
         pending.activity = [(row, counts) for row, counts in pending.activity if row < whole]
         pending.tensors = [item for item in pending.tensors if item[0] < whole]
+        pending.specs = {row: spec for row, spec in pending.specs.items() if row < whole}
         pending.micro_steps = self.micro_step
         pending.end_time = time.time()
         pending.nbytes += 96 * len(pending.meta)

@@ -39,6 +39,7 @@ KINDS: Final = (
     "output",
     "grad_output",
     "param",
+    "buffer",
     "grad_param",
     "tensor",
     "grad_tensor",
@@ -92,6 +93,10 @@ RECORD_SCHEMA: Final = pa.schema(
         # and the dataset inside it ("" when no full tensor was saved).
         pa.field("segment", _dict_str),
         pa.field("tensor_key", pa.string(), nullable=False),
+        # how the module was called (JSON: args and kwargs with tensors as slots, plain
+        # values kept, mode and RNG state), on a call's first input row when its inputs were
+        # saved in full; "" elsewhere. What replay needs.
+        pa.field("call_spec", pa.string(), nullable=False),
     ]
 )
 

@@ -60,8 +60,9 @@ class StepData:
 RECORD_COLUMNS_IN = (
     "step", "micro_step", "phase", "seq", "module", "call", "kind", "slot", "dtype", "shape",
     "numel", "mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count",
-    "units", "unit_size",
+    "units", "unit_size", "call_spec",
 )  # fmt: skip
+_OPTIONAL: dict[str, list[str]] = {"call_spec": []}
 
 
 class PendingStep(Protocol):
@@ -344,7 +345,11 @@ class TraceWriter:
 def _concat_columns(steps: list[StepData]) -> dict[str, Any]:
     columns: dict[str, Any] = {}
     for name in RECORD_COLUMNS_IN:
-        parts = [d.columns[name] for d in steps]
+        parts = [d.columns.get(name, _OPTIONAL.get(name, [])) for d in steps]
+        if name in _OPTIONAL:  # may be left out by writers that have none
+            parts = [
+                p if len(p) == d.rows else [""] * d.rows for p, d in zip(parts, steps, strict=True)
+            ]
         if isinstance(parts[0], np.ndarray):
             columns[name] = np.concatenate(parts)
         else:
