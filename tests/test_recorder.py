@@ -424,5 +424,5 @@ def test_call_specs_round_trip_nested_calls() -> None:
         and got_kwargs["scale"] == float("inf")
         and got_kwargs["extra"] is b
     )
-    with pytest.raises(ValueError, match="object was not recorded|type object"):
+    with pytest.raises(ValueError, match="type object was not recorded"):
         rebuild_call(describe_call((object(),), {}), {})
