@@ -15,9 +15,9 @@ Tables of findings come worst first: by severity, then grouped by kind (in the o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Final
+from typing import Any, Final
 
 import pandas as pd
 
@@ -87,7 +87,7 @@ def findings_frame(findings: Iterable[Finding]) -> pd.DataFrame:
     for name in ("value", "reference"):
         frame[name] = frame[name].astype("float64")
     for name in ("kind", "severity", "module", "slot", "evidence", "explanation"):
-        frame[name] = frame[name].astype(object)
+        frame[name] = frame[name].astype(str)
     severity = frame["severity"].map({s: i for i, s in enumerate(SEVERITIES)})
     kind = frame["kind"].map({k: i for i, k in enumerate(KIND_ORDER)}).fillna(len(KIND_ORDER))
     order = pd.DataFrame({"s": severity, "k": kind, "step": frame["step"], "r": frame["rank"]})
@@ -150,3 +150,8 @@ def fmt(value: float) -> str:
     if value in (float("inf"), float("-inf")):
         return "Inf" if value > 0 else "-Inf"
     return f"{value:.3g}"
+
+
+def keys(key: Hashable) -> tuple[Any, ...]:
+    """A pandas group key as a tuple (pandas types it as Hashable)."""
+    return key if isinstance(key, tuple) else (key,)

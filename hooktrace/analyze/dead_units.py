@@ -1,0 +1,326 @@
+"""Dead ReLU units: :func:`dead_relus`. Never imports torch.
+
+Works from the per-unit activity the recorder keeps for every activation (how many values of
+each unit were positive, out of ``unit_size``), so statistics-only traces are enough. Units are
+channels of (N, C, ...) activations and features otherwise, as the recorder counted them.
+
+Definitions (per layer: a ReLU-family module, and its call index when it is called more than
+once per micro-step, e.g. one ``nn.ReLU`` shared by several layers):
+
+- a unit's activity at a step is its positive count over its value count, summed over that
+  step's records: every call of the same width, every micro-step and every rank;
+- a unit is *dead* when its activity stayed below ``threshold`` at every recorded step from
+  some step to the last one, for at least ``min_steps`` recorded steps (or all of them, in a
+  shorter run); that first step is its ``since``;
+- a layer is *flagged* when its dead fraction passes ``layer_threshold``.
+
+Memory stays bounded: only the metadata of ReLU outputs is read, each HDF5 segment is opened
+once, and the per-unit state is a few arrays per layer, whatever the number of steps.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from hooktrace.analyze.findings import (
+    Finding,
+    StepsSpec,
+    findings_frame,
+    fmt,
+    keys,
+    modules_of_type,
+    step_filter,
+)
+from hooktrace.errors import ConfigError
+from hooktrace.trace.reader import Trace, load
+
+RELU_FAMILY = ("ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "Threshold")
+"""Class names (the last component of the module's type) that dead-unit analysis covers."""
+
+LAYER_DTYPES = {
+    "module": "str", "call": "int64", "type": "str", "units": "int64", "dead": "int64",
+    "dead_fraction": "float64", "flagged": "bool", "since": "Int64", "last_since": "Int64",
+    "activity": "float64", "steps": "int64", "first_step": "int64", "last_step": "int64",
+}  # fmt: skip
+UNIT_DTYPES = {
+    "module": "str", "call": "int64", "unit": "int64", "activity": "float64", "since": "int64",
+    "dead_steps": "int64",
+}  # fmt: skip
+
+LayerKey = tuple[str, int, int]  # module, call, units
+Pending = dict[LayerKey, dict[int, tuple[np.ndarray, int]]]
+
+
+@dataclass
+class DeadUnits:
+    """The result of :func:`dead_relus`.
+
+    ``layers``: one row per ReLU layer, worst first: module, call, type, units, dead,
+    dead_fraction, flagged, since (the first step a currently dead unit died), last_since (the
+    last), activity (the layer's mean activity over the steps read), steps, first_step,
+    last_step. ``units``: one row per dead unit: module, call, unit, activity, since,
+    dead_steps (recorded steps it has been dead).
+    """
+
+    layers: pd.DataFrame
+    units: pd.DataFrame
+    threshold: float
+    layer_threshold: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def flagged(self) -> pd.DataFrame:
+        return self.layers[self.layers["flagged"]].reset_index(drop=True)
+
+    def findings(self) -> pd.DataFrame:
+        """The flagged layers as findings (kind ``dead_layer``, severity ``warning``)."""
+        found = [
+            Finding(
+                kind="dead_layer",
+                severity="warning",
+                module=str(row["module"]),
+                step=int(row["since"]),
+                last_step=int(row["last_step"]),
+                evidence=(
+                    f"{row['dead']} of {row['units']} units dead ({row['dead_fraction']:.0%}), "
+                    f"since step {row['since']}"
+                    + (
+                        f" (the last from {row['last_since']})"
+                        if row["last_since"] != row["since"]
+                        else ""
+                    )
+                ),
+                explanation=(
+                    f"these units were positive in under {fmt(self.threshold)} of their values "
+                    "through the last step: they pass no signal and get no gradient"
+                ),
+                value=float(row["dead_fraction"]),
+                reference=self.layer_threshold,
+                count=int(row["dead"]),
+            )
+            for row in self.flagged.to_dict("records")
+        ]
+        return findings_frame(found)
+
+    def __len__(self) -> int:
+        return len(self.flagged)
+
+    def __repr__(self) -> str:
+        dead = int(self.layers["dead"].sum()) if not self.layers.empty else 0
+        return (
+            f"<DeadUnits: {len(self.layers)} ReLU layers, {dead} dead units, "
+            f"{len(self.flagged)} layers flagged (threshold {fmt(self.threshold)}, layer "
+            f"threshold {fmt(self.layer_threshold)})>"
+        )
+
+
+def dead_relus(
+    run: str | os.PathLike[str] | Trace,
+    *,
+    threshold: float = 1e-3,
+    layer_threshold: float = 0.25,
+    min_steps: int = 3,
+    steps: StepsSpec = None,
+    phases: Iterable[str] | None = ("train",),
+) -> DeadUnits:
+    """Dead units of every ReLU-family module of ``run`` (see the module docstring).
+
+    ``threshold``: a unit active (positive) in less than this fraction of its values at a step
+    is below it. ``layer_threshold``: a layer is flagged when its dead fraction passes this.
+    ``min_steps``: how many recorded steps a unit must have stayed below to count as dead.
+    ``steps``: which steps to read (``"0-100"``, ``(first, last)`` or step numbers).
+    ``phases``: train only by default (eval batches differ); None reads every phase.
+    """
+    if not 0 < threshold <= 1:
+        raise ConfigError(f"threshold must be a fraction in (0, 1] (got {threshold})")
+    if not 0 <= layer_threshold < 1:
+        raise ConfigError(f"layer_threshold must be a fraction in [0, 1) (got {layer_threshold})")
+    if min_steps < 1:
+        raise ConfigError(f"min_steps must be 1 or more (got {min_steps})")
+    trace = run if isinstance(run, Trace) else load(run)
+    types = modules_of_type(trace.modules, RELU_FAMILY)
+    result = DeadUnits(_empty_layers(), _empty_units(), threshold, layer_threshold)
+    if not types:
+        result.notes.append("the trace has no ReLU-family modules (" + ", ".join(RELU_FAMILY) + ")")
+        return result
+    rows = trace.query(
+        columns=["step", "module", "call", "units", "unit_size", "activity_offset", "segment"],
+        modules=sorted(types),
+        kinds=["output"],
+        phases=list(phases) if phases is not None else None,
+        steps=step_filter(steps),
+    )
+    rows = rows[rows["units"] > 0]
+    if rows.empty:
+        result.notes.append(
+            "no per-unit activity was recorded for the ReLU outputs in the steps read"
+        )
+        return result
+    states = _scan(trace, rows, threshold)
+    layers, units = _tables(states, types, min_steps, layer_threshold)
+    result.layers, result.units = layers, units
+    return result
+
+
+class _LayerState:
+    """Running per-unit state of one layer, updated one step at a time in step order."""
+
+    def __init__(self, units: int) -> None:
+        self.positive = np.zeros(units, dtype=np.int64)
+        self.values = 0
+        self.since = np.full(units, -1, dtype=np.int64)  # start of the current run below
+        self.run = np.zeros(units, dtype=np.int64)  # recorded steps in that run
+        self.steps: list[int] = []
+
+    def update(
+        self, steps: np.ndarray, positive: np.ndarray, values: np.ndarray, threshold: float
+    ) -> None:
+        """Steps in increasing order; ``positive`` (steps, units); ``values`` (steps,)."""
+        self.positive += positive.sum(axis=0)
+        self.values += int(values.sum())
+        below = positive < threshold * values[:, None]
+        n = len(steps)
+        # the last step of this block at which each unit was above (-1: none)
+        above_at = np.where(~below, np.arange(n)[:, None], -1).max(axis=0)
+        fresh = above_at >= 0
+        trailing = n - 1 - above_at  # steps below after the last step above
+        start = np.minimum(above_at + 1, n - 1)
+        self.since = np.where(
+            fresh,
+            np.where(trailing > 0, steps[start], -1),
+            np.where(self.since >= 0, self.since, steps[0]),
+        )
+        self.run = np.where(fresh, trailing, self.run + n)
+        self.steps.extend(int(s) for s in steps)
+
+
+def _scan(trace: Trace, rows: pd.DataFrame, threshold: float) -> dict[LayerKey, _LayerState]:
+    """Stream the activity, one segment at a time, in step order (all ranks together)."""
+    rows = rows.assign(module=rows["module"].astype(str), segment=rows["segment"].astype(str))
+    segments = rows.groupby("segment", sort=False)["step"].min().sort_values(kind="stable")
+    order = list(segments.index)
+    states: dict[LayerKey, _LayerState] = {}
+    # layer -> step -> (positive counts, value count), for steps later segments may add to
+    pending: Pending = defaultdict(dict)
+    by_segment = dict(tuple(rows.groupby("segment", sort=False)))
+    for i, segment in enumerate(order):
+        part = by_segment[segment]
+        width = int(part["units"].max())
+        slices = trace.read_activity(segment, part["activity_offset"].tolist(), width)
+        counts_of = dict(zip(part.index, slices, strict=True))
+        for key, group in part.groupby(["module", "call", "units"], sort=False):
+            module, call, units = keys(key)
+            key = (str(module), int(call), int(units))
+            block = np.stack([counts_of[j][:units] for j in group.index])
+            for step, positive, values in _per_step(
+                group["step"].to_numpy(), block, group["unit_size"].to_numpy()
+            ):
+                before = pending[key].get(step)
+                pending[key][step] = (
+                    (positive, values)
+                    if before is None
+                    else (before[0] + positive, before[1] + values)
+                )
+        horizon = int(segments.iloc[i + 1]) if i + 1 < len(order) else None
+        _finalize(pending, states, horizon, threshold)
+    return states
+
+
+def _per_step(
+    steps: np.ndarray, block: np.ndarray, unit_size: np.ndarray
+) -> Iterable[tuple[int, np.ndarray, int]]:
+    """Sum the rows of ``block`` that share a step (calls, micro-steps)."""
+    order = np.argsort(steps, kind="stable")
+    steps, block, unit_size = steps[order], block[order], unit_size[order]
+    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+    positive = np.add.reduceat(block, starts, axis=0)
+    values = np.add.reduceat(unit_size, starts)
+    return zip(steps[starts].tolist(), positive, values.tolist(), strict=True)
+
+
+def _finalize(
+    pending: Pending,
+    states: dict[LayerKey, _LayerState],
+    horizon: int | None,
+    threshold: float,
+) -> None:
+    """Fold every pending step before ``horizon`` (all of them when None) into the states."""
+    for key, by_step in pending.items():
+        ready = sorted(s for s in by_step if horizon is None or s < horizon)
+        if not ready:
+            continue
+        positive = np.stack([by_step[s][0] for s in ready])
+        values = np.array([by_step[s][1] for s in ready], dtype=np.int64)
+        state = states.get(key) or states.setdefault(key, _LayerState(key[2]))
+        state.update(np.array(ready, dtype=np.int64), positive, values, threshold)
+        for s in ready:
+            del by_step[s]
+
+
+def _tables(
+    states: dict[LayerKey, _LayerState],
+    types: dict[str, str],
+    min_steps: int,
+    layer_threshold: float,
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    layer_rows = []
+    unit_frames = []
+    for (module, call, units), state in states.items():
+        needed = min(min_steps, len(state.steps))
+        dead = (state.since >= 0) & (state.run >= needed)
+        activity = state.positive / max(state.values, 1)
+        n_dead = int(dead.sum())
+        since = state.since[dead]
+        layer_rows.append(
+            {
+                "module": module,
+                "call": call,
+                "type": types.get(module, ""),
+                "units": units,
+                "dead": n_dead,
+                "dead_fraction": n_dead / units,
+                "flagged": n_dead / units > layer_threshold,
+                "since": int(since.min()) if n_dead else None,
+                "last_since": int(since.max()) if n_dead else None,
+                "activity": float(activity.mean()),
+                "steps": len(state.steps),
+                "first_step": state.steps[0],
+                "last_step": state.steps[-1],
+            }
+        )
+        if n_dead:
+            index = np.flatnonzero(dead)
+            unit_frames.append(
+                pd.DataFrame(
+                    {
+                        "module": module,
+                        "call": call,
+                        "unit": index,
+                        "activity": activity[index],
+                        "since": since,
+                        "dead_steps": state.run[index],
+                    }
+                )
+            )
+    layers = pd.DataFrame(layer_rows, columns=list(LAYER_DTYPES)).astype(LAYER_DTYPES)
+    layers = layers.sort_values(
+        ["dead_fraction", "dead", "module", "call"],
+        ascending=[False, False, True, True],
+        kind="stable",
+    ).reset_index(drop=True)
+    units_table = pd.concat(unit_frames, ignore_index=True) if unit_frames else _empty_units()
+    return layers, units_table.astype(UNIT_DTYPES)
+
+
+def _empty_layers() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=t) for c, t in LAYER_DTYPES.items()})
+
+
+def _empty_units() -> pd.DataFrame:
+    return pd.DataFrame({c: pd.Series(dtype=t) for c, t in UNIT_DTYPES.items()})
