@@ -1,0 +1,233 @@
+"""Norms over steps against a robust baseline: the exploding, vanishing and spike checks of
+:func:`hooktrace.anomalies` (the definitions are in its module docstring). Never imports torch.
+
+Work happens in log10 space, where "10 times the baseline" is a fixed distance whatever the
+scale. The baseline of a step is the median of the last ``window`` normal steps before it;
+the spread is their median absolute deviation (MAD, scaled by 1.4826 to a standard deviation).
+Steps found high stay out of the baseline, so a sustained explosion keeps being measured
+against the level it left, not against itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+from hooktrace.analyze.findings import Finding, fmt, keys
+
+MADS = 5.0
+"""A high step is also this many (scaled) MADs above the baseline: noisy series need more."""
+MIN_HISTORY = 1
+"""Normal steps needed before a step can be judged."""
+MAD_HISTORY = 5
+"""Normal steps needed before the MAD is trusted (a short history's MAD is mostly noise)."""
+GAP = 3
+"""High steps at most GAP - 1 steps apart (in recorded steps) belong to one episode."""
+
+
+@dataclass(frozen=True)
+class Config:
+    window: int
+    spike_factor: float
+    explode_factor: float
+    exploding_above: float
+
+
+@dataclass
+class Episode:
+    """High steps close together: positions into the series, and what they reached."""
+
+    start: int
+    end: int
+    high: int
+    peak: int
+    peak_ratio: float  # peak value / baseline at the peak
+    baseline: float  # the baseline at the first high step
+    reaches_end: bool = False
+
+
+def episodes(values: np.ndarray, config: Config) -> list[Episode]:
+    """Episodes of high steps in ``values`` (one per recorded step, in order)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(np.isfinite(values) & (values > 0), np.log10(values), np.nan)
+    jump = math.log10(config.spike_factor)
+    judged = ~np.isnan(z)
+    if judged.sum() <= MIN_HISTORY:
+        return []
+    # fast screen: until its first high step, a series' baseline is the plain rolling median
+    finite = pd.Series(z[judged])
+    plain = finite.rolling(config.window, min_periods=MIN_HISTORY).median().shift(1)
+    if not ((finite - plain) >= jump).any():
+        return []
+    history: deque[float] = deque(maxlen=config.window)
+    high: list[tuple[int, float, float]] = []  # position, excess (log10), baseline (log10)
+    for i in np.flatnonzero(judged):
+        zi = float(z[i])
+        if len(history) >= MIN_HISTORY:
+            past = np.fromiter(history, dtype=np.float64)
+            base = float(np.median(past))
+            spread = (
+                1.4826 * float(np.median(np.abs(past - base))) if len(past) >= MAD_HISTORY else 0.0
+            )
+            if zi - base >= max(jump, MADS * spread):
+                high.append((int(i), zi - base, base))
+                continue
+        history.append(zi)
+    last_judged = int(np.flatnonzero(judged)[-1])
+    found: list[Episode] = []
+    for position, excess, base in high:
+        current = found[-1] if found else None
+        if current is not None and position - current.end <= GAP:
+            current.end, current.high = position, current.high + 1
+            if excess > math.log10(current.peak_ratio):
+                current.peak, current.peak_ratio = position, 10**excess
+        else:
+            found.append(Episode(position, position, 1, position, 10**excess, 10**base))
+    for episode in found:
+        episode.reaches_end = episode.end == last_judged
+    return found
+
+
+def is_exploding(episode: Episode, values: np.ndarray, config: Config) -> bool:
+    big = (
+        episode.peak_ratio >= config.explode_factor or values[episode.peak] > config.exploding_above
+    )
+    return big and (episode.high > 1 or episode.reaches_end)
+
+
+def gradient_findings(
+    frames: Iterable[pd.DataFrame], config: Config, vanishing_below: float
+) -> list[Finding]:
+    """exploding_gradient, gradient_spike and vanishing_gradient, per rank and module."""
+    found: list[Finding] = []
+    for (rank, module), steps, values in _series(frames):
+        spikes: list[Episode] = []
+        exploding: list[Episode] = []
+        for episode in episodes(values, config):
+            (exploding if is_exploding(episode, values, config) else spikes).append(episode)
+        if exploding:
+            found.append(_exploding(rank, module, steps, values, exploding, config))
+        elif (values > config.exploding_above).any():
+            at = int(np.flatnonzero(values > config.exploding_above)[0])
+            found.append(
+                Finding(
+                    "exploding_gradient", "error", module, int(steps[at]), rank=rank,
+                    evidence=f"gradient norm {fmt(values[at])} at step {steps[at]}, above the bound "
+                    f"{fmt(config.exploding_above)}",
+                    explanation="the gradient is far too large: lower the learning rate, clip "
+                    "gradients or check the loss scale",
+                    value=float(values[at]), reference=config.exploding_above,
+                    count=int((values > config.exploding_above).sum()),
+                )
+            )  # fmt: skip
+        if spikes:
+            found.append(
+                _spike("gradient_spike", "gradient norm", rank, module, steps, values, spikes)
+            )
+        small = np.flatnonzero((values > 0) & (values < vanishing_below))
+        if len(small):
+            found.append(
+                Finding(
+                    "vanishing_gradient", "warning", module, int(steps[small[0]]), rank=rank,
+                    last_step=int(steps[small[-1]]),
+                    evidence=f"gradient norm below {fmt(vanishing_below)} at {len(small)} of "
+                    f"{len(values)} steps, from step {steps[small[0]]} (lowest {fmt(values[small].min())})",
+                    explanation="the parameters barely move: check initialisation, normalisation "
+                    "and saturating activations upstream",
+                    value=float(values[small].min()), reference=vanishing_below, count=len(small),
+                )
+            )  # fmt: skip
+    return found
+
+
+def activation_findings(frames: Iterable[pd.DataFrame], config: Config) -> list[Finding]:
+    """activation_spike per rank and module; a series equal to an earlier-recorded module's
+    (a container's output is its last child's) is left out."""
+    frames = list(frames)
+    if not frames:
+        return []
+    table = pd.concat(frames, ignore_index=True)
+    first_seq = table.groupby(["rank", "module"])["seq"].min()
+    seen: set[bytes] = set()
+    found: list[Finding] = []
+    ordered = sorted(_series(frames), key=lambda s: (s[0][0], first_seq[s[0]]))
+    for (rank, module), steps, values in ordered:
+        identity = bytes([rank % 256]) + steps.tobytes() + values.tobytes()
+        if identity in seen:
+            continue
+        seen.add(identity)
+        spikes = episodes(values, config)
+        if spikes:
+            found.append(
+                _spike("activation_spike", "output norm", rank, module, steps, values, spikes)
+            )
+    return found
+
+
+def _series(frames: Iterable[pd.DataFrame]) -> list[tuple[tuple[int, str], np.ndarray, np.ndarray]]:
+    frames = list(frames)
+    if not frames:
+        return []
+    table = pd.concat(frames, ignore_index=True).sort_values(
+        ["rank", "module", "step"], kind="stable"
+    )
+    found = []
+    for key, group in table.groupby(["rank", "module"], sort=True):
+        rank, module = keys(key)
+        steps, values = group["step"].to_numpy(), group["value"].to_numpy(dtype=np.float64)
+        found.append(((int(rank), str(module)), steps, values))
+    return found
+
+
+def _exploding(
+    rank: int,
+    module: str,
+    steps: np.ndarray,
+    values: np.ndarray,
+    exploding: list[Episode],
+    config: Config,
+) -> Finding:
+    first = exploding[0]
+    span = values[first.start : first.end + 1]
+    at = first.start + int(np.argmax(np.where(np.isfinite(span), span, -np.inf)))
+    peak = float(values[at])  # the largest norm of the episode
+    more = f"; {len(exploding) - 1} more such episode(s)" if len(exploding) > 1 else ""
+    return Finding(
+        "exploding_gradient", "error", module, int(steps[first.start]), rank=rank,
+        last_step=int(steps[first.end]),
+        evidence=f"gradient norm from a baseline of {fmt(first.baseline)} to {fmt(peak)} at step "
+        f"{steps[at]} ({fmt(peak / first.baseline)}x), high at {first.high} steps of "
+        f"{steps[first.start]}–{steps[first.end]}{more}",
+        explanation="the gradient grew by orders of magnitude and did not settle: lower the "
+        "learning rate, clip gradients or check the loss scale",
+        value=float(peak), reference=first.baseline, count=first.high,
+    )  # fmt: skip
+
+
+def _spike(
+    kind: str,
+    what: str,
+    rank: int,
+    module: str,
+    steps: np.ndarray,
+    values: np.ndarray,
+    spikes: list[Episode],
+) -> Finding:
+    worst = max(spikes, key=lambda e: e.peak_ratio)
+    baseline = float(values[worst.peak] / worst.peak_ratio)  # the baseline at the peak
+    at = ", ".join(str(steps[e.start]) for e in spikes[:5]) + (", ..." if len(spikes) > 5 else "")
+
+    return Finding(
+        kind, "warning", module, int(steps[spikes[0].start]), rank=rank,
+        last_step=int(steps[spikes[-1].end]),
+        evidence=f"{what} {fmt(worst.peak_ratio)}x its baseline at step {steps[worst.peak]} "
+        f"({fmt(baseline)} to {fmt(values[worst.peak])}); {len(spikes)} jump(s), from step {at}",
+        explanation=f"a sudden jump of the {what}: look at the batch and the learning rate of "
+        "that step",
+        value=float(values[worst.peak]), reference=baseline, count=len(spikes),
+    )  # fmt: skip
