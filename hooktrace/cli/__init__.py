@@ -23,6 +23,8 @@ COMMANDS = {
     "summary": "hooktrace.cli.summary:summary",
     "check": "hooktrace.cli.check:check",
     "diff": "hooktrace.cli.diff:diff",
+    "dead-relus": "hooktrace.cli.dead_relus:dead_relus",
+    "anomalies": "hooktrace.cli.anomalies:anomalies",
 }
 
 
