@@ -347,7 +347,8 @@ def test_examples_train_bit_identically_under_hooktrace_record(
         "-q", "-o", str(tmp_path / "run"), str(script), "--save-params", str(tmp_path / "rec.pt")
     )
     assert recorded.returncode == 0, recorded.stderr
-    assert recorded.stdout == plain.stdout
+    # the same output (losses printed to 4 digits), but for the path the script saved to
+    assert recorded.stdout.replace("rec.pt", "plain.pt") == plain.stdout
     a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "rec.pt")
     assert a.keys() == b.keys()
     for key in a:

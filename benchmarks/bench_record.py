@@ -1,0 +1,173 @@
+"""Recording overhead per training step, measured side by side.
+
+For each reference model (tests/models.py: SmallCNN, batch 32 x 3 x 32 x 32; TinyTransformer,
+batch 16 x 64 tokens x 32 features) it times one training step (forward, loss, backward,
+optimizer step) under each variant, interleaving the variants repetition by repetition so
+that the machine's noise falls on all of them alike, and prints medians and ratios to plain:
+
+  plain        no hooks
+  empty        an empty forward hook on every module (the price of hook dispatch)
+  floor        one sum() per recorded tensor (outputs and output gradients)
+  naive        what hand-written hooks do: torch reductions with .item() per statistic,
+               and a synchronous h5py write per tensor
+  stats        hooktrace.record, statistics of every module at every step (the default)
+  full         hooktrace.record with full tensors of every module at every step
+
+Run: python benchmarks/bench_record.py [--reps 15] [--steps 5] [--models SmallCNN,TinyTransformer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import h5py
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from models import default_loss, make_batch, make_model  # noqa: E402
+
+import hooktrace  # noqa: E402
+
+Variant = Callable[[nn.Module, Path], contextlib.AbstractContextManager[object]]
+
+
+@contextlib.contextmanager
+def plain(model: nn.Module, out: Path) -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def hooks(model: nn.Module, make_hook: Callable[[str], Callable[..., None]]) -> Iterator[None]:
+    handles = [m.register_forward_hook(make_hook(name)) for name, m in model.named_modules()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def empty(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[None]:
+    return hooks(model, lambda name: lambda m, i, o: None)
+
+
+def floor(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[None]:
+    kept: list[torch.Tensor] = []
+
+    def make(name: str) -> Callable[..., None]:
+        def hook(m: nn.Module, i: object, o: object) -> None:
+            if isinstance(o, torch.Tensor) and o.is_floating_point():
+                kept.append(o.detach().sum())
+                if o.requires_grad:
+                    o.register_hook(lambda g: kept.append(g.sum()) and None)
+
+        return hook
+
+    return hooks(model, make)
+
+
+@contextlib.contextmanager
+def naive(model: nn.Module, out: Path) -> Iterator[None]:
+    with h5py.File(out / "naive.h5", "w") as f:
+        counter = [0]
+
+        def write(name: str, t: torch.Tensor) -> None:
+            x = t.detach().float()
+            row = [x.mean().item(), x.std().item(), x.min().item(), x.max().item(), x.norm().item()]
+            row += [(x == 0).float().mean().item(), x.isnan().sum().item(), x.isinf().sum().item()]
+            f.create_dataset(f"{counter[0]}", data=row)
+            counter[0] += 1
+
+        def make(name: str) -> Callable[..., None]:
+            def hook(m: nn.Module, i: object, o: object) -> None:
+                if isinstance(o, torch.Tensor) and o.is_floating_point():
+                    write(name, o)
+                    if o.requires_grad:
+                        o.register_hook(lambda g: write(name, g) and None)
+
+            return hook
+
+        with hooks(model, make):
+            yield
+
+
+@contextlib.contextmanager
+def stats(model: nn.Module, out: Path) -> Iterator[None]:
+    with hooktrace.record(model, out / "run", overwrite=True):
+        yield
+
+
+@contextlib.contextmanager
+def full(model: nn.Module, out: Path) -> Iterator[None]:
+    with hooktrace.record(model, out / "run", overwrite=True, full_every=1):
+        yield
+
+
+VARIANTS: dict[str, Variant] = {
+    "plain": plain,
+    "empty": empty,
+    "floor": floor,
+    "naive": naive,
+    "stats": stats,
+    "full": full,
+}
+
+
+def time_steps(name: str, variant: Variant, model: nn.Module, opt: torch.optim.Optimizer, steps: int, out: Path) -> float:
+    batch = make_batch(name, seed=0)
+    with variant(model, out):
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = default_loss(batch.run(model), batch.target)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+    return elapsed / steps
+
+
+def bench(name: str, *, reps: int, steps: int) -> dict[str, list[float]]:
+    model = make_model(name)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        for variant in VARIANTS.values():  # warm-up: allocator, first-call costs
+            time_steps(name, variant, model, opt, 2, out)
+        for _ in range(reps):
+            for label, variant in VARIANTS.items():
+                times[label].append(time_steps(name, variant, model, opt, steps, out))
+    return times
+
+
+def report(name: str, times: dict[str, list[float]]) -> None:
+    base = statistics.median(times["plain"])
+    naive_overhead = statistics.median(times["naive"]) - base
+    print(f"\n{name}: median step time over {len(times['plain'])} interleaved repetitions")
+    print(f"  {'variant':<8} {'ms/step':>9} {'x plain':>8} {'overhead / naive overhead':>26}")
+    for label, values in times.items():
+        median = statistics.median(values)
+        share = (median - base) / naive_overhead if naive_overhead > 0 else float("nan")
+        print(f"  {label:<8} {median * 1e3:9.2f} {median / base:8.2f} {share:26.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--models", default="SmallCNN,TinyTransformer")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name in args.models.split(","):
+        report(name, bench(name, reps=args.reps, steps=args.steps))
+
+
+if __name__ == "__main__":
+    main()
