@@ -13,7 +13,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hooktrace.recorder.stats import STATS_WIDTH
+from hooktrace.recorder.stats import STATS_WIDTH, Stats
 from hooktrace.trace.schema import NO_GRADIENT_DTYPE
 from hooktrace.trace.writer import StepData
 
@@ -39,7 +39,7 @@ class PendingStep:
     step: int
     start_time: float
     meta: list[Meta] = field(default_factory=list)
-    stats: list[torch.Tensor | None] = field(default_factory=list)
+    stats: list[Stats | None] = field(default_factory=list)
     activity: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
     specs: dict[int, str] = field(default_factory=dict)  # row -> call spec (JSON)
@@ -53,8 +53,13 @@ class PendingStep:
         n = len(self.meta)
         stats = np.full((n, STATS_WIDTH), np.nan)
         stats[:, 5:] = 0
-        present = [i for i, s in enumerate(self.stats) if s is not None]
-        for rows, values in _gather([self.stats[i] for i in present], present):  # type: ignore[misc]
+        on_device = []
+        for i, values in enumerate(self.stats):
+            if isinstance(values, np.ndarray):  # computed on the host already
+                stats[i] = values
+            elif values is not None:
+                on_device.append(i)
+        for rows, values in _gather([self.stats[i] for i in on_device], on_device):  # type: ignore[misc]
             stats[rows] = values
         numel = np.array(
             [_numel(m.shape) if m.dtype is not None else 0 for m in self.meta], dtype=np.int64

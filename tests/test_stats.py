@@ -1,0 +1,88 @@
+"""hooktrace.recorder.stats against numpy, on the cases that stress each route."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hooktrace.recorder.stats import activity, summarize, unit_dim
+
+
+def _reference(x: np.ndarray) -> list[float]:
+    x64 = x.astype(np.float64)
+    finite = np.isfinite(x64).all()
+    return [
+        x64.mean(),
+        x64.std() if finite else np.nan,
+        x64.min(),
+        x64.max(),
+        np.linalg.norm(x64.ravel()),
+        float((x64 == 0).sum()),
+        float(np.isnan(x64).sum()),
+        float(np.isinf(x64).sum()),
+    ]
+
+
+CASES = {
+    "normal": torch.randn(64, 33),
+    "offset": 1000.0 + 1e-3 * torch.randn(4096),  # tiny spread on a large offset: cancellation
+    "constant": torch.full((7, 7), 1.5),  # std exactly 0
+    "zeros": torch.zeros(10),
+    "sparse": torch.where(torch.rand(500) > 0.9, torch.randn(500), torch.zeros(500)),
+    "one": torch.tensor([3.0]),
+    "bool": torch.rand(50) > 0.3,
+    "int": torch.arange(-5, 20),
+    "bf16": torch.randn(300).to(torch.bfloat16),
+    "non-contiguous": torch.randn(20, 30).t(),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_statistics_match_numpy(name: str) -> None:
+    torch.manual_seed(0)
+    tensor = CASES[name]
+    got = np.asarray(summarize(tensor))
+    want = _reference(tensor.float().numpy())
+    np.testing.assert_allclose(
+        got[[0, 2, 3, 4]], np.array(want)[[0, 2, 3, 4]], rtol=1e-6, atol=1e-6
+    )
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-6)  # std
+    assert list(got[5:]) == want[5:]
+    if name == "constant":
+        assert got[1] == 0.0
+
+
+def test_nan_and_inf_are_counted_and_spoil_only_what_they_touch() -> None:
+    x = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0, 2.0])
+    got = np.asarray(summarize(x))
+    assert list(got[5:]) == [1.0, 1.0, 2.0]  # zeros, NaN, Inf
+    assert np.isnan(got[0]) and np.isnan(got[1])
+    only_inf = np.asarray(summarize(torch.tensor([1.0, float("inf")])))
+    assert only_inf[3] == np.inf and list(only_inf[5:]) == [0.0, 0.0, 1.0]
+
+
+def test_nothing_to_summarise() -> None:
+    assert summarize(torch.empty(0)) is None
+    assert summarize(torch.zeros(3, dtype=torch.complex64)) is None
+    assert summarize(torch.empty(3, device="meta")) is None
+
+
+def test_sparse_tensors_are_summarised_densely() -> None:
+    dense = torch.zeros(4, 5)
+    dense[1, 2], dense[3, 0] = 2.0, -1.0
+    got = np.asarray(summarize(dense.to_sparse()))
+    np.testing.assert_allclose(got, np.asarray(summarize(dense)))
+
+
+def test_units_and_activity() -> None:
+    x = torch.tensor([[[[1.0, -1.0], [0.0, 2.0]], [[-3.0, -1.0], [-2.0, -1.0]]]])  # (1, 2, 2, 2)
+    assert unit_dim(x, channels_first=False) == 1
+    assert activity(x, 1).tolist() == [2, 0]
+    seq = torch.tensor([[[1.0, -1.0, 0.5], [2.0, 3.0, -4.0]]])  # (batch, time, features)
+    assert unit_dim(seq, channels_first=False) == 2
+    assert activity(seq, 2).tolist() == [2, 1, 1]
+    assert unit_dim(seq, channels_first=True) == 1
+    assert activity(seq, 1).tolist() == [2, 2]
+    assert unit_dim(torch.tensor(1.0), channels_first=False) is None
+    assert activity(torch.tensor([1.0, -2.0, 3.0]), 0).tolist() == [1, 0, 1]
