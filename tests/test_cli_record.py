@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import click
 import pytest
 import torch
 
@@ -442,3 +443,20 @@ def test_a_compiled_model_is_recorded_from_the_outside(tmp_path: Path) -> None:
         "2.weight",
         "2.bias",
     }
+
+
+def test_every_option_has_help_with_an_example() -> None:
+    from hooktrace.cli.record import record
+
+    for param in record.params:
+        if isinstance(param, click.Option) and param.name not in ("quiet", "strict"):
+            assert param.help and "e.g." in param.help, param.name
+
+
+def test_without_torch_record_says_to_install_it(tmp_path: Path) -> None:
+    script = _script(tmp_path, "")
+    code = f"import sys; sys.modules['torch'] = None\nfrom hooktrace.cli import main\nmain(['record', {str(script)!r}])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "needs PyTorch" in result.stderr and "pip install torch" in result.stderr

@@ -43,55 +43,79 @@ _KEYS = {
     "--out",
     "-o",
     type=click.Path(path_type=Path),
-    help="Run directory. [default: runs/SCRIPT-TIMESTAMP]",
+    help="Run directory, e.g. -o runs/baseline. [default: runs/SCRIPT-TIMESTAMP]",
 )
 @click.option(
     "--modules",
     multiple=True,
-    help="Record only modules whose name matches this regex (repeatable).",
+    help="Record only modules whose name matches this regex (repeatable), e.g. --modules '^encoder\\.'.",
 )
 @click.option(
-    "--exclude", multiple=True, help="Skip modules whose name matches this regex (repeatable)."
+    "--exclude",
+    multiple=True,
+    help="Skip modules whose name matches this regex (repeatable), e.g. --exclude dropout.",
 )
-@click.option("--every", type=click.IntRange(min=1), help="Record every N-th step. [default: 1]")
+@click.option(
+    "--every",
+    type=click.IntRange(min=1),
+    help="Record every N-th step, e.g. --every 10. [default: 1]",
+)
 @click.option("--steps", help="Record only these steps, e.g. '0-100,500,1000-'.")
 @click.option(
-    "--full-every", type=click.IntRange(min=1), help="Save full tensors every N-th recorded step."
+    "--full-every",
+    type=click.IntRange(min=1),
+    help="Save full tensors every N-th step, e.g. --full-every 100.",
 )
 @click.option("--full-steps", help="Save full tensors at these steps, e.g. '0,10-12'.")
 @click.option(
-    "--full-modules", multiple=True, help="Save full tensors of modules matching this regex only."
+    "--full-modules",
+    multiple=True,
+    help="Save full tensors only of modules matching this regex (repeatable), e.g. --full-modules 'blocks\\.0'.",
 )
-@click.option("--inputs/--no-inputs", default=None, help="Also record module inputs. [default: no]")
+@click.option(
+    "--inputs/--no-inputs",
+    default=None,
+    help="Also record module inputs (needed for replay), e.g. --inputs. [default: no]",
+)
 @click.option(
     "--params/--no-params",
     default=None,
-    help="Record parameters and their gradients. [default: yes]",
+    help="Record parameters, buffers and gradients, e.g. --no-params to skip them. [default: yes]",
 )
 @click.option(
     "--max-tensor-mb",
     type=click.FloatRange(min=0),
-    help="Skip full tensors larger than this. [default: 256]",
+    help="Do not save full tensors larger than this many MB, e.g. --max-tensor-mb 64. [default: 256]",
 )
 @click.option(
     "--compression",
     type=click.Choice(["none", "gzip", "lzf"]),
-    help="Compress full tensors. [default: none]",
+    help="Compress full tensors, e.g. --compression lzf. [default: none]",
 )
 @click.option(
     "--strict",
     is_flag=True,
     default=None,
-    help="A fault inside hooktrace stops training instead of recording.",
+    help="A fault inside hooktrace stops training instead of only the recording, e.g. in CI.",
 )
-@click.option("--overwrite", is_flag=True, default=None, help="Replace a trace already in --out.")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    default=None,
+    help="Replace a trace already in --out, e.g. --overwrite -o runs/demo.",
+)
 @click.option(
     "--config",
     "config_file",
     type=click.Path(path_type=Path),
-    help="TOML file with the same keys (CLI wins).",
+    help="TOML file with the same keys as the options, e.g. every = 10 (the command line wins).",
 )
-@click.option("--quiet", "-q", is_flag=True, help="Say nothing on stderr before and after the run.")
+@click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="Say nothing on stderr before and after the run (the script's own output stays).",
+)
 def record(
     script: Path, args: tuple[str, ...], config_file: Path | None, quiet: bool, **given: Any
 ) -> None:
@@ -116,8 +140,12 @@ def record(
     options = _recorder_options(settings)
 
     from hooktrace.errors import HooktraceError
-    from hooktrace.recorder.launch import run_script
     from hooktrace.recorder.select import StepSelection, module_matcher
+
+    try:
+        from hooktrace.recorder.launch import run_script
+    except ImportError as exc:
+        raise CommandError(f"hooktrace record needs PyTorch ({exc}): pip install torch") from exc
 
     try:  # every bad value is reported before the script starts
         StepSelection(options.get("steps"), every=options.get("every", 1))
