@@ -2,7 +2,8 @@
 
 Statistics are enough (no full tensors). The records are read in chunks of whole steps, so
 memory stays bounded; what is kept between chunks is one number per module per step (the
-gradient and activation norms the series checks need) and the non-finite origins found.
+gradient and activation norms the series checks need, modules as integer ids), per-module
+tallies, and the non-finite origins found.
 
 The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``count``):
 
@@ -22,11 +23,13 @@ The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``
 - ``exploding_gradient`` (error), ``gradient_spike`` (warning): each module's parameter
   gradient norm (the L2 norm over its parameters) per step, against a robust baseline: the
   median of the last ``window`` normal steps, in log scale, with the MAD. A step is *high*
-  when it is ``spike_factor`` times the baseline and 5 MADs above it; high steps stay out of
-  the baseline, and high steps at most 2 steps apart form one episode. An episode that peaks
-  at ``explode_factor`` times the baseline, above ``exploding_above``, and lasts more than one
-  step or runs to the last step, is exploding, from its first step; other episodes are
-  spikes. value: the peak norm; reference: the baseline; count: high steps.
+  when it is ``spike_factor`` times the baseline (and, once 5 normal steps are known, 5 MADs
+  above it); high steps stay out of the baseline, and high steps at most 2 steps apart form
+  one episode. An episode that peaks at ``explode_factor`` times the baseline or above
+  ``exploding_above``, and lasts more than one step or runs to the last step, is exploding,
+  from its first step; other episodes are spikes. A norm above ``exploding_above`` is
+  exploding even without a baseline. value: the peak norm; reference: the baseline (or the
+  bound); count: high steps (spikes: episodes).
 - ``activation_spike`` (warning): the same episodes on each module's output norm (root mean
   square over the step's records, train phase); a module whose outputs are exactly another's
   (a container returning its last child's output) is reported once.
@@ -46,7 +49,6 @@ neither counts as high or normal in the series checks.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,7 +62,9 @@ from hooktrace.analyze.findings import (
     fmt,
     keys,
     modules_of_type,
+    step_chunks,
     step_filter,
+    strings,
 )
 from hooktrace.analyze.nonfinite import NonFinite
 from hooktrace.errors import ConfigError
@@ -89,7 +93,10 @@ class Anomalies:
     def __repr__(self) -> str:
         counts = self.findings["severity"].value_counts()
         parts = ", ".join(f"{counts[s]} {s}" for s in ("error", "warning", "info") if s in counts)
-        return f"<Anomalies: {len(self)} findings ({parts or 'none'}) in {self.steps} steps, {self.modules} modules>"
+        return (
+            f"<Anomalies: {len(self)} findings ({parts or 'none'}) in {self.steps} steps, "
+            f"{self.modules} modules>"
+        )
 
 
 def anomalies(
@@ -116,47 +123,30 @@ def anomalies(
         )
     if vanishing_below < 0 or exploding_above <= 0 or not 0 < saturation <= 1:
         raise ConfigError(
-            "vanishing_below >= 0, exploding_above > 0 and 0 < saturation <= 1, please"
+            "need vanishing_below >= 0, exploding_above > 0 and 0 < saturation <= 1 "
+            f"(got {vanishing_below}, {exploding_above}, {saturation})"
         )
     trace = run if isinstance(run, Trace) else load(run)
-    scan = _Scan(trace)
-    n_steps = 0
-    for chunk in _chunks(trace, step_filter(steps), chunk_rows):
-        frame = trace.query(columns=_COLUMNS, steps=chunk)
-        n_steps += int(frame[["rank", "step"]].drop_duplicates().shape[0])
-        scan.add(frame)
+    scan = _Scan(trace, saturation)
+    for chunk in step_chunks(trace, step_filter(steps), chunk_rows):
+        scan.add(trace.query(columns=_COLUMNS, steps=chunk))
     config = series.Config(window, spike_factor, explode_factor, exploding_above)
     found = scan.nonfinite.findings()
-    found += series.gradient_findings(scan.grads, config, vanishing_below)
-    found += series.activation_findings(scan.outputs, config)
-    found += _parameter_findings(scan.params)
-    found += _saturation_findings(scan.saturation, saturation)
+    found += series.gradient_findings(scan.table(scan.grads), config, vanishing_below)
+    found += series.activation_findings(scan.table(scan.outputs), config)
+    found += _parameter_findings(scan)
+    found += _saturation_findings(scan, saturation)
     notes = []
-    if not scan.params:
+    if not scan.per_slot:
         notes.append("no parameter gradients recorded (params=False?): gradient checks skipped")
-    return Anomalies(findings_frame(found), n_steps, len(scan.modules_seen), notes)
-
-
-def _chunks(
-    trace: Trace, steps: tuple[int, int] | list[int] | None, chunk_rows: int
-) -> Iterator[tuple[int, int] | list[int]]:
-    """Step selections of about ``chunk_rows`` records each, whole steps, in step order."""
-    per_step = trace.query(columns=["step"], steps=steps)["step"].value_counts().sort_index()
-    if per_step.empty:
-        return
-    group = (per_step.cumsum() - 1) // max(chunk_rows, 1)
-    for _, members in per_step.groupby(group.to_numpy(), sort=True):
-        chosen = members.index.to_numpy()
-        if isinstance(steps, list):
-            yield [int(s) for s in chosen]
-        else:
-            yield int(chosen[0]), int(chosen[-1])
+    return Anomalies(findings_frame(found), scan.steps, len(scan.names), notes)
 
 
 class _Scan:
-    """What one pass over the records keeps: non-finite origins and small per-step tables."""
+    """What one pass over the records keeps: non-finite origins, one norm per module per step,
+    and per-module tallies. Modules are integer ids into ``names``."""
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, saturation: float) -> None:
         modules = trace.modules.drop_duplicates("module")
         names = modules["module"].astype(str)
         self.nonfinite = NonFinite(
@@ -167,44 +157,113 @@ class _Scan:
             **dict.fromkeys(modules_of_type(trace.modules, TANH_RANGE), "tanh"),
             **dict.fromkeys(modules_of_type(trace.modules, SIGMOID_RANGE), "sigmoid"),
         }
-        self.grads: list[pd.DataFrame] = []
-        self.params: list[pd.DataFrame] = []
+        self.saturation = saturation
+        self.names: list[str] = []
+        self._ids: dict[str, int] = {}
+        self.steps = 0
+        self.grads: list[pd.DataFrame] = []  # rank, module, step, value, seq
         self.outputs: list[pd.DataFrame] = []
-        self.saturation: list[pd.DataFrame] = []
-        self.modules_seen: set[str] = set()
+        self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
+        self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
+        self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
 
     def add(self, frame: pd.DataFrame) -> None:
-        self.modules_seen.update(frame["module"].astype(str).unique())
-        kind = frame["kind"].astype(str)
+        """One chunk of whole steps, in (rank, step, seq) order."""
+        if frame.empty:
+            return
+        self.steps += len(frame[["rank", "step"]].drop_duplicates())
+        kind = strings(frame["kind"])
         self.nonfinite.add(frame, kind)
+        frame = frame.assign(module=self._module_ids(frame["module"]))
         grad_param = frame[kind == "grad_param"]
         if not grad_param.empty:
-            params = pd.DataFrame(
-                {"rank": grad_param["rank"].to_numpy(), "step": grad_param["step"].to_numpy(),
-                 "module": grad_param["module"].astype(str).to_numpy(),
-                 "slot": grad_param["slot"].astype(str).to_numpy(),
-                 "none": grad_param["dtype"].astype(str).eq("None").to_numpy(),
-                 "zero": grad_param["norm"].eq(0).to_numpy()}
-            )  # fmt: skip
-            self.params.append(params)
-            has = grad_param[~params["none"].to_numpy()]
+            self._tally_params(grad_param)
+            has = grad_param[strings(grad_param["dtype"]) != "None"]
             self.grads.append(_norms(has, how="sum"))
-        train_out = frame[(kind == "output") & (frame["phase"].astype(str) == "train")]
+        train_out = frame[(kind == "output") & (strings(frame["phase"]) == "train")]
         if not train_out.empty:
             self.outputs.append(_norms(train_out, how="mean"))
-            names = train_out["module"].astype(str)
-            ranged = train_out[names.isin(list(self.ranges)).to_numpy()]
-            if not ranged.empty:
-                self.saturation.append(self._mean_square(ranged))
+            ranged = [self._ids[m] for m in self.ranges if m in self._ids]
+            rows = train_out[train_out["module"].isin(ranged).to_numpy()]
+            if not rows.empty:
+                self._tally_saturation(rows)
 
-    def _mean_square(self, rows: pd.DataFrame) -> pd.DataFrame:
-        """Per (rank, module, step): the numel-weighted mean square of the output on [-1, 1]."""
-        square = rows["std"] ** 2 + rows["mean"] ** 2
-        sigmoid = rows["module"].astype(str).map(self.ranges).eq("sigmoid")
-        scaled = square.where(~sigmoid, 4 * square - 4 * rows["mean"] + 1)
-        weighted = rows.assign(module=rows["module"].astype(str), w=scaled * rows["numel"])
-        sums = weighted.groupby(["rank", "module", "step"])[["w", "numel"]].sum()
-        return (sums["w"] / sums["numel"]).rename("value").reset_index()
+    def table(self, frames: list[pd.DataFrame]) -> pd.DataFrame:
+        """The per-step tables of all chunks as one, modules by name (a categorical)."""
+        if not frames:
+            return pd.DataFrame({"rank": [], "module": [], "step": [], "value": [], "seq": []})
+        table = pd.concat(frames, ignore_index=True)
+        table["module"] = pd.Categorical.from_codes(
+            table["module"].to_numpy(), categories=pd.Index(self.names)
+        )
+        return table
+
+    def _module_ids(self, column: pd.Series) -> np.ndarray:
+        """Integer ids for a module column: only its distinct names are looked at."""
+        values = (
+            column if isinstance(column.dtype, pd.CategoricalDtype) else column.astype("category")
+        )
+        lookup = np.array([self._id(str(name)) for name in values.cat.categories], dtype=np.int64)
+        return lookup[values.cat.codes.to_numpy()]
+
+    def _id(self, name: str) -> int:
+        if name not in self._ids:
+            self._ids[name] = len(self.names)
+            self.names.append(name)
+        return self._ids[name]
+
+    def _tally_params(self, rows: pd.DataFrame) -> None:
+        none = strings(rows["dtype"]) == "None"
+        table = pd.DataFrame(
+            {"rank": rows["rank"].to_numpy(), "module": rows["module"].to_numpy(),
+             "slot": strings(rows["slot"]), "step": rows["step"].to_numpy(),
+             "none": none, "zero": rows["norm"].eq(0).to_numpy() & ~none}
+        )  # fmt: skip
+        self.per_slot.append(
+            table.groupby(["rank", "module", "slot"]).agg(
+                steps=("step", "nunique"),
+                none=("none", "sum"),
+                first=("step", "min"),
+                last=("step", "max"),
+            )
+        )
+        zero = table[table["zero"]]
+        if not zero.empty:
+            self.zero.append(
+                zero.groupby(["rank", "module"]).agg(
+                    steps=("step", "nunique"),
+                    first=("step", "min"),
+                    last=("step", "max"),
+                    slots=("slot", _union),
+                )
+            )
+
+    def _tally_saturation(self, rows: pd.DataFrame) -> None:
+        """Per step, the numel-weighted mean square of the output mapped onto [-1, 1]."""
+        sigmoid = {
+            self._ids[m] for m, r in self.ranges.items() if r == "sigmoid" and m in self._ids
+        }
+        mean, square = (
+            rows["mean"].to_numpy(),
+            rows["std"].to_numpy() ** 2 + rows["mean"].to_numpy() ** 2,
+        )
+        scaled = np.where(
+            rows["module"].isin(sigmoid).to_numpy(), 4 * square - 4 * mean + 1, square
+        )
+        numel = rows["numel"].to_numpy()
+        per_step = (
+            pd.DataFrame({"rank": rows["rank"].to_numpy(), "module": rows["module"].to_numpy(),
+                          "step": rows["step"].to_numpy(), "w": scaled * numel, "n": numel})
+            .groupby(["rank", "module", "step"]).sum()
+        )  # fmt: skip
+        value = (per_step["w"] / per_step["n"]).rename("value").reset_index()
+        value["hit"] = value["value"] >= self.saturation
+        hits = value[value["hit"]]
+        tally = value.groupby(["rank", "module"]).agg(steps=("step", "size"), hit=("hit", "sum"))
+        found = hits.groupby(["rank", "module"]).agg(
+            first=("step", "min"), last=("step", "max"), value=("value", "max")
+        )
+        self.saturated.append(tally.join(found, how="left"))
 
 
 def _norms(rows: pd.DataFrame, *, how: str) -> pd.DataFrame:
@@ -213,7 +272,7 @@ def _norms(rows: pd.DataFrame, *, how: str) -> pd.DataFrame:
     NaN if any norm was; with the first seq, to order modules by execution."""
     squares = rows["norm"].to_numpy(dtype=np.float64) ** 2
     frame = pd.DataFrame(
-        {"rank": rows["rank"].to_numpy(), "module": rows["module"].astype(str).to_numpy(),
+        {"rank": rows["rank"].to_numpy(), "module": rows["module"].to_numpy(),
          "step": rows["step"].to_numpy(), "sq": squares, "nan": np.isnan(squares),
          "seq": rows["seq"].to_numpy()}
     )  # fmt: skip
@@ -223,41 +282,48 @@ def _norms(rows: pd.DataFrame, *, how: str) -> pd.DataFrame:
     return pd.DataFrame({"value": np.sqrt(total), "seq": grouped["seq"].min()}).reset_index()
 
 
-def _parameter_findings(frames: list[pd.DataFrame]) -> list[Finding]:
+def _parameter_findings(scan: _Scan) -> list[Finding]:
     """no_gradient (.grad None at every recorded step) and zero_gradient, per module."""
-    if not frames:
+    if not scan.per_slot:
         return []
-    table = pd.concat(frames, ignore_index=True)
-    found: list[Finding] = []
-    per_slot = table.groupby(["rank", "module", "slot"], sort=True).agg(
-        steps=("step", "nunique"), none=("none", "sum"), first=("step", "min"), last=("step", "max")
+    per_slot = (
+        pd.concat(scan.per_slot)
+        .groupby(level=["rank", "module", "slot"])
+        .agg({"steps": "sum", "none": "sum", "first": "min", "last": "max"})
     )
+    found: list[Finding] = []
     never = per_slot[per_slot["none"] >= per_slot["steps"]].reset_index()
     for key, group in never.groupby(["rank", "module"], sort=True):
         rank, module = keys(key)
-        slots = ", ".join(group["slot"])
+        slots = ", ".join(sorted(group["slot"]))
         steps = int(group["steps"].max())
         found.append(
             Finding(
-                "no_gradient", "warning", str(module), int(group["first"].min()), rank=int(rank),
-                slot=slots, last_step=int(group["last"].max()), count=steps,
+                "no_gradient", "warning", scan.names[module], int(group["first"].min()),
+                rank=int(rank), slot=slots, last_step=int(group["last"].max()), count=steps,
                 evidence=f"{slots}: .grad was None at all {steps} recorded step(s)",
                 explanation="never gets a gradient: the parameter is frozen (requires_grad=False) "
                 "or not used in the forward pass",
             )
         )  # fmt: skip
-    zero = table[table["zero"] & ~table["none"]]
-    for key, group in zero.groupby(["rank", "module"], sort=True):
-        rank, module = keys(key)
-        slots = ", ".join(sorted(group["slot"].unique()))
-        total = int(table[(table["rank"] == rank) & (table["module"] == module)]["step"].nunique())
-        n = int(group["step"].nunique())
+    if not scan.zero:
+        return found
+    totals = per_slot.groupby(level=["rank", "module"])["steps"].max()
+    zero = (
+        pd.concat(scan.zero)
+        .groupby(level=["rank", "module"])
+        .agg({"steps": "sum", "first": "min", "last": "max", "slots": _union})
+    )
+    for index, row in zero.iterrows():
+        rank, module = keys(index)
+        slots = ", ".join(sorted(row["slots"]))
+        n, total = int(row["steps"]), int(totals[(rank, module)])
         found.append(
             Finding(
-                "zero_gradient", "info", str(module), int(group["step"].min()), rank=int(rank),
-                slot=slots, last_step=int(group["step"].max()), count=n, value=0.0,
+                "zero_gradient", "info", scan.names[module], int(row["first"]), rank=int(rank),
+                slot=slots, last_step=int(row["last"]), count=n, value=0.0,
                 evidence=f"{slots}: gradient exactly zero at {n} of {total} step(s), from step "
-                f"{group['step'].min()}",
+                f"{row['first']}",
                 explanation="no gradient flows to these parameters: dead units downstream, a "
                 "detached path, or a zero mask",
             )
@@ -265,27 +331,36 @@ def _parameter_findings(frames: list[pd.DataFrame]) -> list[Finding]:
     return found
 
 
-def _saturation_findings(frames: list[pd.DataFrame], saturation: float) -> list[Finding]:
-    if not frames:
+def _saturation_findings(scan: _Scan, saturation: float) -> list[Finding]:
+    if not scan.saturated:
         return []
-    table = pd.concat(frames, ignore_index=True)
+    table = (
+        pd.concat(scan.saturated)
+        .groupby(level=["rank", "module"])
+        .agg({"steps": "sum", "hit": "sum", "first": "min", "last": "max", "value": "max"})
+    )
     share = max((saturation - 0.81) / 0.19, 0.0)
     found: list[Finding] = []
-    for key, group in table.groupby(["rank", "module"], sort=True):
-        rank, module = keys(key)
-        hit = group[group["value"] >= saturation]
-        if hit.empty:
-            continue
+    for index, row in table[table["hit"] > 0].iterrows():
+        rank, module = keys(index)
         found.append(
             Finding(
-                "saturated", "info", str(module), int(hit["step"].min()), rank=int(rank),
-                last_step=int(hit["step"].max()), value=float(hit["value"].max()),
-                reference=saturation, count=len(hit),
+                "saturated", "info", scan.names[module], int(row["first"]), rank=int(rank),
+                last_step=int(row["last"]), value=float(row["value"]), reference=saturation,
+                count=int(row["hit"]),
                 evidence=f"mean square of the output on [-1, 1] at least {fmt(saturation)} at "
-                f"{len(hit)} of {len(group)} step(s), from step {hit['step'].min()} (so at "
-                f"least {share:.0%} of values within 10% of the ends)",
+                f"{int(row['hit'])} of {int(row['steps'])} step(s), from step {int(row['first'])} "
+                f"(so at least {share:.0%} of values within 10% of the ends)",
                 explanation="a saturated tanh/sigmoid passes almost no gradient: check the scale "
                 "of its input (initialisation, normalisation, learning rate)",
             )
         )  # fmt: skip
+    return found
+
+
+def _union(values: pd.Series) -> set[str]:
+    """Slot names, or sets of them, as one set."""
+    found: set[str] = set()
+    for value in values:
+        found |= value if isinstance(value, set) else {value}
     return found

@@ -14,8 +14,9 @@ once per micro-step, e.g. one ``nn.ReLU`` shared by several layers):
   shorter run); that first step is its ``since``;
 - a layer is *flagged* when its dead fraction passes ``layer_threshold``.
 
-Memory stays bounded: only the metadata of ReLU outputs is read, each HDF5 segment is opened
-once, and the per-unit state is a few arrays per layer, whatever the number of steps.
+Memory stays bounded: steps are read in chunks, only the metadata of ReLU outputs, each HDF5
+segment once per chunk, and the per-unit state is a few arrays per layer, whatever the
+number of steps.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from hooktrace.analyze.findings import (
     fmt,
     keys,
     modules_of_type,
+    step_chunks,
     step_filter,
 )
 from hooktrace.errors import ConfigError
@@ -128,6 +130,7 @@ def dead_relus(
     min_steps: int = 3,
     steps: StepsSpec = None,
     phases: Iterable[str] | None = ("train",),
+    chunk_rows: int = 250_000,
 ) -> DeadUnits:
     """Dead units of every ReLU-family module of ``run`` (see the module docstring).
 
@@ -136,6 +139,7 @@ def dead_relus(
     ``min_steps``: how many recorded steps a unit must have stayed below to count as dead.
     ``steps``: which steps to read (``"0-100"``, ``(first, last)`` or step numbers).
     ``phases``: train only by default (eval batches differ); None reads every phase.
+    ``chunk_rows``: steps are read in chunks of about this many records (of all kinds).
     """
     if not 0 < threshold <= 1:
         raise ConfigError(f"threshold must be a fraction in (0, 1] (got {threshold})")
@@ -149,20 +153,23 @@ def dead_relus(
     if not types:
         result.notes.append("the trace has no ReLU-family modules (" + ", ".join(RELU_FAMILY) + ")")
         return result
-    rows = trace.query(
-        columns=["step", "module", "call", "units", "unit_size", "activity_offset", "segment"],
-        modules=sorted(types),
-        kinds=["output"],
-        phases=list(phases) if phases is not None else None,
-        steps=step_filter(steps),
-    )
-    rows = rows[rows["units"] > 0]
-    if rows.empty:
+    states: dict[LayerKey, _LayerState] = {}
+    for chunk in step_chunks(trace, step_filter(steps), chunk_rows):
+        rows = trace.query(
+            columns=["step", "module", "call", "units", "unit_size", "activity_offset", "segment"],
+            modules=sorted(types),
+            kinds=["output"],
+            phases=list(phases) if phases is not None else None,
+            steps=chunk,
+        )
+        rows = rows[rows["units"] > 0]
+        if not rows.empty:
+            _scan(trace, rows, threshold, states)
+    if not states:
         result.notes.append(
             "no per-unit activity was recorded for the ReLU outputs in the steps read"
         )
         return result
-    states = _scan(trace, rows, threshold)
     layers, units = _tables(states, types, min_steps, layer_threshold)
     result.layers, result.units = layers, units
     return result
@@ -176,7 +183,8 @@ class _LayerState:
         self.values = 0
         self.since = np.full(units, -1, dtype=np.int64)  # start of the current run below
         self.run = np.zeros(units, dtype=np.int64)  # recorded steps in that run
-        self.steps: list[int] = []
+        self.steps = 0
+        self.first_step = self.last_step = -1
 
     def update(
         self, steps: np.ndarray, positive: np.ndarray, values: np.ndarray, threshold: float
@@ -197,15 +205,19 @@ class _LayerState:
             np.where(self.since >= 0, self.since, steps[0]),
         )
         self.run = np.where(fresh, trailing, self.run + n)
-        self.steps.extend(int(s) for s in steps)
+        self.first_step = int(steps[0]) if self.steps == 0 else self.first_step
+        self.last_step = int(steps[-1])
+        self.steps += n
 
 
-def _scan(trace: Trace, rows: pd.DataFrame, threshold: float) -> dict[LayerKey, _LayerState]:
-    """Stream the activity, one segment at a time, in step order (all ranks together)."""
+def _scan(
+    trace: Trace, rows: pd.DataFrame, threshold: float, states: dict[LayerKey, _LayerState]
+) -> None:
+    """Fold the activity of ``rows`` (whole steps, after every step already in ``states``)
+    into ``states``, one segment at a time, in step order (all ranks together)."""
     rows = rows.assign(module=rows["module"].astype(str), segment=rows["segment"].astype(str))
     segments = rows.groupby("segment", sort=False)["step"].min().sort_values(kind="stable")
     order = list(segments.index)
-    states: dict[LayerKey, _LayerState] = {}
     # layer -> step -> (positive counts, value count), for steps later segments may add to
     pending: Pending = defaultdict(dict)
     by_segment = dict(tuple(rows.groupby("segment", sort=False)))
@@ -229,7 +241,6 @@ def _scan(trace: Trace, rows: pd.DataFrame, threshold: float) -> dict[LayerKey, 
                 )
         horizon = int(segments.iloc[i + 1]) if i + 1 < len(order) else None
         _finalize(pending, states, horizon, threshold)
-    return states
 
 
 def _per_step(
@@ -272,7 +283,7 @@ def _tables(
     layer_rows = []
     unit_frames = []
     for (module, call, units), state in states.items():
-        needed = min(min_steps, len(state.steps))
+        needed = min(min_steps, state.steps)
         dead = (state.since >= 0) & (state.run >= needed)
         activity = state.positive / max(state.values, 1)
         n_dead = int(dead.sum())
@@ -289,9 +300,9 @@ def _tables(
                 "since": int(since.min()) if n_dead else None,
                 "last_since": int(since.max()) if n_dead else None,
                 "activity": float(activity.mean()),
-                "steps": len(state.steps),
-                "first_step": state.steps[0],
-                "last_step": state.steps[-1],
+                "steps": state.steps,
+                "first_step": state.first_step,
+                "last_step": state.last_step,
             }
         )
         if n_dead:

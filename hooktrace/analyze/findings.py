@@ -15,13 +15,16 @@ Tables of findings come worst first: by severity, then grouped by kind (in the o
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from typing import Any, Final
 
+import numpy as np
 import pandas as pd
 
 from hooktrace.errors import ConfigError
+from hooktrace.trace.reader import Trace
 
 SEVERITIES: Final = ("error", "warning", "info")
 
@@ -122,6 +125,34 @@ def step_filter(spec: StepsSpec) -> tuple[int, int] | list[int] | None:
     return steps
 
 
+def step_chunks(
+    trace: Trace, steps: tuple[int, int] | list[int] | None, rows: int
+) -> Iterator[tuple[int, int] | list[int]]:
+    """Step selections (as :func:`step_filter` gives them) of about ``rows`` records each,
+    whole steps, in step order, covering every step ``steps`` selects.
+
+    The plan comes from the steps table (records per step); the ranges between planned
+    boundaries are open, so a step that the steps table lacks is still read."""
+    lo, hi = steps if isinstance(steps, tuple) else (0, 2**62)
+    table = trace.steps
+    per_step = (
+        table.groupby("step")["records"].sum() if not table.empty else pd.Series(dtype="int64")
+    )
+    per_step = per_step[(per_step.index >= lo) & (per_step.index <= hi)]
+    if isinstance(steps, list):
+        per_step = per_step[per_step.index.isin(steps)]
+    group = (per_step.cumsum().to_numpy() - 1) // max(rows, 1)
+    starts = per_step.index.to_numpy()[np.flatnonzero(np.r_[True, group[1:] != group[:-1]])]
+    bounds = [lo, *(int(s) for s in starts[1:]), hi + 1]
+    for first, end in pairwise(bounds):
+        if isinstance(steps, list):
+            chosen = sorted(s for s in set(steps) if first <= s < end)
+            if chosen:
+                yield chosen
+        else:
+            yield first, end - 1
+
+
 def _checked(pair: tuple[int, int]) -> tuple[int, int]:
     lo, hi = pair
     if lo < 0 or hi < lo:
@@ -155,3 +186,11 @@ def fmt(value: float) -> str:
 def keys(key: Hashable) -> tuple[Any, ...]:
     """A pandas group key as a tuple (pandas types it as Hashable)."""
     return key if isinstance(key, tuple) else (key,)
+
+
+def strings(column: pd.Series) -> np.ndarray:
+    """A column as an object array of str; a categorical's names are converted only once."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        names = np.array([str(c) for c in column.cat.categories], dtype=object)
+        return names[column.cat.codes.to_numpy()]
+    return column.astype(str).to_numpy(dtype=object)

@@ -14,7 +14,7 @@ from itertools import pairwise
 import numpy as np
 import pandas as pd
 
-from hooktrace.analyze.findings import Finding, keys
+from hooktrace.analyze.findings import Finding, strings
 
 FORWARD_KINDS = ("input", "output", "tensor")
 BACKWARD_KINDS = ("grad_output", "grad_tensor", "grad_param")
@@ -39,6 +39,22 @@ class Origin:
     fed_by: tuple[str, str, str] | None  # module, kind, slot
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """The columns of one chunk that the search needs, as numpy arrays."""
+
+    rank_step: np.ndarray
+    passes: np.ndarray
+    bad: np.ndarray
+    nan: np.ndarray
+    inf: np.ndarray
+    module: np.ndarray
+    kind: np.ndarray
+    slot: np.ndarray
+    micro_step: np.ndarray
+    numel: np.ndarray
+
+
 class NonFinite:
     """Non-finite origins over the chunks given to :meth:`add`, then :meth:`findings`.
 
@@ -50,74 +66,83 @@ class NonFinite:
         self.parent = parent
         self.root = root
         self.origins: list[Origin] = []
-        self.bad_params: set[tuple[int, int, str]] = set()  # (rank, step, module)
-        self.bad_forward: set[tuple[int, int, int]] = set()  # (rank, step, micro_step)
         self.recorded: dict[int, list[int]] = {}  # rank -> its recorded steps, in order
 
-    def add(self, frame: pd.DataFrame, kind: pd.Series) -> None:
-        """One chunk: every record of some whole steps, in (rank, step, seq) order."""
-        for rank, steps in frame.groupby("rank")["step"]:
-            self.recorded.setdefault(int(keys(rank)[0]), []).extend(int(s) for s in steps.unique())
-        bad = (frame["nan_count"].fillna(0) > 0) | (frame["inf_count"].fillna(0) > 0)
+    def add(self, frame: pd.DataFrame, kind: np.ndarray) -> None:
+        """One chunk: every record of some whole steps, in (rank, step, seq) order.
+
+        A step's params, forward and backward are all in its chunk, so the consequences are
+        told from the origins here: a forward origin at a module whose parameters were already
+        non-finite, and a backward pass non-finite from its first gradient after a non-finite
+        forward of the same micro-step, are not kept."""
+        rank_step = frame["rank"].to_numpy(np.int64) << 40 | frame["step"].to_numpy(np.int64)
+        for rs in np.unique(rank_step).tolist():
+            self.recorded.setdefault(rs >> 40, []).append(rs & ((1 << 40) - 1))
+        nan = frame["nan_count"].fillna(0).to_numpy(np.int64)
+        inf = frame["inf_count"].fillna(0).to_numpy(np.int64)
+        bad = (nan > 0) | (inf > 0)
         if not bad.any():
             return
-        passes = kind.map(_PASS).fillna(0).to_numpy(dtype=np.int64)
-        bad_np = bad.to_numpy()
-        rank_step = frame["rank"].to_numpy(dtype=np.int64) << 40 | frame["step"].to_numpy(np.int64)
-        module = frame["module"].astype(str).to_numpy()
-        rows = frame.assign(pass_=passes, position=np.arange(len(frame)))[bad_np]
-        for key, group in rows.groupby(["rank", "step", "pass_"], sort=True):
-            rank, step, pass_ = keys(key)
-            first = group.iloc[0]
-            position = int(first["position"])
+        rows = _Rows(
+            rank_step, np.array([_PASS.get(k, 0) for k in kind], dtype=np.int64), bad, nan, inf,
+            strings(frame["module"]), kind, strings(frame["slot"]),
+            frame["micro_step"].to_numpy(np.int64), frame["numel"].to_numpy(np.int64),
+        )  # fmt: skip
+        # bad records grouped by (rank, step, pass), each group in seq order
+        positions = np.flatnonzero(bad)
+        group = rank_step[positions] * 4 + rows.passes[positions]
+        order = np.argsort(group, kind="stable")
+        members_of = positions[order]
+        _, starts, counts = np.unique(group[order], return_index=True, return_counts=True)
+        bad_params: dict[int, set[str]] = {}  # rank_step -> modules with non-finite params
+        bad_forward: dict[int, set[int]] = {}  # rank_step -> micro-steps
+        firsts = []
+        for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
+            members = members_of[start : start + count]
+            first = int(members[0])
+            pass_ = int(rows.passes[first])
             if pass_ == 3:
-                self.bad_params.update(
-                    (int(rank), int(step), str(m)) for m in group["module"].astype(str)
+                bad_params.setdefault(int(rank_step[first]), set()).update(rows.module[members])
+            elif pass_ == 1:
+                bad_forward.setdefault(int(rank_step[first]), set()).update(
+                    rows.micro_step[members].tolist()
                 )
-            if pass_ == 1:
-                self.bad_forward.update((int(rank), int(step), int(m)) for m in group["micro_step"])
-            start = int(np.searchsorted(rank_step, rank_step[position], side="left"))
-            fed_by = self._fed_by(
-                frame, module, passes, bad_np, start, position, str(first["kind"])
-            )
+            if pass_:
+                firsts.append((first, pass_, count - 1))
+        for first, pass_, after in firsts:
+            rs = int(rank_step[first])
+            if pass_ == 1 and rows.module[first] in bad_params.get(rs, ()):
+                continue
+            fed_by = self._fed_by(rows, int(np.searchsorted(rank_step, rs, side="left")), first)
+            if pass_ == 2 and fed_by is None and rows.micro_step[first] in bad_forward.get(rs, ()):
+                continue
             self.origins.append(
                 Origin(
-                    int(pass_),
-                    int(rank),
-                    int(step),
-                    int(first["micro_step"]),
-                    str(module[position]),
-                    str(first["kind"]),
-                    str(first["slot"]),
-                    int(first["nan_count"]),
-                    int(first["inf_count"]),
-                    int(first["numel"]),
-                    len(group) - 1,
+                    pass_, rs >> 40, rs & ((1 << 40) - 1), int(rows.micro_step[first]),
+                    str(rows.module[first]), str(rows.kind[first]), str(rows.slot[first]),
+                    int(rows.nan[first]), int(rows.inf[first]), int(rows.numel[first]), after,
                     fed_by,
                 )
-            )
+            )  # fmt: skip
 
-    def _fed_by(
-        self, frame: pd.DataFrame, module: np.ndarray, passes: np.ndarray, bad: np.ndarray,
-        start: int, position: int, kind: str,
-    ) -> tuple[str, str, str] | None:  # fmt: skip
-        """The latest finite record of the same pass before ``position`` in its step: in the
-        backward pass not one of the origin's containers (their grad_output is their last
-        child's), and for a grad_param preferably its own module's grad_output."""
-        candidates = np.flatnonzero(
-            (passes[start:position] == passes[position]) & ~bad[start:position]
-        )
-        candidates = candidates[::-1] + start
-        if passes[position] == 2:
-            skip = self._ancestors(str(module[position]))
-            candidates = candidates[~np.isin(module[candidates], list(skip))]
-            if kind == "grad_param":
-                own = candidates[module[candidates] == module[position]]
+    def _fed_by(self, rows: _Rows, start: int, position: int) -> tuple[str, str, str] | None:
+        """The latest finite record of the same pass before ``position`` in its step (which
+        begins at ``start``): in the backward pass not one of the origin's containers (their
+        grad_output is their last child's), and for a grad_param preferably its own module's
+        grad_output."""
+        window = slice(start, position)
+        same = (rows.passes[window] == rows.passes[position]) & ~rows.bad[window]
+        candidates = np.flatnonzero(same)[::-1] + start
+        if rows.passes[position] == 2:
+            skip = self._ancestors(str(rows.module[position]))
+            candidates = candidates[~np.isin(rows.module[candidates], list(skip))]
+            if rows.kind[position] == "grad_param":
+                own = candidates[rows.module[candidates] == rows.module[position]]
                 candidates = own if len(own) else candidates
         if not len(candidates):
             return None
-        row = frame.iloc[int(candidates[0])]
-        return str(row["module"]), str(row["kind"]), str(row["slot"])
+        at = int(candidates[0])
+        return str(rows.module[at]), str(rows.kind[at]), str(rows.slot[at])
 
     def _ancestors(self, name: str) -> set[str]:
         found = set()
@@ -131,16 +156,11 @@ class NonFinite:
         return found
 
     def findings(self) -> list[Finding]:
-        origins = [
-            o for o in self.origins
-            if not (o.pass_ == 1 and (o.rank, o.step, o.module) in self.bad_params)
-            and not (o.pass_ == 2 and o.fed_by is None
-                     and (o.rank, o.step, o.micro_step) in self.bad_forward)
-        ]  # fmt: skip
+        """The origins as findings; steps in a row with the same origin are one."""
         following = {
             (rank, a): b for rank, steps in self.recorded.items() for a, b in pairwise(steps)
         }
-        return [_nonfinite_finding(run) for run in _runs(origins, following)]
+        return [_nonfinite_finding(run) for run in _runs(self.origins, following)]
 
 
 def _runs(origins: list[Origin], following: dict[tuple[int, int], int]) -> list[list[Origin]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,12 +99,12 @@ def is_exploding(episode: Episode, values: np.ndarray, config: Config) -> bool:
     return big and (episode.high > 1 or episode.reaches_end)
 
 
-def gradient_findings(
-    frames: Iterable[pd.DataFrame], config: Config, vanishing_below: float
-) -> list[Finding]:
-    """exploding_gradient, gradient_spike and vanishing_gradient, per rank and module."""
+def gradient_findings(table: pd.DataFrame, config: Config, vanishing_below: float) -> list[Finding]:
+    """exploding_gradient, gradient_spike and vanishing_gradient, per rank and module, from a
+    table of one parameter-gradient norm per (rank, module, step) (columns rank, module, step,
+    value)."""
     found: list[Finding] = []
-    for (rank, module), steps, values in _series(frames):
+    for rank, module, _, steps, values in _series(table):
         spikes: list[Episode] = []
         exploding: list[Episode] = []
         for episode in episodes(values, config):
@@ -145,18 +144,14 @@ def gradient_findings(
     return found
 
 
-def activation_findings(frames: Iterable[pd.DataFrame], config: Config) -> list[Finding]:
-    """activation_spike per rank and module; a series equal to an earlier-recorded module's
-    (a container's output is its last child's) is left out."""
-    frames = list(frames)
-    if not frames:
-        return []
-    table = pd.concat(frames, ignore_index=True)
-    first_seq = table.groupby(["rank", "module"])["seq"].min()
+def activation_findings(table: pd.DataFrame, config: Config) -> list[Finding]:
+    """activation_spike per rank and module, from a table of one output norm per (rank,
+    module, step) (columns rank, module, step, value, seq); a series equal to an
+    earlier-recorded module's (a container's output is its last child's) is left out."""
     seen: set[bytes] = set()
     found: list[Finding] = []
-    ordered = sorted(_series(frames), key=lambda s: (s[0][0], first_seq[s[0]]))
-    for (rank, module), steps, values in ordered:
+    ordered = sorted(_series(table), key=lambda s: (s[0], s[2]))
+    for rank, module, _, steps, values in ordered:
         identity = bytes([rank % 256]) + steps.tobytes() + values.tobytes()
         if identity in seen:
             continue
@@ -169,18 +164,15 @@ def activation_findings(frames: Iterable[pd.DataFrame], config: Config) -> list[
     return found
 
 
-def _series(frames: Iterable[pd.DataFrame]) -> list[tuple[tuple[int, str], np.ndarray, np.ndarray]]:
-    frames = list(frames)
-    if not frames:
-        return []
-    table = pd.concat(frames, ignore_index=True).sort_values(
-        ["rank", "module", "step"], kind="stable"
-    )
+def _series(table: pd.DataFrame) -> list[tuple[int, str, int, np.ndarray, np.ndarray]]:
+    """(rank, module, first seq, steps, values) per rank and module, in step order."""
     found = []
-    for key, group in table.groupby(["rank", "module"], sort=True):
+    for key, group in table.groupby(["rank", "module"], sort=True, observed=True):
         rank, module = keys(key)
+        group = group.sort_values("step", kind="stable")
+        first = int(group["seq"].min()) if "seq" in group else 0
         steps, values = group["step"].to_numpy(), group["value"].to_numpy(dtype=np.float64)
-        found.append(((int(rank), str(module)), steps, values))
+        found.append((int(rank), str(module), first, steps, values))
     return found
 
 
