@@ -120,7 +120,9 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
-def time_steps(name: str, variant: Variant, model: nn.Module, opt: torch.optim.Optimizer, steps: int, out: Path) -> float:
+def time_steps(
+    name: str, variant: Variant, model: nn.Module, opt: torch.optim.Optimizer, steps: int, out: Path
+) -> float:
     batch = make_batch(name, seed=0)
     with variant(model, out):
         start = time.perf_counter()
