@@ -32,9 +32,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from models import default_loss, make_batch, make_model  # noqa: E402
+from models import default_loss, make_batch, make_model
 
-import hooktrace  # noqa: E402
+import hooktrace
 
 Variant = Callable[[nn.Module, Path], contextlib.AbstractContextManager[object]]
 
