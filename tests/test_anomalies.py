@@ -360,3 +360,17 @@ def test_bad_options_raise_config_error(tmp_path: Path, options: dict[str, Any])
     train(MLP(), tmp_path / "run", steps=2)
     with pytest.raises(ConfigError):
         hooktrace.anomalies(tmp_path / "run", **options)
+
+
+def test_without_a_steps_table_everything_is_still_read(tmp_path: Path) -> None:
+    """The chunk plan comes from the steps table; a trace whose steps parts are lost (a crash
+    between two files of a flush) is still read whole, in one chunk."""
+    train(MLP(NaNForward()), tmp_path / "run", steps=12, arm_at=5)
+    expected = hooktrace.anomalies(tmp_path / "run", chunk_rows=25).findings
+    for part in (tmp_path / "run" / "steps").rglob("*.parquet"):
+        part.unlink()
+    assert hooktrace.load(tmp_path / "run").steps.empty
+    pd.testing.assert_frame_equal(
+        hooktrace.anomalies(tmp_path / "run", chunk_rows=25).findings, expected
+    )
+    assert len(hooktrace.dead_relus(tmp_path / "run").layers) == 2
