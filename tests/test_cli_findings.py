@@ -179,3 +179,17 @@ def test_both_commands_work_where_torch_cannot_be_imported(runs: dict[str, Path]
     assert dead.returncode == 0, dead.stderr
     assert json.loads(dead.stdout)[0]["module"] == "relu2"
     assert run("anomalies", runs["healthy"], "--fail").returncode == 0
+
+
+def test_notes_say_what_could_not_be_checked(runs: dict[str, Path], tmp_path: Path) -> None:
+    empty = invoke("anomalies", runs["nan"], "--steps", "500-")
+    assert empty.exit_code == 0
+    assert empty.output.splitlines()[1] == "note: the trace holds no records in the steps read"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    with hooktrace.record(model, tmp_path / "run", params=False) as rec:
+        model(torch.randn(2, 4)).sum().backward()
+        rec.step()
+    result = invoke("anomalies", tmp_path / "run")
+    assert "no parameter gradients recorded" in result.output
+    relus = invoke("dead-relus", tmp_path / "run", "--fail")
+    assert relus.exit_code == 0 and relus.output.splitlines()[0].startswith("no ReLU layers")

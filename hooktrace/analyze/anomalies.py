@@ -137,7 +137,9 @@ def anomalies(
     found += _parameter_findings(scan)
     found += _saturation_findings(scan, saturation)
     notes = []
-    if not scan.per_slot:
+    if scan.steps == 0:
+        notes.append("the trace holds no records in the steps read")
+    elif not scan.per_slot:
         notes.append("no parameter gradients recorded (params=False?): gradient checks skipped")
     return Anomalies(findings_frame(found), scan.steps, len(scan.names), notes)
 
