@@ -1,0 +1,187 @@
+"""The committed sample traces: they load with the current reader, every command finds in
+them what sample_traces/README.md says (golden outputs in tests/golden/, compared exactly but
+for the recording's times, versions and sizes), and the seeded script that made them makes
+them again.
+
+HOOKTRACE_UPDATE_GOLDEN=1 rewrites the golden files from the current output (then read the
+diff before committing it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from click.testing import CliRunner
+
+import hooktrace
+from hooktrace.cli import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_traces"
+GOLDEN = Path(__file__).resolve().parent / "golden"
+NAMES = ("healthy", "diverged", "dead", "nan", "exploding")
+UPDATE = os.environ.get("HOOKTRACE_UPDATE_GOLDEN") == "1"
+
+# golden file -> (the command line, with paths relative to the repository root; exit code)
+COMMANDS = {
+    "summary_healthy": ("summary sample_traces/healthy", 0),
+    "check_healthy": ("check sample_traces/healthy", 0),
+    "diff_healthy_diverged": ("diff sample_traces/healthy sample_traces/diverged --top 5", 1),
+    "diff_before_step_12": ("diff sample_traces/healthy sample_traces/diverged --steps 0-11", 0),
+    "dead_relus_dead": ("dead-relus sample_traces/dead --units", 0),
+    "dead_relus_healthy": ("dead-relus sample_traces/healthy --fail", 0),
+    "anomalies_nan": ("anomalies sample_traces/nan", 0),
+    "anomalies_exploding": ("anomalies sample_traces/exploding --fail", 1),
+    "anomalies_dead": ("anomalies sample_traces/dead", 0),
+    "anomalies_healthy": ("anomalies sample_traces/healthy --fail", 0),
+}
+
+# what changes when the samples are made again: times, versions, the command, file sizes
+_VOLATILE = [
+    (re.compile(r"^(status +\w+), [\d.]+ s$", re.M), r"\1, <duration>"),
+    (re.compile(r"^format +(\S+); .*$", re.M), r"format    \1; <versions>"),
+    (re.compile(r"^command +.*$", re.M), "command   <command>"),
+    (re.compile(r"^on disk +.*$", re.M), "on disk   <sizes>"),
+]
+
+
+def normalise(text: str) -> str:
+    for pattern, replacement in _VOLATILE:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def run_cli(command: str, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
+    monkeypatch.chdir(ROOT)  # paths in the output read as in the README: sample_traces/...
+    result = CliRunner().invoke(cli, command.split())
+    return result.exit_code, result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_sample_loads_whole(name: str) -> None:
+    trace = hooktrace.load(SAMPLES / name)
+    assert trace.status == "complete" and trace.skipped == []
+    assert hooktrace.check(trace).whole
+    assert sorted(trace.steps["step"]) == list(range(30))
+    assert trace.records.groupby("step").size().min() == 50  # every module, every step
+    kinds = set(trace.records["kind"].astype(str))
+    assert kinds == {"output", "grad_output", "param", "grad_param"}
+
+
+def test_samples_stay_small() -> None:
+    size = sum(p.stat().st_size for p in SAMPLES.rglob("*") if p.is_file())
+    assert size < 2_000_000, f"sample_traces/ holds {size:,} bytes: keep it to a few MB at most"
+
+
+@pytest.mark.parametrize("golden", sorted(COMMANDS))
+def test_cli_output_matches_golden(golden: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    command, expected_exit = COMMANDS[golden]
+    code, stdout, stderr = run_cli(command, monkeypatch)
+    assert code == expected_exit, f"hooktrace {command} exited {code}\n{stdout}{stderr}"
+    assert stderr == ""
+    path = GOLDEN / f"{golden}.txt"
+    text = f"$ hooktrace {command}\n{normalise(stdout)}"
+    if UPDATE:
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path.name}: run with HOOKTRACE_UPDATE_GOLDEN=1"
+    assert text == path.read_text(), f"hooktrace {command} changed: see {path}"
+
+
+def readme_examples() -> list[tuple[str, list[str]]]:
+    """Each ``$ hooktrace ...`` line of sample_traces/README.md's console blocks, with the
+    output lines quoted under it ("..." marks what was left out)."""
+    examples: list[tuple[str, list[str]]] = []
+    in_console = False
+    readme = SAMPLES / "README.md"
+    for line in (readme.read_text() if readme.exists() else "").splitlines():
+        if line.startswith("```"):
+            in_console = line.strip() == "```console"
+            continue
+        if not in_console:
+            continue
+        if line.startswith("$ hooktrace "):
+            examples.append((line.removeprefix("$ hooktrace "), []))
+        elif examples:
+            examples[-1][1].append(line)
+    return examples
+
+
+def test_readme_shows_a_command_for_every_sample() -> None:
+    commands = [command for command, _ in readme_examples()]
+    for name in NAMES:
+        assert any(f"sample_traces/{name}" in c for c in commands), name
+
+
+@pytest.mark.parametrize(
+    ("command", "quoted"), readme_examples(), ids=[command for command, _ in readme_examples()]
+)
+def test_readme_output_is_real(
+    command: str, quoted: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's quoted lines appear, in order, in what the command prints today."""
+    _, stdout, _ = run_cli(command, monkeypatch)
+    actual = [line.rstrip() for line in normalise(stdout).splitlines()]
+    position = 0
+    for line in quoted:
+        if line.strip() in ("...", ""):
+            continue
+        line = normalise(line).rstrip()
+        assert line in actual[position:], f"`hooktrace {command}` no longer prints:\n{line}"
+        position = actual.index(line, position) + 1
+
+
+def test_the_documented_findings() -> None:
+    """What each sample plants, found where sample_traces/README.md says."""
+    diff = hooktrace.diff(SAMPLES / "healthy", SAMPLES / "diverged")
+    assert diff.first is not None
+    assert (diff.first.step, diff.first.module, diff.first.kind) == (12, "blocks.1.norm", "output")
+    assert hooktrace.diff(SAMPLES / "healthy", SAMPLES / "diverged", steps=(0, 11)).match
+
+    dead = hooktrace.dead_relus(SAMPLES / "dead")
+    flagged = dead.flagged
+    assert flagged["module"].tolist() == ["blocks.0.act"]
+    assert (flagged["dead"].item(), flagged["since"].item()) == (16, 10)
+    assert sorted(dead.units["unit"]) == list(range(16))
+
+    nan = hooktrace.anomalies(SAMPLES / "nan").findings
+    origin = nan[nan["kind"] == "nonfinite_forward"]
+    assert origin[["module", "step"]].values.tolist() == [["log_probs", 15]]
+
+    exploding = hooktrace.anomalies(SAMPLES / "exploding").findings
+    assert set(exploding["kind"]) == {"exploding_gradient"}
+    assert exploding["step"].min() == 20
+    assert len(hooktrace.anomalies(SAMPLES / "healthy")) == 0
+
+
+def test_make_samples_makes_the_same_numbers(tmp_path: Path) -> None:
+    """Regenerating writes the committed records again (within float32 rounding, so that a
+    CPU with other vector kernels passes too; on the machine that made them they are equal)."""
+    made = subprocess.run(
+        [sys.executable, str(SAMPLES / "make_samples.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert made.returncode == 0, made.stderr
+    keys = ["step", "seq", "module", "call", "kind", "slot", "shape", "numel"]
+    numbers = ["mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count"]
+    for name in NAMES:
+        committed = hooktrace.load(SAMPLES / name).records
+        again = hooktrace.load(tmp_path / name).records
+        pd.testing.assert_frame_equal(
+            committed[keys].astype(str), again[keys].astype(str), check_categorical=False
+        )
+        np.testing.assert_allclose(
+            again[numbers].to_numpy(dtype=float),
+            committed[numbers].to_numpy(dtype=float),
+            rtol=1e-5,
+            atol=1e-7,
+            err_msg=f"sample {name}: run sample_traces/make_samples.py and commit the traces",
+        )
