@@ -25,6 +25,8 @@ COMMANDS = {
     "diff": "hooktrace.cli.diff:diff",
     "dead-relus": "hooktrace.cli.dead_relus:dead_relus",
     "anomalies": "hooktrace.cli.anomalies:anomalies",
+    "plot": "hooktrace.cli.plot:plot",
+    "report": "hooktrace.cli.report:report",
 }
 
 

@@ -1,0 +1,198 @@
+"""The tables behind the pictures of :mod:`hooktrace.analyze.plots`. Never imports torch.
+
+Each is a DataFrame of modules (rows, in the model's order) by recorded steps (columns),
+for notebooks that draw their own. Where the recorded values held a NaN or an Inf, a cell is
+inf; where nothing was recorded, NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from hooktrace.analyze.dead_units import RELU_FAMILY
+from hooktrace.analyze.findings import StepsSpec, modules_of_type, step_filter
+from hooktrace.errors import ConfigError
+from hooktrace.trace.reader import Trace, load
+
+Run = str | os.PathLike[str] | Trace
+
+
+def grad_norm_table(
+    run: Run, *, steps: StepsSpec = None, modules: str | None = None, rank: int = 0
+) -> pd.DataFrame:
+    """Per module (rows) and step (columns): the L2 norm of all of the module's parameter
+    gradients together; inf when one held a NaN or an Inf, NaN where none was recorded."""
+    trace = trace_of(run)
+    rows = trace.query(
+        columns=["step", "module", "dtype", "norm"],
+        kinds=["grad_param"],
+        ranks=[rank],
+        steps=step_filter(steps),
+    )
+    rows = _matching(rows[rows["dtype"].astype(str) != "None"], modules)
+    squares = rows.assign(sq=(rows["norm"] ** 2).fillna(np.inf))  # a NaN norm: NaN values
+    norms = squares.groupby(["module", "step"], observed=True)["sq"].sum() ** 0.5
+    return _ordered(trace, norms.unstack("step"))
+
+
+def activation_tables(
+    run: Run, *, steps: StepsSpec = None, modules: str | None = None, rank: int = 0
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Per module and step, over the module's train-phase outputs: the root mean square of
+    the values (from mean and std, weighted by numel; inf when they held a NaN or an Inf),
+    and the fraction of exact zeros. NaN where nothing was recorded."""
+    trace = trace_of(run)
+    rows = trace.query(
+        columns=["step", "module", "numel", "mean", "std", "zero_fraction"],
+        kinds=["output"],
+        phases=["train"],
+        ranks=[rank],
+        steps=step_filter(steps),
+    )
+    rows = _matching(rows[rows["numel"] > 0], modules)
+    weighted = pd.DataFrame(
+        {
+            "module": rows["module"],
+            "step": rows["step"],
+            "n": rows["numel"].astype("float64"),
+            "sq": (rows["numel"] * (rows["std"] ** 2 + rows["mean"] ** 2)).fillna(np.inf),
+            "zeros": rows["numel"] * rows["zero_fraction"],
+        }
+    )
+    sums = weighted.groupby(["module", "step"], observed=True).sum(min_count=1)
+    rms = ((sums["sq"] / sums["n"]) ** 0.5).unstack("step")
+    zeros = (sums["zeros"] / sums["n"]).unstack("step")
+    return _ordered(trace, rms), _ordered(trace, zeros)
+
+
+def silent_unit_table(
+    run: Run,
+    *,
+    threshold: float = 1e-3,
+    steps: StepsSpec = None,
+    modules: str | None = None,
+    rank: int = 0,
+) -> pd.DataFrame:
+    """Per ReLU-family layer (rows; ``module [call n]`` for a module called more than once
+    per micro-step) and step: the share of its units positive in under ``threshold`` of their
+    values at that step (train phase, calls and micro-steps of the step summed)."""
+    trace = trace_of(run)
+    types = modules_of_type(trace.modules, RELU_FAMILY)
+    rows = trace.query(
+        columns=["step", "module", "call", "units", "unit_size", "activity_offset", "segment"],
+        kinds=["output"],
+        phases=["train"],
+        ranks=[rank],
+        modules=sorted(types),
+        steps=step_filter(steps),
+    )
+    rows = _matching(rows[rows["units"] > 0], modules)
+    if rows.empty:
+        return pd.DataFrame()
+    positive: dict[tuple[str, int, int], np.ndarray] = {}
+    values: dict[tuple[str, int, int], int] = {}
+    for segment, part in rows.groupby(rows["segment"].astype(str), sort=False):
+        width = int(part["units"].max())
+        slices = trace.read_activity(str(segment), part["activity_offset"].tolist(), width)
+        columns = zip(
+            part["module"].astype(str),
+            part["call"].tolist(),
+            part["step"].tolist(),
+            part["units"].tolist(),
+            part["unit_size"].tolist(),
+            slices,
+            strict=True,
+        )
+        for module, call, step, units, unit_size, counts in columns:
+            key = (module, call, step)
+            mine = counts[:units]
+            positive[key] = positive[key] + mine if key in positive else mine.copy()
+            values[key] = values.get(key, 0) + unit_size
+    calls = rows.groupby(rows["module"].astype(str), observed=True)["call"].nunique()
+    silent = pd.Series(
+        {
+            (layer_name(module, call, int(calls[module])), step): float(
+                np.mean(counts < threshold * values[(module, call, step)])
+            )
+            for (module, call, step), counts in positive.items()
+        }
+    )
+    table = silent.unstack(1)
+    order = {m: i for i, m in enumerate(trace.modules["module"].astype(str))}
+    keys = sorted(table.index, key=lambda n: (order.get(n.split(" [")[0], len(order)), n))
+    return table.loc[keys].sort_index(axis=1)
+
+
+def diff_table(
+    run_a: Run,
+    run_b: Run,
+    *,
+    steps: StepsSpec = None,
+    modules: str | None = None,
+    **options: Any,
+) -> tuple[pd.DataFrame, Any]:
+    """Per module and step: the largest ``rel_diff`` of :func:`hooktrace.diff` over the
+    module's records (inf where a record is in one run only; 0 where all are equal), and the
+    :class:`DiffResult`. ``options`` go to :func:`hooktrace.diff` (rtol, atol, kinds, ...)."""
+    from hooktrace.analyze.diff import diff
+
+    parts: list[pd.Series] = []
+
+    def collect(chunk: pd.DataFrame) -> None:
+        largest = chunk["rel_diff"].where(chunk["status"].astype(str) != "equal", 0.0)
+        frame = pd.DataFrame(
+            {"module": chunk["module"].astype(str), "step": chunk["step"], "rel": largest}
+        )
+        parts.append(frame.groupby(["module", "step"])["rel"].max())
+
+    result = diff(
+        run_a,
+        run_b,
+        steps=step_filter(steps),
+        modules=_regex(modules).pattern if modules is not None else None,
+        rows="all",
+        sink=collect,
+        **options,
+    )
+    if not parts:
+        return pd.DataFrame(), result
+    table = pd.concat(parts).groupby(level=[0, 1]).max().unstack("step")
+    return _ordered(trace_of(run_a), table), result
+
+
+def trace_of(run: Run) -> Trace:
+    return run if isinstance(run, Trace) else load(run)
+
+
+def _matching(rows: pd.DataFrame, modules: str | None) -> pd.DataFrame:
+    if modules is None:
+        return rows
+    pattern = _regex(modules)
+    names = rows["module"].astype(str)
+    return rows[names.map(lambda n: pattern.search(n) is not None).to_numpy(dtype=bool)]
+
+
+def _regex(modules: str) -> re.Pattern[str]:
+    try:
+        return re.compile(modules)
+    except re.error as exc:
+        raise ConfigError(f"bad modules regex {modules!r}: {exc}") from None
+
+
+def _ordered(trace: Trace, table: pd.DataFrame) -> pd.DataFrame:
+    """Rows in the model's order (the modules table), other names after; steps ascending."""
+    if table.empty:
+        return table
+    order = {m: i for i, m in enumerate(trace.modules["module"].astype(str))}
+    index = sorted(table.index.astype(str), key=lambda n: (order.get(n, len(order)), n))
+    table.index = table.index.astype(str)
+    return table.loc[index].sort_index(axis=1)
+
+
+def layer_name(module: str, call: int, calls: int) -> str:
+    return module if calls <= 1 else f"{module} [call {call}]"

@@ -1,0 +1,375 @@
+"""Pictures of a run: :func:`plot`. Never imports torch; matplotlib is an optional extra.
+
+Each picture is a heatmap of modules (rows, in the model's order) over recorded steps
+(columns), made from a table that the ``*_table`` functions return as a DataFrame, so a
+notebook can draw its own:
+
+- ``grad-norms``: the L2 norm of each module's parameter gradients per step, in log scale;
+- ``activations``: the RMS of each module's outputs (train phase) and their fraction of
+  zeros per step;
+- ``dead-units``: per ReLU-family layer, the share of its units silent (positive in under
+  ``threshold`` of their values) at each step, and beside it what :func:`dead_relus` calls
+  dead at the end;
+- ``diff``: for two runs, the largest relative difference (``rel_diff`` of
+  :func:`hooktrace.diff`) of each module's records per step, the first divergence marked.
+
+Cells with a NaN or Inf are red; cells where nothing was recorded stay white. Long module
+names are shortened from the left (``…locks.1.attn.out_proj``), and with more modules than
+``max_modules`` the most remarkable ones are drawn (the title says how many). matplotlib is
+imported inside, with the Agg canvas only (no pyplot, no window, no global state).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+
+from hooktrace.analyze.dead_units import dead_relus
+from hooktrace.analyze.findings import StepsSpec
+from hooktrace.analyze.plot_tables import (
+    Run,
+    activation_tables,
+    diff_table,
+    grad_norm_table,
+    layer_name,
+    silent_unit_table,
+    trace_of,
+)
+from hooktrace.errors import ConfigError, HooktraceError
+from hooktrace.trace.reader import Trace
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from hooktrace.analyze.diff_result import DiffResult
+
+WHAT = ("grad-norms", "activations", "dead-units", "diff")
+"""The pictures :func:`plot` draws."""
+
+DPI = 110
+NAME_WIDTH = 36
+"""Module names longer than this many characters are shortened from the left."""
+
+
+Progress = Callable[[int, int, str], None]
+"""``progress(done, total, what)``, called before each piece of work (see hooktrace.cli.progress)."""
+
+
+class PlotUnavailable(HooktraceError):
+    """matplotlib is not installed."""
+
+
+def plot(
+    run: Run,
+    *,
+    what: str = "grad-norms",
+    against: Run | None = None,
+    steps: StepsSpec = None,
+    modules: str | None = None,
+    rank: int = 0,
+    max_modules: int = 40,
+    output: str | os.PathLike[str] | None = None,
+    progress: Progress | None = None,
+) -> Figure:
+    """Draw ``what`` (one of :data:`WHAT`) for ``run``; ``diff`` compares it ``against``
+    another run. ``modules`` is a regex searched in module names; ``steps`` limits the steps
+    (``"0-100"``, ``(first, last)`` or step numbers). With ``output``, the picture is also
+    written there, in the format its suffix names (``.png``, ``.svg``, ``.pdf``).
+    ``progress(done, total, what)`` is called before reading, drawing and writing.
+
+    Raises :class:`PlotUnavailable` without matplotlib, ``ConfigError`` on bad options.
+    """
+    if what not in WHAT:
+        raise ConfigError(f"unknown picture {what!r}: choose from {', '.join(WHAT)}")
+    if (what == "diff") != (against is not None):
+        raise ConfigError(
+            "the diff picture compares two runs: give against=RUN_B (and only for what='diff')"
+        )
+    if max_modules < 1:
+        raise ConfigError(f"max_modules must be 1 or more (got {max_modules})")
+    _matplotlib()  # fail before reading anything
+    if output is not None:
+        check_output(output)
+        check_format(output)
+    report = progress or (lambda done, total, what: None)
+    report(0, 3, "reading")
+    trace = trace_of(run)
+    options: dict[str, Any] = {"steps": steps, "modules": modules, "rank": rank}
+    draw: Callable[..., Figure]
+    if what == "grad-norms":
+        data: tuple[Any, ...] = (grad_norm_table(trace, **options),)
+        draw = grad_norms_figure
+    elif what == "activations":
+        data, draw = activation_tables(trace, **options), activations_figure
+    elif what == "dead-units":
+        found = dead_relus(trace, steps=steps)
+        data, draw = (silent_unit_table(trace, **options), found.layers), dead_units_figure
+    else:
+        assert against is not None
+        other = trace_of(against)
+        data = (other, *diff_table(trace, other, steps=steps, modules=modules, ranks=[rank]))
+        draw = diff_figure
+    report(1, 3, "drawing")
+    figure = draw(trace, *data, max_modules=max_modules)
+    if output is not None:
+        report(2, 3, "writing")
+        figure.savefig(output, dpi=DPI, bbox_inches="tight")
+    return figure
+
+
+def check_output(output: str | os.PathLike[str]) -> None:
+    """ConfigError unless ``output`` can be written: its directory exists, it is no directory."""
+    path = Path(output)
+    if path.is_dir():
+        raise ConfigError(f"{path} is a directory: give a file name for the output")
+    if not path.parent.is_dir():
+        raise ConfigError(f"cannot write {path}: {path.parent} is not a directory; create it first")
+
+
+def check_format(output: str | os.PathLike[str]) -> str:
+    """The picture format ``output``'s suffix names; ConfigError when matplotlib has none."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.fspath(output).rpartition(".")[2].lower() if "." in os.fspath(output) else ""
+    if suffix not in formats:
+        raise ConfigError(
+            f"cannot tell the picture format from {os.fspath(output)!r}: give a file name "
+            f"ending in one of {', '.join('.' + f for f in sorted(formats))}"
+        )
+    return suffix
+
+
+# --- drawing -----------------------------------------------------------------------------------
+
+
+def grad_norms_figure(trace: Trace, table: pd.DataFrame, *, max_modules: int = 40) -> Figure:
+    """The grad-norms picture of ``table`` (from :func:`grad_norm_table`)."""
+    table, note = _chosen(table, max_modules)
+    figure, (ax,) = _figure(len(table), 1)
+    _heatmap(
+        figure,
+        ax,
+        table,
+        label="gradient norm (log10)",
+        log=True,
+        cmap="viridis",
+        empty="no parameter gradients recorded (params=False?)",
+    )
+    ax.set_title(f"{_name(trace)}: parameter gradient norm per module{note}", loc="left")
+    return figure
+
+
+def activations_figure(
+    trace: Trace, rms: pd.DataFrame, zeros: pd.DataFrame, *, max_modules: int = 40
+) -> Figure:
+    """The activations picture of the tables :func:`activation_tables` returns."""
+    rms, note = _chosen(rms, max_modules)
+    zeros = zeros.reindex(index=rms.index, columns=rms.columns)
+    figure, (left, right) = _figure(len(rms), 2)
+    empty = "no train-phase outputs recorded"
+    _heatmap(
+        figure, left, rms, label="RMS of outputs (log10)", log=True, cmap="viridis", empty=empty
+    )
+    _heatmap(
+        figure,
+        right,
+        zeros,
+        label="fraction of zeros",
+        log=False,
+        cmap="magma",
+        vmax=1.0,
+        empty=empty,
+    )
+    right.set_yticks([])
+    left.set_title(f"{_name(trace)}: outputs per module (train){note}", loc="left")
+    return figure
+
+
+def dead_units_figure(
+    trace: Trace, silent: pd.DataFrame, layers: pd.DataFrame, *, max_modules: int = 40
+) -> Figure:
+    """The dead-units picture: ``silent`` from :func:`silent_unit_table`, ``layers`` the
+    ``layers`` table of :func:`dead_relus`."""
+    table, note = _chosen(silent, max_modules)
+    calls = layers["module"].map(layers["module"].value_counts())
+    names = [
+        layer_name(m, c, n) for m, c, n in zip(layers["module"], layers["call"], calls, strict=True)
+    ]
+    layers = layers.set_axis(names)
+    figure, (ax, bars) = _figure(len(table), 2, ratios=(4, 1))
+    _heatmap(
+        figure,
+        ax,
+        table,
+        label="share of units silent",
+        log=False,
+        cmap="magma",
+        vmax=1.0,
+        empty="no per-unit activity of ReLU-family layers recorded",
+    )
+    ax.set_title(f"{_name(trace)}: silent units per ReLU layer and step{note}", loc="left")
+    fraction = layers["dead_fraction"].reindex(table.index, fill_value=0.0).to_numpy()
+    flagged = layers["flagged"].reindex(table.index, fill_value=False).to_numpy(dtype=bool)
+    bars.barh(np.arange(len(table)), fraction, color=np.where(flagged, "#c0392b", "#7f8c8d"))
+    for y, value in enumerate(fraction):
+        bars.text(min(value, 0.7) + 0.03, y, f"{value:.0%}", va="center", fontsize=8)
+    bars.set_ylim(len(table) - 0.5, -0.5)
+    bars.set_xlim(0, 1)
+    bars.set_yticks([])
+    bars.set_xlabel("dead at the end (red: flagged)")
+    return figure
+
+
+def diff_figure(
+    a: Trace, b: Trace, table: pd.DataFrame, result: DiffResult, *, max_modules: int = 40
+) -> Figure:
+    """The diff picture of ``table`` and ``result`` (both from :func:`diff_table`)."""
+    table, note = _chosen(table, max_modules)
+    figure, (ax,) = _figure(len(table), 1)
+    _heatmap(
+        figure,
+        ax,
+        table.where(table > 0),
+        label="largest relative difference (log10)",
+        log=True,
+        cmap="plasma",
+        inf_label="in one run only",
+        marks={"equal within tolerance": table == 0},
+        empty="no records to compare",
+    )
+    verdict = "match" if result.match else "differ"
+    title = (
+        f"{_name(a)} vs {_name(b)}: {verdict} (rtol {result.rtol:g}, atol {result.atol:g}){note}"
+    )
+    first = result.first
+    if first is not None and first.module in table.index and first.step in table.columns:
+        y, x = table.index.get_loc(first.module), table.columns.get_loc(first.step)
+        ax.plot(
+            [x],
+            [y],
+            marker="o",
+            markersize=12,
+            markerfacecolor="none",
+            markeredgecolor="#00b4ff",
+            markeredgewidth=2,
+        )
+        title += f"\nfirst divergence (circled): step {first.step}, {first.kind} of {first.module}"
+    ax.set_title(_plain(title), loc="left")
+    return figure
+
+
+def _heatmap(
+    figure: Figure,
+    ax: Axes,
+    table: pd.DataFrame,
+    *,
+    label: str,
+    log: bool,
+    cmap: str,
+    empty: str,
+    vmax: float | None = None,
+    inf_label: str = "NaN or Inf",
+    marks: dict[str, pd.DataFrame] | None = None,
+) -> None:
+    """``table`` (modules x steps) as an image: inf cells red, zeros (on a log scale) and
+    ``marks`` (boolean tables) grey, NaN (nothing recorded) white."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    if table.empty:
+        ax.text(0.5, 0.5, empty, ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    raw = table.to_numpy(dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shown = np.ma.masked_invalid(np.log10(raw) if log else raw)
+    if shown.count():
+        image = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmax=vmax)
+        figure.colorbar(image, ax=ax, label=label, fraction=0.05, pad=0.02)
+    layers = {inf_label: (np.isinf(raw), "#e74c3c")}
+    if log:
+        layers["zero"] = (raw == 0, "#9e9e9e")
+    for name, mask in (marks or {}).items():
+        layers[name] = (mask.to_numpy(dtype=bool), "#dddddd")
+    handles = []
+    for name, (mask, colour) in layers.items():
+        if mask.any():
+            ax.imshow(
+                np.ma.masked_where(~mask, np.ones_like(raw)),
+                aspect="auto",
+                interpolation="nearest",
+                cmap=ListedColormap([colour]),
+            )
+            handles.append(Patch(color=colour, label=name))
+    if handles:
+        ax.legend(
+            handles=handles,
+            loc="upper left",
+            bbox_to_anchor=(0.0, -0.08),
+            ncol=3,
+            fontsize=8,
+            frameon=False,
+        )
+    _axes(ax, table)
+
+
+def _axes(ax: Axes, table: pd.DataFrame) -> None:
+    """Module names on y (shortened, never parsed as math), step numbers on x."""
+    names = [_plain(_short(str(n))) for n in table.index]
+    ax.set_yticks(range(len(names)), names, fontsize=8 if len(names) < 30 else 6)
+    steps = list(table.columns)
+    every = max(1, math.ceil(len(steps) / 12))
+    ticks = list(range(0, len(steps), every))
+    ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=8)
+    ax.set_xlabel("step")
+
+
+def _figure(rows: int, columns: int, ratios: tuple[int, ...] | None = None) -> tuple[Figure, Any]:
+    _matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    height = min(2.0 + 0.22 * max(rows, 3), 40.0)
+    figure = Figure(figsize=(6.0 + 4.0 * columns, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, columns, squeeze=False, width_ratios=ratios)[0]
+    return figure, axes
+
+
+def _chosen(table: pd.DataFrame, max_modules: int) -> tuple[pd.DataFrame, str]:
+    """At most ``max_modules`` rows, those with the largest values, kept in their order."""
+    if len(table) <= max_modules:
+        return table, ""
+    rank = table.max(axis=1).rank(method="first", ascending=False)
+    kept = table[rank.to_numpy() <= max_modules]
+    return kept, f" ({max_modules} of {len(table)} shown: the largest)"
+
+
+def _short(name: str, width: int = NAME_WIDTH) -> str:
+    return name if len(name) <= width else "…" + name[-(width - 1) :]
+
+
+def _plain(text: str) -> str:
+    """Text that matplotlib draws as it is: ``$`` would start mathtext."""
+    return text.replace("$", r"\$")
+
+
+def _name(trace: Trace) -> str:
+    return _plain(_short(trace.path.name or str(trace.path), 40))
+
+
+def _matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise PlotUnavailable(
+            "pictures need matplotlib, which is not installed: pip install 'hooktrace[plot]'"
+        ) from None
