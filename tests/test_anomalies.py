@@ -217,10 +217,14 @@ def test_backward_inf_origin_is_the_module_whose_backward_made_it(tmp_path: Path
 
 
 def first_step_above(norms: list[float], factor: float = 10.0) -> int | None:
-    """The first step whose norm is ``factor`` x the median (in log scale) of the ones before."""
+    """The documented start, computed here from torch's norms: the first step whose norm is
+    ``factor`` x the median (in log scale) of the ones before, moved back over the steps just
+    before it that were already sqrt(factor) x that median."""
     for step in range(1, len(norms)):
-        before = np.log10([n for n in norms[:step] if n > 0])
-        if norms[step] > factor * 10 ** np.median(before):
+        baseline = 10 ** np.median(np.log10([n for n in norms[:step] if n > 0]))
+        if norms[step] > factor * baseline:
+            while step > 1 and norms[step - 1] >= np.sqrt(factor) * baseline:
+                step -= 1
             return step
     return None
 

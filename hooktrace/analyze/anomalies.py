@@ -15,9 +15,9 @@ The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``
   pass the gradient at a module's output is made by the backward of the module that consumed
   that output, so the finding names that module (the one whose grad_output was the last
   finite gradient), and the record where the value first shows is in the evidence. Steps in a
-  row with the same origin are one finding. A backward pass whose very first gradient is
-  already non-finite, after a non-finite forward, is its consequence and not reported.
-  value: NaN + Inf count of the origin record; count: steps.
+  row with the same origin are one finding. A backward origin whose module's forward was
+  already non-finite in that micro-step (its saved values were) follows from the forward and
+  is not reported. value: NaN + Inf count of the origin record; count: steps.
 - ``nonfinite_param`` (error): parameters already non-finite when a step began (an update
   wrote them); the forward origins that those parameters explain are not reported again.
 - ``exploding_gradient`` (error), ``gradient_spike`` (warning): each module's parameter
@@ -27,7 +27,8 @@ The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``
   above it); high steps stay out of the baseline, and high steps at most 2 steps apart form
   one episode. An episode that peaks at ``explode_factor`` times the baseline or above
   ``exploding_above``, and lasts more than one step or runs to the last step, is exploding,
-  from its first step; other episodes are spikes. A norm above ``exploding_above`` is
+  from its onset (its first high step, or the steps just before it that were already
+  sqrt(spike_factor) times the baseline); other episodes are spikes. A norm above ``exploding_above`` is
   exploding even without a baseline. value: the peak norm; reference: the baseline (or the
   bound); count: high steps (spikes: episodes).
 - ``activation_spike`` (warning): the same episodes on each module's output norm (root mean

@@ -142,7 +142,7 @@ def step_chunks(
     if isinstance(steps, list):
         per_step = per_step[per_step.index.isin(steps)]
     group = (per_step.cumsum().to_numpy() - 1) // max(rows, 1)
-    new_group = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]) if len(group) else []
+    new_group = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]) if len(group) else group
     starts = per_step.index.to_numpy()[new_group]
     bounds = [lo, *(int(s) for s in starts[1:]), hi + 1]
     for first, end in pairwise(bounds):

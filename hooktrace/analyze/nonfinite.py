@@ -29,7 +29,8 @@ class Origin:
     rank: int
     step: int
     micro_step: int
-    module: str
+    culprit: str  # the module whose forward or backward made it
+    module: str  # the record's
     kind: str
     slot: str
     nan: int
@@ -73,8 +74,8 @@ class NonFinite:
 
         A step's params, forward and backward are all in its chunk, so the consequences are
         told from the origins here: a forward origin at a module whose parameters were already
-        non-finite, and a backward pass non-finite from its first gradient after a non-finite
-        forward of the same micro-step, are not kept."""
+        non-finite, and a backward origin at a module whose forward was already non-finite in
+        the same micro-step, are not kept."""
         rank_step = frame["rank"].to_numpy(np.int64) << 40 | frame["step"].to_numpy(np.int64)
         for rs in np.unique(rank_step).tolist():
             self.recorded.setdefault(rs >> 40, []).append(rs & ((1 << 40) - 1))
@@ -95,7 +96,7 @@ class NonFinite:
         members_of = positions[order]
         _, starts, counts = np.unique(group[order], return_index=True, return_counts=True)
         bad_params: dict[int, set[str]] = {}  # rank_step -> modules with non-finite params
-        bad_forward: dict[int, set[int]] = {}  # rank_step -> micro-steps
+        bad_forward: dict[int, set[tuple[int, str]]] = {}  # rank_step -> (micro-step, module)
         firsts = []
         for start, count in zip(starts.tolist(), counts.tolist(), strict=True):
             members = members_of[start : start + count]
@@ -105,20 +106,24 @@ class NonFinite:
                 bad_params.setdefault(int(rank_step[first]), set()).update(rows.module[members])
             elif pass_ == 1:
                 bad_forward.setdefault(int(rank_step[first]), set()).update(
-                    rows.micro_step[members].tolist()
+                    zip(rows.micro_step[members].tolist(), rows.module[members], strict=True)
                 )
             if pass_:
                 firsts.append((first, pass_, count - 1))
         for first, pass_, after in firsts:
             rs = int(rank_step[first])
             if pass_ == 1 and rows.module[first] in bad_params.get(rs, ()):
-                continue
+                continue  # its own parameters were non-finite: see nonfinite_param
             fed_by = self._fed_by(rows, int(np.searchsorted(rank_step, rs, side="left")), first)
-            if pass_ == 2 and fed_by is None and rows.micro_step[first] in bad_forward.get(rs, ()):
-                continue
+            culprit = str(rows.module[first])
+            if pass_ == 2 and fed_by is not None and rows.kind[first] != "grad_param":
+                culprit = fed_by[0]  # the consumer whose backward made the gradient
+            micro_step = int(rows.micro_step[first])
+            if pass_ == 2 and (micro_step, culprit) in bad_forward.get(rs, ()):
+                continue  # its forward was already non-finite: the backward follows from it
             self.origins.append(
                 Origin(
-                    pass_, rs >> 40, rs & ((1 << 40) - 1), int(rows.micro_step[first]),
+                    pass_, rs >> 40, rs & ((1 << 40) - 1), micro_step, culprit,
                     str(rows.module[first]), str(rows.kind[first]), str(rows.slot[first]),
                     int(rows.nan[first]), int(rows.inf[first]), int(rows.numel[first]), after,
                     fed_by,
@@ -192,7 +197,7 @@ def _nonfinite_finding(run: list[Origin]) -> Finding:
     evidence += (
         f"; the same at every step to {last.step} ({len(run)} steps)" if len(run) > 1 else ""
     )
-    module, slot = o.module, o.slot
+    module, slot = o.culprit, o.slot if o.culprit == o.module else ""
     if o.pass_ == 1:
         kind = "nonfinite_forward"
         if o.kind == "input":
@@ -203,11 +208,10 @@ def _nonfinite_finding(run: list[Origin]) -> Finding:
         kind = "nonfinite_backward"
         if o.fed_by is None:
             explanation = f"the gradient was {what} from the start of the backward pass: the loss, or code after the model, made it"
-        elif o.kind != "grad_param" and o.fed_by[1] in ("grad_output", "grad_tensor"):
-            module, slot = o.fed_by[0], ""
+        elif o.culprit != o.module:
             explanation = f"the backward of {module} turned a finite gradient into {what}; it first shows at {o.module}'s {o.kind}"
         else:
-            explanation = f"the backward of {o.module} made {what} in its parameter gradient from a finite gradient at its output"
+            explanation = f"the backward of {o.module} made {what} in its {o.kind} from a finite gradient at its output"
     else:
         kind = "nonfinite_param"
         explanation = (

@@ -5,7 +5,9 @@ Work happens in log10 space, where "10 times the baseline" is a fixed distance w
 scale. The baseline of a step is the median of the last ``window`` normal steps before it;
 the spread is their median absolute deviation (MAD, scaled by 1.4826 to a standard deviation).
 Steps found high stay out of the baseline, so a sustained explosion keeps being measured
-against the level it left, not against itself.
+against the level it left, not against itself. An episode starts at its onset: its first high
+step, or earlier while the steps just before were already sqrt(spike_factor) times the
+baseline (half the jump in log scale), so a steady 10x-a-step growth starts where it starts.
 """
 
 from __future__ import annotations
@@ -87,7 +89,16 @@ def episodes(values: np.ndarray, config: Config) -> list[Episode]:
                 current.peak, current.peak_ratio = position, 10**excess
         else:
             found.append(Episode(position, position, 1, position, 10**excess, 10**base))
+    # the onset: an episode starts earlier while the steps just before it were already half
+    # the jump (in log scale, sqrt(spike_factor) times) above the baseline it left
+    positions = np.flatnonzero(judged)
+    floor = -1
     for episode in found:
+        onset = math.log10(episode.baseline) + jump / 2
+        k = int(np.searchsorted(positions, episode.start))
+        while k > 0 and positions[k - 1] > floor and z[positions[k - 1]] >= onset:
+            k -= 1
+        episode.start, floor = int(positions[k]), episode.end
         episode.reaches_end = episode.end == last_judged
     return found
 
