@@ -193,3 +193,36 @@ def test_notes_say_what_could_not_be_checked(runs: dict[str, Path], tmp_path: Pa
     assert "no parameter gradients recorded" in result.output
     relus = invoke("dead-relus", tmp_path / "run", "--fail")
     assert relus.exit_code == 0 and relus.output.splitlines()[0].startswith("no ReLU layers")
+
+
+# --- the committed sample traces (sample_traces/make_samples.py says what each plants) ------
+
+SAMPLES = ROOT / "sample_traces"
+EXPECTED_ANOMALIES = {
+    "healthy": [],
+    "diverged": [],  # a changed eps is a divergence for `diff`, not an anomaly
+    "dead": [("activation_spike", "blocks.0.fc", 10, 29)],  # the biases pushed down at 10
+    "nan": [
+        ("nonfinite_forward", "log_probs", 15, 15),  # log(0) of the outlier's softmax
+        ("nonfinite_param", "embed", 16, 29),  # step 15's update wrote NaN
+        *(("activation_spike", m, 15, 15) for m in ("embed", "blocks.0", "blocks.1", "head")),
+    ],
+    "exploding": [  # the loss scale grows 10x a step from step 20
+        ("exploding_gradient", m, 20, 29)
+        for m in ("embed", "blocks.0.norm", "blocks.0.fc", "blocks.1.norm", "blocks.1.fc", "head")
+    ],
+}
+
+
+@pytest.mark.parametrize("sample", sorted(EXPECTED_ANOMALIES))
+def test_sample_traces(sample: str) -> None:
+    result = invoke("anomalies", SAMPLES / sample, "--format", "json", "--fail")
+    assert result.exit_code == (1 if EXPECTED_ANOMALIES[sample] else 0), result.output
+    found = [(r["kind"], r["module"], r["step"], r["last_step"]) for r in json.loads(result.output)]
+    assert found == EXPECTED_ANOMALIES[sample]
+
+    layers = json.loads(invoke("dead-relus", SAMPLES / sample, "--format", "json").output)
+    flagged = [(r["module"], r["dead"], r["since"]) for r in layers if r["flagged"]]
+    assert flagged == ([("blocks.0.act", 16, 10)] if sample == "dead" else [])
+    # NaN outputs are not dead units: the nan sample's ReLUs are read up to step 15
+    assert all(r["dead"] == 0 for r in layers if r["module"] != "blocks.0.act" or sample != "dead")

@@ -8,7 +8,8 @@ Definitions (per layer: a ReLU-family module, and its call index when it is call
 once per micro-step, e.g. one ``nn.ReLU`` shared by several layers):
 
 - a unit's activity at a step is its positive count over its value count, summed over that
-  step's records: every call of the same width, every micro-step and every rank;
+  step's records: every call of the same width, every micro-step and every rank; records
+  holding NaN are left out (a NaN is not a unit at rest), with a note;
 - a unit is *dead* when its activity stayed below ``threshold`` at every recorded step from
   some step to the last one, for at least ``min_steps`` recorded steps (or all of them, in a
   shorter run); that first step is its ``since``;
@@ -154,17 +155,26 @@ def dead_relus(
         result.notes.append("the trace has no ReLU-family modules (" + ", ".join(RELU_FAMILY) + ")")
         return result
     states: dict[LayerKey, _LayerState] = {}
+    with_nan = 0
     for chunk in step_chunks(trace, step_filter(steps), chunk_rows):
         rows = trace.query(
-            columns=["step", "module", "call", "units", "unit_size", "activity_offset", "segment"],
+            columns=["step", "module", "call", "units", "unit_size", "activity_offset", "segment",
+                     "nan_count"],
             modules=sorted(types),
             kinds=["output"],
             phases=list(phases) if phases is not None else None,
             steps=chunk,
-        )
-        rows = rows[rows["units"] > 0]
+        )  # fmt: skip
+        nan = rows["nan_count"].fillna(0).to_numpy() > 0
+        with_nan += int((nan & (rows["units"] > 0).to_numpy()).sum())
+        rows = rows[(rows["units"] > 0).to_numpy() & ~nan]
         if not rows.empty:
             _scan(trace, rows, threshold, states)
+    if with_nan:
+        result.notes.append(
+            f"{with_nan} ReLU output record(s) holding NaN were left out (NaN is not inactivity): "
+            "see `hooktrace anomalies`"
+        )
     if not states:
         result.notes.append(
             "no per-unit activity was recorded for the ReLU outputs in the steps read"

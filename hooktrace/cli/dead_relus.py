@@ -122,6 +122,7 @@ def render(run: Path, result: DeadUnits, *, list_units: bool) -> str:
         )
         if list_units and row["dead"]:
             lines += _unit_lines(result.units, row["module"], row["call"], width)
+    lines += [f"note: {note}" for note in result.notes]
     return "\n".join(lines) + "\n"
 
 
