@@ -164,6 +164,13 @@ class Trace:
             frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
         return frame
 
+    def timeline(self, step: int, *, micro_step: int | None = None, rank: int = 0) -> pd.DataFrame:
+        """The events of ``step`` in execution order, with nesting depth and parent call:
+        see :func:`hooktrace.analyze.timeline.timeline`."""
+        from hooktrace.analyze.timeline import timeline
+
+        return timeline(self, step, micro_step=micro_step, rank=rank)
+
     # -- tensors -----------------------------------------------------------------------------
 
     def record(
