@@ -23,6 +23,7 @@ COMMANDS = {
     "summary": "hooktrace.cli.summary:summary",
     "check": "hooktrace.cli.check:check",
     "diff": "hooktrace.cli.diff:diff",
+    "replay": "hooktrace.cli.replay:replay",
     "dead-relus": "hooktrace.cli.dead_relus:dead_relus",
     "anomalies": "hooktrace.cli.anomalies:anomalies",
     "plot": "hooktrace.cli.plot:plot",
