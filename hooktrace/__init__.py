@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from hooktrace.analyze.diff import diff
     from hooktrace.analyze.summary import summary
     from hooktrace.recorder.recorder import Models, Recorder
+    from hooktrace.recorder.replay import replay_module
     from hooktrace.trace.check import check
     from hooktrace.trace.reader import Trace, load
 
@@ -42,6 +43,7 @@ _LAZY = {
     "diff": "hooktrace.analyze.diff",
     "dead_relus": "hooktrace.analyze.dead_units",
     "anomalies": "hooktrace.analyze.anomalies",
+    "replay_module": "hooktrace.recorder.replay",
 }
 
 
@@ -74,6 +76,7 @@ __all__ = [
     "diff",
     "load",
     "record",
+    "replay_module",
     "summary",
     "watch",
 ]
