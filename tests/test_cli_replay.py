@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -158,3 +159,21 @@ def test_a_usage_error_is_one_line_with_exit_2(
 def test_help_has_an_example() -> None:
     code, out = _replay("--help")
     assert code == 0 and "Example:" in out and "hooktrace replay runs/mlp --step 7" in out
+
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden" / "replay_nan_step15.txt"
+
+
+def test_golden_timeline_of_the_nan_sample(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sample_traces/nan: the step where log(softmax) first gives -inf (see its README).
+    HOOKTRACE_UPDATE_GOLDEN=1 rewrites the golden file."""
+    monkeypatch.chdir(ROOT)
+    code, out = _replay("sample_traces/nan", "--step", "15")
+    assert code == 0, out
+    if os.environ.get("HOOKTRACE_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(out)
+    assert out == GOLDEN.read_text()
+    assert "<< first non-finite  Inf 3/128" in next(
+        line for line in out.splitlines() if "log_probs output" in line
+    )
