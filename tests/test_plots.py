@@ -1,0 +1,285 @@
+"""hooktrace plot and the tables behind it: numbers against plain torch and the full tensors,
+pictures that decode, long and odd module names, one-line errors, and no torch (nor
+matplotlib) needed where the pictures do not need them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import matplotlib.image
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner, Result
+from test_anomalies import MLP, train
+from torch import nn
+
+import hooktrace
+from hooktrace.analyze.plot_tables import (
+    activation_tables,
+    diff_table,
+    grad_norm_table,
+    silent_unit_table,
+)
+from hooktrace.analyze.plots import NAME_WIDTH, plot
+from hooktrace.cli import cli
+from hooktrace.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_traces"
+LONG = "transformer_layer_with_a_rather_long_name"
+SCRIPT = "<script>alert(1)</script>"
+
+
+class OddNames(nn.Module):
+    """Names a picture or a page must survive: long, with mathtext dollars, with HTML."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleDict({LONG: nn.Sequential(nn.Linear(4, 8), nn.ReLU())})
+        self.add_module("cost$in$dollars", nn.Linear(8, 8))
+        self.add_module(SCRIPT, nn.ReLU())
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = getattr(self, "cost$in$dollars")(self.encoder[LONG](x))
+        return self.head(getattr(self, SCRIPT)(x))  # type: ignore[no-any-return]
+
+
+def record_odd_names(out: Path) -> Path:
+    torch.manual_seed(0)
+    model = OddNames()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, out):
+        for _ in range(4):
+            model(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+@pytest.fixture(scope="module")
+def odd_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return record_odd_names(tmp_path_factory.mktemp("odd") / "run")
+
+
+def invoke(*args: object) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def decode_png(path: Path) -> np.ndarray:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = matplotlib.image.imread(path)
+    assert pixels.ndim == 3 and min(pixels.shape[:2]) > 100
+    return pixels
+
+
+# --- the tables --------------------------------------------------------------------------------
+
+
+def test_grad_norm_table_matches_plain_torch(tmp_path: Path) -> None:
+    norms = train(MLP(), tmp_path / "run", steps=6)  # each Linear's gradient norm, by torch
+    table = grad_norm_table(tmp_path / "run")
+    assert table.index.tolist() == ["fc1", "fc2", "fc3"]  # the model's order
+    assert table.columns.tolist() == list(range(6))
+    for module, expected in norms.items():
+        np.testing.assert_allclose(table.loc[module].to_numpy(), expected, rtol=1e-5)
+    assert grad_norm_table(tmp_path / "run", modules="fc[12]", steps="2-3").shape == (2, 2)
+
+
+def test_non_finite_cells_are_inf_and_missing_ones_nan() -> None:
+    table = grad_norm_table(SAMPLES / "nan")
+    assert np.isfinite(table.loc[:, :14].to_numpy()).all()
+    assert np.isinf(table.loc[:, 15:].to_numpy()).all()  # the NaN gradients of step 15 on
+    rms, _ = activation_tables(SAMPLES / "nan")
+    assert np.isinf(rms.loc["log_probs", 15]) and np.isfinite(rms.loc["head", 15])
+    assert grad_norm_table(SAMPLES / "nan", modules="no such module").empty
+
+
+def test_activation_tables_match_the_full_tensors() -> None:
+    trace = hooktrace.load(SAMPLES / "healthy")
+    rms, zeros = activation_tables(trace)
+    for module in ("blocks.1.norm", "blocks.1.fc", "blocks.1.act"):
+        for step in (0, 12):
+            values = trace.tensor(module, "output", step=step).astype(np.float64)
+            assert rms.loc[module, step] == pytest.approx(np.sqrt(np.mean(values**2)), rel=1e-5)
+            assert zeros.loc[module, step] == pytest.approx(np.mean(values == 0), abs=1e-9)
+
+
+def test_silent_unit_table_shows_the_planted_dead_units() -> None:
+    table = silent_unit_table(SAMPLES / "dead")
+    assert table.index.tolist() == ["blocks.0.act", "blocks.1.act"]
+    assert (table.loc["blocks.0.act", :9] == 0).all()
+    assert (table.loc["blocks.0.act", 10:] == 0.5).all()  # 16 of 32 units, from step 10
+    assert (table.loc["blocks.1.act"] < 0.5).all()
+
+
+def test_diff_table_is_zero_until_the_first_divergence() -> None:
+    table, result = diff_table(SAMPLES / "healthy", SAMPLES / "diverged")
+    assert result.first is not None and result.first.module == "blocks.1.norm"
+    assert (table.loc[:, :11] == 0).all().all()
+    assert table.loc["blocks.1.norm", 12] > 1e-3
+    assert (table.loc[:, 13:] > 0).all().all()
+    same, again = diff_table(SAMPLES / "healthy", SAMPLES / "healthy")
+    assert again.match and (same == 0).all().all()
+
+
+# --- pictures ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("run", "what", "against"),
+    [
+        ("exploding", "grad-norms", None),
+        ("nan", "activations", None),
+        ("dead", "dead-units", None),
+        ("healthy", "diff", "diverged"),
+    ],
+)
+def test_each_picture_is_drawn(tmp_path: Path, run: str, what: str, against: str | None) -> None:
+    out = tmp_path / f"{what}.png"
+    other = SAMPLES / against if against else None
+    figure = plot(SAMPLES / run, what=what, against=other, output=out)
+    decode_png(out)
+    title = figure.axes[0].get_title(loc="left")
+    assert title.startswith(run)
+    if what == "diff":
+        assert "first divergence (circled): step 12, output of blocks.1.norm" in title
+
+
+def test_long_and_odd_names_stay_readable(odd_run: Path, tmp_path: Path) -> None:
+    figure = plot(odd_run, what="activations", output=tmp_path / "odd.png")
+    decode_png(tmp_path / "odd.png")
+    labels = [label.get_text() for label in figure.axes[0].get_yticklabels()]
+    long = [label for label in labels if label.startswith("…")]
+    assert long and all(len(label) == NAME_WIDTH for label in long)
+    assert f"…{LONG[-(NAME_WIDTH - 3) :]}.0" in labels  # the end of a name is what tells
+    assert r"cost\$in\$dollars" in labels  # drawn as it is, not as mathtext
+    assert SCRIPT in labels
+    assert len(set(labels)) == len(labels)
+
+
+def test_max_modules_keeps_the_largest(tmp_path: Path) -> None:
+    figure = plot(SAMPLES / "exploding", what="grad-norms", max_modules=2)
+    labels = [label.get_text() for label in figure.axes[0].get_yticklabels()]
+    peaks = grad_norm_table(SAMPLES / "exploding").max(axis=1)
+    assert set(labels) == set(peaks.nlargest(2).index) == {"embed", "head"}
+    assert labels == ["embed", "head"]  # in the model's order
+    assert "(2 of 6 shown: the largest)" in figure.axes[0].get_title(loc="left")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"what": "pie"}, "unknown picture 'pie'"),
+        ({"what": "diff"}, "give against=RUN_B"),
+        ({"against": SAMPLES / "dead"}, "give against=RUN_B"),
+        ({"output": "grads.txt"}, "cannot tell the picture format"),
+        ({"output": "/no/such/dir/grads.png"}, "is not a directory"),
+        ({"modules": "("}, "bad modules regex"),
+        ({"steps": "ten"}, "bad steps"),
+    ],
+)
+def test_bad_options_raise_config_errors(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        plot(SAMPLES / "healthy", **options)  # type: ignore[arg-type]
+
+
+# --- the command -------------------------------------------------------------------------------
+
+
+def test_plot_command(tmp_path: Path) -> None:
+    result = invoke("plot", SAMPLES / "exploding", "-o", tmp_path / "grads.png")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "" and result.stderr == f"hooktrace: wrote {tmp_path / 'grads.png'}\n"
+    decode_png(tmp_path / "grads.png")
+    quiet = invoke("plot", SAMPLES / "healthy", "--against", SAMPLES / "diverged", "-q",
+                   "-o", tmp_path / "diff.svg")  # fmt: skip
+    assert quiet.exit_code == 0 and quiet.output == ""
+    assert (tmp_path / "diff.svg").read_text().lstrip().startswith("<?xml")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--what", "diff"], "--what diff compares two runs: give --against RUN_B"),
+        (["--what", "activations", "--against", "{run}"], "--against draws the diff picture"),
+        (["-o", "{tmp}/x.txt"], "cannot tell the picture format"),
+        (["--modules", "("], "bad modules regex"),
+        (["--steps", "9-2"], "a range goes upwards"),
+    ],
+)
+def test_plot_command_errors_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    args = [a.format(run=SAMPLES / "diverged", tmp=tmp_path) for a in args]
+    output = [] if "-o" in args else ["-o", tmp_path / "x.png"]
+    result = invoke("plot", SAMPLES / "healthy", *args, *output)
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("hooktrace: error: ") and message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    missing = invoke("plot", tmp_path / "missing", "-o", tmp_path / "x.png")
+    assert missing.exit_code == 2 and "no run at" in missing.output
+    no_output = invoke("plot", SAMPLES / "healthy")
+    assert no_output.exit_code == 2 and "Missing option '--output'" in no_output.output
+
+
+# --- what it does not need ---------------------------------------------------------------------
+
+_RUN_COMMANDS = textwrap.dedent(
+    """
+    import sys
+    for blocked in sys.argv[1].split(","):
+        sys.modules[blocked] = None  # importing it now fails
+    from hooktrace.cli import main
+    for command in sys.argv[2:]:
+        try:
+            main(command.split("|"))
+        except SystemExit as exc:
+            print(f"exit {exc.code}", flush=True)
+    assert sys.modules.get("torch") is None
+    """
+)
+
+
+def run_blocked(blocked: str, *commands: list[object]) -> subprocess.CompletedProcess[str]:
+    """Run hooktrace commands in one process where importing ``blocked`` fails."""
+    return subprocess.run(
+        [sys.executable, "-c", _RUN_COMMANDS, blocked,
+         *("|".join(str(a) for a in command) for command in commands)],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+
+
+def test_pictures_and_report_without_torch(tmp_path: Path) -> None:
+    done = run_blocked(
+        "torch",
+        ["plot", SAMPLES / "dead", "--what", "dead-units", "-q", "-o", tmp_path / "dead.png"],
+        ["plot", SAMPLES / "healthy", "--against", SAMPLES / "diverged", "-q", "-o",
+         tmp_path / "diff.png"],
+        ["report", SAMPLES / "nan", SAMPLES / "healthy", "-q", "-o", tmp_path / "r.html"],
+    )  # fmt: skip
+    assert done.stdout.split("\n") == ["exit 0"] * 3 + [""], done.stderr
+    decode_png(tmp_path / "dead.png")
+    decode_png(tmp_path / "diff.png")
+    assert "nonfinite_forward" in (tmp_path / "r.html").read_text()
+
+
+def test_without_matplotlib_plot_says_how_to_install_it_and_report_leaves_pictures_out(
+    tmp_path: Path,
+) -> None:
+    done = run_blocked(
+        "torch,matplotlib",
+        ["plot", SAMPLES / "dead", "-o", tmp_path / "dead.png"],
+        ["report", SAMPLES / "dead", "-q", "-o", tmp_path / "r.html"],
+    )
+    assert done.stdout.split("\n") == ["exit 2", "exit 0", ""], done.stderr
+    assert done.stderr == (
+        "hooktrace: error: pictures need matplotlib, which is not installed: "
+        "pip install 'hooktrace[plot]'\n"
+    )
+    page = (tmp_path / "r.html").read_text()
+    assert "matplotlib is not installed" in page and "<img" not in page
+    assert "dead_layer" in page

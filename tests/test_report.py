@@ -1,0 +1,154 @@
+"""hooktrace report: one self-contained HTML page holding the summary, the findings, the diff
+and the pictures of the sample traces, every name escaped; and the progress bar."""
+
+from __future__ import annotations
+
+import base64
+import io
+from html.parser import HTMLParser
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from click.testing import CliRunner, Result
+from test_plots import record_odd_names
+
+from hooktrace.analyze.report import report
+from hooktrace.cli import cli
+from hooktrace.cli.progress import ProgressBar
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_traces"
+
+
+class Page(HTMLParser):
+    """The tags of a page, and the text of its headings."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.headings: list[str] = []
+        self._heading = False
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append((tag, dict(attrs)))
+        self._heading = tag in ("h1", "h2", "h3")
+
+    def handle_endtag(self, tag: str) -> None:
+        self._heading = False
+
+    def handle_data(self, data: str) -> None:
+        if self._heading:
+            self.headings.append(data.strip())
+
+    def images(self) -> list[bytes]:
+        """The inline PNGs, decoded (each checked to be a picture)."""
+        found = []
+        for tag, attrs in self.tags:
+            if tag == "img":
+                source = attrs["src"] or ""
+                assert source.startswith("data:image/png;base64,"), source[:40]
+                data = base64.b64decode(source.partition(",")[2], validate=True)
+                assert matplotlib.image.imread(io.BytesIO(data), format="png").shape[0] > 100
+                found.append(data)
+        return found
+
+
+@pytest.fixture(scope="module")
+def nan_page() -> str:
+    return report(SAMPLES / "nan")
+
+
+@pytest.fixture(scope="module")
+def pair_page(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("report") / "pair.html"
+    report(SAMPLES / "healthy", SAMPLES / "diverged", output=out)
+    return out
+
+
+def invoke(*args: object) -> Result:
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def test_a_run_page_holds_summary_findings_and_pictures(nan_page: str) -> None:
+    page = Page(nan_page)
+    assert page.headings[:2] == [f"hooktrace report: {SAMPLES / 'nan'}", str(SAMPLES / "nan")]
+    assert "Findings (2 error, 4 warning)" in page.headings
+    for text in ("nonfinite_forward", "log_probs", "produced the first Inf of the forward pass",
+                 "nonfinite_param", "activation_spike", "30 recorded (0–29)"):  # fmt: skip
+        assert text in nan_page
+    assert len(page.images()) == 3  # gradient norms, activations, dead units
+
+
+def test_a_page_stands_alone(nan_page: str, pair_page: Path) -> None:
+    for text in (nan_page, pair_page.read_text()):
+        tags = Page(text).tags
+        assert not [t for t, _ in tags if t in ("script", "link", "iframe", "object")]
+        for _, attrs in tags:
+            for name in ("src", "href"):
+                assert not (attrs.get(name) or "data:").lower().startswith(("http", "//")), attrs
+
+
+def test_two_runs_page_holds_the_diff(pair_page: Path) -> None:
+    text = pair_page.read_text()
+    page = Page(text)
+    assert page.headings[1] == "Diff"
+    assert "DIFFER" in text and "846 of 1,500" in text
+    assert "First divergence: step 12, forward pass: output of &#x27;blocks.1.norm&#x27;" in text
+    assert "full tensor cosine" in text
+    assert "No anomalies and no dead layers found." in text
+    assert len(page.images()) == 1 + 3 + 3  # the diff, then three per run
+
+
+def test_every_name_is_escaped(tmp_path: Path) -> None:
+    run = record_odd_names(tmp_path / "<b>run</b>")
+    text = report(run, output=tmp_path / "odd.html")
+    assert (tmp_path / "odd.html").read_text() == text
+    assert "<script" not in text and "<b>" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert "&lt;b&gt;run&lt;/b&gt;" in text
+    page = Page(text)
+    assert not [t for t, _ in page.tags if t in ("script", "b")]
+    assert page.headings[0].endswith("<b>run</b>")  # as text, not as markup
+
+
+def test_report_command(tmp_path: Path) -> None:
+    out = tmp_path / "r.html"
+    result = invoke("report", SAMPLES / "dead", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "" and result.stderr == f"hooktrace: wrote {out}\n"
+    assert "dead_layer" in out.read_text()
+    assert "16 of 32 units dead (50%), since step 10" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{samples}/healthy", "{tmp}/missing", "-o", "{tmp}/r.html"], "no run at"),
+        (["{samples}/healthy", "-o", "{tmp}/no/r.html"], "is not a directory; create it first"),
+    ],
+)
+def test_report_errors_are_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    result = invoke("report", *[a.format(samples=SAMPLES, tmp=tmp_path) for a in args])
+    assert result.exit_code == 2
+    assert result.output.startswith("hooktrace: error: ") and message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_a_terminal_and_not_when_quiet() -> None:
+    terminal = Terminal()
+    with ProgressBar("analysing", file=terminal) as progress:
+        for done, what in enumerate(["summary", "anomalies", "pictures"]):
+            progress(done, 3, what)
+    drawn = terminal.getvalue()
+    assert "analysing" in drawn and "anomalies" in drawn and "100%" in drawn
+    for quiet, file in ((True, Terminal()), (False, io.StringIO())):
+        with ProgressBar("analysing", quiet=quiet, file=file) as progress:
+            progress(0, 3, "summary")
+        assert file.getvalue() == ""
