@@ -182,11 +182,19 @@ def _params_line(params: pd.DataFrame) -> str:
         if bad.empty
         else f"NON-FINITE in {', '.join(dict.fromkeys(bad['module'] + '.' + bad['slot']))}"
     )
+    counts = [
+        _count(int(kinds.get("param", 0)), "parameter"),
+        _count(int(kinds.get("buffer", 0)), "buffer"),
+        _count(int(params["module"].nunique()), "module"),
+    ]
     return (
-        f"params: {int(kinds.get('param', 0))} parameters and {int(kinds.get('buffer', 0))} "
-        f"buffers of {params['module'].nunique()} modules at the step's first forward, "
+        f"params: {counts[0]} and {counts[1]} of {counts[2]} at the step's first forward, "
         f"{health} (--params lists them)"
     )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _first_nonfinite(frame: pd.DataFrame) -> str:
