@@ -305,7 +305,7 @@ def test_statistics_only_steps_and_modules_are_refused(run_dir: Path) -> None:
     model, trace = _mlp_trace(run_dir, full_steps=[0], full_every=None)
     with pytest.raises(TensorNotRecorded, match=r"statistics only; record with full_steps=\[1\]"):
         hooktrace.replay_module(trace, "block.fc1", step=1, module=model.block.fc1)
-    assert hooktrace.replay_module(trace, "block.fc1", step=0, module=model.block.fc1).exact
+    assert hooktrace.replay_module(run_dir, "block.fc1", step=0, module=model.block.fc1).exact
 
 
 def test_parameters_of_inner_modules_must_be_saved_too(tmp_path: Path) -> None:
