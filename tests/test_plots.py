@@ -259,7 +259,7 @@ def test_pictures_and_report_without_torch(tmp_path: Path) -> None:
         ["plot", SAMPLES / "dead", "--what", "dead-units", "-q", "-o", tmp_path / "dead.png"],
         ["plot", SAMPLES / "healthy", "--against", SAMPLES / "diverged", "-q", "-o",
          tmp_path / "diff.png"],
-        ["report", SAMPLES / "nan", SAMPLES / "healthy", "-q", "-o", tmp_path / "r.html"],
+        ["report", SAMPLES / "nan", "-q", "-o", tmp_path / "r.html"],
     )  # fmt: skip
     assert done.stdout.split("\n") == ["exit 0"] * 3 + [""], done.stderr
     decode_png(tmp_path / "dead.png")
@@ -283,3 +283,14 @@ def test_without_matplotlib_plot_says_how_to_install_it_and_report_leaves_pictur
     page = (tmp_path / "r.html").read_text()
     assert "matplotlib is not installed" in page and "<img" not in page
     assert "dead_layer" in page
+
+
+def test_help_needs_neither_pandas_nor_matplotlib() -> None:
+    code = (
+        "import sys\nfrom hooktrace.cli import cli\n"
+        "for name in ('plot', 'report'):\n"
+        "    try:\n        cli.main([name, '--help'])\n    except SystemExit:\n        pass\n"
+        "print(sorted(m for m in ('pandas', 'matplotlib', 'torch') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.stdout.strip().endswith("[]"), done.stdout + done.stderr
