@@ -60,15 +60,23 @@ def _walk(value: Any, slot: str, depth: int) -> Iterator[tuple[str, torch.Tensor
 
 
 def describe_call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """A tensor passed twice (``attn(x, x, x)``) points at its first slot each time, and a
+    tensor whose memory layout is not contiguous keeps its strides (dropout draws its mask in
+    memory order, so replaying it on a contiguous copy would drop other elements)."""
+    seen: dict[int, str] = {}
     return {
-        "args": [_describe(arg, str(i), 0) for i, arg in enumerate(args)],
-        "kwargs": {str(key): _describe(arg, str(key), 0) for key, arg in kwargs.items()},
+        "args": [_describe(arg, str(i), 0, seen) for i, arg in enumerate(args)],
+        "kwargs": {str(key): _describe(arg, str(key), 0, seen) for key, arg in kwargs.items()},
     }
 
 
-def _describe(value: Any, slot: str, depth: int) -> Any:
+def _describe(value: Any, slot: str, depth: int, seen: dict[int, str]) -> Any:
     if isinstance(value, torch.Tensor):
-        return {"tensor": slot or "0"}
+        first = seen.setdefault(id(value), slot or "0")
+        described: dict[str, Any] = {"tensor": first}
+        if value.layout == torch.strided and not value.is_contiguous() and 0 not in value.stride():
+            described["stride"] = list(value.stride())
+        return described
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -78,12 +86,14 @@ def _describe(value: Any, slot: str, depth: int) -> Any:
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
         return {
             "dict": {
-                k: _describe(v, f"{slot}.{k}" if slot else k, depth + 1) for k, v in value.items()
+                k: _describe(v, f"{slot}.{k}" if slot else k, depth + 1, seen)
+                for k, v in value.items()
             }
         }
     if isinstance(value, (tuple, list)) and not hasattr(value, "_fields"):
         items = [
-            _describe(v, f"{slot}.{i}" if slot else str(i), depth + 1) for i, v in enumerate(value)
+            _describe(v, f"{slot}.{i}" if slot else str(i), depth + 1, seen)
+            for i, v in enumerate(value)
         ]
         return {"tuple": items} if isinstance(value, tuple) else {"list": items}
     return {"opaque": type(value).__qualname__}
@@ -92,7 +102,8 @@ def _describe(value: Any, slot: str, depth: int) -> Any:
 def rebuild_call(
     spec: Mapping[str, Any], tensors: Mapping[str, Any]
 ) -> tuple[list[Any], dict[str, Any]]:
-    """The inverse of describe_call: args and kwargs with each slot's tensor put back.
+    """The inverse of describe_call: args and kwargs with each slot's tensor put back (the
+    same object where the call passed one tensor twice, with its recorded strides).
 
     Raises KeyError naming a slot whose tensor is missing, and ValueError for a value that
     was not recorded (an object JSON cannot hold).
@@ -106,7 +117,13 @@ def _rebuild(value: Any, tensors: Mapping[str, Any]) -> Any:
     if not isinstance(value, dict):
         return value
     if "tensor" in value:
-        return tensors[value["tensor"]]
+        tensor = tensors[value["tensor"]]
+        if "stride" in value and isinstance(tensor, torch.Tensor):
+            layout = torch.empty_strided(
+                tensor.shape, value["stride"], dtype=tensor.dtype, device=tensor.device
+            )
+            return layout.copy_(tensor)
+        return tensor
     if "float" in value:
         return float(value["float"])
     if "dict" in value:

@@ -79,6 +79,7 @@ class Recorder:
     _recent: deque[tuple[torch.Tensor, int, Any, Any]]
     _params_recorded: bool
     _seq: int
+    _output_specs: dict[tuple[str, int], str]  # call specs of calls with no tensor input
 
     def __init__(
         self,
@@ -323,9 +324,11 @@ class Recorder:
                     call = self._calls.get((phase, name), 0)  # the forward hook counts the call
                     full = self._full_step and name in self._full_modules
                     if full:  # what replay needs to call the module again
-                        self._pending.specs[len(self._pending.meta)] = self._call_spec(
-                            module, args, kwargs
-                        )
+                        spec = self._call_spec(module, args, kwargs)
+                        if any(True for _ in flatten_call(args, kwargs)):
+                            self._pending.specs[len(self._pending.meta)] = spec
+                        else:  # no tensor input: the spec goes on the call's first output
+                            self._output_specs[(name, call)] = spec
                     for slot, tensor in flatten_call(args, kwargs):
                         self._observe(
                             name, call, "input", slot, tensor, phase=phase, full=full, units=True
@@ -402,6 +405,9 @@ class Recorder:
         call = self._calls.get(key, 0)
         self._calls[key] = call + 1
         full = self._full_step and name in self._full_modules
+        spec = self._output_specs.pop((name, call), None) if self._output_specs else None
+        if spec is not None:
+            self._pending.specs[len(self._pending.meta)] = spec
         for slot, tensor in flatten(output):
             if channels_first and tensor.dim() == 3:
                 self._channel_shapes.add(tensor.shape)
@@ -628,6 +634,7 @@ class Recorder:
         self._recent = deque(maxlen=4)
         self._params_recorded = False
         self._seq = 0
+        self._output_specs = {}
 
     # -- faults ------------------------------------------------------------------------------
 

@@ -11,22 +11,16 @@ module and of every module inside it. Replay then
 - hangs a no-op forward hook on each module of the copy that the recording hooked, so that
   code which branches on hooks being present (``nn.TransformerEncoderLayer``'s fused eval
   path) takes the branch it took while recording;
-- rebuilds the args and kwargs, passes one tensor object wherever the recorded inputs were
-  bit-identical (self-attention gets ``query is key is value`` back, which selects
-  ``nn.MultiheadAttention``'s packed projection and fast path);
+- rebuilds the args and kwargs as the call spec describes them: one tensor object where the
+  call passed one tensor twice (self-attention gets ``query is key is value`` back, which
+  selects ``nn.MultiheadAttention``'s packed projection and fast path), and each input's
+  recorded strides (dropout draws its mask in memory order);
 - runs the copy with the recorded grad mode and CPU RNG state (inside ``fork_rng``: the
   caller's RNG is left as it was), and compares each output slot with the recording.
 
 On CPU, with the same torch build, a deterministic module reproduces its output bit for bit,
 dropout included. What replay cannot restore, because the trace does not hold it:
 
-- the strides of inputs: they come back contiguous. Dropout draws its mask in memory order,
-  so dropout on a transposed input (``nn.TransformerEncoderLayer``'s ``dropout1``, fed the
-  attention output) drops other elements on replay;
-- which inputs were one tensor object: bit-identical inputs are passed as one object, which
-  is wrong for a module that changes one of two distinct but equal inputs in place;
-- the call spec of a call that took no tensor input and ran a recorded module before
-  producing its output (the spec is kept on input rows; a leaf's lands on its output row);
 - the CUDA RNG (dropout on a GPU), autocast, a module's Python state other than parameters
   and buffers, buffers a module changes between two calls of one step (parameters and
   buffers are recorded once, at the step's first forward), and parameters tied to a module
@@ -50,7 +44,7 @@ from torch import nn
 from hooktrace.errors import ConfigError, RecordingError, TensorNotRecorded
 from hooktrace.recorder.flatten import rebuild_call
 from hooktrace.recorder.recorder import active_recorder, unwrap
-from hooktrace.recorder.replay_compare import bits, compare, to_torch
+from hooktrace.recorder.replay_compare import compare, to_torch
 from hooktrace.trace.reader import Trace, load
 
 _READ = ["micro_step", "phase", "seq", "module", "call", "kind", "slot", "dtype", "shape"]
@@ -267,15 +261,8 @@ class _Call:
         return to_torch(array, str(row.dtype))
 
     def inputs(self, inputs: pd.DataFrame, device: torch.device) -> dict[str, torch.Tensor]:
-        """Each input slot's tensor; slots whose recorded tensors are bit-identical share one
-        tensor object, as the call's arguments most likely did (``attn(x, x, x)``)."""
-        tensors: dict[str, torch.Tensor] = {}
-        seen: dict[tuple[Any, ...], torch.Tensor] = {}
-        for row in inputs.itertuples(index=False):
-            tensor = self.read(row).to(device)
-            key = (tensor.dtype, tuple(tensor.shape), bits(tensor).numpy().tobytes())
-            tensors[str(row.slot)] = seen.setdefault(key, tensor)
-        return tensors
+        """Each input slot's tensor (the call spec says which slots were one tensor object)."""
+        return {str(row.slot): self.read(row).to(device) for row in inputs.itertuples(index=False)}
 
     # -- the module -------------------------------------------------------------------------
 
