@@ -9,6 +9,7 @@ diff before committing it).
 
 from __future__ import annotations
 
+import doctest
 import os
 import re
 import subprocess
@@ -58,9 +59,20 @@ def normalise(text: str) -> str:
     return text
 
 
-def run_cli(command: str, monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
-    monkeypatch.chdir(ROOT)  # paths in the output read as in the README: sample_traces/...
-    result = CliRunner().invoke(cli, command.split())
+def run_cli(
+    command: str, monkeypatch: pytest.MonkeyPatch, files: Path | None = None
+) -> tuple[int, str, str]:
+    """Run ``hooktrace COMMAND`` from the repository root, so that paths in the output read
+    as in the README (sample_traces/...); the file of ``-o FILE`` goes into ``files``."""
+    monkeypatch.chdir(ROOT)
+    args = command.split()
+    if files is not None and "-o" in args:
+        at = args.index("-o") + 1
+        args[at] = str(files / args[at])
+    result = CliRunner().invoke(cli, args)
+    where = f"{files}{os.sep}" if files is not None else None
+    if where is not None:  # the output says what the README says: "wrote report.html"
+        return result.exit_code, result.stdout, result.stderr.replace(where, "")
     return result.exit_code, result.stdout, result.stderr
 
 
@@ -94,39 +106,50 @@ def test_cli_output_matches_golden(golden: str, monkeypatch: pytest.MonkeyPatch)
     assert text == path.read_text(), f"hooktrace {command} changed: see {path}"
 
 
-def readme_examples() -> list[tuple[str, list[str]]]:
-    """Each ``$ hooktrace ...`` line of sample_traces/README.md's console blocks, with the
-    output lines quoted under it ("..." marks what was left out)."""
+def readme_examples(readme: Path) -> list[tuple[str, list[str]]]:
+    """Each ``$ hooktrace ...`` line of the console blocks of ``readme`` that reads the
+    sample traces, with the output lines quoted under it ("..." marks what was left out)."""
     examples: list[tuple[str, list[str]]] = []
     in_console = False
-    readme = SAMPLES / "README.md"
     for line in (readme.read_text() if readme.exists() else "").splitlines():
         if line.startswith("```"):
             in_console = line.strip() == "```console"
             continue
         if not in_console:
             continue
-        if line.startswith("$ hooktrace "):
+        if line.startswith("$ "):
             examples.append((line.removeprefix("$ hooktrace "), []))
         elif examples:
             examples[-1][1].append(line)
-    return examples
+    return [(command, quoted) for command, quoted in examples if "sample_traces/" in command]
+
+
+EXAMPLES = [
+    (readme, command, quoted)
+    for readme in (SAMPLES / "README.md", ROOT / "README.md")
+    for command, quoted in readme_examples(readme)
+]
 
 
 def test_readme_shows_a_command_for_every_sample() -> None:
-    commands = [command for command, _ in readme_examples()]
+    commands = [command for command, _ in readme_examples(SAMPLES / "README.md")]
     for name in NAMES:
         assert any(f"sample_traces/{name}" in c for c in commands), name
 
 
 @pytest.mark.parametrize(
-    ("command", "quoted"), readme_examples(), ids=[command for command, _ in readme_examples()]
+    ("readme", "command", "quoted"),
+    EXAMPLES,
+    ids=[f"{readme.parent.name}: {command}" for readme, command, _ in EXAMPLES],
 )
 def test_readme_output_is_real(
-    command: str, quoted: list[str], monkeypatch: pytest.MonkeyPatch
+    readme: Path, command: str, quoted: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The README's quoted lines appear, in order, in what the command prints today."""
-    _, stdout, _ = run_cli(command, monkeypatch)
+    """The README's quoted lines appear, in order, in what the command prints today (on
+    stdout, or on stderr for the commands that write a file and say so there)."""
+    code, stdout, stderr = run_cli(command, monkeypatch, tmp_path)
+    assert code in (0, 1), stderr
+    stdout = stdout or stderr
     actual = [line.rstrip() for line in normalise(stdout).splitlines()]
     position = 0
     for line in quoted:
@@ -135,6 +158,27 @@ def test_readme_output_is_real(
         line = normalise(line).rstrip()
         assert line in actual[position:], f"`hooktrace {command}` no longer prints:\n{line}"
         position = actual.index(line, position) + 1
+
+
+def test_the_tour_in_the_readme_runs_as_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ``>>>`` examples of README.md, as doctests (from the repository root)."""
+    monkeypatch.chdir(ROOT)
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.partition("```")[0] for b in text.split("```python\n")[1:] if ">>> " in b]
+    assert blocks, "README.md has no >>> examples"
+    parser = doctest.DocTestParser()
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    for i, block in enumerate(blocks):
+        runner.run(parser.get_doctest(block, {}, f"README.md block {i}", "README.md", 0))
+    assert runner.summarize(verbose=False).failed == 0
+
+
+def test_the_pictures_the_readme_shows_are_there() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for name in ("grad-norms", "diff"):
+        path = SAMPLES / "pictures" / f"{name}.png"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"(sample_traces/pictures/{name}.png)" in readme
 
 
 def test_the_documented_findings() -> None:
