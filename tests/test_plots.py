@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import matplotlib.image
@@ -170,6 +171,24 @@ def test_max_modules_keeps_the_largest(tmp_path: Path) -> None:
     assert set(labels) == set(peaks.nlargest(2).index) == {"embed", "head"}
     assert labels == ["embed", "head"]  # in the model's order
     assert "(2 of 6 shown: the largest)" in figure.axes[0].get_title(loc="left")
+
+
+def test_nothing_to_draw_is_said_not_drawn(tmp_path: Path) -> None:
+    """No parameter gradients (params=False), no ReLU: a picture that says so, no warning."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    with hooktrace.record(model, tmp_path / "run", params=False) as rec:
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            rec.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for what, said in (
+            ("grad-norms", "no parameter gradients recorded (params=False?)"),
+            ("dead-units", "no per-unit activity of ReLU-family layers recorded"),
+        ):
+            figure = plot(tmp_path / "run", what=what, output=tmp_path / f"{what}.png")
+            assert [t.get_text() for t in figure.axes[0].texts] == [said]
+            decode_png(tmp_path / f"{what}.png")
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,8 @@ def silent_unit_table(
     values at that step (train phase, calls and micro-steps of the step summed)."""
     trace = trace_of(run)
     types = modules_of_type(trace.modules, RELU_FAMILY)
+    if not types:  # (an empty module filter would match nothing anyway)
+        return pd.DataFrame()
     rows = trace.query(
         columns=["step", "module", "call", "units", "unit_size", "activity_offset", "segment"],
         kinds=["output"],

@@ -216,6 +216,9 @@ def dead_units_figure(
         empty="no per-unit activity of ReLU-family layers recorded",
     )
     ax.set_title(f"{_name(trace)}: silent units per ReLU layer and step{note}", loc="left")
+    if table.empty:
+        bars.set_axis_off()
+        return figure
     fraction = layers["dead_fraction"].reindex(table.index, fill_value=0.0).to_numpy()
     flagged = layers["flagged"].reindex(table.index, fill_value=False).to_numpy(dtype=bool)
     bars.barh(np.arange(len(table)), fraction, color=np.where(flagged, "#c0392b", "#7f8c8d"))
