@@ -141,7 +141,7 @@ def test_readme_shows_a_command_for_every_sample() -> None:
 @pytest.mark.parametrize(
     ("readme", "command", "quoted"),
     EXAMPLES,
-    ids=[f"{readme.parent.name}: {command}" for readme, command, _ in EXAMPLES],
+    ids=[f"{readme.relative_to(ROOT)}: {command}" for readme, command, _ in EXAMPLES],
 )
 def test_readme_output_is_real(
     readme: Path, command: str, quoted: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
