@@ -65,7 +65,7 @@ def record_odd_names(out: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def odd_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return record_odd_names(tmp_path_factory.mktemp("odd") / "run")
+    return record_odd_names(tmp_path_factory.mktemp("odd") / "run$1$")
 
 
 def invoke(*args: object) -> Result:
@@ -162,6 +162,7 @@ def test_long_and_odd_names_stay_readable(odd_run: Path, tmp_path: Path) -> None
     assert r"cost\$in\$dollars" in labels  # drawn as it is, not as mathtext
     assert SCRIPT in labels
     assert len(set(labels)) == len(labels)
+    assert figure.axes[0].get_title(loc="left").startswith(r"run\$1\$: outputs per module")
 
 
 def test_max_modules_keeps_the_largest(tmp_path: Path) -> None:

@@ -163,7 +163,7 @@ def grad_norms_figure(trace: Trace, table: pd.DataFrame, *, max_modules: int = 4
         cmap="viridis",
         empty="no parameter gradients recorded (params=False?)",
     )
-    ax.set_title(f"{_name(trace)}: parameter gradient norm per module{note}", loc="left")
+    ax.set_title(_plain(f"{_name(trace)}: parameter gradient norm per module{note}"), loc="left")
     return figure
 
 
@@ -189,7 +189,7 @@ def activations_figure(
         empty=empty,
     )
     right.set_yticks([])
-    left.set_title(f"{_name(trace)}: outputs per module (train){note}", loc="left")
+    left.set_title(_plain(f"{_name(trace)}: outputs per module (train){note}"), loc="left")
     return figure
 
 
@@ -215,7 +215,8 @@ def dead_units_figure(
         vmax=1.0,
         empty="no per-unit activity of ReLU-family layers recorded",
     )
-    ax.set_title(f"{_name(trace)}: silent units per ReLU layer and step{note}", loc="left")
+    title = f"{_name(trace)}: silent units per ReLU layer and step{note}"
+    ax.set_title(_plain(title), loc="left")
     if table.empty:
         bars.set_axis_off()
         return figure
@@ -366,7 +367,7 @@ def _plain(text: str) -> str:
 
 
 def _name(trace: Trace) -> str:
-    return _plain(_short(trace.path.name or str(trace.path), 40))
+    return _short(trace.path.name or str(trace.path), 40)
 
 
 def _matplotlib() -> None:
