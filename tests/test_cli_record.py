@@ -207,6 +207,14 @@ def test_the_script_runs_as_main_with_its_own_argv_path_and_file(tmp_path: Path)
     assert result.returncode == 0, result.stderr
     assert f"ARGV ['{script}', '--epochs', '3', '-x']" in result.stdout
     assert f"FILE {script}" in result.stdout
+    # `record train.py -- ARGS`, as PRODUCT.md writes it: the separator is not the script's
+    result = _record(
+        "-q", "-o", str(tmp_path / "run2"), str(script), "--", "--epochs", "3", cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"ARGV ['{script}', '--epochs', '3']" in result.stdout
+    result = _record("-q", "-o", str(tmp_path / "run3"), str(script), "--", "--", cwd=ROOT)
+    assert f"ARGV ['{script}', '--']" in result.stdout  # a second one is the script's
     assert "NAME __main__ 42" in result.stdout
 
 

@@ -130,6 +130,8 @@ def record(
       hooktrace record --every 10 --full-steps 0,100 train.py --epochs 3
       hooktrace summary runs/train-20261120-101500
     """
+    if args[:1] == ("--",):  # `hooktrace record train.py -- --lr 0.1`: the separator is ours
+        args = args[1:]
     settings = _settings(config_file, given)
     if not script.exists():
         raise CommandError(f"{script}: no such script; give the path of a Python training script")
