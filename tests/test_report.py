@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import base64
 import io
+import shutil
 from html.parser import HTMLParser
 from pathlib import Path
 
 import matplotlib.image
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
 from test_plots import record_odd_names
@@ -99,6 +102,19 @@ def test_two_runs_page_holds_the_diff(pair_page: Path) -> None:
     assert "full tensor cosine" in text
     assert "No anomalies and no dead layers found." in text
     assert len(page.images()) == 1 + 3 + 3  # the diff, then three per run
+
+
+def test_a_first_divergence_in_one_run_only(tmp_path: Path) -> None:
+    """The first difference is a record that run B lacks: it has no values to compare."""
+    run_b = tmp_path / "fewer"
+    shutil.copytree(SAMPLES / "healthy", run_b)
+    (part,) = (run_b / "records").rglob("*.parquet")
+    table = pq.read_table(part)
+    lost = pc.and_(pc.equal(table["module"].cast("string"), "embed"), pc.equal(table["step"], 3))
+    pq.write_table(table.filter(pc.invert(lost)), part)
+    text = report(SAMPLES / "healthy", run_b)
+    assert "First divergence: step 3, forward pass: param of &#x27;embed&#x27;" in text
+    assert "(only in run A)" in text
 
 
 def test_every_name_is_escaped(tmp_path: Path) -> None:

@@ -219,14 +219,11 @@ def _diff_section(
     first = result.first
     if first is not None:
         out.append(f"<p>First divergence: {_e(first.describe())}</p>")
-        values = pd.DataFrame(
-            [{"value": k, "run A": a_, "run B": b_} for k, (a_, b_) in first.values.items()]
-            + [
-                {"value": f"full tensor {k}", "run A": v, "run B": ""}
-                for k, v in first.errors.items()
-            ]
-        )
-        out += _table(values, ["value", "run A", "run B"], numeric={"run A", "run B"})
+        values = [(k, a_, b_) for k, (a_, b_) in first.values.items()]
+        values += [(f"full tensor {k}", v, "") for k, v in first.errors.items()]
+        if values:  # none when the record is in one run only
+            frame = pd.DataFrame(values, columns=["value", "run A", "run B"])
+            out += _table(frame, list(frame.columns), numeric={"run A", "run B"})
     out += [f"<p>{_e(line)}</p>" for line in result.structure.lines()]
     modules = result.modules.head(10).rename(columns=_DIFF_COLUMNS)
     if not modules.empty:
