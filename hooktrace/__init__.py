@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from hooktrace.analyze.anomalies import anomalies
     from hooktrace.analyze.dead_units import dead_relus
     from hooktrace.analyze.diff import diff
+    from hooktrace.analyze.plots import plot
+    from hooktrace.analyze.report import report
     from hooktrace.analyze.summary import summary
     from hooktrace.recorder.recorder import Models, Recorder
     from hooktrace.recorder.replay import replay_module
@@ -43,6 +45,8 @@ _LAZY = {
     "diff": "hooktrace.analyze.diff",
     "dead_relus": "hooktrace.analyze.dead_units",
     "anomalies": "hooktrace.analyze.anomalies",
+    "plot": "hooktrace.analyze.plots",
+    "report": "hooktrace.analyze.report",
     "replay_module": "hooktrace.recorder.replay",
 }
 
@@ -75,8 +79,10 @@ __all__ = [
     "dead_relus",
     "diff",
     "load",
+    "plot",
     "record",
     "replay_module",
+    "report",
     "summary",
     "watch",
 ]

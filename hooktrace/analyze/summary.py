@@ -51,12 +51,9 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
     manifest = trace.manifest
     start, end = manifest.get("start_time"), manifest.get("end_time")
     errors = [s.get("error") for s in manifest["ranks"].values() if s.get("error")]
-    per_module = (
-        rows.groupby(rows["module"].astype(str))
-        .size()
-        .sort_values(ascending=False)
-        .rename("records")
-    )
+    counts = rows.groupby(rows["module"].astype(str)).size().rename("records").reset_index()
+    # most records first, ties by name: the same order on every machine and pandas version
+    counts = counts.sort_values(["records", "module"], ascending=[False, True], kind="stable")
     return Summary(
         path=trace.path,
         status=trace.status,
@@ -85,7 +82,7 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
             name: _size(trace.path / name) for name in ("records", "steps", "modules", "tensors")
         },
         error=errors[0] if errors else None,
-        largest=per_module.head(10).reset_index().rename(columns={"index": "module"}),
+        largest=counts.head(10).reset_index(drop=True),
     )
 
 
