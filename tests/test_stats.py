@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+import hooktrace
 from hooktrace.recorder.stats import activity, summarize, unit_dim
 
 
@@ -86,3 +89,43 @@ def test_units_and_activity() -> None:
     assert activity(seq, 1).tolist() == [2, 2]
     assert unit_dim(torch.tensor(1.0), channels_first=False) is None
     assert activity(torch.tensor([1.0, -2.0, 3.0]), 0).tolist() == [1, 0, 1]
+
+
+@pytest.mark.parametrize("name", ["normal", "sparse", "zeros", "offset"])
+def test_counting_in_a_scratch_buffer_gives_the_same_statistics(name: str) -> None:
+    tensor = CASES[name]
+    scratch = torch.full((tensor.numel() + 7,), 123.0)  # larger than needed, with stale values
+    got = np.asarray(summarize(tensor, scratch=scratch))
+    np.testing.assert_array_equal(got, np.asarray(summarize(tensor)))
+
+
+def test_activity_in_a_scratch_buffer_counts_exactly() -> None:
+    torch.manual_seed(0)
+    x = torch.where(torch.rand(8, 6, 5, 5) > 0.7, torch.randn(8, 6, 5, 5), torch.zeros(8, 6, 5, 5))
+    x[0, 0, 0, 0] = float("nan")  # not positive
+    scratch = torch.full((x.numel(),), -1.0)
+    got = activity(x, 1, scratch=scratch).to(torch.int64)
+    assert got.tolist() == (x > 0).sum(dim=(0, 2, 3)).tolist()
+    assert (
+        activity(x, 3, scratch=scratch).to(torch.int64).tolist()
+        == (x > 0).sum(dim=(0, 1, 2)).tolist()
+    )
+    ints = torch.randint(-3, 3, (4, 5))  # not float32: counted without the scratch buffer
+    assert activity(ints, 1, scratch=scratch).tolist() == (ints > 0).sum(dim=0).tolist()
+
+
+def test_a_recorded_large_activation_matches_numpy(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1)  # (16, 8, 20, 20): 51,200 values, scratch path
+    x = torch.randn(16, 3, 20, 20)
+    with hooktrace.record(conv, tmp_path / "run", full_every=1) as rec:
+        conv(x).relu().sum().backward()
+        rec.step()
+    trace = hooktrace.load(tmp_path / "run")
+    out = trace.tensor("Conv2d", "output", step=0)
+    row = trace.record("Conv2d", "output", step=0)
+    assert row["zero_fraction"] == (out == 0).mean()
+    np.testing.assert_array_equal(trace.activity("Conv2d", step=0), (out > 0).sum(axis=(0, 2, 3)))
+    grad = trace.record("Conv2d", "grad_output", step=0)
+    grad_values = trace.tensor("Conv2d", "grad_output", step=0)
+    assert grad["zero_fraction"] == (grad_values == 0).mean() > 0  # relu's zeros reach the gradient

@@ -136,7 +136,7 @@ def _gather_ragged(
         by_device.setdefault(t.device, []).append(i)
     out = []
     for indices in by_device.values():
-        merged = torch.cat([tensors[i] for i in indices]).cpu().numpy()
+        merged = torch.cat([tensors[i].to(torch.int64) for i in indices]).cpu().numpy()
         bounds = np.cumsum([0] + [tensors[i].numel() for i in indices])
         pieces = [merged[bounds[k] : bounds[k + 1]] for k in range(len(indices))]
         out.append(([rows[i] for i in indices], pieces))

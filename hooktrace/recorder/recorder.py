@@ -173,6 +173,7 @@ class Recorder:
         self._phase = "train"
         self._backward_active = False
         self._optimizer_owned: dict[int, bool] = {}
+        self._scratch = torch.empty(0, dtype=torch.float32)
         _ACTIVE = self
         try:
             if models is not None:
@@ -486,12 +487,13 @@ class Recorder:
         row = len(pending.meta)
         cached = self._lookup(tensor)
         if cached is None:
-            stats = summarize(tensor)
+            scratch = self._scratch_for(tensor)
+            stats = summarize(tensor, scratch=scratch)
             counts = None
             if units and tensor.is_floating_point():
                 dim = unit_dim(tensor, channels_first=tensor.shape in self._channel_shapes)
                 if dim is not None and 0 < tensor.shape[dim] <= self.max_units:
-                    counts = activity(tensor, dim)
+                    counts = activity(tensor, dim, scratch=scratch)
             self._recent.append((tensor, tensor._version, stats, counts))
         else:
             stats, counts = cached
@@ -508,6 +510,14 @@ class Recorder:
         self._seq += 1
         if full:
             self._snapshot(row, tensor)
+
+    def _scratch_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """One float32 buffer, grown to the largest CPU tensor seen, for counting in place."""
+        if tensor.device.type != "cpu" or tensor.numel() < 4096:
+            return None
+        if self._scratch.numel() < tensor.numel():
+            self._scratch = torch.empty(tensor.numel(), dtype=torch.float32)
+        return self._scratch
 
     def _lookup(
         self, tensor: torch.Tensor

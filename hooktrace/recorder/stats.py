@@ -26,7 +26,20 @@ _CANCELLATION = 1e-3
 Stats = torch.Tensor | np.ndarray
 
 
-def summarize(tensor: torch.Tensor) -> Stats | None:
+_EXACT_F32_COUNT = 1 << 24
+"""Sums of 0/1 values in float32 stay exact below this; above it, counts take integer kernels."""
+
+
+def scratch_view(scratch: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
+    """A float32 view of ``scratch`` shaped like ``like``, where one fits (CPU counts only)."""
+    if scratch is None or like.device.type != "cpu" or scratch.numel() < like.numel():
+        return None
+    if like.numel() >= _EXACT_F32_COUNT:
+        return None
+    return scratch[: like.numel()].view(like.shape)
+
+
+def summarize(tensor: torch.Tensor, *, scratch: torch.Tensor | None = None) -> Stats | None:
     """The statistics vector of ``tensor``: float64, ``STATS_WIDTH`` long.
 
     Computed in float32 (float64 inputs are rounded to float32 first); ``std`` is the
@@ -38,17 +51,20 @@ def summarize(tensor: torch.Tensor) -> Stats | None:
     if x is None:
         return None
     if x.device.type == "cpu":
-        return _summarize_on_host(x)
+        return _summarize_on_host(x, scratch_view(scratch, x))
     return _summarize_on_device(x)
 
 
-def _summarize_on_host(x: torch.Tensor) -> np.ndarray:
+def _summarize_on_host(x: torch.Tensor, scratch: torch.Tensor | None) -> np.ndarray:
     n = x.numel()
     lo_t, hi_t = torch.aminmax(x)
     lo, hi = lo_t.item(), hi_t.item()
     mean = x.mean().item()
     norm = torch.linalg.vector_norm(x).item()
-    zeros = n - int(torch.count_nonzero(x))
+    if scratch is not None:  # 0/1 as float32, summed by the vectorised float kernel
+        zeros = int(torch.eq(x, 0, out=scratch).sum().item())
+    else:
+        zeros = n - int(torch.count_nonzero(x))
     nans = infs = 0
     if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN propagates into min and max
         nans = int(torch.count_nonzero(torch.isnan(x)))
@@ -89,13 +105,22 @@ def unit_dim(tensor: torch.Tensor, *, channels_first: bool) -> int | None:
     return tensor.dim() - 1
 
 
-def activity(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """How many values of each unit along ``dim`` were positive (int64, one per unit)."""
-    positive = tensor.detach() > 0
-    others = [d for d in range(tensor.dim()) if d != dim]
+def activity(
+    tensor: torch.Tensor, dim: int, *, scratch: torch.Tensor | None = None
+) -> torch.Tensor:
+    """How many values of each unit along ``dim`` were positive (one count per unit).
+
+    int64; on the CPU, float32 holding whole numbers (exact: a unit counts fewer than 2**24
+    values wherever the scratch buffer is used), which the writer turns into int64.
+    """
+    x = tensor.detach()
+    others = [d for d in range(x.dim()) if d != dim]
     if not others:
-        return positive.to(torch.int64)
-    return positive.sum(dim=others, dtype=torch.int64)
+        return (x > 0).to(torch.int64)
+    view = scratch_view(scratch, x) if x.dtype == torch.float32 else None
+    if view is not None:  # a bool tensor summed into int64 is first copied whole to int64
+        return torch.gt(x, 0, out=view).sum(dim=others)
+    return (x > 0).sum(dim=others, dtype=torch.int64)
 
 
 def _values(tensor: torch.Tensor) -> torch.Tensor | None:
