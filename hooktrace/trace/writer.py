@@ -12,11 +12,13 @@ Memory is bounded: ``submit`` blocks while more than ``max_buffer_bytes`` wait t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hooktrace.errors import RecordingError
 from hooktrace.trace import schema
 
 _CLOSE = object()
@@ -75,8 +78,21 @@ class PendingStep(Protocol):
 
 def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
     tmp = path.with_name(schema.temporary_name(path.name))
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
-    os.replace(tmp, path)
+    with _removed_on_failure(tmp):
+        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(tmp: Path) -> Any:
+    """A write that fails (disk full, directory gone) leaves no temporary file behind: on a
+    full disk it would hold space the training itself may need."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 class TraceWriter:
@@ -117,14 +133,20 @@ class TraceWriter:
                 schema.TENSORS_DIR,
             )
         }
-        for d in self._dirs.values():
-            d.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / schema.STATUS_DIR).mkdir(parents=True, exist_ok=True)
         self._status_path = self.run_dir / schema.STATUS_DIR / f"rank={rank}.json"
         self._started = time.time()
-        if manifest is not None:
-            write_json_atomic(self.run_dir / schema.MANIFEST, manifest)
-        self._write_status(schema.STATUS_RECORDING)
+        try:
+            for d in self._dirs.values():
+                d.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / schema.STATUS_DIR).mkdir(parents=True, exist_ok=True)
+            if manifest is not None:
+                write_json_atomic(self.run_dir / schema.MANIFEST, manifest)
+            self._write_status(schema.STATUS_RECORDING)
+        except OSError as exc:
+            raise RecordingError(
+                f"cannot write a trace into {self.run_dir}: {exc.strerror or exc}; choose a "
+                "writable directory with free space"
+            ) from exc
 
         self._part = 0
         self._queue: queue.Queue[object] = queue.Queue()
@@ -176,9 +198,30 @@ class TraceWriter:
         self._thread.join()
         if self.error is not None and status == schema.STATUS_COMPLETE:
             status = schema.STATUS_INCOMPLETE
+        if self.error is not None and not (error and _describe(self.error) in error):
+            # failed after the recorder last looked (in the final flush): nobody said so yet
+            warnings.warn(
+                f"hooktrace: the trace writer failed ({_describe(self.error)}): "
+                f"{self.steps_lost} step(s) were not written to {self.run_dir}; training was "
+                "not affected",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         if self.error is not None:
-            error = error or f"trace writer failed: {self.error!r}"
-        self._write_status(status, error=error, extra=extra, final=True)
+            error = error or f"trace writer failed: {_describe(self.error)}"
+        try:
+            self._write_status(status, error=error, extra=extra, final=True)
+        except OSError as exc:  # the end of a recording must not take the training down
+            if self.error is not None:
+                return  # the same trouble that stopped the writer, already reported
+            self.error = exc
+            warnings.warn(
+                f"hooktrace: could not write the final status of {self.run_dir} "
+                f"({_describe(exc)}): its {self.steps_written} step(s) written stay readable, "
+                "but it reads as unfinished",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     # -- the writer thread ----------------------------------------------------------------
 
@@ -227,13 +270,14 @@ class TraceWriter:
     def _flush_safely(self) -> None:
         nbytes, self._buffered_bytes = self._buffered_bytes, 0
         steps = len(self._buffer)
+        written = self.steps_written
         try:
             if self.error is None:
                 self._flush()
             else:
                 self._buffer.clear()
         except BaseException as exc:
-            self.steps_lost += steps
+            self.steps_lost += steps - (self.steps_written - written)  # those not readable
             self._fail(exc)
         finally:
             self._release(nbytes)
@@ -250,18 +294,30 @@ class TraceWriter:
             columns = _concat_columns(steps)
             segment = self._write_segment(index, steps, columns)
             ordered = {name: columns[name] for name in schema.RECORD_SCHEMA.names}
-            records = pa.Table.from_pydict(ordered).cast(schema.RECORD_SCHEMA)
-            self._write_parquet(records, self._dirs[schema.RECORDS_DIR], index)
-            self._write_parquet(_steps_table(steps), self._dirs[schema.STEPS_DIR], index)
+            try:
+                records = _table(ordered, schema.RECORD_SCHEMA)
+                self._write_parquet(records, self._dirs[schema.RECORDS_DIR], index)
+            except BaseException:
+                if segment is not None:  # no record points into it: give its space back
+                    with contextlib.suppress(OSError):
+                        segment.unlink()
+                raise
+            # the records part is in place: these steps are readable from here on
             self.steps_written += len(steps)
             self.records_written += records.num_rows
-            self.bytes_written += segment
+            self.tensors_written += sum(len(d.tensors) for d in steps)
+            self.bytes_written += segment.stat().st_size if segment is not None else 0
+            self._write_parquet(_steps_table(steps), self._dirs[schema.STEPS_DIR], index)
         if modules:
-            table = pa.Table.from_pylist(modules, schema=schema.MODULE_SCHEMA)
+            columns = {k: [m[k] for m in modules] for k in schema.MODULE_SCHEMA.names}
+            table = _table(columns, schema.MODULE_SCHEMA)
             self._write_parquet(table, self._dirs[schema.MODULES_DIR], index)
 
-    def _write_segment(self, index: int, steps: list[StepData], columns: dict[str, Any]) -> int:
-        """Write activity and full tensors; fill the location columns. Returns bytes written."""
+    def _write_segment(
+        self, index: int, steps: list[StepData], columns: dict[str, Any]
+    ) -> Path | None:
+        """Write activity and full tensors; fill the location columns. Returns the segment
+        written, or None when the steps hold neither."""
         n = len(columns["step"])
         offsets = np.full(n, -1, dtype=np.int64)
         keys = [""] * n
@@ -280,19 +336,20 @@ class TraceWriter:
         columns["tensor_key"] = keys
         if not activity and not tensors:
             columns["segment"] = [None] * n
-            return 0
+            return None
 
         name = schema.segment_name(index)
         final = self._dirs[schema.TENSORS_DIR] / name
         tmp = final.with_name(schema.temporary_name(name))
-        written = 0
-        with h5py.File(tmp, "w") as f:
+        # h5py writes through a Python file object: a failed write (disk full, file too
+        # large) is then a plain OSError, where HDF5's own driver leaves a half-closed file
+        # behind that crashes the interpreter at exit
+        with _removed_on_failure(tmp), open(tmp, "w+b") as raw, h5py.File(raw, "w") as f:
             f.attrs["format"] = schema.FORMAT_NAME
             f.attrs["format_version"] = schema.FORMAT_VERSION
             if activity:
                 merged = np.concatenate(activity).astype(np.int64, copy=False)
                 f.create_dataset("activity", data=merged, compression="gzip", compression_opts=1)
-                written += merged.nbytes
             group = f.create_group("t") if tensors else None
             for row, array, dtype in tensors:
                 key = f"t/{row}"
@@ -304,18 +361,18 @@ class TraceWriter:
                 )
                 ds.attrs["dtype"] = dtype
                 keys[row] = key
-                written += array.nbytes
-                self.tensors_written += 1
-        os.replace(tmp, final)
+        with _removed_on_failure(tmp):
+            os.replace(tmp, final)
         relative = f"{schema.rank_dir(schema.TENSORS_DIR, self.rank)}/{name}"
         columns["segment"] = [relative] * n
-        return written
+        return final
 
     def _write_parquet(self, table: pa.Table, directory: Path, index: int) -> None:
         name = schema.part_name(index)
         tmp = directory / schema.temporary_name(name)
-        pq.write_table(table, tmp, compression="zstd")
-        os.replace(tmp, directory / name)
+        with _removed_on_failure(tmp):
+            pq.write_table(table, tmp, compression="zstd")
+            os.replace(tmp, directory / name)
 
     def _write_status(
         self,
@@ -340,6 +397,31 @@ class TraceWriter:
         if extra:
             payload.update(extra)
         write_json_atomic(self._status_path, payload)
+
+
+def _describe(exc: BaseException) -> str:
+    """``Type: message`` on one line (HDF5's messages can hold newlines)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())
+
+
+def _table(columns: dict[str, Any], table_schema: pa.Schema) -> pa.Table:
+    """The columns as a table of ``table_schema``. A name that is not valid Unicode (a lone
+    surrogate, from a name decoded with surrogateescape) has no UTF-8 form: it is written
+    with backslash escapes instead of failing the whole flush."""
+    try:
+        return pa.Table.from_pydict(columns).cast(table_schema)
+    except UnicodeEncodeError:
+        escaped = {
+            name: [_escape(v) for v in values] if isinstance(values, list) else values
+            for name, values in columns.items()
+        }
+        return pa.Table.from_pydict(escaped).cast(table_schema)
+
+
+def _escape(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
 
 
 def _concat_columns(steps: list[StepData]) -> dict[str, Any]:
