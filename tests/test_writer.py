@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from click.testing import CliRunner
 from torch import nn
 
 import hooktrace
 from hooktrace.cli import cli
+from hooktrace.trace.writer import StepData, TraceWriter
 
 
 def _train(run: Path, steps: int = 6, **options: object) -> None:
@@ -49,3 +53,51 @@ def test_tensors_over_the_size_limit_are_counted_and_reported(tmp_path: Path) ->
     result = CliRunner().invoke(cli, ["check", str(tmp_path / "run")])
     assert result.exit_code == 0
     assert "full tensor(s) were not saved: larger than max_tensor_mb" in result.output
+
+
+class _Step:
+    """A minimal PendingStep: one record, one full tensor of ``size`` bytes."""
+
+    def __init__(self, step: int, size: int = 1 << 16) -> None:
+        self.step, self.nbytes, self.size = step, size, size
+
+    def materialize(self) -> StepData:
+        columns: dict[str, object] = {
+            "step": np.array([self.step]), "micro_step": np.zeros(1, np.int32), "phase": ["train"],
+            "seq": np.zeros(1, np.int64), "module": ["m"], "call": np.zeros(1, np.int32),
+            "kind": ["output"], "slot": ["0"], "dtype": ["uint8"], "shape": [str(self.size)],
+            "numel": np.array([self.size]), "mean": np.zeros(1), "std": np.zeros(1), "min": np.zeros(1),
+            "max": np.zeros(1), "norm": np.zeros(1), "zero_fraction": np.ones(1),
+            "nan_count": np.zeros(1, np.int64), "inf_count": np.zeros(1, np.int64),
+            "units": np.zeros(1, np.int32), "unit_size": np.zeros(1, np.int64),
+        }  # fmt: skip
+        data = np.zeros(self.size, np.uint8)
+        return StepData(self.step, 1, False, 0.0, 0.0, columns, tensors=[(0, data, "uint8")])
+
+
+def test_a_blocked_submit_wakes_the_writer_instead_of_waiting_for_its_timer(tmp_path: Path) -> None:
+    # with a timer of an hour, only the wake-up (or the byte threshold) can flush
+    writer = TraceWriter(
+        tmp_path / "run", flush_seconds=3600, max_buffer_bytes=1, flush_bytes=1 << 40
+    )
+    submitter = threading.Thread(
+        target=lambda: [writer.submit(_Step(i)) for i in range(4)], daemon=True
+    )
+    submitter.start()
+    submitter.join(timeout=60)  # hang detection, not a timing assertion
+    assert not submitter.is_alive(), "submit() waited for the flush timer"
+    writer.close("complete")
+    assert writer.steps_written == 4 and writer.blocked_seconds > 0
+
+
+def test_full_tensors_are_flushed_by_size_before_the_timer(tmp_path: Path) -> None:
+    writer = TraceWriter(tmp_path / "run", flush_seconds=3600, flush_bytes=1 << 17)
+    for i in range(4):
+        writer.submit(_Step(i))  # 64 kB each: a flush every second step
+    parts = tmp_path / "run" / "records" / "rank=0"
+    deadline = time.monotonic() + 60
+    while len(list(parts.glob("part-*.parquet"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(list(parts.glob("part-*.parquet"))) >= 2  # written while the run goes on
+    writer.close("complete")
+    assert writer.steps_written == 4

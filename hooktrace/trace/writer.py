@@ -33,6 +33,7 @@ from hooktrace.errors import RecordingError
 from hooktrace.trace import schema
 
 _CLOSE = object()
+_WAKE = object()  # a submitter waits for space: flush now rather than at the next timer
 
 
 @dataclass
@@ -108,6 +109,7 @@ class TraceWriter:
         max_buffer_bytes: int = 256 << 20,
         flush_seconds: float = 1.0,
         flush_rows: int = 200_000,
+        flush_bytes: int = 32 << 20,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -115,6 +117,7 @@ class TraceWriter:
         self.max_buffer_bytes = max_buffer_bytes
         self.flush_seconds = flush_seconds
         self.flush_rows = flush_rows
+        self.flush_bytes = flush_bytes  # full tensors stream to disk instead of piling up
 
         self.error: BaseException | None = None
         self.steps_written = 0
@@ -154,6 +157,7 @@ class TraceWriter:
         self._space = threading.Condition()
         self._buffer: list[StepData] = []
         self._buffered_bytes = 0  # bytes of the steps in _buffer, released when flushed
+        self._waiting = 0  # submitters blocked by backpressure
         self._new_modules: list[dict[str, Any]] = []
         self._modules_lock = threading.Lock()
         self._closed = False
@@ -172,12 +176,15 @@ class TraceWriter:
                 and self._pending_bytes + pending.nbytes > self.max_buffer_bytes
             ):
                 t0 = time.perf_counter()
+                self._waiting += 1
+                self._queue.put(_WAKE)
                 while (
                     self._pending_bytes > 0
                     and self._pending_bytes + pending.nbytes > self.max_buffer_bytes
                     and self._thread.is_alive()
                 ):
                     self._space.wait(timeout=0.5)
+                self._waiting -= 1
                 self.blocked_seconds += time.perf_counter() - t0
             self._pending_bytes += pending.nbytes
         self._queue.put(pending)
@@ -236,7 +243,7 @@ class TraceWriter:
             if item is _CLOSE:
                 self._flush_safely()
                 return
-            if item is not None:
+            if item is not None and item is not _WAKE:
                 pending: PendingStep = item  # type: ignore[assignment]
                 if self.error is None:
                     try:
@@ -252,7 +259,12 @@ class TraceWriter:
             if not self._buffer:
                 continue
             rows = sum(d.rows for d in self._buffer)
-            if rows >= self.flush_rows or time.monotonic() - last_flush >= self.flush_seconds:
+            if (
+                rows >= self.flush_rows
+                or self._buffered_bytes >= self.flush_bytes
+                or self._waiting
+                or time.monotonic() - last_flush >= self.flush_seconds
+            ):
                 self._flush_safely()
                 last_flush = time.monotonic()
 
@@ -371,7 +383,8 @@ class TraceWriter:
         name = schema.part_name(index)
         tmp = directory / schema.temporary_name(name)
         with _removed_on_failure(tmp):
-            pq.write_table(table, tmp, compression="zstd")
+            # row groups of 64k rows: a step-range query decodes little more than it needs
+            pq.write_table(table, tmp, compression="zstd", row_group_size=1 << 16)
             os.replace(tmp, directory / name)
 
     def _write_status(
