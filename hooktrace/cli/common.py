@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
@@ -36,18 +37,33 @@ def fail(message: str) -> NoReturn:
 
 
 def library_errors(func: F) -> F:
-    """Turn the library's own exceptions into one-line errors with exit code 2."""
+    """Turn the library's own exceptions into one-line errors with exit code 2, and say what
+    a partial result left out: each file of a trace the reader skipped is one warning line
+    on stderr (``hooktrace: warning: ...``), printed however the command ends."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from hooktrace.trace.reader import TraceWarning
+
+        caught: list[warnings.WarningMessage] = []
         try:
-            return func(*args, **kwargs)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", TraceWarning)
+                return func(*args, **kwargs)
         except HooktraceError as exc:
             raise CommandError(_one_line(str(exc))) from exc
         except OSError as exc:
             raise CommandError(
                 _one_line(f"{exc.strerror or exc}: {exc.filename or ''}".strip(": "))
             ) from exc
+        finally:  # outside catch_warnings: showing a warning there would record it again
+            for warning in caught:
+                if issubclass(warning.category, TraceWarning):
+                    click.echo(f"hooktrace: warning: {_one_line(str(warning.message))}", err=True)
+                else:  # not ours: shown as Python would have shown it
+                    warnings.showwarning(
+                        warning.message, warning.category, warning.filename, warning.lineno
+                    )
 
     return wrapper  # type: ignore[return-value]
 

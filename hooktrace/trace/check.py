@@ -1,15 +1,28 @@
-"""Is a trace whole, and if not, what was lost? Never imports torch."""
+"""Is a trace whole, and if not, what was lost? Never imports torch.
+
+``check`` reads every Parquet part in full (so a damaged page anywhere is found, not only in
+the columns an analysis happens to read), compares what is readable with what each rank's
+status says was written, and opens every HDF5 segment a record points to: the per-unit
+activity is read in full, each full tensor's dataset is looked up (its values are not read:
+a trace can hold far more of them than memory).
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from hooktrace.trace import schema
-from hooktrace.trace.reader import Trace, load
+from hooktrace.trace.reader import Trace, TraceWarning, load
+
+_MAX_LISTED = 5  # ranks named one by one before "and N more"
 
 
 @dataclass
@@ -29,60 +42,162 @@ class CheckReport:
 
 def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
     """Check a run directory. Raises :class:`~hooktrace.errors.TraceError` when unreadable."""
-    trace = run if isinstance(run, Trace) else load(run)
-    steps = trace.query(columns=["step", "segment"])
-    n_steps = int(steps.drop_duplicates().shape[0] and steps["step"].nunique())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TraceWarning)  # the report lists what was left out
+        trace = run if isinstance(run, Trace) else load(run)
+        _decode_every_part(trace)
+        rows = trace.query(
+            columns=[
+                "rank",
+                "step",
+                "module",
+                "kind",
+                "units",
+                "activity_offset",
+                "segment",
+                "tensor_key",
+            ]
+        )
+        table = trace.steps
+        modules = trace.modules
+    n_steps = int(rows[["rank", "step"]].drop_duplicates().shape[0] and rows["step"].nunique())
     report = CheckReport(path=trace.path, status=trace.status, steps=n_steps)
-
-    world = int(trace.manifest.get("world_size", 1) or 1)
-    statuses = trace.manifest["ranks"]
-    for rank in range(world):
-        info = statuses.get(str(rank))
-        if info is None:
-            report.problems.append(
-                f"rank {rank} wrote no status: it never started or its status file is lost"
-            )
-            continue
-        status = info.get("status")
-        last = _last_step(trace, rank)
-        if status == schema.STATUS_RECORDING:
-            report.problems.append(
-                f"rank {rank} did not finish (still running, or killed): steps after {last} are lost"
-            )
-        elif status in (schema.STATUS_FAILED, schema.STATUS_INCOMPLETE):
-            why = info.get("error") or "no reason given"
-            report.problems.append(f"rank {rank} is {status} after step {last}: {why}")
-        if info.get("steps_lost"):
-            report.problems.append(
-                f"rank {rank} lost {info['steps_lost']} step(s) the writer could not write"
-            )
-
+    _check_ranks(trace, rows, table, report)
     for skipped in trace.skipped:
         report.problems.append(f"unreadable, left out: {skipped}")
     for leftover in sorted(trace.path.glob("**/.*.tmp")):
         report.problems.append(
             f"interrupted write left {leftover.relative_to(trace.path)}: the steps it held are lost"
         )
+    _check_segments(trace, rows, report)
+    _check_tables(rows, table, modules, report)
+    return report
 
-    for segment in sorted(s for s in steps["segment"].dropna().astype(str).unique()):
-        path = trace.path / segment
+
+def _decode_every_part(trace: Trace) -> None:
+    """Read each part in full, a batch at a time: damaged ones are left out of the trace."""
+    for kind_dir, parts in trace._parts.items():
+        for part in list(parts):
+            try:
+                for _ in pq.ParquetFile(part).iter_batches(batch_size=1 << 16):
+                    pass
+            except (OSError, ValueError, pa.ArrowException) as exc:
+                trace._drop(kind_dir, part, exc)
+
+
+def _check_ranks(
+    trace: Trace, rows: pd.DataFrame, table: pd.DataFrame, report: CheckReport
+) -> None:
+    world = int(trace.manifest.get("world_size", 1) or 1)
+    statuses = trace.manifest["ranks"]
+    silent = world - sum(1 for r in statuses if int(r) < world)
+    listed = 0
+    rank = 0
+    while listed < min(silent, _MAX_LISTED):  # never walks all of a huge world_size
+        if str(rank) not in statuses:
+            report.problems.append(
+                f"rank {rank} wrote no status: it never started or its status file is lost"
+            )
+            listed += 1
+        rank += 1
+    if silent > listed:
+        report.problems.append(
+            f"{silent - listed} more of the {world} ranks (world_size) wrote no status"
+        )
+    for key, info in sorted(statuses.items(), key=lambda item: int(item[0])):
+        rank = int(key)
+        status = info.get("status")
+        mine = rows[rows["rank"] == rank]
+        last = str(int(mine["step"].max())) if len(mine) else "none (no step was flushed)"
+        if status == schema.STATUS_RECORDING:
+            report.problems.append(
+                f"rank {rank} did not finish (still running, or killed): steps after {last} are lost"
+            )
+            continue  # its counts were written when it started
+        if status in (schema.STATUS_FAILED, schema.STATUS_INCOMPLETE):
+            why = " ".join(str(info.get("error") or "no reason given").split())
+            report.problems.append(f"rank {rank} is {status} after step {last}: {why}")
+        if info.get("steps_lost"):
+            report.problems.append(
+                f"rank {rank} lost {info['steps_lost']} step(s) the writer could not write"
+            )
+        written, readable = info.get("records_written"), len(mine)
+        if isinstance(written, int) and readable < written:
+            steps_written = info.get("steps_written")
+            report.problems.append(
+                f"rank {rank} wrote {written} records of {steps_written} step(s), but only "
+                f"{readable} of {mine['step'].nunique()} step(s) are readable: files were "
+                "deleted or damaged"
+            )
+
+
+def _check_segments(trace: Trace, rows: pd.DataFrame, report: CheckReport) -> None:
+    located = rows[rows["segment"].notna()]
+    root = trace.path.resolve()
+    for segment, group in located.groupby(located["segment"].astype(str), sort=True):
+        path = (trace.path / segment).resolve()
+        if not path.is_relative_to(root):
+            report.problems.append(
+                f"segment {segment} points outside the run directory: not read, its data is lost"
+            )
+            continue
         if not path.exists():
             report.problems.append(
                 f"segment {segment} is missing: its activity and full tensors are lost"
             )
             continue
         try:
-            with h5py.File(path, "r"):
-                pass
-        except OSError as exc:
-            report.problems.append(f"segment {segment} is unreadable ({exc}): its tensors are lost")
+            damage = _segment_damage(path, group)
+        except Exception as exc:  # h5py raises OSError, KeyError, RuntimeError, ...
+            damage = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        if damage:
+            report.problems.append(f"segment {segment} is damaged ({damage}): its data is lost")
 
-    table = trace.steps
-    recorded = set(steps["step"].unique())
-    listed = set(table["step"].unique()) if not table.empty else set()
+
+def _segment_damage(path: Path, rows: pd.DataFrame) -> str | None:
+    if not path.is_file():
+        return "not a regular file"
+    with h5py.File(path, "r") as f:
+        with_units = rows[rows["units"] > 0]
+        if len(with_units):
+            activity = f["activity"]
+            if not isinstance(activity, h5py.Dataset) or activity.dtype.kind not in "iu":
+                return "/activity is not an integer array"
+            size = len(activity[()])
+            ends = with_units["activity_offset"] + with_units["units"]
+            if (with_units["activity_offset"] < 0).any() or int(ends.max()) > size:
+                return f"records point past the end of /activity ({size} counts)"
+        for key in rows.loc[rows["tensor_key"] != "", "tensor_key"].astype(str):
+            dataset = f.get(key)
+            if not isinstance(dataset, h5py.Dataset):
+                return f"{key} is missing"
+            if dataset.dtype.kind not in "biufc":
+                return f"{key} is not a numeric array"
+            _ = dataset.shape
+    return None
+
+
+def _check_tables(
+    rows: pd.DataFrame, table: pd.DataFrame, modules: pd.DataFrame, report: CheckReport
+) -> None:
+    recorded = set(zip(rows["rank"], rows["step"], strict=True))
+    listed = set(zip(table["rank"], table["step"], strict=True)) if not table.empty else set()
     if recorded - listed:
-        report.notes.append(
-            f"{len(recorded - listed)} step(s) have records but no row in the steps table"
+        report.problems.append(
+            f"{len(recorded - listed)} step(s) have records but no row in the steps table: "
+            "their micro-steps, skipped flag and times are lost"
+        )
+    named = rows.loc[~rows["kind"].isin(["tensor", "grad_tensor"]), ["rank", "module"]]
+    seen = set(zip(named["rank"], named["module"].astype(str), strict=True))
+    known = (
+        set(zip(modules["rank"], modules["module"].astype(str), strict=True))
+        if not modules.empty
+        else set()
+    )
+    if seen - known:
+        report.problems.append(
+            f"{len(seen - known)} module(s) have records but no row in the modules table: "
+            "their type, root and parent are lost"
         )
     dropped = int(table["dropped"].sum()) if not table.empty else 0
     if dropped:
@@ -92,9 +207,3 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
         report.notes.append(
             f"{skipped_steps} optimizer step(s) were skipped (e.g. by a GradScaler)"
         )
-    return report
-
-
-def _last_step(trace: Trace, rank: int) -> str:
-    steps = trace.query(columns=["step"], ranks=[rank])["step"]
-    return str(int(steps.max())) if len(steps) else "none (no step was flushed)"

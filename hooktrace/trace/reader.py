@@ -1,15 +1,18 @@
 """Reading traces into pandas: :func:`load` and :class:`Trace`. Never imports torch.
 
 Filters are pushed down to pyarrow, so a question reads only the columns and row groups it
-needs. Part files that cannot be read are skipped and listed in ``Trace.skipped``; they never
-make the rest of a trace unreadable.
+needs. Part files that cannot be read are skipped and listed in ``Trace.skipped``, with a
+:class:`TraceWarning` each; they never make the rest of a trace unreadable. Nothing here
+unpickles: JSON, Parquet read against hooktrace's own schema, and numeric HDF5 datasets only.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Sequence
+import stat
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,11 @@ from hooktrace.errors import FormatVersionError, TensorNotRecorded, TraceError, 
 from hooktrace.trace import schema
 
 _NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16}
+_MAX_RANK = 2**31 - 1  # the rank partition column is int32
+
+
+class TraceWarning(UserWarning):
+    """Part of a trace was damaged and left out; the rest was read. The CLI prints these."""
 
 
 def load(path: str | os.PathLike[str]) -> Trace:
@@ -52,11 +60,16 @@ class Trace:
             raise TraceNotFound(f"no run at {self.path}: give the directory a recording wrote")
         if not self.path.is_dir():
             raise TraceNotFound(f"{self.path} is a file, not a run: give the run directory")
+        if not _utf8(str(self.path.resolve())):
+            raise TraceError(
+                f"{_printable(self.path)}: the path is not valid UTF-8, which Parquet readers "
+                "need: rename the run directory (or a directory above it)"
+            )
         manifest_path = self.path / schema.MANIFEST
         self.skipped: list[str] = []
         """Files that could not be read and were left out, each with the reason."""
-        self._manifest = _read_manifest(manifest_path)
-        self._status = _read_statuses(self.path / schema.STATUS_DIR, self.skipped)
+        self._manifest = _read_manifest(manifest_path, self._leave_out)
+        self._status = _read_statuses(self.path / schema.STATUS_DIR, self._leave_out)
         self._parts = {
             name: self._discover(name)
             for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR)
@@ -141,13 +154,14 @@ class Trace:
 
         if isinstance(steps, tuple) and len(steps) == 2:
             both((pc.field("step") >= steps[0]) & (pc.field("step") <= steps[1]))
-        elif steps is not None:
-            both(pc.field("step").isin(list(steps)))
+        elif steps is not None:  # value sets typed: an empty one is then no row, not an error
+            both(pc.field("step").isin(pa.array([int(s) for s in steps], pa.int64())))
         for name, values in (("module", modules), ("kind", kinds), ("phase", phases)):
             if values is not None:
-                both(pc.field(name).cast(pa.string()).isin([str(v) for v in values]))
+                value_set = pa.array([str(v) for v in values], pa.string())
+                both(pc.field(name).cast(pa.string()).isin(value_set))
         if ranks is not None:
-            both(pc.field("rank").isin([int(r) for r in ranks]))
+            both(pc.field("rank").isin(pa.array([int(r) for r in ranks], pa.int32())))
         wanted = None
         if columns is not None:
             wanted = list(dict.fromkeys([*columns]))
@@ -228,12 +242,15 @@ class Trace:
                 f"full tensors for it (full_steps=[{step}] or full_every=1, and full_modules "
                 f"matching {module!r}) to save it"
             )
-        with h5py.File(self._segment_path(row["segment"]), "r") as f:
-            dataset = f[row["tensor_key"]]
-            data = dataset[()]
-            dtype = str(dataset.attrs.get("dtype", data.dtype.name))
+        data, dtype = self._read_dataset(str(row["segment"]), str(row["tensor_key"]))
         if dtype in _NUMPY_DTYPES:
-            data = np.asarray(data).view(_NUMPY_DTYPES[dtype])
+            target = np.dtype(_NUMPY_DTYPES[dtype])
+            if data.dtype.itemsize != target.itemsize:
+                raise TraceError(
+                    f"the {kind} of {module!r} at step {step} is stored as {data.dtype}, which "
+                    f"cannot hold {dtype}: the trace was altered"
+                )
+            data = np.asarray(data).view(target)
         return np.asarray(data)
 
     def activity(
@@ -258,8 +275,7 @@ class Trace:
 
     def read_activity(self, segment: str, offsets: Sequence[int], units: int) -> list[np.ndarray]:
         """Slices of one segment's activity array: for analyses that read many at once."""
-        with h5py.File(self._segment_path(segment), "r") as f:
-            merged = f["activity"][()]
+        merged, _ = self._read_dataset(segment, "activity")
         return [merged[o : o + units] for o in offsets]
 
     # -- presentation ------------------------------------------------------------------------
@@ -281,17 +297,35 @@ class Trace:
 
     # -- internals ---------------------------------------------------------------------------
 
+    def _leave_out(self, what: str | Path, why: BaseException | str) -> None:
+        """Skip a damaged file (or a field of one): list it in ``skipped`` and warn."""
+        name = _printable(what.relative_to(self.path) if isinstance(what, Path) else what)
+        reason = why if isinstance(why, str) else _one_line(why)
+        self.skipped.append(f"{name}: {reason}")
+        warnings.warn(
+            f"{_printable(self.path)}: left out {name}: {reason}", TraceWarning, stacklevel=4
+        )
+
     def _discover(self, kind_dir: str) -> list[Path]:
         base = self.path / kind_dir
         if not base.is_dir():
             return []
+        required = _REQUIRED[kind_dir]
         good: list[Path] = []
         for part in sorted(base.glob("rank=*/part-*.parquet")):
             try:
                 _rank_of(part)
-                pq.read_metadata(part)
+                if not _utf8(str(part)):
+                    raise ValueError("the file name is not valid UTF-8")
+                if not _regular(part):  # a directory, or a pipe that would block a read
+                    raise ValueError("not a regular file")
+                missing = required - set(pq.read_schema(part).names)
+                if missing:
+                    raise ValueError(
+                        f"not a hooktrace {kind_dir} part (no column {', '.join(sorted(missing))})"
+                    )
             except (OSError, ValueError, pa.ArrowException) as exc:
-                self.skipped.append(f"{part.relative_to(self.path)}: {_one_line(exc)}")
+                self._leave_out(part, exc)
                 continue
             good.append(part)
         return good
@@ -306,23 +340,57 @@ class Trace:
     ) -> pa.Table:
         full_schema = file_schema.append(schema.PARTITIONING.field("rank"))
         parts = self._parts[kind_dir]
+        empty = full_schema.empty_table()
+        empty = empty.select(columns) if columns else empty
         if not parts:
-            empty = full_schema.empty_table()
-            return empty.select(columns) if columns else empty
-        dataset = ds.dataset(
-            [str(p) for p in parts],
+            return empty
+
+        def read(paths: list[Path]) -> pa.Table:
+            table = self._dataset(kind_dir, paths, full_schema).to_table(
+                columns=columns, filter=filter
+            )
+            table.validate(full=True)  # names that are not UTF-8 would fail in to_pandas()
+            return table
+
+        try:
+            return read(parts)
+        except (OSError, pa.ArrowException):
+            pass
+        # a part is damaged inside (its footer was fine): read them one by one, and leave out
+        # those that cannot be read in full; a failure of the question itself is an error
+        tables = []
+        for part in list(parts):
+            try:
+                tables.append(read([part]))
+            except (OSError, pa.ArrowException) as exc:
+                if not self._damaged(kind_dir, part, full_schema):
+                    raise TraceError(
+                        f"cannot read {kind_dir} of {self.path}: {_one_line(exc)}"
+                    ) from exc
+                self._drop(kind_dir, part, exc)
+        return pa.concat_tables(tables) if tables else empty
+
+    def _dataset(self, kind_dir: str, paths: list[Path], full_schema: pa.Schema) -> ds.Dataset:
+        return ds.dataset(
+            [str(p) for p in paths],
             schema=full_schema,
             format="parquet",
             partitioning=ds.partitioning(schema.PARTITIONING, flavor="hive"),
             partition_base_dir=str(self.path / kind_dir),
         )
+
+    def _damaged(self, kind_dir: str, part: Path, full_schema: pa.Schema) -> bool:
+        """True when ``part`` cannot be read in full, as hooktrace's schema, on its own."""
         try:
-            return dataset.to_table(columns=columns, filter=filter)
-        except (OSError, pa.ArrowException) as exc:
-            raise TraceError(
-                f"cannot read {kind_dir} of {self.path}: {_one_line(exc)}; run `hooktrace check "
-                f"{self.path}` to see which files are damaged"
-            ) from exc
+            self._dataset(kind_dir, [part], full_schema).to_table().validate(full=True)
+        except (OSError, pa.ArrowException):
+            return True
+        return False
+
+    def _drop(self, kind_dir: str, part: Path, why: BaseException | str) -> None:
+        """Leave a damaged part out of every later read (``hooktrace check`` finds them)."""
+        self._parts[kind_dir].remove(part)
+        self._leave_out(part, why)
 
     def _segment_path(self, segment: str) -> Path:
         path = (self.path / segment).resolve()
@@ -332,7 +400,35 @@ class Trace:
             raise TraceError(
                 f"segment {segment} is missing from {self.path}: run `hooktrace check`"
             )
+        if not _regular(path):
+            raise TraceError(f"segment {segment} of {self.path} is not a regular file")
         return path
+
+    def _read_dataset(self, segment: str, key: str) -> tuple[np.ndarray, str]:
+        """A numeric dataset of a segment and its torch dtype name; a damaged segment, or a
+        dataset that is not a plain numeric array, is a TraceError."""
+        path = self._segment_path(segment)
+        try:
+            with h5py.File(path, "r") as f:
+                dataset = f[key]
+                kind = dataset.dtype.kind if isinstance(dataset, h5py.Dataset) else "group"
+                if kind not in ("b", "i", "u", "f", "c"):
+                    raise TraceError(
+                        f"{segment}:{key} is not a numeric array ({kind}): hooktrace writes "
+                        "no such thing, so the trace was altered; it is not read"
+                    )
+                data = dataset[()]
+                dtype = dataset.attrs.get("dtype", data.dtype.name)
+        except TraceError:
+            raise
+        except (OSError, KeyError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
+            raise TraceError(
+                f"cannot read {key} from segment {segment} of {self.path} ({_one_line(exc)}): "
+                "run `hooktrace check` to see what is damaged"
+            ) from exc
+        if isinstance(dtype, bytes):
+            dtype = dtype.decode("utf-8", "replace")
+        return np.asarray(data), str(dtype)
 
     def _what_exists(self, module: str, kind: str, rank: int) -> str:
         rows = self.query(
@@ -350,13 +446,27 @@ class Trace:
         return f"it has steps {steps.min()}–{steps.max()} and slots {', '.join(slots)}"
 
 
-def _read_manifest(path: Path) -> dict[str, Any]:
+# A part without these is not hooktrace's (other columns may be missing from files of an
+# older minor version: they read as null)
+_REQUIRED = {
+    schema.RECORDS_DIR: {"step", "seq", "module", "kind", "slot"},
+    schema.STEPS_DIR: {"step"},
+    schema.MODULES_DIR: {"module"},
+}
+
+
+LeaveOut = Callable[[str | Path, BaseException | str], None]
+
+
+def _read_manifest(path: Path, leave_out: LeaveOut) -> dict[str, Any]:
     if not path.exists():
         raise TraceNotFound(
             f"{path.parent} is not a hooktrace run (no {schema.MANIFEST}): give a directory "
             "that `hooktrace record` or hooktrace.record() wrote"
         )
     try:
+        if not _regular(path):
+            raise OSError(f"{schema.MANIFEST} is not a regular file")
         manifest = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:
         raise TraceError(
@@ -381,31 +491,120 @@ def _read_manifest(path: Path) -> dict[str, Any]:
             f"{path.parent} has trace format {manifest['format_version']}, older than this "
             f"hooktrace reads ({schema.FORMAT_VERSION}): read it with an older hooktrace"
         )
-    return manifest
+    return _valid_fields(manifest, _MANIFEST_FIELDS, schema.MANIFEST, leave_out)
 
 
-def _read_statuses(directory: Path, skipped: list[str]) -> dict[int, dict[str, Any]]:
+def _read_statuses(directory: Path, leave_out: LeaveOut) -> dict[int, dict[str, Any]]:
     statuses: dict[int, dict[str, Any]] = {}
     if not directory.is_dir():
         return statuses
     for path in sorted(directory.glob("rank=*.json")):
         try:
-            rank = int(path.stem.partition("=")[2])
+            rank = _rank_of(path)
+            if not _regular(path):
+                raise ValueError("not a regular file")
             payload = json.loads(path.read_bytes())
             if not isinstance(payload, dict):
                 raise ValueError("not a JSON object")
         except (OSError, ValueError) as exc:
-            skipped.append(f"{path.name}: {_one_line(exc)}")
+            leave_out(path, exc)
             continue
-        statuses[rank] = payload
+        where = f"{schema.STATUS_DIR}/{path.name}"
+        statuses[rank] = _valid_fields(payload, _STATUS_FIELDS, where, leave_out)
+        if statuses[rank].get("status") not in schema.STATUSES:
+            leave_out(where, f"unknown status {payload.get('status')!r}: read as incomplete")
+            statuses[rank]["status"] = schema.STATUS_INCOMPLETE
     return statuses
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _optional(check: Any) -> Any:
+    return lambda value: value is None or check(value)
+
+
+# field -> (what it must be, test): fields that fail are left out with a warning, so that one
+# damaged value neither stops the reading nor reaches an analysis as the wrong type
+_MANIFEST_FIELDS = {
+    "world_size": ("a positive integer", lambda v: _count(v) and v > 0),
+    "start_time": ("a number", _number),
+    "command": ("a list of strings", _strings),
+    "roots": ("a list of strings", _strings),
+    "config": ("an object", lambda v: isinstance(v, dict)),
+    **{
+        key: ("a string", lambda v: isinstance(v, str))
+        for key in ("hooktrace_version", "torch_version", "python_version", "platform")
+    },
+}
+_STATUS_FIELDS = {  # "status" itself is checked against schema.STATUSES
+    "error": ("a string or null", _optional(lambda v: isinstance(v, str))),
+    "start_time": ("a number", _optional(_number)),
+    "end_time": ("a number or null", _optional(_number)),
+    "writer_blocked_seconds": ("a number", _number),
+    **{
+        key: ("a count", _count)
+        for key in ("steps_written", "records_written", "tensors_written", "steps_lost")
+    },
+}
+
+
+def _valid_fields(
+    payload: dict[str, Any], fields: dict[str, Any], where: str, leave_out: LeaveOut
+) -> dict[str, Any]:
+    valid = dict(payload)
+    for key, (meaning, test) in fields.items():
+        if key in valid and not test(valid[key]):
+            leave_out(where, f"{key} is not {meaning} (got {_short(valid.pop(key))}): ignored")
+    return valid
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _rank_of(path: Path) -> int:
     for part in reversed(path.parts):
         if part.startswith("rank="):
-            return int(part.partition("=")[2].removesuffix(".json"))
+            text = part.partition("=")[2].removesuffix(".json")
+            if not (text.isascii() and text.isdigit()):
+                raise ValueError(f"{part} is not rank=R with R a number")
+            rank = int(text)
+            if not 0 <= rank <= _MAX_RANK:
+                raise ValueError(f"rank {rank} is out of range")
+            return rank
     raise ValueError(f"{path} is not under a rank=R directory")
+
+
+def _regular(path: Path) -> bool:
+    """A regular file (symbolic links followed): not a directory, a pipe or a device."""
+    try:
+        return stat.S_ISREG(path.stat().st_mode)
+    except OSError:
+        return False
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # a name decoded with surrogateescape
+        return False
+    return True
+
+
+def _printable(path: str | os.PathLike[str]) -> str:
+    """A path that prints anywhere: bytes that are not UTF-8 shown as \\xNN escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _one_line(exc: BaseException) -> str:
