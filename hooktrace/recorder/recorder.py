@@ -26,6 +26,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
+try:
+    from torch._C._functorch import peek_interpreter_stack as _peek_interpreter_stack
+except ImportError:  # pragma: no cover - older torch
+    _peek_interpreter_stack = None
+
 from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
 from hooktrace.recorder.pending import Meta, PendingStep
@@ -53,6 +58,12 @@ _ACTIVE: Recorder | None = None
 
 def active_recorder() -> Recorder | None:
     return _ACTIVE
+
+
+def _in_transform() -> bool:
+    """True inside torch.func transforms (vmap, grad, ...): their tensors are wrappers without
+    storage, and what runs there is a function of the model, not a training step's pass."""
+    return _peek_interpreter_stack is not None and _peek_interpreter_stack() is not None
 
 
 def _in_backward() -> bool:
@@ -309,7 +320,7 @@ class Recorder:
         def hook(
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
-            if self._recording:
+            if self._recording and not _in_transform():
                 try:
                     self._on_forward(name, module, args, kwargs, output, channels_first)
                 except Exception as exc:
@@ -319,7 +330,7 @@ class Recorder:
 
     def _input_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self._recording and not _in_backward():
+            if self._recording and not _in_backward() and not _in_transform():
                 try:
                     phase = self._phase_of(module)
                     call = self._calls.get((phase, name), 0)  # the forward hook counts the call
@@ -358,7 +369,7 @@ class Recorder:
         self, module: str, call: int, kind: str, slot: str
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            if self._recording:
+            if self._recording and not _in_transform():
                 try:
                     self._on_grad(module, call, kind, slot, grad)
                 except Exception as exc:
@@ -369,7 +380,7 @@ class Recorder:
     # -- what hooks do -----------------------------------------------------------------------
 
     def _root_enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if _in_backward():
+        if _in_backward() or _in_transform():
             return
         if self._root_depth == 0:
             if self._backward_active:  # the last backward raised before it finished
@@ -386,7 +397,7 @@ class Recorder:
         self._root_depth += 1
 
     def _root_exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not _in_backward():
+        if not _in_backward() and not _in_transform():
             self._root_depth = max(0, self._root_depth - 1)
 
     def _on_forward(
@@ -451,7 +462,7 @@ class Recorder:
         self._recompute_calls.clear()
 
     def watch(self, tensor: torch.Tensor, name: str) -> None:
-        if not self._recording or _in_backward():
+        if not self._recording or _in_backward() or _in_transform():
             return
         try:
             phase = (
@@ -494,7 +505,8 @@ class Recorder:
                 dim = unit_dim(tensor, channels_first=tensor.shape in self._channel_shapes)
                 if dim is not None and 0 < tensor.shape[dim] <= self.max_units:
                     counts = activity(tensor, dim, scratch=scratch)
-            self._recent.append((tensor, tensor._version, stats, counts))
+            if not tensor.is_inference():  # inference tensors keep no version counter
+                self._recent.append((tensor, tensor._version, stats, counts))
         else:
             stats, counts = cached
         n_units = unit_size = 0
@@ -524,6 +536,8 @@ class Recorder:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """Statistics already queued for this very tensor (a container's output is its last
         child's output; one gradient reaches both): summarise each tensor once."""
+        if tensor.is_inference():
+            return None
         for seen, version, stats, counts in self._recent:
             if seen is tensor and seen._version == version:
                 return stats, counts

@@ -275,16 +275,7 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Loop]] = {
     "per-sample gradients with torch.func": (_mlp, per_sample_gradients),
 }
 
-# cases that fail for a reason in hooktrace/recorder (not this suite's to fix): the training's
-# numbers stay bit-identical, but recording stops with a warning at the first such call
-XFAIL = {
-    "evaluation under inference_mode between steps": "recorder: _observe() reads "
-    "tensor._version, which inference tensors do not have (RuntimeError: Inference tensors do "
-    "not track version counter): recording stops at the first forward under inference_mode",
-    "per-sample gradients with torch.func": "recorder: hooks summarise functorch-wrapped "
-    "tensors inside vmap/grad (RuntimeError: Cannot access data pointer of Tensor that doesn't "
-    "have storage / vmap .item()): recording stops at step 0 with nothing written",
-}
+XFAIL: dict[str, str] = {}  # cases failing for a reason outside this suite, none now
 
 
 def _hooks_left(model: nn.Module) -> list[str]:
