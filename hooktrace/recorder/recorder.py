@@ -29,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 try:
     from torch._C._functorch import peek_interpreter_stack as _peek_interpreter_stack
 except ImportError:  # pragma: no cover - older torch
-    _peek_interpreter_stack = None
+    _peek_interpreter_stack = None  # type: ignore[assignment]
 
 from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
