@@ -29,7 +29,40 @@ import pyarrow.parquet as pq
 from hooktrace.errors import FormatVersionError, TensorNotRecorded, TraceError, TraceNotFound
 from hooktrace.trace import schema
 
-_NUMPY_DTYPES = {"bfloat16": ml_dtypes.bfloat16}
+# torch dtypes numpy lacks: stored as unsigned integers of the same width (docs/FORMAT.md)
+_NUMPY_DTYPES = {
+    "bfloat16": ml_dtypes.bfloat16,
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+}
+
+
+def decode_dataset(dataset: Any, where: str) -> np.ndarray:
+    """A full tensor from its HDF5 dataset, with its exact dtype (bfloat16 and float8 as
+    ml_dtypes). Raises TraceError for anything that is not a plain numeric array: hooktrace
+    writes no such thing, so the trace was altered, and it is not read."""
+    kind = dataset.dtype.kind if isinstance(dataset, h5py.Dataset) else "group"
+    if kind not in ("b", "i", "u", "f", "c"):
+        raise TraceError(
+            f"{where} is not a numeric array ({kind}): hooktrace writes no such thing, so the "
+            "trace was altered; it is not read"
+        )
+    data = np.asarray(dataset[()])
+    dtype = dataset.attrs.get("dtype", data.dtype.name)
+    if isinstance(dtype, bytes):
+        dtype = dtype.decode("utf-8", "replace")
+    target = _NUMPY_DTYPES.get(str(dtype))
+    if target is not None:
+        if data.dtype.itemsize != np.dtype(target).itemsize:
+            raise TraceError(
+                f"{where} is stored as {data.dtype}, which cannot hold {dtype}: the trace was altered"
+            )
+        data = data.view(target)
+    return data
+
+
 _MAX_RANK = 2**31 - 1  # the rank partition column is int32
 
 
@@ -242,16 +275,7 @@ class Trace:
                 f"full tensors for it (full_steps=[{step}] or full_every=1, and full_modules "
                 f"matching {module!r}) to save it"
             )
-        data, dtype = self._read_dataset(str(row["segment"]), str(row["tensor_key"]))
-        if dtype in _NUMPY_DTYPES:
-            target = np.dtype(_NUMPY_DTYPES[dtype])
-            if data.dtype.itemsize != target.itemsize:
-                raise TraceError(
-                    f"the {kind} of {module!r} at step {step} is stored as {data.dtype}, which "
-                    f"cannot hold {dtype}: the trace was altered"
-                )
-            data = np.asarray(data).view(target)
-        return np.asarray(data)
+        return self._read_dataset(str(row["segment"]), str(row["tensor_key"]))
 
     def activity(
         self,
@@ -275,7 +299,7 @@ class Trace:
 
     def read_activity(self, segment: str, offsets: Sequence[int], units: int) -> list[np.ndarray]:
         """Slices of one segment's activity array: for analyses that read many at once."""
-        merged, _ = self._read_dataset(segment, "activity")
+        merged = self._read_dataset(segment, "activity")
         return [merged[o : o + units] for o in offsets]
 
     # -- presentation ------------------------------------------------------------------------
@@ -404,21 +428,12 @@ class Trace:
             raise TraceError(f"segment {segment} of {self.path} is not a regular file")
         return path
 
-    def _read_dataset(self, segment: str, key: str) -> tuple[np.ndarray, str]:
-        """A numeric dataset of a segment and its torch dtype name; a damaged segment, or a
-        dataset that is not a plain numeric array, is a TraceError."""
+    def _read_dataset(self, segment: str, key: str) -> np.ndarray:
+        """One full tensor of a segment; a damaged segment or an altered dataset is a TraceError."""
         path = self._segment_path(segment)
         try:
             with h5py.File(path, "r") as f:
-                dataset = f[key]
-                kind = dataset.dtype.kind if isinstance(dataset, h5py.Dataset) else "group"
-                if kind not in ("b", "i", "u", "f", "c"):
-                    raise TraceError(
-                        f"{segment}:{key} is not a numeric array ({kind}): hooktrace writes "
-                        "no such thing, so the trace was altered; it is not read"
-                    )
-                data = dataset[()]
-                dtype = dataset.attrs.get("dtype", data.dtype.name)
+                return decode_dataset(f[key], f"{segment}:{key}")
         except TraceError:
             raise
         except (OSError, KeyError, ValueError, TypeError, RuntimeError, AttributeError) as exc:
@@ -426,9 +441,6 @@ class Trace:
                 f"cannot read {key} from segment {segment} of {self.path} ({_one_line(exc)}): "
                 "run `hooktrace check` to see what is damaged"
             ) from exc
-        if isinstance(dtype, bytes):
-            dtype = dtype.decode("utf-8", "replace")
-        return np.asarray(data), str(dtype)
 
     def _what_exists(self, module: str, kind: str, rank: int) -> str:
         rows = self.query(

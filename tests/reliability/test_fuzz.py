@@ -30,14 +30,8 @@ from .traces import record_small
 
 _GOOD: dict[str, Path] = {}
 
-# failures already pinned by a strict xfail in test_bad_traces.py (bugs outside the files this
-# suite may fix): counted as not survived in the figures, but not failed a second time here
-KNOWN = {
-    ("diff", "TypeError: Accessing a group is done with bytes or str"),
-    ("diff", "internal error: KeyError: 'Unable to synchronously open object"),
-    ("report", "TypeError: Accessing a group is done with bytes or str"),
-    ("report", "internal error: KeyError: 'Unable to synchronously open object"),
-}
+# failures pinned for a fix outside this suite (command, text of the error): none now
+KNOWN: set[tuple[str, str]] = set()
 
 
 def good_run() -> Path:
