@@ -355,14 +355,8 @@ class TraceWriter:
         tmp = final.with_name(schema.temporary_name(name))
         # h5py writes through a Python file object: a failed write (disk full, file too
         # large) is then a plain OSError, where HDF5's own driver leaves a half-closed file
-        # behind that crashes the interpreter at exit. HDF5 1.10's file layout checksums its
-        # metadata, and fletcher32 (below) each chunk: a flipped bit is then an error on
-        # reading, never a wrong value
-        with (
-            _removed_on_failure(tmp),
-            open(tmp, "w+b") as raw,
-            h5py.File(raw, "w", libver=("v110", "latest")) as f,
-        ):
+        # behind that crashes the interpreter at exit
+        with _removed_on_failure(tmp), open(tmp, "w+b") as raw, h5py.File(raw, "w") as f:
             f.attrs["format"] = schema.FORMAT_NAME
             f.attrs["format_version"] = schema.FORMAT_VERSION
             if activity:
@@ -372,12 +366,10 @@ class TraceWriter:
             for row, array, dtype in tensors:
                 key = f"t/{row}"
                 assert group is not None
-                chunked = array.size > 1  # filters need chunks; a scalar has none
                 ds = group.create_dataset(
                     str(row),
                     data=array,
-                    compression=self.compression if chunked else None,
-                    fletcher32=chunked,
+                    compression=self.compression if array.size > 1 else None,
                 )
                 ds.attrs["dtype"] = dtype
                 keys[row] = key
