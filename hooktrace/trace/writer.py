@@ -13,13 +13,14 @@ Memory is bounded: ``submit`` blocks while more than ``max_buffer_bytes`` wait t
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import queue
 import threading
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -355,8 +356,15 @@ class TraceWriter:
         tmp = final.with_name(schema.temporary_name(name))
         # h5py writes through a Python file object: a failed write (disk full, file too
         # large) is then a plain OSError, where HDF5's own driver leaves a half-closed file
-        # behind that crashes the interpreter at exit
-        with _removed_on_failure(tmp), open(tmp, "w+b") as raw, h5py.File(raw, "w") as f:
+        # behind that crashes the interpreter at exit. HDF5 1.10's file layout checksums its
+        # metadata, and fletcher32 (below) each chunk: a flipped bit is then an error on
+        # reading, never a wrong value
+        with (
+            _removed_on_failure(tmp),
+            open(tmp, "w+b") as raw,
+            _Sink(raw) as sink,
+            h5py.File(sink, "w", libver=("v110", "latest")) as f,
+        ):
             f.attrs["format"] = schema.FORMAT_NAME
             f.attrs["format_version"] = schema.FORMAT_VERSION
             if activity:
@@ -366,10 +374,12 @@ class TraceWriter:
             for row, array, dtype in tensors:
                 key = f"t/{row}"
                 assert group is not None
+                chunked = array.size > 1  # filters need chunks; a scalar has none
                 ds = group.create_dataset(
                     str(row),
                     data=array,
-                    compression=self.compression if array.size > 1 else None,
+                    compression=self.compression if chunked else None,
+                    fletcher32=chunked,
                 )
                 ds.attrs["dtype"] = dtype
                 keys[row] = key
@@ -410,6 +420,56 @@ class TraceWriter:
         if extra:
             payload.update(extra)
         write_json_atomic(self._status_path, payload)
+
+
+class _Sink:
+    """The file h5py writes a segment through. Its first failed operation is kept, not
+    raised, and it does nothing after it (the segment is discarded anyway): an error raised
+    into HDF5 while it flushes its cache on closing is printed as an "Exception ignored"
+    traceback, one per write that follows. The kept error is raised once HDF5 is done."""
+
+    def __init__(self, raw: io.BufferedRandom) -> None:
+        self._raw = raw
+        self._position = 0  # where HDF5 thinks it is, once the file is given up
+        self.failed: OSError | None = None
+
+    def __enter__(self) -> _Sink:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.failed is not None and exc_info[0] is None:
+            raise self.failed
+
+    def _guard(self, operation: Callable[[], Any], otherwise: Any) -> Any:
+        if self.failed is not None:
+            return otherwise
+        try:
+            return operation()
+        except OSError as exc:
+            self.failed = exc
+            return otherwise
+
+    def write(self, data: Any) -> int:
+        return int(self._guard(lambda: self._raw.write(data), len(data)))
+
+    def truncate(self, size: int) -> int:
+        return int(self._guard(lambda: self._raw.truncate(size), size))
+
+    def flush(self) -> None:
+        self._guard(self._raw.flush, None)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._position = offset if whence == 0 else self._position
+        return int(self._guard(lambda: self._raw.seek(offset, whence), self._position))
+
+    def tell(self) -> int:
+        return int(self._guard(self._raw.tell, self._position))
+
+    def read(self, size: int = -1) -> bytes:
+        return bytes(self._guard(lambda: self._raw.read(size), b""))
+
+    def readinto(self, buffer: Any) -> int:
+        return int(self._guard(lambda: self._raw.readinto(buffer), 0))
 
 
 def _describe(exc: BaseException) -> str:

@@ -28,9 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import h5py
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+import hooktrace
+from hooktrace.errors import TraceError
 
 from .conftest import Figures
 from .helpers import (
@@ -354,14 +359,9 @@ CORRUPTIONS = [
     Corruption("stray files next to the parts", "odd", _stray_files, extra=_same_as_good),
 ]  # fmt: skip
 
-# (corruption, command) pairs that fail for a reason outside hooktrace/trace and hooktrace/cli
-_NO_CHECKSUMS = (
-    "a bit flipped inside a tensor's data leaves the segment readable: without checksums "
-    "(HDF5's fletcher32 filter, not yet written) the changed values read as a difference"
-)
-KNOWN = {
-    ("segment bit-flipped", "diff"): _NO_CHECKSUMS,
-}
+# (corruption, command) -> why it fails, for a reason outside hooktrace/trace and hooktrace/cli
+# (each becomes a strict xfail): none now
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -454,3 +454,29 @@ def test_a_bad_trace_gets_an_honest_answer(
     found = judge(corruption, command, outcome, good_answers[command])
     figures.count("bad_traces", command, survived=not found, lost=int(bool(found)))
     assert not found, f"{corruption.name}: {'; '.join(found)}\n{outcome}"
+
+
+def test_a_flipped_bit_in_a_saved_tensor_is_an_error_not_a_value(
+    good_run: Path, tmp_path: Path
+) -> None:
+    """Segments checksum their metadata and each chunk of a full tensor: a flipped bit
+    anywhere in a tensor's data makes reading it fail, where it used to read as other numbers."""
+    copy = tmp_path / "run"
+    shutil.copytree(good_run, copy)
+    trace = hooktrace.load(copy)
+    row = trace.records.query("tensor_key != '' and numel > 1").iloc[0]
+    where = {"step": int(row["step"]), "slot": str(row["slot"])}
+    expected = trace.tensor(str(row["module"]), str(row["kind"]), **where)  # type: ignore[arg-type]
+    with h5py.File(copy / SEGMENT, "r") as f:
+        dataset = f[str(row["tensor_key"])]
+        if dataset.chunks:
+            chunk = dataset.id.get_chunk_info(0)
+            offset, size = chunk.byte_offset, chunk.size
+        else:  # one contiguous block, as segments were written before checksums
+            offset, size = dataset.id.get_offset(), dataset.id.get_storage_size()
+    data = bytearray((copy / SEGMENT).read_bytes())
+    data[offset + size // 2] ^= 0x10
+    (copy / SEGMENT).write_bytes(bytes(data))
+    with pytest.raises(TraceError, match="cannot read"):
+        got = trace.tensor(str(row["module"]), str(row["kind"]), **where)  # type: ignore[arg-type]
+        assert not np.array_equal(got, expected)  # what a flip without checksums gave
