@@ -80,6 +80,20 @@ characters, lone surrogates or HTML, recorded through the API and `hooktrace rec
 every page of HTML a command writes, checked for those names unescaped.""",
 }
 
+LIMITS = """\
+## What these figures do not cover
+
+- One rank only: no kill of one rank of a torchrun job, no GPU (none on the test machines).
+- Power loss: files are not fsync'd, so a crash of the machine (not of the process) may lose
+  flushed steps.
+- Parquet has no page checksums here: a flipped bit in a compressed page is caught when the
+  page no longer decompresses or decodes (every case above), not by a checksum. HDF5
+  segments checksum metadata and every chunk of a full tensor; segments written before that
+  do not.
+- The fuzzer damages one file at a time, 40 examples per run (derandomized);
+  `HOOKTRACE_FUZZ_EXAMPLES=2000` searches further.
+"""
+
 
 def run_suite(figures: Path, pytest_args: list[str]) -> tuple[int, float]:
     env = dict(os.environ, HOOKTRACE_RELIABILITY_REPORT=str(figures))
@@ -128,6 +142,7 @@ def render(data: dict[str, Any], *, passed: bool | None, seconds: float | None) 
         "",
         f"{totals[0]} cases tried, {totals[1]} survived, {totals[2]} lost.",
         "",
+        LIMITS,
     ]
     return "\n".join(lines)
 
