@@ -14,6 +14,7 @@ that the machine's noise falls on all of them alike, and prints medians and rati
   full         hooktrace.record with full tensors of every module at every step
 
 Run: python benchmarks/bench_record.py [--reps 15] [--steps 5] [--models SmallCNN,TinyTransformer]
+                                      [--variants plain,naive,stats]  (plain and naive always run)
 """
 
 from __future__ import annotations
@@ -135,16 +136,17 @@ def time_steps(
     return elapsed / steps
 
 
-def bench(name: str, *, reps: int, steps: int) -> dict[str, list[float]]:
+def bench(name: str, variants: list[str], *, reps: int, steps: int) -> dict[str, list[float]]:
     model = make_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[float]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        for variant in VARIANTS.values():  # warm-up: allocator, first-call costs
-            time_steps(name, variant, model, opt, 2, out)
+        for label in variants:  # warm-up: allocator, first-call costs
+            time_steps(name, VARIANTS[label], model, opt, 2, out)
         for _ in range(reps):
-            for label, variant in VARIANTS.items():
+            for label in variants:
+                variant = VARIANTS[label]
                 times[label].append(time_steps(name, variant, model, opt, steps, out))
     return times
 
@@ -165,10 +167,18 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--models", default="SmallCNN,TinyTransformer")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
+    chosen = set(args.variants.split(",")) | {"plain", "naive"}
+    unknown = chosen - set(VARIANTS)
+    if unknown:
+        parser.error(
+            f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}"
+        )
+    variants = [v for v in VARIANTS if v in chosen]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.models.split(","):
-        report(name, bench(name, reps=args.reps, steps=args.steps))
+        report(name, bench(name, variants, reps=args.reps, steps=args.steps))
 
 
 if __name__ == "__main__":

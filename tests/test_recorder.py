@@ -426,3 +426,37 @@ def test_call_specs_round_trip_nested_calls() -> None:
     )
     with pytest.raises(ValueError, match="type object was not recorded"):
         rebuild_call(describe_call((object(),), {}), {})
+
+
+def test_the_recorder_keeps_no_reference_to_the_training_tensors(run_dir: Path) -> None:
+    """Once summarised, activations and gradients are the training's alone: a recorder that
+    held the last few (to summarise a container's output only once) kept 2 MB tensors alive
+    past their use and cost the CNN 2.3 ms a step."""
+    import gc
+    import weakref
+
+    model = make_model("SmallCNN")
+    batch = make_batch("SmallCNN", seed=0)
+    seen: list[weakref.ref[torch.Tensor]] = []
+
+    def keep_weakly(tensor: torch.Tensor) -> None:
+        seen.append(weakref.ref(tensor))
+
+    def on_output(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        keep_weakly(output)
+        output.register_hook(keep_weakly)  # its gradient, when backward computes it
+
+    handles = [m.register_forward_hook(on_output) for m in model.modules()]
+    try:
+        with hooktrace.record(model, run_dir) as rec:
+            loss = default_loss(batch.run(model), batch.target)
+            loss.backward()
+            del loss
+            gc.collect()
+            alive = [ref() for ref in seen if ref() is not None]
+            assert len(seen) > 20 and not alive, [tuple(t.shape) for t in alive]
+            rec.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(hooktrace.load(run_dir).query(steps=[0])) > 40

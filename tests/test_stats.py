@@ -9,7 +9,16 @@ import pytest
 import torch
 
 import hooktrace
-from hooktrace.recorder.stats import activity, summarize, unit_dim
+from hooktrace.recorder.stats import (
+    STAGED_MAX_VALUES,
+    activity,
+    activity_staged,
+    stage,
+    stageable,
+    summarize,
+    summarize_staged,
+    unit_dim,
+)
 
 
 def _reference(x: np.ndarray) -> list[float]:
@@ -129,3 +138,93 @@ def test_a_recorded_large_activation_matches_numpy(tmp_path: Path) -> None:
     grad = trace.record("Conv2d", "grad_output", step=0)
     grad_values = trace.tensor("Conv2d", "grad_output", step=0)
     assert grad["zero_fraction"] == (grad_values == 0).mean() > 0  # relu's zeros reach the gradient
+
+
+# --- small tensors: staged in the hook, summarised together in the writer thread -------------
+
+
+def test_staged_statistics_match_numpy_segment_by_segment() -> None:
+    """All cases in one array, as a step's small tensors are: no segment leaks into the next."""
+    tensors = list(CASES.values())
+    assert all(stageable(t) for t in tensors)
+    copies = [stage(t) for t in tensors]
+    values = torch.cat(copies).numpy()
+    got = summarize_staged(values, np.array([c.numel() for c in copies]))
+    for row, (name, tensor) in zip(got, CASES.items(), strict=True):
+        want = np.array(_reference(tensor.float().numpy()))
+        np.testing.assert_allclose(row[:5], want[:5], rtol=1e-12, atol=1e-12, err_msg=name)
+        assert list(row[5:]) == list(want[5:]), name
+    assert got[list(CASES).index("constant"), 1] == 0.0
+
+
+def test_staged_values_are_exact_copies_taken_at_once() -> None:
+    x = torch.tensor([[1.5, -2.0], [0.0, 3.0]], dtype=torch.float64).t()  # not contiguous
+    copy = stage(x)
+    x.mul_(10)  # what the training does next does not reach the copy
+    assert copy.tolist() == [1.5, 0.0, -2.0, 3.0]
+    big = 2.0**40 + 1.0  # float64 values are kept whole, not rounded to float32
+    assert stage(torch.tensor([big], dtype=torch.float64)).item() == big
+
+
+def test_staged_nan_and_inf_spoil_only_what_they_touch() -> None:
+    x = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0, 2.0])
+    clean = torch.tensor([4.0, 0.0])
+    copies = [stage(x), stage(torch.tensor([1.0, float("inf")])), stage(clean)]
+    got = summarize_staged(torch.cat(copies).numpy(), np.array([6, 2, 2]))
+    assert list(got[0, 5:]) == [1.0, 1.0, 2.0]
+    assert np.isnan(got[0, 0]) and np.isnan(got[0, 1])
+    assert got[1, 3] == np.inf and np.isnan(got[1, 1]) and list(got[1, 5:]) == [0.0, 0.0, 1.0]
+    assert list(got[2]) == [2.0, 2.0, 0.0, 4.0, 4.0, 1.0, 0.0, 0.0]
+
+
+def test_what_is_staged() -> None:
+    assert stageable(torch.ones(STAGED_MAX_VALUES))
+    assert not stageable(torch.ones(STAGED_MAX_VALUES + 1))  # summarised in the hook
+    assert not stageable(torch.empty(0))
+    assert not stageable(torch.ones(4, dtype=torch.complex64))
+    assert not stageable(torch.ones(4, 4).to_sparse())
+    assert not stageable(torch.ones(4, device="meta"))
+
+
+@pytest.mark.parametrize(("shape", "dim"), [((3, 4, 2, 2), 1), ((2, 5, 6), 2), ((7,), 0)])
+def test_staged_activity_counts_like_activity(shape: tuple[int, ...], dim: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    x[x.abs() < 0.3] = 0.0
+    want = activity(x, dim).tolist()
+    assert activity_staged(stage(x).numpy(), shape, dim).tolist() == want
+
+
+def test_every_recorded_statistic_matches_its_own_full_tensor(tmp_path: Path) -> None:
+    """Both routes, in one recording: the conv's activations are summarised in the hook, the
+    head's and the parameters' are staged. Each record against numpy on the values that the
+    same step wrote in full."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),  # (8, 8, 12, 12): 9,216 values, in the hook
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 12 * 12, 5),  # (8, 5): staged
+    )
+    x = torch.randn(8, 3, 12, 12)
+    with hooktrace.record(model, tmp_path / "run", full_every=1) as rec:
+        model(x).square().mean().backward()
+        rec.step()
+    trace = hooktrace.load(tmp_path / "run")
+    records = trace.query(steps=[0])
+    checked = {"hook": 0, "staged": 0}
+    for row in records.itertuples():
+        if row.kind not in ("output", "grad_output", "param", "grad_param"):
+            continue
+        values = trace.tensor(row.module, row.kind, step=0, slot=row.slot).astype(np.float64)
+        want = _reference(values)
+        got = [row.mean, row.std, row.min, row.max, row.norm]
+        np.testing.assert_allclose(got, want[:5], rtol=1e-5, atol=1e-7, err_msg=str(row))
+        assert row.zero_fraction * values.size == pytest.approx(want[5])
+        checked["staged" if values.size <= STAGED_MAX_VALUES else "hook"] += 1
+        if row.units:
+            dim = 1 if values.ndim == 4 else values.ndim - 1
+            others = tuple(d for d in range(values.ndim) if d != dim)
+            counts = trace.activity(row.module, row.kind, step=0, slot=row.slot)
+            np.testing.assert_array_equal(counts, (values > 0).sum(axis=others))
+    assert checked["hook"] >= 3 and checked["staged"] >= 6, checked

@@ -13,7 +13,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from hooktrace.recorder.stats import STATS_WIDTH, Stats
+from hooktrace.recorder.stats import (
+    STATS_WIDTH,
+    Stats,
+    activity_staged,
+    stage,
+    summarize_staged,
+)
 from hooktrace.trace.schema import NO_GRADIENT_DTYPE
 from hooktrace.trace.writer import StepData
 
@@ -34,13 +40,32 @@ class Meta(NamedTuple):
     unit_size: int
 
 
+class Staged(NamedTuple):
+    """Statistics still to compute, of the tensor staged ``position``-th in the step."""
+
+    position: int
+
+
+class StagedUnits(NamedTuple):
+    """Per-unit activity still to count, of a staged tensor of ``shape`` along ``dim``."""
+
+    position: int
+    shape: tuple[int, ...]
+    dim: int
+
+    @property
+    def units(self) -> int:
+        return self.shape[self.dim]
+
+
 @dataclass
 class PendingStep:
     step: int
     start_time: float
     meta: list[Meta] = field(default_factory=list)
-    stats: list[Stats | None] = field(default_factory=list)
-    activity: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    stats: list[Stats | Staged | None] = field(default_factory=list)
+    activity: list[tuple[int, torch.Tensor | StagedUnits]] = field(default_factory=list)
+    staged: list[torch.Tensor] = field(default_factory=list)  # flat float64 copies
     tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
     specs: dict[int, str] = field(default_factory=dict)  # row -> call spec (JSON)
     micro_steps: int = 0
@@ -49,34 +74,48 @@ class PendingStep:
     dropped: int = 0
     nbytes: int = 0
 
+    def stage(self, tensor: torch.Tensor) -> Staged:
+        """Copy a small CPU tensor aside; its statistics are computed in :meth:`materialize`."""
+        copy = stage(tensor)
+        self.staged.append(copy)
+        self.nbytes += copy.numel() * 8
+        return Staged(len(self.staged) - 1)
+
     def materialize(self) -> StepData:
         n = len(self.meta)
         stats = np.full((n, STATS_WIDTH), np.nan)
         stats[:, 5:] = 0
+        staged_values, staged_bounds, staged_stats = _summarize_staged(self.staged)
         on_device = []
         for i, values in enumerate(self.stats):
             if isinstance(values, np.ndarray):  # computed on the host already
                 stats[i] = values
+            elif isinstance(values, Staged):
+                stats[i] = staged_stats[values.position]
             elif values is not None:
                 on_device.append(i)
         for rows, values in _gather([self.stats[i] for i in on_device], on_device):  # type: ignore[misc]
             stats[rows] = values
+        (micro_step, phase, seq, module, call, kind, slot, dtype, shape, units, unit_size) = (
+            zip(*self.meta, strict=True) if n else ((),) * len(Meta._fields)
+        )
         numel = np.array(
-            [_numel(m.shape) if m.dtype is not None else 0 for m in self.meta], dtype=np.int64
+            [_numel(s) if d is not None else 0 for s, d in zip(shape, dtype, strict=True)],
+            dtype=np.int64,
         )
         with np.errstate(invalid="ignore", divide="ignore"):
             zero_fraction = np.where(numel > 0, stats[:, 5] / np.maximum(numel, 1), np.nan)
         columns = {
             "step": np.full(n, self.step, dtype=np.int64),
-            "micro_step": np.array([m.micro_step for m in self.meta], dtype=np.int32),
-            "phase": [m.phase for m in self.meta],
-            "seq": np.array([m.seq for m in self.meta], dtype=np.int64),
-            "module": [m.module for m in self.meta],
-            "call": np.array([m.call for m in self.meta], dtype=np.int32),
-            "kind": [m.kind for m in self.meta],
-            "slot": [m.slot for m in self.meta],
-            "dtype": [dtype_name(m.dtype) for m in self.meta],
-            "shape": [",".join(map(str, m.shape)) for m in self.meta],
+            "micro_step": np.array(micro_step, dtype=np.int32),
+            "phase": list(phase),
+            "seq": np.array(seq, dtype=np.int64),
+            "module": list(module),
+            "call": np.array(call, dtype=np.int32),
+            "kind": list(kind),
+            "slot": list(slot),
+            "dtype": [dtype_name(d) for d in dtype],
+            "shape": [shape_text(s) for s in shape],
             "numel": numel,
             "mean": stats[:, 0],
             "std": stats[:, 1],
@@ -86,15 +125,21 @@ class PendingStep:
             "zero_fraction": zero_fraction,
             "nan_count": stats[:, 6].astype(np.int64),
             "inf_count": stats[:, 7].astype(np.int64),
-            "units": np.array([m.units for m in self.meta], dtype=np.int32),
-            "unit_size": np.array([m.unit_size for m in self.meta], dtype=np.int64),
+            "units": np.array(units, dtype=np.int32),
+            "unit_size": np.array(unit_size, dtype=np.int64),
             "call_spec": [self.specs.get(row, "") for row in range(n)],
         }
         activity: list[tuple[int, np.ndarray]] = []
         if self.activity:
-            rows = [row for row, _ in self.activity]
-            for chunk_rows, merged in _gather_ragged([a for _, a in self.activity], rows):
+            counted = [(row, a) for row, a in self.activity if isinstance(a, torch.Tensor)]
+            rows = [row for row, _ in counted]
+            for chunk_rows, merged in _gather_ragged([a for _, a in counted], rows):
                 activity.extend(zip(chunk_rows, merged, strict=True))
+            for row, staged in self.activity:
+                if isinstance(staged, StagedUnits):
+                    lo, hi = staged_bounds[staged.position], staged_bounds[staged.position + 1]
+                    counts = activity_staged(staged_values[lo:hi], staged.shape, staged.dim)
+                    activity.append((row, counts))
             activity.sort(key=lambda item: item[0])
         tensors = []
         for row, tensor, event in self.tensors:
@@ -113,6 +158,20 @@ class PendingStep:
             tensors=tensors,
             dropped=self.dropped,
         )
+
+
+def _summarize_staged(
+    staged: list[torch.Tensor],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """All staged values in one array, where each tensor's begin, and their statistics."""
+    if not staged:
+        empty = np.zeros(0)
+        return empty, np.zeros(1, dtype=np.int64), empty.reshape(0, STATS_WIDTH)
+    lengths = np.array([t.numel() for t in staged], dtype=np.int64)
+    values = torch.cat(staged).numpy()
+    bounds = np.zeros(len(staged) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    return values, bounds, summarize_staged(values, lengths)
 
 
 def _gather(tensors: list[torch.Tensor], rows: list[int]) -> list[tuple[list[int], np.ndarray]]:
@@ -151,6 +210,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
+_SHAPE_TEXTS: dict[tuple[int, ...], str] = {}
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    """'32,16,8,8': the shape column's form (remembered: the same shapes recur every step)."""
+    text = _SHAPE_TEXTS.get(shape)
+    if text is None:
+        text = ",".join(map(str, shape))
+        if len(_SHAPE_TEXTS) < 65536:
+            _SHAPE_TEXTS[shape] = text
+    return text
 
 
 def dtype_name(dtype: torch.dtype | None) -> str:

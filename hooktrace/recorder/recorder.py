@@ -15,6 +15,7 @@ import platform
 import sys
 import time
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -33,9 +34,9 @@ except ImportError:  # pragma: no cover - older torch
 
 from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
-from hooktrace.recorder.pending import Meta, PendingStep
+from hooktrace.recorder.pending import Meta, PendingStep, StagedUnits
 from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
-from hooktrace.recorder.stats import activity, summarize, unit_dim
+from hooktrace.recorder.stats import activity, stageable, summarize, unit_dim
 from hooktrace.trace import schema
 from hooktrace.trace.writer import TraceWriter
 
@@ -87,7 +88,7 @@ class Recorder:
     _recompute_calls: dict[str, int]
     _grad_hooked: set[tuple[str, int]]
     _channel_shapes: set[torch.Size]
-    _recent: deque[tuple[torch.Tensor, int, Any, Any]]
+    _recent: deque[tuple[weakref.ref[torch.Tensor], int, Any, Any]]
     _params_recorded: bool
     _seq: int
     _output_specs: dict[tuple[str, int], str]  # call specs of calls with no tensor input
@@ -498,20 +499,28 @@ class Recorder:
         row = len(pending.meta)
         cached = self._lookup(tensor)
         if cached is None:
-            scratch = self._scratch_for(tensor)
-            stats = summarize(tensor, scratch=scratch)
-            counts = None
+            dim = None
             if units and tensor.is_floating_point():
                 dim = unit_dim(tensor, channels_first=tensor.shape in self._channel_shapes)
-                if dim is not None and 0 < tensor.shape[dim] <= self.max_units:
+                if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
+                    dim = None
+            counts: torch.Tensor | StagedUnits | None = None
+            if stageable(tensor):  # summarised later, with the step's other small tensors
+                stats: Any = pending.stage(tensor)
+                if dim is not None:
+                    counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
+            else:
+                scratch = self._scratch_for(tensor)
+                stats = summarize(tensor, scratch=scratch)
+                if dim is not None:
                     counts = activity(tensor, dim, scratch=scratch)
             if not tensor.is_inference():  # inference tensors keep no version counter
-                self._recent.append((tensor, tensor._version, stats, counts))
+                self._recent.append((weakref.ref(tensor), tensor._version, stats, counts))
         else:
             stats, counts = cached
         n_units = unit_size = 0
         if counts is not None and units:
-            n_units = counts.numel()
+            n_units = counts.units if isinstance(counts, StagedUnits) else counts.numel()
             unit_size = tensor.numel() // max(n_units, 1)
             pending.activity.append((row, counts))
         pending.meta.append(
@@ -539,7 +548,7 @@ class Recorder:
         if tensor.is_inference():
             return None
         for seen, version, stats, counts in self._recent:
-            if seen is tensor and seen._version == version:
+            if seen() is tensor and tensor._version == version:
                 return stats, counts
         return None
 

@@ -1,12 +1,17 @@
-"""Statistics of one tensor, computed on its own device without waiting for it.
+"""Statistics of tensors, computed on their own device without waiting for it.
+
+Small CPU tensors (at most ``STAGED_MAX_VALUES`` values) are not summarised in the hook:
+the hook copies their values aside (:func:`stage`) and the writer thread summarises all of
+a step's small tensors together, in float64 (:func:`summarize_staged`). For them, the fixed
+cost of a handful of reductions, each a dispatch and a ``.item()``, outweighed the work.
 
 On an accelerator, each function only queues tensor operations: nothing calls ``.item()`` or
 ``.cpu()`` or branches on a value, so hooks never synchronise the device; the results are
 copied to the host once per step, in the background writer. On the CPU, reading a value is
 not a synchronisation, and the statistics take a cheaper route that uses it: four
-vectorised passes (mean, min/max, L2 norm, non-zero count) instead of ten, the standard
-deviation derived from the norm and the mean, and NaN/Inf counted only when min or max says
-there is one.
+vectorised passes (mean, min/max, sum of squares, zero count) instead of ten, the standard
+deviation derived from the sum of squares and the mean, and NaN/Inf counted only when min or
+max says there is one.
 """
 
 from __future__ import annotations
@@ -28,6 +33,58 @@ Stats = torch.Tensor | np.ndarray
 
 _EXACT_F32_COUNT = 1 << 24
 """Sums of 0/1 values in float32 stay exact below this; above it, counts take integer kernels."""
+
+
+STAGED_MAX_VALUES = 8192
+"""CPU tensors up to this size are staged; larger ones are summarised in the hook."""
+
+
+def stageable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a small CPU tensor whose statistics can wait for the writer."""
+    return (
+        tensor.device.type == "cpu"
+        and 0 < tensor.numel() <= STAGED_MAX_VALUES
+        and tensor.layout == torch.strided
+        and not tensor.is_complex()
+        and not tensor.is_quantized
+    )
+
+
+def stage(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat float64 copy of a :func:`stageable` tensor's values (exact for every real
+    dtype but integers beyond 2**53), taken now, before anything can change them."""
+    return tensor.detach().reshape(-1).to(torch.float64, copy=True)
+
+
+def summarize_staged(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The statistics of consecutive segments of ``values``, one row per segment.
+
+    ``values`` is float64, the staged tensors one after the other; ``lengths`` their sizes
+    (each at least 1). Rows as :func:`summarize` returns them; here the standard deviation
+    always takes two passes, in float64.
+    """
+    starts = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    n = lengths.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN and Inf propagate as they should
+        mean = np.add.reduceat(values, starts) / n
+        lo = np.minimum.reduceat(values, starts)
+        hi = np.maximum.reduceat(values, starts)
+        norm = np.sqrt(np.add.reduceat(values * values, starts))
+        deviation = values - np.repeat(mean, lengths)
+        std = np.sqrt(np.add.reduceat(deviation * deviation, starts) / n)
+    zeros = np.add.reduceat(values == 0, starts, dtype=np.int64)
+    nans = np.add.reduceat(np.isnan(values), starts, dtype=np.int64)
+    infs = np.add.reduceat(np.isinf(values), starts, dtype=np.int64)
+    std[(nans > 0) | (infs > 0)] = np.nan
+    return np.stack([mean, std, lo, hi, norm, zeros, nans, infs], axis=1)
+
+
+def activity_staged(values: np.ndarray, shape: tuple[int, ...], dim: int) -> np.ndarray:
+    """:func:`activity` of a staged tensor: ``values`` is its flat float64 copy."""
+    positive = values.reshape(shape) > 0
+    others = tuple(d for d in range(len(shape)) if d != dim)
+    return positive.sum(axis=others, dtype=np.int64) if others else positive.astype(np.int64)
 
 
 def scratch_view(scratch: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -60,7 +117,11 @@ def _summarize_on_host(x: torch.Tensor, scratch: torch.Tensor | None) -> np.ndar
     lo_t, hi_t = torch.aminmax(x)
     lo, hi = lo_t.item(), hi_t.item()
     mean = x.mean().item()
-    norm = torch.linalg.vector_norm(x).item()
+    if x.is_contiguous():  # BLAS: twice as fast as vector_norm here, and more accurate
+        flat = x.view(-1)
+        norm = math.sqrt(torch.dot(flat, flat).item())
+    else:
+        norm = torch.linalg.vector_norm(x).item()
     if scratch is not None:  # 0/1 as float32, summed by the vectorised float kernel
         zeros = int(torch.eq(x, 0, out=scratch).sum().item())
     else:

@@ -158,6 +158,7 @@ class TraceWriter:
         self._space = threading.Condition()
         self._buffer: list[StepData] = []
         self._buffered_bytes = 0  # bytes of the steps in _buffer, released when flushed
+        self._buffered_rows = 0
         self._waiting = 0  # submitters blocked by backpressure
         self._new_modules: list[dict[str, Any]] = []
         self._modules_lock = threading.Lock()
@@ -248,7 +249,9 @@ class TraceWriter:
                 pending: PendingStep = item  # type: ignore[assignment]
                 if self.error is None:
                     try:
-                        self._buffer.append(pending.materialize())
+                        data = pending.materialize()
+                        self._buffer.append(data)
+                        self._buffered_rows += data.rows
                     except BaseException as exc:  # a fault here must not reach training
                         self._fail(exc)
                 else:
@@ -259,9 +262,8 @@ class TraceWriter:
                     self._release(pending.nbytes)
             if not self._buffer:
                 continue
-            rows = sum(d.rows for d in self._buffer)
             if (
-                rows >= self.flush_rows
+                self._buffered_rows >= self.flush_rows
                 or self._buffered_bytes >= self.flush_bytes
                 or self._waiting
                 or time.monotonic() - last_flush >= self.flush_seconds
@@ -279,9 +281,11 @@ class TraceWriter:
             self.error = exc
         self.steps_lost += len(self._buffer)
         self._buffer.clear()
+        self._buffered_rows = 0
 
     def _flush_safely(self) -> None:
         nbytes, self._buffered_bytes = self._buffered_bytes, 0
+        self._buffered_rows = 0
         steps = len(self._buffer)
         written = self.steps_written
         try:
