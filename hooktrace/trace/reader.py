@@ -12,6 +12,7 @@ import json
 import os
 import stat
 import warnings
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -50,6 +51,12 @@ def decode_dataset(dataset: Any, where: str) -> np.ndarray:
             "trace was altered; it is not read"
         )
     data = np.asarray(dataset[()])
+    checksum = dataset.attrs.get(schema.TENSOR_CHECKSUM)
+    if checksum is not None and zlib.crc32(np.ascontiguousarray(data).data) != int(checksum):
+        raise TraceError(
+            f"cannot read {where}: its bytes no longer match their checksum, so the segment "
+            "was damaged after it was written; run `hooktrace check`"
+        )
     dtype = dataset.attrs.get("dtype", data.dtype.name)
     if isinstance(dtype, bytes):
         dtype = dtype.decode("utf-8", "replace")

@@ -27,6 +27,9 @@ FORMAT_NAME: Final = "hooktrace"
 FORMAT_VERSION: Final = "1.0"
 """major.minor: a reader reads every minor version of its own major version."""
 
+TENSOR_CHECKSUM: Final = "crc32"
+"""Attribute of each full tensor's dataset: zlib.crc32 of its data bytes as stored."""
+
 MANIFEST: Final = "manifest.json"
 STATUS_DIR: Final = "status"
 RECORDS_DIR: Final = "records"

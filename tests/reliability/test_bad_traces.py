@@ -23,6 +23,7 @@ import random
 import shutil
 import threading
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -459,8 +460,9 @@ def test_a_bad_trace_gets_an_honest_answer(
 def test_a_flipped_bit_in_a_saved_tensor_is_an_error_not_a_value(
     good_run: Path, tmp_path: Path
 ) -> None:
-    """Segments checksum their metadata and each chunk of a full tensor: a flipped bit
-    anywhere in a tensor's data makes reading it fail, where it used to read as other numbers."""
+    """Segments checksum their metadata, and each full tensor carries the CRC-32 of its bytes:
+    a flipped bit anywhere in a tensor's data makes reading it fail, where it used to read as
+    other numbers."""
     copy = tmp_path / "run"
     shutil.copytree(good_run, copy)
     trace = hooktrace.load(copy)
@@ -469,10 +471,11 @@ def test_a_flipped_bit_in_a_saved_tensor_is_an_error_not_a_value(
     expected = trace.tensor(str(row["module"]), str(row["kind"]), **where)  # type: ignore[arg-type]
     with h5py.File(copy / SEGMENT, "r") as f:
         dataset = f[str(row["tensor_key"])]
+        assert int(dataset.attrs["crc32"]) == zlib.crc32(np.ascontiguousarray(dataset[()]).data)
         if dataset.chunks:
             chunk = dataset.id.get_chunk_info(0)
             offset, size = chunk.byte_offset, chunk.size
-        else:  # one contiguous block, as segments were written before checksums
+        else:  # one contiguous block
             offset, size = dataset.id.get_offset(), dataset.id.get_storage_size()
     data = bytearray((copy / SEGMENT).read_bytes())
     data[offset + size // 2] ^= 0x10
