@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -148,6 +149,7 @@ def bench(name: str, variants: list[str], *, reps: int, steps: int) -> dict[str,
             for label in variants:
                 variant = VARIANTS[label]
                 times[label].append(time_steps(name, variant, model, opt, steps, out))
+                os.sync()  # the disk's write-back of one variant's files must not slow the next
     return times
 
 
