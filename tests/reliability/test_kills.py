@@ -19,10 +19,13 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 
 import pandas as pd
@@ -64,12 +67,37 @@ def _tmp_files(run: Path) -> list[Path]:
     return sorted(run.glob("**/.*.tmp"))
 
 
+# Process.start() polls every other child of this process (multiprocessing.process._cleanup),
+# and a poll reads the exit status that the forkserver writes once: a start in one thread and a
+# join in another can both read it, and the one left at EOF records exit code 255 instead of
+# -9 (about 1 kill in 100 with four threads). Every call that polls holds this lock; waiting
+# for a process to end is done on its sentinel, outside it.
+_POLLING = threading.Lock()
+
+
+def _start(process: BaseProcess) -> None:
+    with _POLLING:
+        process.start()
+
+
+def _alive(process: BaseProcess) -> bool:
+    with _POLLING:
+        return process.is_alive()
+
+
+def _wait(process: BaseProcess, timeout: float | None) -> int | None:
+    """The exit code once the process has ended, None if it is still running at timeout."""
+    connection.wait([process.sentinel], timeout)
+    with _POLLING:
+        return process.exitcode
+
+
 def _execute(kill: Kill) -> Kill:
     process = CONTEXT.Process(target=kill.target, args=kill.args, daemon=True)
-    process.start()
+    _start(process)
     assert process.pid is not None
     deadline = time.monotonic() + 60
-    while not kill.ready.exists() and process.is_alive() and time.monotonic() < deadline:
+    while not kill.ready.exists() and _alive(process) and time.monotonic() < deadline:
         time.sleep(0.002)
     if kill.ready.exists():
         tensors = kill.run / "tensors" / "rank=0"
@@ -81,11 +109,10 @@ def _execute(kill: Kill) -> Kill:
         time.sleep(kill.delay)
         kill.flushed = _parts(kill.run)  # parts appear whole and never go away
         os.kill(process.pid, kill.signum)
-    process.join(120)
-    if process.is_alive():
+    kill.exitcode = _wait(process, 120)
+    if kill.exitcode is None:
         process.kill()
-        process.join()
-    kill.exitcode = process.exitcode
+        kill.exitcode = _wait(process, None)
     return kill
 
 
