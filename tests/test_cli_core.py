@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 from click.testing import CliRunner
@@ -14,6 +15,7 @@ from torch import nn
 
 import hooktrace
 from hooktrace.cli import COMMANDS, cli
+from hooktrace.trace import check as check_module
 
 
 @pytest.fixture
@@ -47,6 +49,27 @@ def test_check_whole_and_broken(run: Path) -> None:
     result = CliRunner().invoke(cli, ["check", str(run)])
     assert result.exit_code == 1
     assert "unreadable, left out: records/rank=0/part-000000.parquet" in result.output
+
+
+def test_check_reads_every_full_tensor_against_its_checksum(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with hooktrace.record(model, run_dir, full_every=1):
+        model(torch.randn(5, 4)).sum().backward()
+    monkeypatch.setattr(check_module, "_BLOCK_BYTES", 40)  # a block of one row: many blocks
+    assert CliRunner().invoke(cli, ["check", str(run_dir)]).exit_code == 0
+
+    segment = next((run_dir / "tensors" / "rank=0").glob("seg-*.h5"))
+    with h5py.File(segment, "r") as f:  # the last row of the first layer's output
+        dataset = f[hooktrace.load(run_dir).record("0", "output", step=0)["tensor_key"]]
+        offset = dataset.id.get_offset() + dataset.id.get_storage_size() - 1
+    data = bytearray(segment.read_bytes())
+    data[offset] ^= 0x01
+    segment.write_bytes(bytes(data))
+    result = CliRunner().invoke(cli, ["check", str(run_dir)])
+    assert result.exit_code == 1
+    assert "its bytes no longer match their checksum" in result.output
 
 
 @pytest.mark.parametrize(

@@ -483,3 +483,6 @@ def test_a_flipped_bit_in_a_saved_tensor_is_an_error_not_a_value(
     with pytest.raises(TraceError, match="cannot read"):
         got = trace.tensor(str(row["module"]), str(row["kind"]), **where)  # type: ignore[arg-type]
         assert not np.array_equal(got, expected)  # what a flip without checksums gave
+    check = run_cli(["check", str(copy)])  # where the reader's error sends the user
+    assert check.code == 1, check
+    assert f"{row['tensor_key']}: its bytes no longer match their checksum" in check.stdout
