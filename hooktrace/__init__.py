@@ -17,6 +17,7 @@ from hooktrace.errors import (
     TensorNotRecorded,
     TraceError,
     TraceNotFound,
+    TraceWarning,
 )
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "TraceNotFound",
+    "TraceWarning",
     "__version__",
     "anomalies",
     "check",

@@ -33,3 +33,9 @@ class RecordingError(HooktraceError):
 
 class ConfigError(HooktraceError, ValueError):
     """An option has a bad value."""
+
+
+class TraceWarning(UserWarning):
+    """Part of a trace was damaged and left out, and the rest was read; or an analysis used
+    less than it was asked to (a full tensor that could not be read). The CLI prints each as
+    one ``hooktrace: warning:`` line."""

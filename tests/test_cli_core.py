@@ -51,6 +51,15 @@ def test_check_whole_and_broken(run: Path) -> None:
     assert "unreadable, left out: records/rank=0/part-000000.parquet" in result.output
 
 
+def test_a_damaged_file_is_a_trace_warning_from_python(run: Path) -> None:
+    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:100])
+    with pytest.warns(hooktrace.TraceWarning, match="left out records/rank=0/part-000000"):
+        trace = hooktrace.load(run)
+        assert trace.skipped
+    assert issubclass(hooktrace.TraceWarning, UserWarning)
+
+
 def test_check_reads_every_full_tensor_against_its_checksum(
     run_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

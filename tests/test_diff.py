@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pandas as pd
 import pytest
@@ -151,6 +152,30 @@ def test_full_tensors_decide_exactly(base: Path, tmp_path: Path) -> None:
         "output",
     )
     assert hooktrace.diff(a, b, atol=10.0).match
+
+
+def test_a_full_tensor_that_cannot_be_read_is_noted(tmp_path: Path) -> None:
+    a = train(tmp_path / "a", full_every=1)
+    b = train(tmp_path / "b", full_every=1)
+    row = hooktrace.load(b).record("fc1", "output", step=2)
+    segment = b / str(row["segment"])
+    with h5py.File(segment, "r") as f:
+        offset = f[str(row["tensor_key"])].id.get_offset()
+    data = bytearray(segment.read_bytes())
+    data[offset] ^= 0x01  # one value changed, its statistics recorded before: still equal
+    segment.write_bytes(bytes(data))
+    result = hooktrace.diff(a, b)
+    assert result.match  # compared on its statistics
+    assert result.notes == [
+        f"1 full tensor(s) could not be read (first: run B: {row['segment']}:{row['tensor_key']} "
+        "(TraceError)): their records were compared on statistics only; `hooktrace check` says "
+        "what is damaged"
+    ]
+    tensors = len(hooktrace.load(a).records.query("tensor_key != ''"))
+    for path in (a / "tensors").rglob("seg-*.h5"):
+        path.unlink()
+    notes = hooktrace.diff(a, b).notes  # every tensor of A, and still the damaged one of B
+    assert notes[0].startswith(f"{tensors + 1} full tensor(s) could not be read (first: run A")
 
 
 def test_nan_in_both_runs_is_no_divergence(tmp_path: Path) -> None:

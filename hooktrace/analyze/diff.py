@@ -149,6 +149,12 @@ def diff(
         tensors.close()
 
     notes = _notes(trace_a, trace_b, span_a, span_b, common, plan_a, plan_b, acc.stopped_at)
+    if tensors.unreadable:
+        notes.append(
+            f"{len(tensors.unreadable)} full tensor(s) could not be read (first: "
+            f"{tensors.unreadable[0]}): their records were compared on statistics only; "
+            "`hooktrace check` says what is damaged"
+        )
     empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
     table = pd.concat([empty, *kept], ignore_index=True).astype(TABLE_DTYPES)
     return DiffResult(

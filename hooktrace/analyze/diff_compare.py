@@ -207,6 +207,7 @@ class TensorPair:
         self.roots = (root_a, root_b)
         self.max_open = max_open
         self._open: OrderedDict[Path, h5py.File] = OrderedDict()
+        self.unreadable: list[str] = []  # "run A: segment:key (why)", one per tensor not read
 
     def compare(self, rows: pd.DataFrame, *, rtol: float, atol: float) -> dict[str, np.ndarray]:
         out = {m: np.full(len(rows), np.nan) for m in TENSOR_METRICS}
@@ -228,10 +229,14 @@ class TensorPair:
             self._open.popitem(last=False)[1].close()
 
     def _load(self, side: int, segment: str, key: str) -> np.ndarray | None:
+        """The tensor as float64 values, or None where it cannot be compared value by value:
+        the record is then compared on its statistics, and a damaged tensor is noted."""
         root = self.roots[side]
         path = (root / segment).resolve()
+        where = f"run {'AB'[side]}: {segment}:{key}"
         if not path.is_relative_to(root.resolve()) or not path.exists():
-            return None  # `hooktrace check` reports missing segments; compare statistics only
+            self.unreadable.append(f"{where} (the segment is missing)")
+            return None
         try:
             f = self._open.pop(path, None)
             if f is None:
@@ -240,11 +245,13 @@ class TensorPair:
                     self._open.popitem(last=False)[1].close()
             self._open[path] = f
             if key not in f:
+                self.unreadable.append(f"{where} (not in the segment)")
                 return None
             data = decode_dataset(f[key], f"{segment}:{key}")
-        except (TraceError, OSError, KeyError, TypeError, ValueError, RuntimeError):
-            return None  # damaged or altered: this record is compared on its statistics only
-        if data.dtype.kind == "c":
+        except (TraceError, OSError, KeyError, TypeError, ValueError, RuntimeError) as exc:
+            self.unreadable.append(f"{where} ({type(exc).__name__})")
+            return None
+        if data.dtype.kind == "c":  # no order on complex values: statistics only, by design
             return None
         return data.astype(np.float64).reshape(-1)
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import click
 
-from hooktrace.errors import HooktraceError
+from hooktrace.errors import HooktraceError, TraceWarning
 
 if TYPE_CHECKING:
     import pandas as pd  # imported by the commands that print tables, not by --help
@@ -43,7 +43,6 @@ def library_errors(func: F) -> F:
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from hooktrace.trace.reader import TraceWarning
 
         caught: list[warnings.WarningMessage] = []
         try:

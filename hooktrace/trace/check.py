@@ -23,8 +23,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hooktrace.errors import TraceWarning
 from hooktrace.trace import schema
-from hooktrace.trace.reader import Trace, TraceWarning, load
+from hooktrace.trace.reader import Trace, load
 
 _MAX_LISTED = 5  # ranks named one by one before "and N more"
 _BLOCK_BYTES = 64 << 20  # how much of a full tensor is read at a time to check its CRC-32

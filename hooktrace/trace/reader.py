@@ -27,7 +27,13 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from hooktrace.errors import FormatVersionError, TensorNotRecorded, TraceError, TraceNotFound
+from hooktrace.errors import (
+    FormatVersionError,
+    TensorNotRecorded,
+    TraceError,
+    TraceNotFound,
+    TraceWarning,
+)
 from hooktrace.trace import schema
 
 # torch dtypes numpy lacks: stored as unsigned integers of the same width (docs/FORMAT.md)
@@ -71,10 +77,6 @@ def decode_dataset(dataset: Any, where: str) -> np.ndarray:
 
 
 _MAX_RANK = 2**31 - 1  # the rank partition column is int32
-
-
-class TraceWarning(UserWarning):
-    """Part of a trace was damaged and left out; the rest was read. The CLI prints these."""
 
 
 def load(path: str | os.PathLike[str]) -> Trace:

@@ -21,8 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import hooktrace
-from hooktrace.errors import HooktraceError
-from hooktrace.trace.reader import TraceWarning
+from hooktrace.errors import HooktraceError, TraceWarning
 
 from .conftest import FIGURES
 from .helpers import analyzer_commands, argv_for, normalise, problems_with_error, run_cli
