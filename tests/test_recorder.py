@@ -321,6 +321,25 @@ def test_a_fault_inside_hooktrace_warns_once_and_training_goes_on(run_dir: Path)
     assert _hooks_left(model) == []
 
 
+def _broken(*args: object, **kwargs: object) -> None:
+    raise ValueError("a planted internal bug.")
+
+
+@pytest.mark.parametrize("where", ["_observe", "_on_grad"])
+def test_the_fault_warning_points_at_the_users_line(run_dir: Path, where: str) -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    with hooktrace.record(model, run_dir) as rec, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        setattr(rec, where, _broken)
+        loss = model(torch.randn(2, 3)).sum()
+        loss.backward()
+    [warning] = [w for w in caught if "hooktrace failed" in str(w.message)]
+    assert warning.filename == __file__  # not a line inside hooktrace or torch
+    line = "loss = model(" if where == "_observe" else "loss.backward()"
+    assert line in Path(__file__).read_text().splitlines()[warning.lineno - 1]
+    assert "ValueError: a planted internal bug. Recording stopped;" in str(warning.message)
+
+
 def test_strict_makes_a_fault_fatal(run_dir: Path) -> None:
     model = make_model("SharedTwice")
     with (

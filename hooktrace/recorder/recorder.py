@@ -19,7 +19,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -673,7 +673,8 @@ class Recorder:
 
     def _fault(self, exc: BaseException, where: str) -> None:
         message = (
-            f"hooktrace failed in {where} at step {self.current_step}: {type(exc).__name__}: {exc}"
+            f"hooktrace failed in {where} at step {self.current_step}: {type(exc).__name__}: "
+            f"{str(exc).rstrip('. ')}"
         )
         if self.strict:
             raise RecordingError(message) from exc
@@ -682,7 +683,7 @@ class Recorder:
                 f"{message}. Recording stopped; training goes on and the trace keeps every step "
                 f"written before (in {self.out}).",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=_caller_outside(),
             )
         self.error = self.error or message
         self._active = False
@@ -770,6 +771,22 @@ def _qualified(root_name: str, qualname: str, prefixed: bool) -> str:
     if not qualname:
         return root_name
     return f"{root_name}.{qualname}" if prefixed else qualname
+
+
+_INTERNAL = tuple(
+    str(Path(m.__file__ or "").parent) + os.sep for m in (sys.modules["hooktrace"], torch)
+)
+
+
+def _caller_outside() -> int:
+    """The ``stacklevel`` that makes a warning raised by the caller point at the first line
+    outside hooktrace and torch: the user's forward call or ``loss.backward()``. Hooks that
+    autograd runs on its own threads have no such line: the caller's caller then."""
+    frame: FrameType | None = sys._getframe(1)  # the function calling warnings.warn: level 1
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def _alive(handle: RemovableHandle) -> bool:
