@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import warnings
 from pathlib import Path
 
@@ -349,6 +350,26 @@ def test_strict_makes_a_fault_fatal(run_dir: Path) -> None:
         rec._observe = None  # type: ignore[assignment,method-assign]
         make_batch("SharedTwice").run(model)
     assert _hooks_left(model) == []
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_a_final_status_that_cannot_be_written(run_dir: Path, strict: bool) -> None:
+    model = nn.Linear(2, 2)
+    rec = hooktrace.record(model, run_dir, strict=strict)
+    model(torch.randn(3, 2)).sum().backward()
+    rec.step()
+    shutil.rmtree(run_dir / "status")
+    (run_dir / "status").write_text("a file where the status directory was\n")  # ENOTDIR
+    if strict:
+        with pytest.raises(RecordingError, match="at the end of the recording: could not write"):
+            rec.close()
+    else:
+        with pytest.warns(RuntimeWarning, match="could not write the final status"):
+            rec.close()
+    assert _hooks_left(model) == []
+    (run_dir / "status").unlink()
+    trace = hooktrace.load(run_dir)  # what was written stays readable
+    assert sorted(trace.steps["step"]) == [0]
 
 
 def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:

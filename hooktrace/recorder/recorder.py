@@ -209,6 +209,7 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
+        finishing = status == schema.STATUS_COMPLETE  # not ended by an exception in flight
         try:
             if self._active and self._pending.meta:
                 self._submit()
@@ -222,7 +223,9 @@ class Recorder:
                 _ACTIVE = None
             if self.error is not None and status == schema.STATUS_COMPLETE:
                 status = schema.STATUS_INCOMPLETE
-            self._writer.close(status, error=error or self.error)
+            problem = self._writer.close(status, error=error or self.error, warn=not self.strict)
+        if problem is not None and self.strict and finishing:
+            raise RecordingError(f"hooktrace failed at the end of the recording: {problem}")
 
     def __enter__(self) -> Recorder:
         return self

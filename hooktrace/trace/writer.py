@@ -198,40 +198,48 @@ class TraceWriter:
             self._new_modules.extend(rows)
 
     def close(
-        self, status: str, *, error: str | None = None, extra: Mapping[str, Any] | None = None
-    ) -> None:
-        """Flush everything, stop the thread and write the final status. Idempotent."""
+        self,
+        status: str,
+        *,
+        error: str | None = None,
+        extra: Mapping[str, Any] | None = None,
+        warn: bool = True,
+    ) -> str | None:
+        """Flush everything, stop the thread and write the final status. Idempotent.
+
+        Returns what went wrong in the end that nobody was told yet (the final flush or the
+        final status failed), None when nothing did; ``warn`` also says it as a warning."""
         if self._closed:
-            return
+            return None
         self._closed = True
         self._queue.put(_CLOSE)
         self._thread.join()
+        problem = None
         if self.error is not None and status == schema.STATUS_COMPLETE:
             status = schema.STATUS_INCOMPLETE
         if self.error is not None and not (error and _describe(self.error) in error):
             # failed after the recorder last looked (in the final flush): nobody said so yet
-            warnings.warn(
-                f"hooktrace: the trace writer failed ({_describe(self.error)}): "
-                f"{self.steps_lost} step(s) were not written to {self.run_dir}; training was "
-                "not affected",
-                RuntimeWarning,
-                stacklevel=3,
+            problem = (
+                f"the trace writer failed ({_describe(self.error)}): {self.steps_lost} step(s) "
+                f"were not written to {self.run_dir}"
             )
         if self.error is not None:
             error = error or f"trace writer failed: {_describe(self.error)}"
         try:
             self._write_status(status, error=error, extra=extra, final=True)
         except OSError as exc:  # the end of a recording must not take the training down
-            if self.error is not None:
-                return  # the same trouble that stopped the writer, already reported
-            self.error = exc
+            if self.error is None:  # else the same trouble that stopped the writer
+                self.error = exc
+                problem = (
+                    f"could not write the final status of {self.run_dir} ({_describe(exc)}): its "
+                    f"{self.steps_written} step(s) written stay readable, but it reads as "
+                    "unfinished"
+                )
+        if problem is not None and warn:
             warnings.warn(
-                f"hooktrace: could not write the final status of {self.run_dir} "
-                f"({_describe(exc)}): its {self.steps_written} step(s) written stay readable, "
-                "but it reads as unfinished",
-                RuntimeWarning,
-                stacklevel=3,
+                f"hooktrace: {problem}; training was not affected", RuntimeWarning, stacklevel=3
             )
+        return problem
 
     # -- the writer thread ----------------------------------------------------------------
 
