@@ -1,10 +1,11 @@
 """The statistics of one activation: hooktrace's eager route against one fused kernel.
 
-Times, per tensor of SmallCNN's activation shapes, what the recorder does in a hook on the
-CPU (``summarize`` and per-channel ``activity``, with the scratch buffer) against a single
-function compiled by torch.compile (inductor) that computes the same sums, extremes, zero
-count and per-channel positive counts in one pass per output. Also prints what compiling
-cost, once. This is the measurement behind docs/PERFORMANCE.md's "way forward".
+Times, per tensor of SmallCNN's and TinyTransformer's activation shapes, what the recorder
+does in a hook on the CPU (``summarize`` and per-unit ``activity``, with the scratch buffer)
+against single functions compiled by torch.compile (inductor, dynamic shapes) that compute
+the same sums, extremes, zero count and per-unit positive counts: one accumulating in
+float64, one in float32 (as the eager route does). Also prints what compiling cost, once.
+This is the measurement behind docs/PERFORMANCE.md's "way forward".
 
 Run: python benchmarks/bench_stats_kernels.py [--reps 9] [--no-compile]
 """
@@ -12,23 +13,40 @@ Run: python benchmarks/bench_stats_kernels.py [--reps 9] [--no-compile]
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hooktrace.recorder.stats import activity, summarize
 
-SHAPES = [(32, 16, 32, 32), (32, 32, 16, 16), (32, 64, 8, 8)]
+# (shape, unit dimension): SmallCNN's conv activations (channels), TinyTransformer's
+# (features, the last dimension)
+SHAPES = [
+    ((32, 16, 32, 32), 1),
+    ((32, 32, 16, 16), 1),
+    ((32, 64, 8, 8), 1),
+    ((16, 64, 128), 2),
+    ((16, 64, 256), 2),
+]
 
 
-def fused(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum, sum of squares, min, max, zero count) in float64, and positives per channel."""
+def fused64(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, sum of squares, min, max, zero count) in float64, and positives per unit, of a
+    tensor viewed as (before the unit, units, after it)."""
     d = x3.double()
     totals = torch.stack(
         [d.sum(), (d * d).sum(), x3.amin().double(), x3.amax().double(), (x3 == 0).sum().double()]
     )
+    return totals, (x3 > 0).sum((0, 2))
+
+
+def fused32(x3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`fused64`, accumulating in float32."""
+    totals = torch.stack([x3.sum(), (x3 * x3).sum(), x3.amin(), x3.amax(), (x3 == 0).sum().float()])
     return totals, (x3 > 0).sum((0, 2))
 
 
@@ -50,32 +68,40 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="time the eager route only")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    compiled = None
+    compiled = {}
     if not args.no_compile:
-        start = time.perf_counter()
-        compiled = torch.compile(fused, dynamic=True)
-        for shape in [(3, 5, 7), (2, 9, 4)]:  # dynamic shapes: two sizes compile it for all
-            compiled(torch.randn(shape))
-        print(f"compiling the fused kernel: {time.perf_counter() - start:.1f} s (once)")
+        for name, function in (("float64", fused64), ("float32", fused32)):
+            start = time.perf_counter()
+            kernel = torch.compile(function, dynamic=True)
+            for shape in [(3, 5, 7), (2, 9, 4)]:  # dynamic shapes: two sizes compile it for all
+                kernel(torch.randn(shape))
+            compiled[name] = kernel
+            print(f"compiling the {name} kernel: {time.perf_counter() - start:.1f} s (once)")
     torch.manual_seed(0)
-    print(f"  {'shape':<18} {'eager us':>9} {'fused us':>9} {'ratio':>6}")
-    for shape in SHAPES:
+    header = "".join(f" {name + ' us':>11} {'ratio':>6}" for name in compiled)
+    print(f"  {'shape':<18} {'eager us':>9}{header}")
+    for shape, dim in SHAPES:
         x = torch.randn(shape).relu_()
         scratch = torch.empty(x.numel())
 
-        def eager(x: torch.Tensor = x, scratch: torch.Tensor = scratch) -> None:
+        def eager(x: torch.Tensor = x, dim: int = dim, scratch: torch.Tensor = scratch) -> None:
             summarize(x, scratch=scratch)
-            activity(x, 1, scratch=scratch)
+            activity(x, dim, scratch=scratch)
 
         eager_us = median_us(eager, args.reps)
         line = f"  {shape!s:<18} {eager_us:9.1f}"
-        if compiled is not None:
-            x3 = x.view(shape[0], shape[1], -1)
-            totals, counts = compiled(x3)
-            assert counts.tolist() == activity(x, 1).tolist()
+        x3 = x.view(math.prod(shape[:dim]), shape[dim], -1)
+        for kernel in compiled.values():
+            totals, counts = kernel(x3)
+            assert counts.tolist() == activity(x, dim).tolist()
             assert totals[4].item() == (x == 0).sum().item()
-            fused_us = median_us(lambda x3=x3: compiled(x3), args.reps)
-            line += f" {fused_us:9.1f} {fused_us / eager_us:6.2f}"
+
+            def run(kernel: Callable[..., Any] = kernel, x3: torch.Tensor = x3) -> None:
+                totals, counts = kernel(x3)
+                totals.tolist(), counts.tolist()  # the values on the host, as the writer needs
+
+            fused_us = median_us(run, args.reps)
+            line += f" {fused_us:11.1f} {fused_us / eager_us:6.2f}"
         print(line)
 
 
