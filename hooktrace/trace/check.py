@@ -85,7 +85,9 @@ def _decode_every_part(trace: Trace) -> None:
     for kind_dir, parts in trace._parts.items():
         for part in list(parts):
             try:
-                for _ in pq.ParquetFile(part).iter_batches(batch_size=1 << 16):
+                for _ in pq.ParquetFile(part, page_checksum_verification=True).iter_batches(
+                    batch_size=1 << 16
+                ):
                     pass
             except (OSError, ValueError, pa.ArrowException) as exc:
                 trace._drop(kind_dir, part, exc)

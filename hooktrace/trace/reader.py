@@ -78,6 +78,11 @@ def decode_dataset(dataset: Any, where: str) -> np.ndarray:
 
 _MAX_RANK = 2**31 - 1  # the rank partition column is int32
 
+# pages written with a CRC-32 (hooktrace since 2026-11-21) are verified; older ones have none
+_PARQUET = ds.ParquetFileFormat(
+    default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
+)
+
 
 def load(path: str | os.PathLike[str]) -> Trace:
     """Open the run directory at ``path``.
@@ -407,7 +412,7 @@ class Trace:
         return ds.dataset(
             [str(p) for p in paths],
             schema=full_schema,
-            format="parquet",
+            format=_PARQUET,
             partitioning=ds.partitioning(schema.PARTITIONING, flavor="hive"),
             partition_base_dir=str(self.path / kind_dir),
         )

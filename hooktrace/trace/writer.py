@@ -406,8 +406,15 @@ class TraceWriter:
         name = schema.part_name(index)
         tmp = directory / schema.temporary_name(name)
         with _removed_on_failure(tmp):
-            # row groups of 64k rows: a step-range query decodes little more than it needs
-            pq.write_table(table, tmp, compression="zstd", row_group_size=1 << 16)
+            # row groups of 64k rows: a step-range query decodes little more than it needs;
+            # a CRC-32 in each page header, which the reader verifies
+            pq.write_table(
+                table,
+                tmp,
+                compression="zstd",
+                row_group_size=1 << 16,
+                write_page_checksum=True,
+            )
             os.replace(tmp, directory / name)
 
     def _write_status(

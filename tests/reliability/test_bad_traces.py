@@ -486,3 +486,53 @@ def test_a_flipped_bit_in_a_saved_tensor_is_an_error_not_a_value(
     check = run_cli(["check", str(copy)])  # where the reader's error sends the user
     assert check.code == 1, check
     assert f"{row['tensor_key']}: its bytes no longer match their checksum" in check.stdout
+
+
+def _silent_flip(part: Path) -> tuple[int, int] | None:
+    """A (byte, bit) inside a data page of ``part`` whose flip still decodes, to other values,
+    when page checksums are not verified: what decompression alone lets through."""
+    good = pq.read_table(part)
+    data = bytearray(part.read_bytes())
+    metadata = pq.ParquetFile(part).metadata
+    for column in range(metadata.num_columns):
+        chunk = metadata.row_group(0).column(column)
+        start = chunk.data_page_offset
+        for offset in range(start + chunk.total_compressed_size - 1, start, -1):
+            for bit in range(8):
+                data[offset] ^= 1 << bit
+                flipped = part.with_name("flipped.parquet")
+                flipped.write_bytes(bytes(data))
+                data[offset] ^= 1 << bit
+                try:
+                    changed = not pq.read_table(flipped, page_checksum_verification=False).equals(
+                        good
+                    )
+                except (OSError, pa.ArrowException):
+                    continue
+                finally:
+                    flipped.unlink()
+                if changed:
+                    return offset, bit
+    return None
+
+
+def test_a_flipped_bit_that_still_decompresses_is_caught_by_the_page_checksum(
+    good_run: Path, tmp_path: Path
+) -> None:
+    """zstd does not checksum its frames here, so a flipped bit can decode to other numbers;
+    the CRC-32 in each page header makes it a damaged part instead."""
+    copy = tmp_path / "run"
+    shutil.copytree(good_run, copy)
+    part = copy / RECORDS
+    flip = _silent_flip(part)
+    assert flip is not None, "no flip decodes silently: this test no longer tests anything"
+    offset, bit = flip
+    data = bytearray(part.read_bytes())
+    data[offset] ^= 1 << bit
+    part.write_bytes(bytes(data))
+    trace = hooktrace.load(copy)
+    with pytest.warns(hooktrace.TraceWarning, match="left out records/rank=0/part-000000"):
+        records = trace.records
+    assert trace.skipped and len(records) == 0  # the run's only records part
+    check = run_cli(["check", str(copy)])
+    assert check.code == 1 and "unreadable, left out: records/rank=0/part-000000" in check.stdout
