@@ -86,10 +86,15 @@ LIMITS = """\
 - One rank only: no kill of one rank of a torchrun job, no GPU (none on the test machines).
 - Power loss: files are not fsync'd, so a crash of the machine (not of the process) may lose
   flushed steps.
-- Parquet has no page checksums here: a flipped bit in a compressed page is caught when the
-  page no longer decompresses or decodes (every case above), not by a checksum. HDF5
-  segments checksum metadata and every chunk of a full tensor; segments written before that
-  do not.
+- Parquet pages carry a CRC-32 since 2026-11-21, which the reader verifies: a flipped bit
+  in a page that still decompresses and decodes (zstd does not checksum its frames here) is a
+  damaged part, not other numbers (a test searches for such a bit and flips it). Before that,
+  a flipped bit was caught only when its page no longer decompressed or decoded. The footer
+  (schema, row-group statistics) has no checksum: a flip there is caught when it no longer
+  parses; one that parses could make a filtered read skip a row group.
+- HDF5 segments checksum their metadata, and every full tensor carries a CRC-32 of its bytes
+  that the reader and `hooktrace check` verify (fletcher32 per chunk before 2026-11-21);
+  segments written before 2026-11-20 carry neither.
 - The fuzzer damages one file at a time, 40 examples per run (derandomized);
   `HOOKTRACE_FUZZ_EXAMPLES=2000` searches further.
 """

@@ -36,6 +36,5 @@ class ConfigError(HooktraceError, ValueError):
 
 
 class TraceWarning(UserWarning):
-    """Part of a trace was damaged and left out, and the rest was read; or an analysis used
-    less than it was asked to (a full tensor that could not be read). The CLI prints each as
+    """Part of a trace was damaged and left out; the rest was read. The CLI prints each as
     one ``hooktrace: warning:`` line."""

@@ -60,13 +60,15 @@ def test_a_damaged_file_is_a_trace_warning_from_python(run: Path) -> None:
     assert issubclass(hooktrace.TraceWarning, UserWarning)
 
 
+@pytest.mark.parametrize("block", [1 << 26, 40, 8, 4], ids=["whole", "row", "2 values", "1"])
 def test_check_reads_every_full_tensor_against_its_checksum(
-    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, block: int
 ) -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     with hooktrace.record(model, run_dir, full_every=1):
         model(torch.randn(5, 4)).sum().backward()
-    monkeypatch.setattr(check_module, "_BLOCK_BYTES", 40)  # a block of one row: many blocks
+    # (5, 8) float32 outputs: rows of 32 bytes, read whole, a row, 2 values or 1 at a time
+    monkeypatch.setattr(check_module, "_BLOCK_BYTES", block)
     assert CliRunner().invoke(cli, ["check", str(run_dir)]).exit_code == 0
 
     segment = next((run_dir / "tensors" / "rank=0").glob("seg-*.h5"))
@@ -78,7 +80,8 @@ def test_check_reads_every_full_tensor_against_its_checksum(
     segment.write_bytes(bytes(data))
     result = CliRunner().invoke(cli, ["check", str(run_dir)])
     assert result.exit_code == 1
-    assert "its bytes no longer match their checksum" in result.output
+    assert "1 full tensor(s) cannot be read (t/" in result.output
+    assert "no longer matches its checksum): those are lost" in result.output
 
 
 @pytest.mark.parametrize(

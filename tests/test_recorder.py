@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import shutil
 import warnings
@@ -352,20 +353,38 @@ def test_strict_makes_a_fault_fatal(run_dir: Path) -> None:
     assert _hooks_left(model) == []
 
 
-@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
-def test_a_final_status_that_cannot_be_written(run_dir: Path, strict: bool) -> None:
+class _TrainingFailed(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("strict", "failing"),
+    [(False, False), (True, False), (True, True)],
+    ids=["default", "strict", "strict, the training raising"],
+)
+def test_a_final_status_that_cannot_be_written(run_dir: Path, strict: bool, failing: bool) -> None:
     model = nn.Linear(2, 2)
     rec = hooktrace.record(model, run_dir, strict=strict)
-    model(torch.randn(3, 2)).sum().backward()
-    rec.step()
-    shutil.rmtree(run_dir / "status")
-    (run_dir / "status").write_text("a file where the status directory was\n")  # ENOTDIR
-    if strict:
+
+    def train_and_lose_the_status_directory() -> None:
+        with rec:
+            model(torch.randn(3, 2)).sum().backward()
+            rec.step()
+            shutil.rmtree(run_dir / "status")
+            (run_dir / "status").write_text("a file where the status directory was\n")  # ENOTDIR
+            if failing:
+                raise _TrainingFailed
+
+    if strict and not failing:
         with pytest.raises(RecordingError, match="at the end of the recording: could not write"):
-            rec.close()
-    else:
-        with pytest.warns(RuntimeWarning, match="could not write the final status"):
-            rec.close()
+            train_and_lose_the_status_directory()
+    else:  # a warning, pointing here; the training's own exception is the one that goes on
+        with (
+            pytest.warns(RuntimeWarning, match="could not write the final status") as caught,
+            pytest.raises(_TrainingFailed) if failing else contextlib.nullcontext(),
+        ):
+            train_and_lose_the_status_directory()
+        assert [w.filename for w in caught if "final status" in str(w.message)] == [__file__]
     assert _hooks_left(model) == []
     (run_dir / "status").unlink()
     trace = hooktrace.load(run_dir)  # what was written stays readable

@@ -16,8 +16,8 @@ from hooktrace.cli.common import library_errors, run_argument
 def check(run: Path) -> None:
     """Is RUN whole? Says what was lost; exits 0 whole, 1 incomplete, 2 unreadable.
 
-    Reads every file of the run in full, and every full tensor against the checksum stored
-    with it: a trace of many full tensors takes as long to check as to read.
+    Reads every Parquet part in full, and every full tensor a record points to against the
+    checksum stored with it: a trace of many full tensors takes as long to check as to read.
 
     \b
     Example:

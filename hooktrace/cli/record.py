@@ -166,7 +166,7 @@ def record(
     )
     try:
         code = run_script(script, list(args), out=out, options=options, command=command)
-    except HooktraceError as exc:  # raised while setting up, before the script runs
+    except HooktraceError as exc:  # setting up failed, or --strict: finishing the trace did
         raise CommandError(str(exc)) from exc
     if not quiet:
         _report(out)

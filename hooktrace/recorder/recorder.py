@@ -223,9 +223,16 @@ class Recorder:
                 _ACTIVE = None
             if self.error is not None and status == schema.STATUS_COMPLETE:
                 status = schema.STATUS_INCOMPLETE
-            problem = self._writer.close(status, error=error or self.error, warn=not self.strict)
-        if problem is not None and self.strict and finishing:
+            problem = self._writer.close(status, error=error or self.error, warn=False)
+        if problem is None:
+            return
+        if self.strict and finishing:
             raise RecordingError(f"hooktrace failed at the end of the recording: {problem}")
+        warnings.warn(  # an exception in flight is the one to see: not replaced, even if strict
+            f"hooktrace: {problem}; training was not affected",
+            RuntimeWarning,
+            stacklevel=_caller_outside(),
+        )
 
     def __enter__(self) -> Recorder:
         return self

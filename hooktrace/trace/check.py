@@ -10,10 +10,12 @@ the writer stored with it.
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,15 +156,23 @@ def _check_segments(trace: Trace, rows: pd.DataFrame, report: CheckReport) -> No
                 f"segment {segment} is missing: its activity and full tensors are lost"
             )
             continue
+        unreadable: list[str] = []
         try:
-            damage = _segment_damage(path, group)
+            damage = _segment_damage(path, group, unreadable)
         except Exception as exc:  # h5py raises OSError, KeyError, RuntimeError, ...
             damage = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
         if damage:
             report.problems.append(f"segment {segment} is damaged ({damage}): its data is lost")
+        elif unreadable:
+            report.problems.append(
+                f"segment {segment}: {len(unreadable)} full tensor(s) cannot be read "
+                f"({_listed(unreadable)}): those are lost, the rest of the segment reads"
+            )
 
 
-def _segment_damage(path: Path, rows: pd.DataFrame) -> str | None:
+def _segment_damage(path: Path, rows: pd.DataFrame, unreadable: list[str]) -> str | None:
+    """What makes the whole segment unreadable, if anything; the full tensors that cannot be
+    read on their own are added to ``unreadable``."""
     if not path.is_file():
         return "not a regular file"
     with h5py.File(path, "r") as f:
@@ -178,30 +188,50 @@ def _segment_damage(path: Path, rows: pd.DataFrame) -> str | None:
         for key in rows.loc[rows["tensor_key"] != "", "tensor_key"].astype(str):
             dataset = f.get(key)
             if not isinstance(dataset, h5py.Dataset):
-                return f"{key} is missing"
-            if dataset.dtype.kind not in "biufc":
-                return f"{key} is not a numeric array"
-            if not _checksum_matches(dataset):
-                return f"{key}: its bytes no longer match their checksum"
+                unreadable.append(f"{key} is missing")
+            elif dataset.dtype.kind not in "biufc":
+                unreadable.append(f"{key} is not a numeric array")
+            else:
+                try:
+                    if not _checksum_matches(dataset):
+                        unreadable.append(f"{key} no longer matches its checksum")
+                except Exception as exc:  # an HDF5 checksum or decompression error
+                    unreadable.append(f"{key}: {type(exc).__name__}")
     return None
 
 
 def _checksum_matches(dataset: h5py.Dataset) -> bool:
-    """Whether a full tensor's bytes, read a block of rows at a time, have the CRC-32 stored
-    with it. Segments written before hooktrace stored one were checksummed per chunk by
-    HDF5 (fletcher32), which reading verifies: an error is raised then instead."""
-    expected = dataset.attrs.get(schema.TENSOR_CHECKSUM)
-    blocks: Iterable[np.ndarray]
-    if dataset.ndim == 0 or dataset.size == 0:
-        blocks = [dataset[()]]
-    else:
-        row_bytes = dataset.size // dataset.shape[0] * dataset.dtype.itemsize
-        rows = max(1, _BLOCK_BYTES // max(row_bytes, 1))
-        blocks = (dataset[i : i + rows] for i in range(0, dataset.shape[0], rows))
+    """Whether a full tensor's bytes, read a block at a time, have the CRC-32 stored with it.
+    Segments written before hooktrace stored one were checksummed per chunk by HDF5
+    (fletcher32), which reading verifies: an error is raised then instead."""
     crc = 0
-    for block in blocks:
+    for block in _blocks(dataset):
         crc = zlib.crc32(np.ascontiguousarray(block).data, crc)
+    expected = dataset.attrs.get(schema.TENSOR_CHECKSUM)
     return expected is None or crc == int(expected)
+
+
+def _blocks(dataset: h5py.Dataset) -> Iterator[np.ndarray]:
+    """The dataset's values in C order, in pieces of at most ``_BLOCK_BYTES`` (or of one
+    value): along the first axis whose slices fit, for each index of the axes before it."""
+    if dataset.ndim == 0 or dataset.size == 0:
+        yield np.asarray(dataset[()])
+        return
+    shape = dataset.shape
+    axis = 0
+    while axis < len(shape) - 1 and math.prod(shape[axis + 1 :]) * dataset.dtype.itemsize > (
+        _BLOCK_BYTES
+    ):
+        axis += 1
+    count = max(1, _BLOCK_BYTES // (math.prod(shape[axis + 1 :]) * dataset.dtype.itemsize))
+    for lead in itertools.product(*(range(n) for n in shape[:axis])):
+        for start in range(0, shape[axis], count):
+            yield np.asarray(dataset[(*lead, slice(start, start + count))])
+
+
+def _listed(items: list[str]) -> str:
+    more = len(items) - _MAX_LISTED
+    return "; ".join(items[:_MAX_LISTED]) + (f"; and {more} more" if more > 0 else "")
 
 
 def _check_tables(

@@ -208,7 +208,8 @@ class TraceWriter:
         """Flush everything, stop the thread and write the final status. Idempotent.
 
         Returns what went wrong in the end that nobody was told yet (the final flush or the
-        final status failed), None when nothing did; ``warn`` also says it as a warning."""
+        final status failed), None when nothing did; ``warn`` also says it as a warning (the
+        recorder says it itself, pointing at the user's line)."""
         if self._closed:
             return None
         self._closed = True
