@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import h5py
 import numpy as np
 import torch
 from click.testing import CliRunner
@@ -14,7 +17,7 @@ from torch import nn
 
 import hooktrace
 from hooktrace.cli import cli
-from hooktrace.trace.writer import StepData, TraceWriter
+from hooktrace.trace.writer import StepData, TraceWriter, _Sink
 
 
 def _train(run: Path, steps: int = 6, **options: object) -> None:
@@ -101,3 +104,23 @@ def test_full_tensors_are_flushed_by_size_before_the_timer(tmp_path: Path) -> No
     assert len(list(parts.glob("part-*.parquet"))) >= 2  # written while the run goes on
     writer.close("complete")
     assert writer.steps_written == 4
+
+
+class _ShortWrites(io.FileIO):
+    """A file whose writes take at most 1,000 bytes at a time, as an unbuffered write may."""
+
+    def write(self, data: Any) -> int:
+        return super().write(memoryview(data).cast("B")[:1000])
+
+
+def test_a_segment_written_in_short_writes_is_whole(tmp_path: Path) -> None:
+    values = np.arange(100_000, dtype=np.float32).reshape(250, 400)
+    path = tmp_path / "segment.h5"
+    with (
+        _ShortWrites(path, "w+b") as raw,
+        _Sink(raw) as sink,
+        h5py.File(sink, "w", libver=("v110", "latest")) as f,
+    ):
+        f.create_dataset("t/0", data=values)
+    with h5py.File(path, "r") as f:
+        np.testing.assert_array_equal(f["t/0"][()], values)

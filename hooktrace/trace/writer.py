@@ -13,6 +13,7 @@ Memory is bounded: ``submit`` blocks while more than ``max_buffer_bytes`` wait t
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -376,7 +377,7 @@ class TraceWriter:
         # GIL, where HDF5's fletcher32 filter held it and cost the training 3x a plain step.)
         with (
             _removed_on_failure(tmp),
-            open(tmp, "w+b") as raw,
+            open(tmp, "w+b", buffering=0) as raw,  # HDF5 seeks between writes: no buffer
             _Sink(raw) as sink,
             h5py.File(sink, "w", libver=("v110", "latest")) as f,
         ):
@@ -449,7 +450,7 @@ class _Sink:
     into HDF5 while it flushes its cache on closing is printed as an "Exception ignored"
     traceback, one per write that follows. The kept error is raised once HDF5 is done."""
 
-    def __init__(self, raw: io.BufferedRandom) -> None:
+    def __init__(self, raw: io.FileIO) -> None:
         self._raw = raw
         self._position = 0  # where HDF5 thinks it is, once the file is given up
         self.failed: OSError | None = None
@@ -471,7 +472,18 @@ class _Sink:
             return otherwise
 
     def write(self, data: Any) -> int:
-        return int(self._guard(lambda: self._raw.write(data), len(data)))
+        view = memoryview(data).cast("B")
+
+        def write_all() -> int:  # an unbuffered write may take less than it was given
+            written = 0
+            while written < len(view):
+                count = self._raw.write(view[written:])
+                if not count:
+                    raise OSError(errno.EIO, f"wrote nothing to {self._raw.name}")
+                written += count
+            return written
+
+        return int(self._guard(write_all, len(view)))
 
     def truncate(self, size: int) -> int:
         return int(self._guard(lambda: self._raw.truncate(size), size))
