@@ -86,7 +86,8 @@ class PendingStep:
         stats = np.full((n, STATS_WIDTH), np.nan)
         stats[:, 5:] = 0
         staged_values, staged_bounds, staged_stats = _summarize_staged(self.staged)
-        on_device = []
+        on_device: list[int] = []
+        device_stats: list[torch.Tensor] = []
         for i, values in enumerate(self.stats):
             if isinstance(values, np.ndarray):  # computed on the host already
                 stats[i] = values
@@ -94,7 +95,11 @@ class PendingStep:
                 stats[i] = staged_stats[values.position]
             elif values is not None:
                 on_device.append(i)
-        for rows, values in _gather([self.stats[i] for i in on_device], on_device):  # type: ignore[misc]
+                device_stats.append(values)
+        _wait_for_devices(
+            device_stats + [a for _, a in self.activity if isinstance(a, torch.Tensor)]
+        )
+        for rows, values in _gather(device_stats, on_device):
             stats[rows] = values
         (micro_step, phase, seq, module, call, kind, slot, dtype, shape, units, unit_size) = (
             zip(*self.meta, strict=True) if n else ((),) * len(Meta._fields)
@@ -172,6 +177,20 @@ def _summarize_staged(
     bounds = np.zeros(len(staged) + 1, dtype=np.int64)
     np.cumsum(lengths, out=bounds[1:])
     return values, bounds, summarize_staged(values, lengths)
+
+
+def _wait_for_devices(tensors: list[torch.Tensor]) -> None:
+    """Wait, in the writer's thread only, until each accelerator these tensors live on has run
+    what was queued on it. Hooks queue the statistics on whatever stream is current where they
+    fire (a side stream of the training's, autograd's), and the copies below run on this
+    thread's own stream, which does not wait for those."""
+    for device in {t.device for t in tensors if t.device.type not in ("cpu", "meta")}:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        else:  # xpu, mps, ...: where the backend has a synchronize
+            backend = getattr(torch, device.type, None)
+            if backend is not None and hasattr(backend, "synchronize"):
+                backend.synchronize()
 
 
 def _gather(tensors: list[torch.Tensor], rows: list[int]) -> list[tuple[list[int], np.ndarray]]:
