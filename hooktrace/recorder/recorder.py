@@ -36,7 +36,7 @@ from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
 from hooktrace.recorder.pending import Meta, PendingStep, StagedUnits
 from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
-from hooktrace.recorder.stats import activity, stageable, summarize, unit_dim
+from hooktrace.recorder.stats import route_taken, stageable, summarize_with_activity, unit_dim
 from hooktrace.trace import schema
 from hooktrace.trace.writer import TraceWriter
 
@@ -223,7 +223,9 @@ class Recorder:
                 _ACTIVE = None
             if self.error is not None and status == schema.STATUS_COMPLETE:
                 status = schema.STATUS_INCOMPLETE
-            problem = self._writer.close(status, error=error or self.error, warn=False)
+            problem = self._writer.close(
+                status, error=error or self.error, extra=_route_taken(), warn=False
+            )
         if problem is None:
             return
         if self.strict and finishing:
@@ -521,9 +523,7 @@ class Recorder:
                     counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
             else:
                 scratch = self._scratch_for(tensor)
-                stats = summarize(tensor, scratch=scratch)
-                if dim is not None:
-                    counts = activity(tensor, dim, scratch=scratch)
+                stats, counts = summarize_with_activity(tensor, dim, scratch=scratch)
             if not tensor.is_inference():  # inference tensors keep no version counter
                 self._recent.append((weakref.ref(tensor), tensor._version, stats, counts))
         else:
@@ -786,6 +786,14 @@ def _qualified(root_name: str, qualname: str, prefixed: bool) -> str:
 _INTERNAL = tuple(
     str(Path(m.__file__ or "").parent) + os.sep for m in (sys.modules["hooktrace"], torch)
 )
+
+
+def _route_taken() -> dict[str, Any] | None:
+    """How this process summarised large CPU tensors, for the final status (None: none were)."""
+    taken = route_taken()
+    if taken is None:
+        return None
+    return {"stats_route": taken.description, "stats_warmup_seconds": round(taken.warmup_s, 3)}
 
 
 def _caller_outside() -> int:

@@ -5,7 +5,11 @@ the hook copies their values aside (:func:`stage`) and the writer thread summari
 a step's small tensors together, in float64 (:func:`summarize_staged`). For them, the fixed
 cost of a handful of reductions, each a dispatch and a ``.item()``, outweighed the work.
 
-On an accelerator, each function only queues tensor operations: nothing calls ``.item()`` or
+Larger contiguous CPU tensors with finite values take one pass for everything, the kernel
+compiled by numba in :mod:`hooktrace.recorder.kernel` (:func:`summarize_with_activity`).
+
+The eager route remains for the rest (and for all of them where numba is missing). On an
+accelerator, each function only queues tensor operations: nothing calls ``.item()`` or
 ``.cpu()`` or branches on a value, so hooks never synchronise the device; the results are
 copied to the host once per step, in the background writer. On the CPU, reading a value is
 not a synchronisation, and the statistics take a cheaper route that uses it: four
@@ -17,6 +21,11 @@ max says there is one.
 from __future__ import annotations
 
 import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,6 +121,71 @@ def summarize(tensor: torch.Tensor, *, scratch: torch.Tensor | None = None) -> S
     return _summarize_on_device(x)
 
 
+def summarize_with_activity(
+    tensor: torch.Tensor, dim: int | None, *, scratch: torch.Tensor | None = None
+) -> tuple[Stats | None, torch.Tensor | None]:
+    """:func:`summarize` and, where ``dim`` is given, :func:`activity` of ``tensor``.
+
+    A contiguous CPU tensor with finite values takes one pass for both (the compiled kernel,
+    where numba is installed); anything else takes :func:`summarize` and :func:`activity`.
+    """
+    x = _values(tensor)
+    if x is not None and x.device.type == "cpu" and x.is_contiguous() and x.numel() < 1 << 31:
+        one_pass = route().one_pass
+        sums = one_pass(x, dim) if one_pass is not None else None
+        if sums is not None:
+            total, squares, lo, hi, zeros, counts = sums
+            n = x.numel()
+            mean = total / n
+            row = [mean, _std(x, mean, squares), lo, hi, math.sqrt(squares), zeros, 0, 0]
+            per_unit = torch.from_numpy(counts) if counts is not None else None
+            return np.array(row, dtype=np.float64), per_unit
+    stats = summarize(tensor, scratch=scratch)
+    return stats, activity(tensor, dim, scratch=scratch) if dim is not None else None
+
+
+@dataclass(frozen=True)
+class Route:
+    """How this process summarises large CPU tensors: the one-pass kernel, or the eager route
+    where it is missing or switched off (``one_pass`` None)."""
+
+    description: str
+    warmup_s: float
+    one_pass: Callable[..., Any] | None
+
+
+_route: Route | None = None
+
+
+def route() -> Route:
+    """The route, decided on first use and kept for the life of the process; on first use it
+    also compiles the kernel (or loads it from numba's cache), which :attr:`Route.warmup_s`
+    reports. ``HOOKTRACE_ONE_PASS=0`` in the environment keeps to the eager route."""
+    global _route
+    if _route is None:
+        if os.environ.get("HOOKTRACE_ONE_PASS", "1") == "0":
+            _route = Route("eager (HOOKTRACE_ONE_PASS=0)", 0.0, None)
+            return _route
+        start = time.perf_counter()
+        try:
+            from hooktrace.recorder import kernel
+
+            kernel.warm_up()
+        except Exception as exc:  # numba missing, or unable to compile here
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            _route = Route(f"eager (no one-pass kernel: {reason})", 0.0, None)
+        else:
+            version = kernel.numba.__version__
+            warmup = time.perf_counter() - start
+            _route = Route(f"one-pass (numba {version})", warmup, kernel.one_pass)
+    return _route
+
+
+def route_taken() -> Route | None:
+    """The route if this process has summarised a large CPU tensor yet, else None."""
+    return _route
+
+
 def _summarize_on_host(x: torch.Tensor, scratch: torch.Tensor | None) -> np.ndarray:
     n = x.numel()
     lo_t, hi_t = torch.aminmax(x)
@@ -130,15 +204,18 @@ def _summarize_on_host(x: torch.Tensor, scratch: torch.Tensor | None) -> np.ndar
     if not (math.isfinite(lo) and math.isfinite(hi)):  # NaN propagates into min and max
         nans = int(torch.count_nonzero(torch.isnan(x)))
         infs = int(torch.count_nonzero(torch.isinf(x)))
-    if nans or infs:
-        std = math.nan
-    else:
-        mean_square = norm * norm / n
-        var = mean_square - mean * mean
-        if var <= _CANCELLATION * mean_square:  # spread small against the offset: two passes
-            var = (torch.linalg.vector_norm(x - mean).item() ** 2) / n
-        std = math.sqrt(max(var, 0.0))
+    std = math.nan if nans or infs else _std(x, mean, norm * norm)
     return np.array([mean, std, lo, hi, norm, zeros, nans, infs], dtype=np.float64)
+
+
+def _std(x: torch.Tensor, mean: float, squares: float) -> float:
+    """The population standard deviation of ``x``, from its mean and its sum of squares."""
+    n = x.numel()
+    mean_square = squares / n
+    var = mean_square - mean * mean
+    if var <= _CANCELLATION * mean_square:  # spread small against the offset: two passes
+        var = (torch.linalg.vector_norm(x - mean).item() ** 2) / n
+    return math.sqrt(max(var, 0.0))
 
 
 def _summarize_on_device(x: torch.Tensor) -> torch.Tensor:

@@ -577,6 +577,8 @@ _STATUS_FIELDS = {  # "status" itself is checked against schema.STATUSES
     "start_time": ("a number", _optional(_number)),
     "end_time": ("a number or null", _optional(_number)),
     "writer_blocked_seconds": ("a number", _number),
+    "stats_route": ("a string", lambda v: isinstance(v, str)),
+    "stats_warmup_seconds": ("a number", _number),
     **{
         key: ("a count", _count)
         for key in ("steps_written", "records_written", "tensors_written", "steps_lost")

@@ -1,0 +1,199 @@
+"""The one-pass kernel (hooktrace.recorder.kernel) against numpy in float64, and its place in
+the recorder: which tensors take it, what falls back to the eager route, what a trace says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hooktrace
+from hooktrace.recorder.kernel import one_pass
+from hooktrace.recorder.stats import (
+    activity,
+    route,
+    route_taken,
+    summarize,
+    summarize_with_activity,
+    unit_dim,
+)
+
+
+def _reference(x: np.ndarray, dim: int | None) -> tuple[list[float], np.ndarray | None]:
+    """Statistics and per-unit positive counts computed by numpy in float64."""
+    x64 = x.astype(np.float64)
+    stats = [
+        x64.mean(),
+        x64.std(),
+        x64.min(),
+        x64.max(),
+        np.sqrt((x64 * x64).sum()),
+        float((x64 == 0).sum()),
+        0.0,
+        0.0,
+    ]
+    if dim is None:
+        return stats, None
+    others = tuple(d for d in range(x.ndim) if d != dim)
+    return stats, (x64 > 0).sum(axis=others)
+
+
+def _check(tensor: torch.Tensor, dim: int | None) -> None:
+    stats, counts = summarize_with_activity(tensor, dim)
+    got = np.asarray(stats)
+    want, want_counts = _reference(tensor.float().numpy(), dim)
+    scale = float(np.abs(tensor.float().numpy()).max()) or 1.0
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-7 * scale)  # mean
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-7 * scale)  # std
+    assert got[2] == want[2] and got[3] == want[3]  # extremes are exact
+    np.testing.assert_allclose(got[4], want[4], rtol=1e-6)  # norm
+    assert list(got[5:]) == want[5:]  # zeros, NaN, Inf: exact
+    if dim is None:
+        assert counts is None
+    else:
+        assert counts is not None and counts.tolist() == want_counts.tolist()
+
+
+def test_the_kernel_is_what_large_cpu_tensors_take_here() -> None:
+    # the test set-up installs numba: a broken kernel must fail here, not pass by falling back
+    taken = route()
+    assert taken.one_pass is not None, taken.description
+    assert taken.description.startswith("one-pass (numba ")
+    assert route_taken() is taken
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim"),
+    [
+        ((32, 16, 32, 32), 1),  # conv activation: per-column counting
+        ((4, 8, 130, 130), 1),  # long rows (8 x 16,900 > 65,536): counted per row, 5 blocks
+        ((16, 64, 128), 2),  # (batch, time, features): units last
+        ((16, 12, 700), 1),  # Conv1d-shaped, channels first
+        ((700, 33), 1),
+        ((9000,), 0),  # a unit per value
+        ((3, 70000), None),  # no units: one row of many blocks
+        ((5, 4097), None),  # a block and one value
+    ],
+)
+def test_one_pass_matches_numpy(shape: tuple[int, ...], dim: int | None) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(shape)
+    _check(x, dim)
+    _check(torch.relu(x), dim)  # many exact zeros
+    _check(-torch.relu(x) - 1.0, dim)  # negative only: keys of negative floats
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        pytest.param(lambda x: x.to(torch.bfloat16), id="bf16"),
+        pytest.param(lambda x: x.to(torch.float16), id="fp16"),
+        pytest.param(lambda x: x.to(torch.float64) * 1e-3, id="fp64"),
+        pytest.param(lambda x: (x * 100).to(torch.int32), id="int32"),
+        pytest.param(lambda x: 1000.0 + 1e-3 * x, id="cancellation"),  # std takes two passes
+        pytest.param(lambda x: torch.zeros_like(x), id="zeros"),
+        pytest.param(lambda x: torch.full_like(x, -2.5), id="constant"),
+    ],
+)
+def test_one_pass_on_other_values(values: object) -> None:
+    torch.manual_seed(1)
+    x = values(torch.randn(64, 16, 12))  # type: ignore[operator]
+    _check(x, 1)
+
+
+def test_extremes_are_exact_at_the_edges_of_float32() -> None:
+    info = torch.finfo(torch.float32)
+    x = torch.zeros(20000)
+    edges = [info.max, -info.max, info.tiny, -info.tiny, 1e-45, -1e-45, -0.0]
+    x[: len(edges)] = torch.tensor(edges)
+    stats, _ = summarize_with_activity(x, None)
+    assert stats[2] == -info.max and stats[3] == info.max
+    y = torch.full((20000,), -0.0)
+    y[7] = -1e-45  # the negative subnormal nearest zero is below -0.0
+    stats, _ = summarize_with_activity(y, None)
+    assert stats[2] == y[7].item() < 0 and stats[3] == 0.0 and stats[5] == 19999
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_leave_the_kernel_to_the_eager_route(bad: float) -> None:
+    x = torch.randn(100, 200)
+    x[37, 11] = bad
+    assert one_pass(x, 1) is None
+    stats, counts = summarize_with_activity(x, 1)
+    np.testing.assert_array_equal(np.asarray(stats), np.asarray(summarize(x)))
+    assert counts is not None and counts.tolist() == activity(x, 1).tolist()
+    assert (stats[6], stats[7]) == ((1, 0) if bad != bad else (0, 1))
+
+
+def test_non_contiguous_tensors_take_the_eager_route() -> None:
+    x = torch.randn(300, 200).t()
+    stats, counts = summarize_with_activity(x, 1)
+    np.testing.assert_array_equal(np.asarray(stats), np.asarray(summarize(x)))
+    assert counts is not None and counts.tolist() == activity(x, 1).tolist()
+
+
+def test_one_pass_is_deterministic() -> None:
+    torch.manual_seed(2)
+    x = torch.randn(32, 16, 32, 32)
+    first = summarize_with_activity(x, 1)
+    summarize_with_activity(torch.randn(7, 9000), None)  # nothing carries over between calls
+    again = summarize_with_activity(x.clone(), 1)
+    np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(again[0]))
+    assert first[1] is not None and again[1] is not None
+    assert torch.equal(first[1], again[1])
+
+
+def test_one_pass_agrees_with_the_eager_route() -> None:
+    torch.manual_seed(3)
+    x = torch.relu(torch.randn(16, 32, 24, 24))
+    fused, fused_counts = summarize_with_activity(x, 1)
+    eager = np.asarray(summarize(x))
+    np.testing.assert_allclose(np.asarray(fused), eager, rtol=2e-6)
+    assert fused_counts is not None
+    assert fused_counts.tolist() == activity(x, unit_dim(x, channels_first=False) or 1).tolist()
+
+
+def test_a_trace_says_which_route_summarised_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3, padding=1)  # (16, 8, 20, 20) outputs: the kernel's
+    with hooktrace.record(conv, tmp_path / "run") as rec:
+        conv(torch.randn(16, 3, 20, 20)).relu().sum().backward()
+        rec.step()
+    status = json.loads((tmp_path / "run" / "status" / "rank=0.json").read_text())
+    assert status["stats_route"].startswith("one-pass (numba ")
+    assert status["stats_warmup_seconds"] >= 0
+    assert hooktrace.load(tmp_path / "run").manifest["ranks"]["0"]["stats_route"]
+
+
+_SCRIPT = """
+import json, sys, torch, hooktrace
+torch.manual_seed(0)
+conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+with hooktrace.record(conv, sys.argv[1]) as rec:
+    conv(torch.randn(16, 3, 20, 20)).relu().sum().backward()
+    rec.step()
+"""
+
+
+def test_switched_off_the_eager_route_records_the_same_statistics(tmp_path: Path) -> None:
+    runs = {}
+    for switch in ("1", "0"):
+        out = tmp_path / f"run{switch}"
+        env = {**os.environ, "HOOKTRACE_ONE_PASS": switch}
+        subprocess.run([sys.executable, "-c", _SCRIPT, str(out)], env=env, check=True)
+        runs[switch] = hooktrace.load(out)
+    assert runs["0"].manifest["ranks"]["0"]["stats_route"] == "eager (HOOKTRACE_ONE_PASS=0)"
+    assert runs["1"].manifest["ranks"]["0"]["stats_route"].startswith("one-pass")
+    one, eager = runs["1"].records, runs["0"].records
+    assert one["numel"].max() > 8192  # the kernel's tensors, not only staged ones
+    columns = ["mean", "std", "min", "max", "norm", "zero_fraction"]
+    np.testing.assert_allclose(one[columns].to_numpy(), eager[columns].to_numpy(), rtol=2e-6)
+    np.testing.assert_array_equal(
+        runs["1"].activity("Conv2d", step=0), runs["0"].activity("Conv2d", step=0)
+    )
