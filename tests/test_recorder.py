@@ -397,6 +397,10 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
         hooktrace.record(model, tmp_path / "a", every=0)
     with pytest.raises(ConfigError, match="step range"):
         hooktrace.record(model, tmp_path / "a", steps="5-2")
+    with pytest.raises(ConfigError, match=r"give \[5\] for step 5 alone, or range\(5\)"):
+        hooktrace.record(model, tmp_path / "a", steps=5)  # was a TypeError from a loop
+    with pytest.raises(ConfigError, match="bad steps 3"):
+        hooktrace.record(model, tmp_path / "a", full_steps=3)
     with pytest.raises(ConfigError, match="module pattern"):
         hooktrace.record(model, tmp_path / "a", modules="(")
     with hooktrace.record(model, tmp_path / "b"):

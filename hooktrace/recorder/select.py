@@ -72,6 +72,11 @@ def parse_steps(spec: StepSpec) -> list[tuple[int, float]]:
         return [(0, float("inf"))]
     if isinstance(spec, str):
         return [_parse_range(part.strip()) for part in spec.split(",") if part.strip()]
+    if isinstance(spec, int):  # "steps=5": step 5, or the first five? Ask.
+        raise ConfigError(
+            f"bad steps {spec!r}: give [{spec}] for step {spec} alone, or range({spec}) or "
+            f"'0-{spec - 1}' for the first {spec} steps"
+        )
     ranges: list[tuple[int, float]] = []
     for item in spec:
         if isinstance(item, bool):
