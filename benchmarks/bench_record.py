@@ -10,7 +10,9 @@ that the machine's noise falls on all of them alike, and prints medians and rati
   floor        one sum() per recorded tensor (outputs and output gradients)
   naive        what hand-written hooks do: torch reductions with .item() per statistic,
                and a synchronous h5py write per tensor
-  stats        hooktrace.record, statistics of every module at every step (the default)
+  stats        hooktrace.record, statistics of every module at every step (the default);
+               the one-time warm-up of its one-pass kernel falls in the untimed warm-up
+               steps and is printed on its own at the end
   full         hooktrace.record with full tensors of every module at every step
 
 Run: python benchmarks/bench_record.py [--reps 15] [--steps 5] [--models SmallCNN,TinyTransformer]
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from models import default_loss, make_batch, make_model
 
 import hooktrace
+from hooktrace.recorder.stats import route_taken
 
 Variant = Callable[[nn.Module, Path], contextlib.AbstractContextManager[object]]
 
@@ -181,6 +184,9 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.models.split(","):
         report(name, bench(name, variants, reps=args.reps, steps=args.steps))
+    taken = route_taken()
+    if taken is not None:  # paid once per process, in the warm-up steps, outside the figures
+        print(f"\nstatistics route: {taken.description}; warm-up {taken.warmup_s:.2f} s, once")
 
 
 if __name__ == "__main__":

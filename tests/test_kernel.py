@@ -197,3 +197,32 @@ def test_switched_off_the_eager_route_records_the_same_statistics(tmp_path: Path
     np.testing.assert_array_equal(
         runs["1"].activity("Conv2d", step=0), runs["0"].activity("Conv2d", step=0)
     )
+
+
+_LAZY = """
+import sys, torch, hooktrace
+conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+with hooktrace.record(conv, sys.argv[1]) as rec:
+    conv(torch.randn(1, 3, 4, 4)).sum().backward()  # 128 values: staged, no kernel
+    rec.step()
+    print("numba" in sys.modules)
+    conv(torch.randn(16, 3, 20, 20)).sum().backward()  # 51,200 values: the kernel's
+    rec.step()
+    print("numba" in sys.modules)
+trace = hooktrace.load(sys.argv[1])
+"""
+
+
+def test_numba_is_imported_at_the_first_large_cpu_tensor_only(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _LAZY, str(tmp_path / "run")], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
+    analyzer = subprocess.run(
+        [sys.executable, "-c", "import sys, hooktrace; "
+         f"t = hooktrace.load({str(tmp_path / 'run')!r}); hooktrace.summary(t); "
+         "print('numba' in sys.modules)"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert analyzer.stdout.strip() == "False", analyzer.stderr
