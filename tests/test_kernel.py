@@ -75,7 +75,9 @@ def test_the_kernel_is_what_large_cpu_tensors_take_here() -> None:
         ((4, 8, 130, 130), 1),  # long rows (8 x 16,900 > 65,536): counted per row, 5 blocks
         ((16, 64, 128), 2),  # (batch, time, features): units last
         ((16, 12, 700), 1),  # Conv1d-shaped, channels first
-        ((700, 33), 1),
+        ((700, 33), 1),  # rows folded 100 at a time
+        ((16, 64, 10), 2),  # a classifier's logits: 1,024 rows of 10, folded 256 at a time
+        ((1009, 10), 1),  # a prime number of rows: none folded
         ((9000,), 0),  # a unit per value
         ((3, 70000), None),  # no units: one row of many blocks
         ((5, 4097), None),  # a block and one value
@@ -131,11 +133,21 @@ def test_nan_and_inf_leave_the_kernel_to_the_eager_route(bad: float) -> None:
     assert (stats[6], stats[7]) == ((1, 0) if bad != bad else (0, 1))
 
 
-def test_non_contiguous_tensors_take_the_eager_route() -> None:
-    x = torch.randn(300, 200).t()
-    stats, counts = summarize_with_activity(x, 1)
-    np.testing.assert_array_equal(np.asarray(stats), np.asarray(summarize(x)))
-    assert counts is not None and counts.tolist() == activity(x, 1).tolist()
+@pytest.mark.parametrize(
+    ("make", "dim"),
+    [
+        pytest.param(lambda x: x.transpose(0, 1), 2, id="time-major"),  # MultiheadAttention's
+        pytest.param(lambda x: x.permute(2, 0, 1), 0, id="permuted"),
+        pytest.param(lambda x: x.permute(2, 0, 1), 1, id="permuted-other-unit"),
+        pytest.param(lambda x: x[:, ::2], 1, id="strided-slice"),  # copied
+        pytest.param(lambda x: x[:1].expand(64, 50, 40), 2, id="broadcast"),  # copied
+    ],
+)
+def test_non_contiguous_tensors_take_one_pass_too(make: object, dim: int) -> None:
+    torch.manual_seed(4)
+    x = make(torch.randn(64, 50, 40).relu_())  # type: ignore[operator]
+    assert not x.is_contiguous()
+    _check(x, dim)
 
 
 def test_one_pass_is_deterministic() -> None:

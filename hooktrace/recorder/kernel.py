@@ -22,6 +22,7 @@ This module imports numba; :mod:`hooktrace.recorder.stats` imports it on first u
 
 from __future__ import annotations
 
+import functools
 from typing import no_type_check
 
 import numba
@@ -57,17 +58,30 @@ def one_pass(
         units = shape[dim]
         outer, inner = _prod(shape[:dim]), _prod(shape[dim + 1 :])
         if units * inner <= _COLUMNS_MAX:  # short rows: count per column, then per unit
-            per_column = np.zeros(units * inner, dtype=np.int32)
+            fold = _fold(outer, units * inner)
+            per_column = np.zeros(fold * units * inner, dtype=np.int32)
             total, squares, lo, hi, zeros = _columns(
-                values.reshape(outer, units * inner), per_column
+                values.reshape(outer // fold, fold * units * inner), per_column
             )
-            counts = per_column.reshape(units, inner).sum(axis=1, dtype=np.int64)
+            counts = per_column.reshape(fold, units, inner).sum(axis=(0, 2), dtype=np.int64)
         else:  # long rows: count per (outer, unit) row
             counts = np.zeros(units, dtype=np.int64)
             total, squares, lo, hi, zeros = _rows(values.reshape(outer, units, inner), counts)
     if not (lo > _KEY_NEG_INF and hi < _KEY_POS_INF):
         return None
     return total, squares, _from_key(lo), _from_key(hi), int(zeros), counts
+
+
+@functools.lru_cache(maxsize=1024)
+def _fold(rows: int, width: int) -> int:
+    """How many rows of ``width`` values to take as one, for rows of a block's length or
+    less: the kernel's loop ends at every row, and rows of 10 or 128 values (a classifier's
+    logits, a transformer's features) would spend more time ending loops than summing.
+    The largest divisor of ``rows`` that keeps the folded row within a block."""
+    for fold in range(min(rows, max(_BLOCK // width, 1)), 0, -1):
+        if rows % fold == 0:
+            return fold
+    return 1
 
 
 def _from_key(key: int) -> float:

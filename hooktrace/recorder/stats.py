@@ -126,12 +126,13 @@ def summarize_with_activity(
 ) -> tuple[Stats | None, torch.Tensor | None]:
     """:func:`summarize` and, where ``dim`` is given, :func:`activity` of ``tensor``.
 
-    A contiguous CPU tensor with finite values takes one pass for both (the compiled kernel,
-    where numba is installed); anything else takes :func:`summarize` and :func:`activity`.
+    A CPU tensor with finite values takes one pass for both (the compiled kernel, where
+    numba is installed); anything else takes :func:`summarize` and :func:`activity`.
     """
     x = _values(tensor)
-    if x is not None and x.device.type == "cpu" and x.is_contiguous() and x.numel() < 1 << 31:
+    if x is not None and x.device.type == "cpu" and x.numel() < 1 << 31:
         one_pass = route().one_pass
+        x, dim = _in_memory_order(x, dim)
         sums = one_pass(x, dim) if one_pass is not None else None
         if sums is not None:
             total, squares, lo, hi, zeros, counts = sums
@@ -184,6 +185,19 @@ def route() -> Route:
 def route_taken() -> Route | None:
     """The route if this process has summarised a large CPU tensor yet, else None."""
     return _route
+
+
+def _in_memory_order(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, int | None]:
+    """``x`` as a contiguous tensor, and where ``dim`` went: a transposed or permuted tensor
+    (a sequence model's (time, batch, features) activations) is viewed with its dimensions in
+    the order they lie in memory; anything else (slices, broadcasts) is copied."""
+    if x.is_contiguous():
+        return x, dim
+    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    view = x.permute(order)
+    if not view.is_contiguous():
+        return x.contiguous(), dim
+    return view, order.index(dim) if dim is not None else None
 
 
 def _summarize_on_host(x: torch.Tensor, scratch: torch.Tensor | None) -> np.ndarray:
