@@ -193,7 +193,8 @@ def _in_memory_order(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, in
     the order they lie in memory; anything else (slices, broadcasts) is copied."""
     if x.is_contiguous():
         return x, dim
-    order = sorted(range(x.dim()), key=lambda d: -x.stride(d))
+    strides = x.stride()
+    order = sorted(range(x.dim()), key=lambda d: -strides[d])
     view = x.permute(order)
     if not view.is_contiguous():
         return x.contiguous(), dim
