@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -148,8 +149,13 @@ def bench(name: str, variants: list[str], *, reps: int, steps: int) -> dict[str,
         out = Path(tmp)
         for label in variants:  # warm-up: allocator, first-call costs
             time_steps(name, VARIANTS[label], model, opt, 2, out)
+        shuffle = random.Random(0).shuffle
         for _ in range(reps):
-            for label in variants:
+            # a new order each repetition, so that no variant always runs right after the
+            # same one: after full tensors, the disk's write-back slows whatever comes next
+            order = list(variants)
+            shuffle(order)
+            for label in order:
                 variant = VARIANTS[label]
                 times[label].append(time_steps(name, variant, model, opt, steps, out))
                 os.sync()  # the disk's write-back of one variant's files must not slow the next
