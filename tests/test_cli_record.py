@@ -239,6 +239,25 @@ def test_a_script_that_raises_keeps_its_traceback_and_exit_code(tmp_path: Path) 
     assert list(trace.steps["step"]) == [0, 1, 2]
 
 
+def test_the_closing_report_says_how_statistics_were_computed(tmp_path: Path) -> None:
+    body = """
+    wide = nn.Sequential(nn.Linear(4, 1000), nn.ReLU())  # (16, 1000) outputs: the kernel's
+    opt = torch.optim.SGD(wide.parameters(), lr=0.1)
+    for i in range(2):
+        wide(torch.randn(16, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    result = _record("-o", str(tmp_path / "run"), str(_script(tmp_path, body)))
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-2].startswith("hooktrace: complete: 2 steps")
+    assert lines[-1].startswith("hooktrace: statistics: one-pass (numba ")
+    assert lines[-1].endswith(" s to load, once")
+    small = _record("-o", str(tmp_path / "small"), str(_script(tmp_path, LOOPS["optimizer"][0])))
+    assert "statistics:" not in small.stderr  # no tensor large enough: numba never loaded
+
+
 def test_exit_codes_pass_through(tmp_path: Path) -> None:
     result = _record("-q", "-o", str(tmp_path / "a"), str(_script(tmp_path, "sys.exit(3)")))
     assert result.returncode == 3

@@ -235,5 +235,12 @@ def _report(out: Path) -> None:
             f"{int(steps['records'].sum()) if len(steps) else 0:,} records in {out}",
             err=True,
         )
+        routes = {
+            (s["stats_route"], s.get("stats_warmup_seconds", 0.0))
+            for s in trace.manifest["ranks"].values()
+            if "stats_route" in s
+        }
+        for route, warmup in sorted(routes)[:1]:  # ranks on one machine agree
+            click.echo(f"hooktrace: statistics: {route}, {warmup:.2f} s to load, once", err=True)
     except Exception as exc:  # the report is a courtesy; the script's exit code matters
         click.echo(f"hooktrace: wrote {out} ({exc})", err=True)
