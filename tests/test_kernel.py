@@ -14,8 +14,11 @@ import pytest
 import torch
 
 import hooktrace
+from hooktrace.recorder import stats as stats_module
 from hooktrace.recorder.kernel import one_pass
 from hooktrace.recorder.stats import (
+    Route,
+    _in_memory_order,
     activity,
     route,
     route_taken,
@@ -44,13 +47,19 @@ def _reference(x: np.ndarray, dim: int | None) -> tuple[list[float], np.ndarray 
     return stats, (x64 > 0).sum(axis=others)
 
 
-def _check(tensor: torch.Tensor, dim: int | None) -> None:
+def _check(tensor: torch.Tensor, dim: int | None, *, kernel: bool = True) -> None:
+    """summarize_with_activity against numpy; ``kernel``: and the one-pass kernel took it."""
+    if kernel:  # else a broken kernel could hide behind the eager route's right answers
+        one_pass = route().one_pass
+        assert one_pass is not None
+        assert one_pass(*_in_memory_order(tensor.float(), dim)) is not None
     stats, counts = summarize_with_activity(tensor, dim)
     got = np.asarray(stats)
     want, want_counts = _reference(tensor.float().numpy(), dim)
     scale = float(np.abs(tensor.float().numpy()).max()) or 1.0
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-7 * scale)  # mean
-    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-7 * scale)  # std
+    # std: of a constant, the two-pass std is the mean's own error, 1e-7 to 1e-6 of it
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-6 * scale)
     assert got[2] == want[2] and got[3] == want[3]  # extremes are exact
     np.testing.assert_allclose(got[4], want[4], rtol=1e-6)  # norm
     assert list(got[5:]) == want[5:]  # zeros, NaN, Inf: exact
@@ -101,12 +110,17 @@ def test_one_pass_matches_numpy(shape: tuple[int, ...], dim: int | None) -> None
         pytest.param(lambda x: 1000.0 + 1e-3 * x, id="cancellation"),  # std takes two passes
         pytest.param(lambda x: torch.zeros_like(x), id="zeros"),
         pytest.param(lambda x: torch.full_like(x, -2.5), id="constant"),
+        # 0.1 is not a float32: equal roundings pile up in a lane's sum instead of cancelling
+        # (with blocks of 4,096 values the mean was off by 2.4e-6)
+        pytest.param(lambda x: torch.full_like(x, 0.1), id="constant-0.1"),
     ],
 )
 def test_one_pass_on_other_values(values: object) -> None:
     torch.manual_seed(1)
     x = values(torch.randn(64, 16, 12))  # type: ignore[operator]
     _check(x, 1)
+    _check(x, None)
+    _check(values(torch.randn(32, 16, 32, 32)), 1)  # type: ignore[operator]
 
 
 def test_extremes_are_exact_at_the_edges_of_float32() -> None:
@@ -131,6 +145,39 @@ def test_nan_and_inf_leave_the_kernel_to_the_eager_route(bad: float) -> None:
     np.testing.assert_array_equal(np.asarray(stats), np.asarray(summarize(x)))
     assert counts is not None and counts.tolist() == activity(x, 1).tolist()
     assert (stats[6], stats[7]) == ((1, 0) if bad != bad else (0, 1))
+
+
+def test_a_permuted_tensor_with_nan_is_counted_along_its_own_unit_dimension() -> None:
+    # the kernel reads it in memory order and declines (NaN); the eager route must count
+    # along the tensor's own dimension, not the one the kernel would have used
+    torch.manual_seed(5)
+    x = torch.randn(64, 50, 40).relu_().permute(2, 0, 1)  # units: dim 0, 40 of them
+    x[3, 7, 11] = float("nan")
+    stats, counts = summarize_with_activity(x, 0)
+    assert counts is not None and counts.tolist() == (x > 0).sum(dim=(1, 2)).tolist()
+    assert stats[6] == 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda x: x.to(memory_format=torch.channels_last), id="channels-last"),
+        pytest.param(lambda x: x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2), id="nhwc"),
+        pytest.param(lambda x: x.transpose(2, 3), id="transposed"),
+    ],
+)
+def test_the_eager_route_counts_permuted_tensors_right(
+    make: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # as without numba or with HOOKTRACE_ONE_PASS=0
+    monkeypatch.setattr(stats_module, "_route", Route("eager (test)", 0.0, None))
+    torch.manual_seed(6)
+    x = make(torch.randn(16, 8, 20, 24).relu_())  # type: ignore[operator]
+    assert not x.is_contiguous()
+    stats, counts = summarize_with_activity(x, 1)
+    assert counts is not None and counts.tolist() == (x > 0).sum(dim=(0, 2, 3)).tolist()
+    want, _ = _reference(x.numpy(), 1)
+    np.testing.assert_allclose(np.asarray(stats), want, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -177,6 +224,7 @@ def test_a_trace_says_which_route_summarised_it(tmp_path: Path) -> None:
     with hooktrace.record(conv, tmp_path / "run") as rec:
         conv(torch.randn(16, 3, 20, 20)).relu().sum().backward()
         rec.step()
+        assert rec._scratch.numel() == 0  # the eager route's counting buffer, never grown
     status = json.loads((tmp_path / "run" / "status" / "rank=0.json").read_text())
     assert status["stats_route"].startswith("one-pass (numba ")
     assert status["stats_warmup_seconds"] >= 0

@@ -401,6 +401,11 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
         hooktrace.record(model, tmp_path / "a", steps=5)  # was a TypeError from a loop
     with pytest.raises(ConfigError, match="bad steps 3"):
         hooktrace.record(model, tmp_path / "a", full_steps=3)
+    for odd in (True, 0, -2, 5.0):  # each was a TypeError or a nonsensical suggestion
+        with pytest.raises(ConfigError, match=r"give step numbers such as \[5\]"):
+            hooktrace.record(model, tmp_path / "a", steps=odd)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="bad steps 4: give \\[4\\]"):
+        hooktrace.record(model, tmp_path / "a", steps=np.int64(4))  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="module pattern"):
         hooktrace.record(model, tmp_path / "a", modules="(")
     with hooktrace.record(model, tmp_path / "b"):

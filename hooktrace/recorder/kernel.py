@@ -23,17 +23,17 @@ This module imports numba; :mod:`hooktrace.recorder.stats` imports it on first u
 from __future__ import annotations
 
 import functools
+import math
 from typing import no_type_check
 
 import numba
 import numpy as np
 import torch
 
-_BLOCK = 4096
-"""Values summed in float32 before the sum is added to the float64 total."""
-
-_COLUMNS_MAX = 1 << 16
-"""Rows of at most this many values count positives per column (see :func:`one_pass`)."""
+_BLOCK = 512
+"""Values summed in float32 before the sum is added to the float64 total. Each vector lane
+adds 32 to 64 of them one after another: at 4,096 the mean of a constant 0.1 was off by
+2.4e-6 (torch's 1.5e-7), at 512 by 3e-7, for 7% more time."""
 
 _KEY_POS_INF = 0x7F800000  # key of +inf; greater keys are NaN
 _KEY_NEG_INF = -0x7F800001  # key of -inf; smaller keys are NaN with the sign bit set
@@ -57,14 +57,14 @@ def one_pass(
     else:
         units = shape[dim]
         outer, inner = _prod(shape[:dim]), _prod(shape[dim + 1 :])
-        if units * inner <= _COLUMNS_MAX:  # short rows: count per column, then per unit
+        if inner < _BLOCK // 2:  # short runs per unit: count per column, then per unit
             fold = _fold(outer, units * inner)
             per_column = np.zeros(fold * units * inner, dtype=np.int32)
             total, squares, lo, hi, zeros = _columns(
                 values.reshape(outer // fold, fold * units * inner), per_column
             )
             counts = per_column.reshape(fold, units, inner).sum(axis=(0, 2), dtype=np.int64)
-        else:  # long rows: count per (outer, unit) row
+        else:  # long runs per unit: count per (outer, unit) row
             counts = np.zeros(units, dtype=np.int64)
             total, squares, lo, hi, zeros = _rows(values.reshape(outer, units, inner), counts)
     if not (lo > _KEY_NEG_INF and hi < _KEY_POS_INF):
@@ -78,10 +78,11 @@ def _fold(rows: int, width: int) -> int:
     less: the kernel's loop ends at every row, and rows of 10 or 128 values (a classifier's
     logits, a transformer's features) would spend more time ending loops than summing.
     The largest divisor of ``rows`` that keeps the folded row within a block."""
-    for fold in range(min(rows, max(_BLOCK // width, 1)), 0, -1):
-        if rows % fold == 0:
-            return fold
-    return 1
+    limit, best = max(_BLOCK // width, 1), 1
+    for d in range(1, math.isqrt(rows) + 1):
+        if rows % d == 0:
+            best = max([best] + [f for f in (d, rows // d) if f <= limit])
+    return best
 
 
 def _from_key(key: int) -> float:

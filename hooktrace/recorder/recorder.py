@@ -36,7 +36,13 @@ from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
 from hooktrace.recorder.pending import Meta, PendingStep, StagedUnits
 from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
-from hooktrace.recorder.stats import route_taken, stageable, summarize_with_activity, unit_dim
+from hooktrace.recorder.stats import (
+    route,
+    route_taken,
+    stageable,
+    summarize_with_activity,
+    unit_dim,
+)
 from hooktrace.trace import schema
 from hooktrace.trace.writer import TraceWriter
 
@@ -543,8 +549,9 @@ class Recorder:
             self._snapshot(row, tensor)
 
     def _scratch_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
-        """One float32 buffer, grown to the largest CPU tensor seen, for counting in place."""
-        if tensor.device.type != "cpu" or tensor.numel() < 4096:
+        """One float32 buffer, grown to the largest CPU tensor seen, for counting in place on
+        the eager route (the one-pass kernel needs none)."""
+        if tensor.device.type != "cpu" or tensor.numel() < 4096 or route().one_pass is not None:
             return None
         if self._scratch.numel() < tensor.numel():
             self._scratch = torch.empty(tensor.numel(), dtype=torch.float32)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Callable, Iterable
 
@@ -72,10 +73,15 @@ def parse_steps(spec: StepSpec) -> list[tuple[int, float]]:
         return [(0, float("inf"))]
     if isinstance(spec, str):
         return [_parse_range(part.strip()) for part in spec.split(",") if part.strip()]
-    if isinstance(spec, int):  # "steps=5": step 5, or the first five? Ask.
+    n = int(spec) if isinstance(spec, numbers.Integral) and not isinstance(spec, bool) else 0
+    if n > 0:  # "steps=5": step 5, or the first five? Ask.
         raise ConfigError(
-            f"bad steps {spec!r}: give [{spec}] for step {spec} alone, or range({spec}) or "
-            f"'0-{spec - 1}' for the first {spec} steps"
+            f"bad steps {n}: give [{n}] for step {n} alone, or range({n}) or '0-{n - 1}' "
+            f"for the first {n} steps"
+        )
+    if not isinstance(spec, Iterable):
+        raise ConfigError(
+            f"bad steps {spec!r}: give step numbers such as [5], range(10) or '0-9,20'"
         )
     ranges: list[tuple[int, float]] = []
     for item in spec:

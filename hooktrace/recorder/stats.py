@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -130,10 +131,10 @@ def summarize_with_activity(
     numba is installed); anything else takes :func:`summarize` and :func:`activity`.
     """
     x = _values(tensor)
-    if x is not None and x.device.type == "cpu" and x.numel() < 1 << 31:
-        one_pass = route().one_pass
-        x, dim = _in_memory_order(x, dim)
-        sums = one_pass(x, dim) if one_pass is not None else None
+    one_pass = route().one_pass if x is not None and x.device.type == "cpu" else None
+    if x is not None and one_pass is not None and x.numel() < 1 << 31:
+        dense, dense_dim = _in_memory_order(x, dim)  # dim as it lies in ``dense``
+        sums = one_pass(dense, dense_dim)
         if sums is not None:
             total, squares, lo, hi, zeros, counts = sums
             n = x.numel()
@@ -156,6 +157,7 @@ class Route:
 
 
 _route: Route | None = None
+_route_lock = threading.Lock()
 
 
 def route() -> Route:
@@ -163,7 +165,11 @@ def route() -> Route:
     also compiles the kernel (or loads it from numba's cache), which :attr:`Route.warmup_s`
     reports. ``HOOKTRACE_ONE_PASS=0`` in the environment keeps to the eager route."""
     global _route
-    if _route is None:
+    if _route is not None:
+        return _route
+    with _route_lock:  # hooks may fire in several threads; compile once
+        if _route is not None:
+            return _route
         if os.environ.get("HOOKTRACE_ONE_PASS", "1") == "0":
             _route = Route("eager (HOOKTRACE_ONE_PASS=0)", 0.0, None)
             return _route
