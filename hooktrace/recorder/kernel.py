@@ -3,7 +3,7 @@
 torch computes each statistic with its own vectorised pass: min and max, the sum, the sum of
 squares, the zero count and the per-unit positive counts are four or five passes over every
 activation and gradient. The kernel here makes one: each value is read once, and the sums,
-extremes and counts are kept in vector registers. Single-threaded, it takes 0.25 to 0.35 of
+extremes and counts are kept in vector registers. Single-threaded, it takes 0.33 to 0.37 of
 the time torch's passes take on both cores (``benchmarks/bench_stats_kernels.py``).
 
 Extremes are taken on integer keys: a float32's bits, with the magnitude bits flipped for
