@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import os
 import random
+import resource
 import statistics
 import sys
 import tempfile
@@ -126,11 +127,19 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+def page_faults() -> int:
+    """Minor page faults of this process so far: memory the allocator handed back to the
+    kernel and took again, which costs the training time whoever caused it."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def time_steps(
     name: str, variant: Variant, model: nn.Module, opt: torch.optim.Optimizer, steps: int, out: Path
-) -> float:
+) -> tuple[float, float]:
+    """Seconds and page faults per step."""
     batch = make_batch(name, seed=0)
     with variant(model, out):
+        faults = page_faults()
         start = time.perf_counter()
         for _ in range(steps):
             loss = default_loss(batch.run(model), batch.target)
@@ -138,13 +147,16 @@ def time_steps(
             opt.step()
             opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-    return elapsed / steps
+        faults = page_faults() - faults
+    return elapsed / steps, faults / steps
 
 
-def bench(name: str, variants: list[str], *, reps: int, steps: int) -> dict[str, list[float]]:
+def bench(
+    name: str, variants: list[str], *, reps: int, steps: int
+) -> dict[str, list[tuple[float, float]]]:
     model = make_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    times: dict[str, list[float]] = {v: [] for v in variants}
+    times: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         for label in variants:  # warm-up: allocator, first-call costs
@@ -162,15 +174,23 @@ def bench(name: str, variants: list[str], *, reps: int, steps: int) -> dict[str,
     return times
 
 
-def report(name: str, times: dict[str, list[float]]) -> None:
-    base = statistics.median(times["plain"])
-    naive_overhead = statistics.median(times["naive"]) - base
+def report(name: str, times: dict[str, list[tuple[float, float]]]) -> None:
+    def median(label: str, field: int = 0) -> float:
+        return statistics.median(t[field] for t in times[label])
+
+    base = median("plain")
+    naive_overhead = median("naive") - base
     print(f"\n{name}: median step time over {len(times['plain'])} interleaved repetitions")
-    print(f"  {'variant':<8} {'ms/step':>9} {'x plain':>8} {'overhead / naive overhead':>26}")
-    for label, values in times.items():
-        median = statistics.median(values)
-        share = (median - base) / naive_overhead if naive_overhead > 0 else float("nan")
-        print(f"  {label:<8} {median * 1e3:9.2f} {median / base:8.2f} {share:26.2f}")
+    print(
+        f"  {'variant':<8} {'ms/step':>9} {'x plain':>8} {'overhead / naive overhead':>26}"
+        f" {'page faults/step':>17}"
+    )
+    for label in times:
+        share = (median(label) - base) / naive_overhead if naive_overhead > 0 else float("nan")
+        print(
+            f"  {label:<8} {median(label) * 1e3:9.2f} {median(label) / base:8.2f} {share:26.2f}"
+            f" {median(label, 1):17.0f}"
+        )
 
 
 def main() -> None:

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import hooktrace
+from hooktrace.recorder.pending import Staging
 from hooktrace.recorder.stats import (
     STAGED_MAX_VALUES,
     activity,
     activity_staged,
-    stage,
     stageable,
     summarize,
     summarize_staged,
@@ -147,9 +147,7 @@ def test_staged_statistics_match_numpy_segment_by_segment() -> None:
     """All cases in one array, as a step's small tensors are: no segment leaks into the next."""
     tensors = list(CASES.values())
     assert all(stageable(t) for t in tensors)
-    copies = [stage(t) for t in tensors]
-    values = torch.cat(copies).numpy()
-    got = summarize_staged(values, np.array([c.numel() for c in copies]))
+    got = _summarize_staged(tensors)
     for row, (name, tensor) in zip(got, CASES.items(), strict=True):
         want = np.array(_reference(tensor.float().numpy()))
         np.testing.assert_allclose(row[:5], want[:5], rtol=1e-12, atol=1e-12, err_msg=name)
@@ -157,20 +155,31 @@ def test_staged_statistics_match_numpy_segment_by_segment() -> None:
     assert got[list(CASES).index("constant"), 1] == 0.0
 
 
+def _staged(*tensors: torch.Tensor) -> Staging:
+    staging = Staging()
+    for t in tensors:
+        staging.add(t)
+    return staging
+
+
+def _summarize_staged(tensors: list[torch.Tensor]) -> np.ndarray:
+    staging = _staged(*tensors)
+    return summarize_staged(staging.values(), np.diff(staging.bounds()))
+
+
 def test_staged_values_are_exact_copies_taken_at_once() -> None:
     x = torch.tensor([[1.5, -2.0], [0.0, 3.0]], dtype=torch.float64).t()  # not contiguous
-    copy = stage(x)
-    x.mul_(10)  # what the training does next does not reach the copy
-    assert copy.tolist() == [1.5, 0.0, -2.0, 3.0]
     big = 2.0**40 + 1.0  # float64 values are kept whole, not rounded to float32
-    assert stage(torch.tensor([big], dtype=torch.float64)).item() == big
+    staging = _staged(x, torch.tensor([big], dtype=torch.float64), torch.tensor(7))
+    x.mul_(10)  # what the training does next does not reach the copy
+    assert staging.values().tolist() == [1.5, 0.0, -2.0, 3.0, big, 7.0]
+    assert staging.bounds().tolist() == [0, 4, 5, 6]
 
 
 def test_staged_nan_and_inf_spoil_only_what_they_touch() -> None:
     x = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 0.0, 2.0])
     clean = torch.tensor([4.0, 0.0])
-    copies = [stage(x), stage(torch.tensor([1.0, float("inf")])), stage(clean)]
-    got = summarize_staged(torch.cat(copies).numpy(), np.array([6, 2, 2]))
+    got = _summarize_staged([x, torch.tensor([1.0, float("inf")]), clean])
     assert list(got[0, 5:]) == [1.0, 1.0, 2.0]
     assert np.isnan(got[0, 0]) and np.isnan(got[0, 1])
     assert got[1, 3] == np.inf and np.isnan(got[1, 1]) and list(got[1, 5:]) == [0.0, 0.0, 1.0]
@@ -192,7 +201,7 @@ def test_staged_activity_counts_like_activity(shape: tuple[int, ...], dim: int) 
     x = torch.randn(shape)
     x[x.abs() < 0.3] = 0.0
     want = activity(x, dim).tolist()
-    assert activity_staged(stage(x).numpy(), shape, dim).tolist() == want
+    assert activity_staged(_staged(x).values(), shape, dim).tolist() == want
 
 
 def test_every_recorded_statistic_matches_its_own_full_tensor(tmp_path: Path) -> None:

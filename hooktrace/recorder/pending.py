@@ -7,6 +7,7 @@ The training thread only appends to lists while hooks fire. Everything that cost
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -17,7 +18,6 @@ from hooktrace.recorder.stats import (
     STATS_WIDTH,
     Stats,
     activity_staged,
-    stage,
     summarize_staged,
 )
 from hooktrace.trace.schema import NO_GRADIENT_DTYPE
@@ -58,6 +58,96 @@ class StagedUnits(NamedTuple):
         return self.shape[self.dim]
 
 
+class StagingPool:
+    """Float64 buffers that small tensors' values are copied into, reused from step to step.
+
+    A step fills one buffer; the writer thread gives it back once the step's statistics are
+    computed. Why not a copy per tensor: a few dozen allocations a step fewer in the hooks,
+    and no concatenation in the writer. Small allocations that live for a step also change
+    how the C allocator reuses the heap: in one measurement (the reference CNN, one thread)
+    the training's own large tensors then took about 1,500 more page faults a step, more
+    time than the statistics themselves; with the pool, no more than without recording
+    (docs/PERFORMANCE.md).
+    """
+
+    def __init__(self, *, keep: int = 4, keep_values: int = 1 << 20) -> None:
+        self._lock = threading.Lock()
+        self._free: list[torch.Tensor] = []
+        self._keep = keep  # buffers held between steps, at most
+        self._keep_values = keep_values  # larger buffers are freed after use
+        self.capacity = 1024  # values: the largest a step has needed so far
+        self.allocated = 0  # buffers made, over the pool's life
+
+    def take(self, at_least: int) -> torch.Tensor:
+        with self._lock:
+            self.capacity = max(self.capacity, at_least)
+            while self._free:
+                buffer = self._free.pop()
+                if buffer.numel() >= self.capacity:
+                    return buffer
+            self.allocated += 1
+        return torch.empty(self.capacity, dtype=torch.float64)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            fits = self.capacity <= buffer.numel() <= self._keep_values
+            if fits and len(self._free) < self._keep:
+                self._free.append(buffer)
+
+
+@dataclass
+class Staging:
+    """One step's small tensors, their values one after the other in a float64 buffer."""
+
+    pool: StagingPool | None = None
+    buffer: torch.Tensor | None = None
+    lengths: list[int] = field(default_factory=list)
+    used: int = 0
+
+    def add(self, tensor: torch.Tensor) -> int:
+        """Copy ``tensor``'s values in now, before anything can change them; its position.
+
+        float64 holds every real dtype's values exactly (integers up to 2**53)."""
+        n = tensor.numel()
+        if self.buffer is None or self.used + n > self.buffer.numel():
+            self._grow(self.used + n)
+        assert self.buffer is not None
+        values = tensor.detach()
+        if values.dim() > 1:
+            values = values.reshape(-1)  # a view where it can be, a copy where it cannot
+        self.buffer[self.used : self.used + n].copy_(values)
+        self.used += n
+        self.lengths.append(n)
+        return len(self.lengths) - 1
+
+    def _grow(self, needed: int) -> None:
+        size = max(needed, 2 * self.buffer.numel() if self.buffer is not None else 0)
+        if self.pool is not None:
+            bigger = self.pool.take(size)
+        else:
+            bigger = torch.empty(size, dtype=torch.float64)
+        if self.buffer is not None:
+            bigger[: self.used].copy_(self.buffer[: self.used])
+        self.buffer = bigger
+
+    def values(self) -> np.ndarray:
+        if self.buffer is None:
+            return np.zeros(0)
+        return self.buffer[: self.used].numpy()
+
+    def bounds(self) -> np.ndarray:
+        """Where each tensor's values begin, and after the last one, where they end."""
+        bounds = np.zeros(len(self.lengths) + 1, dtype=np.int64)
+        np.cumsum(self.lengths, out=bounds[1:])
+        return bounds
+
+    def release(self) -> None:
+        """Give the buffer back for another step; the values read from it are gone then."""
+        buffer, self.buffer = self.buffer, None
+        if buffer is not None and self.pool is not None:
+            self.pool.give_back(buffer)
+
+
 @dataclass
 class PendingStep:
     step: int
@@ -65,7 +155,7 @@ class PendingStep:
     meta: list[Meta] = field(default_factory=list)
     stats: list[Stats | Staged | None] = field(default_factory=list)
     activity: list[tuple[int, torch.Tensor | StagedUnits]] = field(default_factory=list)
-    staged: list[torch.Tensor] = field(default_factory=list)  # flat float64 copies
+    staging: Staging = field(default_factory=Staging)
     tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
     specs: dict[int, str] = field(default_factory=dict)  # row -> call spec (JSON)
     micro_steps: int = 0
@@ -76,16 +166,22 @@ class PendingStep:
 
     def stage(self, tensor: torch.Tensor) -> Staged:
         """Copy a small CPU tensor aside; its statistics are computed in :meth:`materialize`."""
-        copy = stage(tensor)
-        self.staged.append(copy)
-        self.nbytes += copy.numel() * 8
-        return Staged(len(self.staged) - 1)
+        self.nbytes += tensor.numel() * 8
+        return Staged(self.staging.add(tensor))
 
     def materialize(self) -> StepData:
+        try:
+            return self._materialize()
+        finally:
+            self.staging.release()
+
+    def _materialize(self) -> StepData:
         n = len(self.meta)
         stats = np.full((n, STATS_WIDTH), np.nan)
         stats[:, 5:] = 0
-        staged_values, staged_bounds, staged_stats = _summarize_staged(self.staged)
+        staged_values = self.staging.values()
+        staged_bounds = self.staging.bounds()
+        staged_stats = summarize_staged(staged_values, np.diff(staged_bounds))
         on_device: list[int] = []
         device_stats: list[torch.Tensor] = []
         for i, values in enumerate(self.stats):
@@ -163,20 +259,6 @@ class PendingStep:
             tensors=tensors,
             dropped=self.dropped,
         )
-
-
-def _summarize_staged(
-    staged: list[torch.Tensor],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """All staged values in one array, where each tensor's begin, and their statistics."""
-    if not staged:
-        empty = np.zeros(0)
-        return empty, np.zeros(1, dtype=np.int64), empty.reshape(0, STATS_WIDTH)
-    lengths = np.array([t.numel() for t in staged], dtype=np.int64)
-    values = torch.cat(staged).numpy()
-    bounds = np.zeros(len(staged) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=bounds[1:])
-    return values, bounds, summarize_staged(values, lengths)
 
 
 def _wait_for_devices(tensors: list[torch.Tensor]) -> None:

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
-from hooktrace.recorder.pending import Meta, PendingStep, StagedUnits
+from hooktrace.recorder.pending import Meta, PendingStep, StagedUnits, Staging, StagingPool
 from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
 from hooktrace.recorder.stats import (
     route,
@@ -186,6 +186,7 @@ class Recorder:
         self._closed = False
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
+        self._staging_pool = StagingPool()
         self._reset_step_state()
         self._root_depth = 0
         self._phase = "train"
@@ -663,11 +664,14 @@ class Recorder:
         pending.micro_steps = self.micro_step
         pending.end_time = time.time()
         pending.nbytes += 96 * len(pending.meta)
-        self._pending = PendingStep(self.current_step, time.time())
+        self._pending = self._new_pending()
         self._recent.clear()
         self._writer.submit(pending)
         # grad hooks of this step's graph are no longer needed once its backward ran
         self._tensor_handles = [h for h in self._tensor_handles if _alive(h)]
+
+    def _new_pending(self) -> PendingStep:
+        return PendingStep(self.current_step, time.time(), staging=Staging(self._staging_pool))
 
     def _reset_step_state(self) -> None:
         self._recording = self._active and self.current_step in self._steps
@@ -676,7 +680,7 @@ class Recorder:
             and self._full_steps is not None
             and self.current_step in self._full_steps
         )
-        self._pending = PendingStep(self.current_step, time.time())
+        self._pending = self._new_pending()
         self._calls = {}
         self._recompute_calls = {}
         self._grad_hooked = set()
@@ -705,7 +709,7 @@ class Recorder:
         self.error = self.error or message
         self._active = False
         self._recording = False
-        self._pending = PendingStep(self.current_step, time.time())
+        self._pending = self._new_pending()
 
     # -- set-up helpers ----------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """Statistics of tensors, computed on their own device without waiting for it.
 
 Small CPU tensors (at most ``STAGED_MAX_VALUES`` values) are not summarised in the hook:
-the hook copies their values aside (:func:`stage`) and the writer thread summarises all of
-a step's small tensors together, in float64 (:func:`summarize_staged`). For them, the fixed
-cost of a handful of reductions, each a dispatch and a ``.item()``, outweighed the work.
+the hook copies their values aside (into a reused float64 buffer, ``pending.Staging``) and
+the writer thread summarises all of a step's small tensors together, in float64
+(:func:`summarize_staged`). For them, the fixed cost of a handful of reductions, each a
+dispatch and a ``.item()``, outweighed the work.
 
 Larger contiguous CPU tensors with finite values take one pass for everything, the kernel
 compiled by numba in :mod:`hooktrace.recorder.kernel` (:func:`summarize_with_activity`).
@@ -60,12 +61,6 @@ def stageable(tensor: torch.Tensor) -> bool:
     )
 
 
-def stage(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat float64 copy of a :func:`stageable` tensor's values (exact for every real
-    dtype but integers beyond 2**53), taken now, before anything can change them."""
-    return tensor.detach().reshape(-1).to(torch.float64, copy=True)
-
-
 def summarize_staged(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The statistics of consecutive segments of ``values``, one row per segment.
 
@@ -73,6 +68,8 @@ def summarize_staged(values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     (each at least 1). Rows as :func:`summarize` returns them; here the standard deviation
     always takes two passes, in float64.
     """
+    if len(lengths) == 0:
+        return np.zeros((0, STATS_WIDTH))
     starts = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     n = lengths.astype(np.float64)

@@ -1,0 +1,92 @@
+"""hooktrace.recorder.pending: staging small tensors into reused buffers, and a step's
+statistics computed from them in the writer thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from models import default_loss, make_batch, make_model
+
+import hooktrace
+from hooktrace.recorder.pending import Meta, PendingStep, Staging, StagingPool
+
+
+def _stage_all(step: PendingStep, tensors: list[torch.Tensor]) -> None:
+    """What the recorder's hooks do for small tensors: a record each, its values staged."""
+    for i, t in enumerate(tensors):
+        step.meta.append(
+            Meta(0, "train", i, f"m{i}", 0, "output", "0", t.dtype, tuple(t.shape), 0, 0)
+        )
+        step.stats.append(step.stage(t))
+
+
+def test_a_buffer_grows_and_keeps_what_was_staged_before() -> None:
+    staging = Staging(StagingPool())
+    tensors = [torch.full((700,), float(i)) for i in range(5)]  # 3,500 values: past 1,024
+    for t in tensors:
+        staging.add(t)
+    np.testing.assert_array_equal(staging.values(), np.repeat(np.arange(5.0), 700))
+    assert staging.bounds().tolist() == [0, 700, 1400, 2100, 2800, 3500]
+
+
+def test_steps_reuse_one_buffer_and_never_see_each_others_values() -> None:
+    pool = StagingPool()
+    first = PendingStep(0, 0.0, staging=Staging(pool))
+    _stage_all(first, [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([[4.0, -4.0]])])
+    buffer = first.staging.buffer
+    assert buffer is not None
+    data = first.materialize()
+    assert data.columns["mean"].tolist() == [2.0, 0.0]
+    assert first.staging.buffer is None  # given back
+
+    second = PendingStep(1, 0.0, staging=Staging(pool))
+    _stage_all(second, [torch.tensor([10.0])])
+    assert second.staging.buffer is buffer  # the same storage, not a new allocation
+    data = second.materialize()
+    assert data.columns["mean"].tolist() == [10.0]
+    assert data.columns["max"].tolist() == [10.0]  # nothing left over from the first step
+    assert pool.allocated == 1
+
+
+def test_the_pool_keeps_few_buffers_and_none_too_large() -> None:
+    pool = StagingPool(keep=2, keep_values=4096)
+    buffers = [pool.take(100) for _ in range(3)]
+    assert pool.allocated == 3
+    for b in buffers:
+        pool.give_back(b)
+    assert pool.take(100) is not None and pool.allocated == 3  # two were kept
+    pool.take(100)
+    pool.take(100)
+    assert pool.allocated == 4  # the third was not
+    big = pool.take(5000)  # a step needed more: smaller buffers are no longer handed out
+    pool.give_back(big)  # and this one is larger than the pool keeps
+    pool.take(10)
+    assert pool.allocated == 6
+
+
+def test_a_recording_reuses_its_staging_buffers(tmp_path: Path) -> None:
+    """The reference CNN stages about forty small tensors a step (parameters, gradients,
+    buffers, the head's activations): one buffer a step, given back and taken again."""
+    torch.manual_seed(0)
+    model = make_model("SmallCNN")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = make_batch("SmallCNN", seed=0)
+    steps = 20
+    weights = []  # the BatchNorm's weight as each step's forward finds it, by numpy
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        for _ in range(steps):
+            weights.append(model.features[1].weight.detach().numpy().astype(np.float64).copy())
+            default_loss(batch.run(model), batch.target).backward()
+            opt.step()
+            opt.zero_grad()
+        pool = rec._staging_pool
+    assert 1 <= pool.allocated < steps
+    trace = hooktrace.load(tmp_path / "run")
+    staged = trace.records.query("kind == 'param' and module == 'features.1' and slot == 'weight'")
+    staged = staged.sort_values("step")
+    assert staged["step"].tolist() == list(range(steps))
+    np.testing.assert_allclose(staged["mean"], [w.mean() for w in weights], rtol=1e-12)
+    np.testing.assert_allclose(staged["std"], [w.std() for w in weights], rtol=1e-9)
+    assert staged["max"].tolist() == [w.max() for w in weights]
