@@ -3,6 +3,7 @@ statistics computed from them in the writer thread."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -31,8 +32,17 @@ def test_a_buffer_grows_and_keeps_what_was_staged_before() -> None:
     assert staging.bounds().tolist() == [0, 700, 1400, 2100, 2800, 3500]
 
 
+class PoisoningPool(StagingPool):
+    """Fills each buffer given back with NaN: a step that still read from its buffer after
+    giving it back would show NaN."""
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        buffer.fill_(float("nan"))
+        super().give_back(buffer)
+
+
 def test_steps_reuse_one_buffer_and_never_see_each_others_values() -> None:
-    pool = StagingPool()
+    pool = PoisoningPool()
     first = PendingStep(0, 0.0, staging=Staging(pool))
     _stage_all(first, [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([[4.0, -4.0]])])
     buffer = first.staging.buffer
@@ -56,14 +66,30 @@ def test_the_pool_keeps_few_buffers_and_none_too_large() -> None:
     assert pool.allocated == 3
     for b in buffers:
         pool.give_back(b)
-    assert pool.take(100) is not None and pool.allocated == 3  # two were kept
-    pool.take(100)
+    pool.give_back(buffers[0])  # given back twice: still held once
+    assert {id(pool.take(100)), id(pool.take(100))} == {id(buffers[0]), id(buffers[1])}
+    assert pool.allocated == 3  # two were kept
     pool.take(100)
     assert pool.allocated == 4  # the third was not
-    big = pool.take(5000)  # a step needed more: smaller buffers are no longer handed out
-    pool.give_back(big)  # and this one is larger than the pool keeps
-    pool.take(10)
-    assert pool.allocated == 6
+
+
+def test_the_pool_hands_out_no_buffer_smaller_than_steps_need() -> None:
+    pool = StagingPool(keep_values=1 << 20)
+    small = pool.take(100)  # 1,024 values, the least the pool makes
+    pool.give_back(small)
+    bigger = pool.take(5000)  # a step needed more
+    assert bigger is not small and bigger.numel() >= 5000
+    pool.give_back(small)  # too small for the steps now: not kept
+    assert pool.take(10).numel() >= 5000
+    big = pool.take(2 << 20)
+    pool.give_back(big)  # larger than the pool holds between steps: freed
+    assert pool.take(10) is not big
+
+
+def test_a_step_counts_its_whole_buffer_against_the_writers_memory_bound() -> None:
+    step = PendingStep(0, 0.0, staging=Staging(StagingPool()))
+    step.stage(torch.tensor(1.0))
+    assert step.staging.nbytes == 1024 * 8  # the buffer held, not the 8 bytes staged
 
 
 def test_a_recording_reuses_its_staging_buffers(tmp_path: Path) -> None:
@@ -90,3 +116,28 @@ def test_a_recording_reuses_its_staging_buffers(tmp_path: Path) -> None:
     np.testing.assert_allclose(staged["mean"], [w.mean() for w in weights], rtol=1e-12)
     np.testing.assert_allclose(staged["std"], [w.std() for w in weights], rtol=1e-9)
     assert staged["max"].tolist() == [w.max() for w in weights]
+
+
+def test_inference_mode_before_training_does_not_break_staging(tmp_path: Path) -> None:
+    """A validation pass under inference_mode made the first staging buffer an inference
+    tensor, which training steps could not write: the recording stopped at step 0."""
+    torch.manual_seed(0)
+    model = make_model("SmallCNN")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = make_batch("SmallCNN", seed=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fault in the recorder warns
+        with hooktrace.record(model, tmp_path / "run"):
+            for step in range(4):
+                if step in (0, 2):
+                    model.eval()
+                    with torch.inference_mode():
+                        batch.run(model)
+                    model.train()
+                default_loss(batch.run(model), batch.target).backward()
+                opt.step()
+                opt.zero_grad()
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.steps["step"].tolist() == [0, 1, 2, 3]
+    params = trace.records.query("kind == 'param' and phase == 'eval'")
+    assert params["step"].unique().tolist() == [0, 2]  # staged inside inference mode

@@ -1,7 +1,8 @@
 """One step's observations, handed from the training thread to the writer thread.
 
-The training thread only appends to lists while hooks fire. Everything that costs time
-(stacking the statistics, the device-to-host copy, building columns) happens in
+While hooks fire, the training thread appends to lists and copies small tensors' values into
+a reused buffer (:class:`Staging`). Everything else that costs time (the small tensors'
+statistics, stacking, the device-to-host copy, building columns) happens in
 :meth:`PendingStep.materialize`, which the writer thread calls.
 """
 
@@ -75,7 +76,7 @@ class StagingPool:
         self._free: list[torch.Tensor] = []
         self._keep = keep  # buffers held between steps, at most
         self._keep_values = keep_values  # larger buffers are freed after use
-        self.capacity = 1024  # values: the largest a step has needed so far
+        self.capacity = 1024  # values: the largest buffer asked for so far
         self.allocated = 0  # buffers made, over the pool's life
 
     def take(self, at_least: int) -> torch.Tensor:
@@ -86,12 +87,16 @@ class StagingPool:
                 if buffer.numel() >= self.capacity:
                     return buffer
             self.allocated += 1
-        return torch.empty(self.capacity, dtype=torch.float64)
+        with torch.inference_mode(False):  # hooks may fire inside inference mode: a buffer
+            # made there could not be written outside it
+            return torch.empty(self.capacity, dtype=torch.float64)
 
     def give_back(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` for a later step, unless the pool holds enough, or it is smaller
+        than steps now need, or larger than worth holding between steps."""
         with self._lock:
             fits = self.capacity <= buffer.numel() <= self._keep_values
-            if fits and len(self._free) < self._keep:
+            if fits and len(self._free) < self._keep and all(b is not buffer for b in self._free):
                 self._free.append(buffer)
 
 
@@ -112,10 +117,14 @@ class Staging:
         if self.buffer is None or self.used + n > self.buffer.numel():
             self._grow(self.used + n)
         assert self.buffer is not None
+        target = self.buffer[self.used : self.used + n]
         values = tensor.detach()
         if values.dim() > 1:
-            values = values.reshape(-1)  # a view where it can be, a copy where it cannot
-        self.buffer[self.used : self.used + n].copy_(values)
+            if values.is_contiguous():
+                values = values.view(-1)
+            else:  # copied straight from its strides, with no contiguous copy between
+                target = target.view(values.shape)
+        target.copy_(values)
         self.used += n
         self.lengths.append(n)
         return len(self.lengths) - 1
@@ -125,12 +134,19 @@ class Staging:
         if self.pool is not None:
             bigger = self.pool.take(size)
         else:
-            bigger = torch.empty(size, dtype=torch.float64)
+            with torch.inference_mode(False):
+                bigger = torch.empty(size, dtype=torch.float64)
         if self.buffer is not None:
             bigger[: self.used].copy_(self.buffer[: self.used])
         self.buffer = bigger
 
+    @property
+    def nbytes(self) -> int:
+        """The memory this step holds for staging: its whole buffer."""
+        return self.buffer.numel() * 8 if self.buffer is not None else 0
+
     def values(self) -> np.ndarray:
+        """The staged values, a view of the buffer: read them before :meth:`release`."""
         if self.buffer is None:
             return np.zeros(0)
         return self.buffer[: self.used].numpy()
@@ -142,7 +158,8 @@ class Staging:
         return bounds
 
     def release(self) -> None:
-        """Give the buffer back for another step; the values read from it are gone then."""
+        """Give the buffer back for another step. Arrays from :meth:`values` point into it:
+        another step's values overwrite them from here on."""
         buffer, self.buffer = self.buffer, None
         if buffer is not None and self.pool is not None:
             self.pool.give_back(buffer)
@@ -166,7 +183,6 @@ class PendingStep:
 
     def stage(self, tensor: torch.Tensor) -> Staged:
         """Copy a small CPU tensor aside; its statistics are computed in :meth:`materialize`."""
-        self.nbytes += tensor.numel() * 8
         return Staged(self.staging.add(tensor))
 
     def materialize(self) -> StepData:

@@ -663,7 +663,7 @@ class Recorder:
         pending.specs = {row: spec for row, spec in pending.specs.items() if row < whole}
         pending.micro_steps = self.micro_step
         pending.end_time = time.time()
-        pending.nbytes += 96 * len(pending.meta)
+        pending.nbytes += 96 * len(pending.meta) + pending.staging.nbytes
         self._pending = self._new_pending()
         self._recent.clear()
         self._writer.submit(pending)
