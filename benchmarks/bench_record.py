@@ -3,7 +3,9 @@
 For each reference model (tests/models.py: SmallCNN, batch 32 x 3 x 32 x 32; TinyTransformer,
 batch 16 x 64 tokens x 32 features) it times one training step (forward, loss, backward,
 optimizer step) under each variant, interleaving the variants repetition by repetition so
-that the machine's noise falls on all of them alike, and prints medians and ratios to plain:
+that the machine's noise falls on all of them alike, and prints medians, ratios to plain and
+the process's minor page faults per step (the allocator's churn, which moves plain as much
+as any variant):
 
   plain        no hooks
   empty        an empty forward hook on every module (the price of hook dispatch)
