@@ -3,7 +3,7 @@
 torch computes each statistic with its own vectorised pass: min and max, the sum, the sum of
 squares, the zero count and the per-unit positive counts are four or five passes over every
 activation and gradient. The kernel here makes one: each value is read once, and the sums,
-extremes and counts are kept in vector registers. Single-threaded, it takes 0.33 to 0.37 of
+extremes and counts are kept in vector registers. Single-threaded, it takes 0.18 to 0.28 of
 the time torch's passes take on both cores (``benchmarks/bench_stats_kernels.py``).
 
 Extremes are taken on integer keys: a float32's bits, with the magnitude bits flipped for
@@ -110,8 +110,13 @@ def warm_up() -> None:
 _jit = numba.njit(nogil=True, cache=True, fastmath={"reassoc", "contract"}, boundscheck=False)
 _inline = numba.njit(inline="always", fastmath={"reassoc", "contract"}, boundscheck=False)
 
-_FLIP = np.int32(0x7FFFFFFF)  # the magnitude bits; also the largest key
-_LOWEST = np.int32(-0x80000000)  # the smallest key
+# Integer arithmetic in numba widens to int64 unless cast back: the keys and counts below are
+# cast to int32 at each step, which keeps 16 of them to a 512-bit vector instead of 8 (the
+# kernel then reads twice as many values per instruction).
+_I32 = np.int32
+_FLIP = _I32(0x7FFFFFFF)  # the magnitude bits; also the largest key
+_LOWEST = _I32(-0x80000000)  # the smallest key
+_SIGN = _I32(31)  # shifting a key by this fills it with its sign bit
 
 
 @_jit
@@ -158,15 +163,15 @@ def _columns(x, counts):
 @no_type_check
 def _block(values, keys):
     """One block's sums (float32), extreme keys, zero count and positive count."""
-    s, q, k_lo, k_hi, z, p = np.float32(0), np.float32(0), _FLIP, _LOWEST, np.int32(0), np.int32(0)
+    s, q, k_lo, k_hi, z, p = np.float32(0), np.float32(0), _FLIP, _LOWEST, _I32(0), _I32(0)
     for i in range(values.size):
         v = values[i]
         s += v
         q += v * v
-        k = keys[i] ^ ((keys[i] >> 31) & _FLIP)
+        k = _key(keys[i])
         k_lo, k_hi = min(k_lo, k), max(k_hi, k)
-        z += v == 0
-        p += v > 0
+        z = _I32(z + (v == 0))
+        p = _I32(p + (v > 0))
     return s, q, k_lo, k_hi, z, p
 
 
@@ -174,13 +179,21 @@ def _block(values, keys):
 @no_type_check
 def _block_columns(values, keys, counts):
     """As :func:`_block`, counting positives per value's column instead."""
-    s, q, k_lo, k_hi, z = np.float32(0), np.float32(0), _FLIP, _LOWEST, np.int32(0)
+    s, q, k_lo, k_hi, z = np.float32(0), np.float32(0), _FLIP, _LOWEST, _I32(0)
     for i in range(values.size):
         v = values[i]
         s += v
         q += v * v
-        k = keys[i] ^ ((keys[i] >> 31) & _FLIP)
+        k = _key(keys[i])
         k_lo, k_hi = min(k_lo, k), max(k_hi, k)
-        z += v == 0
-        counts[i] += v > 0
+        z = _I32(z + (v == 0))
+        counts[i] = _I32(counts[i] + (v > 0))
     return s, q, k_lo, k_hi, z
+
+
+@_inline
+@no_type_check
+def _key(bits):
+    """A float32's bits as an int32 that orders as the float does: negative values have
+    their magnitude bits flipped."""
+    return _I32(bits ^ ((bits >> _SIGN) & _FLIP))
