@@ -11,7 +11,7 @@ import torch
 from models import default_loss, make_batch, make_model
 
 import hooktrace
-from hooktrace.recorder.pending import Meta, PendingStep, Staging, StagingPool
+from hooktrace.recorder.pending import Layouts, Meta, PendingStep, Staging, StagingPool
 
 
 def _stage_all(step: PendingStep, tensors: list[torch.Tensor]) -> None:
@@ -141,3 +141,40 @@ def test_inference_mode_before_training_does_not_break_staging(tmp_path: Path) -
     assert trace.steps["step"].tolist() == [0, 1, 2, 3]
     params = trace.records.query("kind == 'param' and phase == 'eval'")
     assert params["step"].unique().tolist() == [0, 2]  # staged inside inference mode
+
+
+# --- layouts: what a step's records say apart from their values, built once ----------------
+
+
+def test_steps_whose_records_line_up_share_one_layout() -> None:
+    layouts = Layouts()
+    made = []
+    for step, tensors in enumerate(
+        [
+            [torch.tensor([1.0, 2.0]), torch.ones(2, 3)],
+            [torch.tensor([5.0, 7.0]), torch.zeros(2, 3)],  # same records, other values
+            [torch.tensor([1.0, 2.0, 3.0]), torch.ones(2, 3)],  # another shape
+        ]
+    ):
+        pending = PendingStep(step, 0.0, staging=Staging(StagingPool()), layouts=layouts)
+        _stage_all(pending, tensors)
+        made.append(pending.materialize())
+    first, second, third = (data.columns for data in made)
+    assert layouts.built == 2
+    for name in ("module", "shape", "numel", "seq", "call_spec"):
+        assert first[name] is second[name], name  # shared, not rebuilt
+        assert first[name] is not third[name], name
+    assert second["mean"].tolist() == [6.0, 0.0] and second["step"].tolist() == [1, 1]
+    assert third["shape"].to_pylist() == ["3", "2,3"] and third["numel"].tolist() == [3, 6]
+
+
+def test_layouts_keep_only_the_most_recent() -> None:
+    layouts = Layouts(keep=2)
+    metas = [
+        [Meta(0, "train", 0, f"m{i}", 0, "output", "0", torch.float32, (i + 1,), 0, 0)]
+        for i in range(3)
+    ]
+    built = [layouts.of(m) for m in metas]
+    assert layouts.of(metas[2]) is built[2] and layouts.of(metas[1]) is built[1]
+    assert layouts.of(metas[0]) is not built[0]  # pushed out by the two after it
+    assert layouts.built == 4

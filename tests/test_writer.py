@@ -11,13 +11,14 @@ from typing import Any
 
 import h5py
 import numpy as np
+import pyarrow as pa
 import torch
 from click.testing import CliRunner
 from torch import nn
 
 import hooktrace
 from hooktrace.cli import cli
-from hooktrace.trace.writer import StepData, TraceWriter, _Sink
+from hooktrace.trace.writer import StepData, TraceWriter, _concat, _Sink
 
 
 def _train(run: Path, steps: int = 6, **options: object) -> None:
@@ -124,3 +125,48 @@ def test_a_segment_written_in_short_writes_is_whole(tmp_path: Path) -> None:
         f.create_dataset("t/0", data=values)
     with h5py.File(path, "r") as f:
         np.testing.assert_array_equal(f["t/0"][()], values)
+
+
+def test_columns_shared_by_steps_are_repeated_whole() -> None:
+    """A layout's column is one object that many steps point to: repeated as a whole, it
+    must read back as the steps' values one after the other, lists and arrays alike."""
+    names = pa.array(["a", "b"], type=pa.dictionary(pa.int32(), pa.string()))
+    other = pa.array(["c"], type=pa.dictionary(pa.int32(), pa.string()))
+    parts = [names, names, other, ["d", "a"], names]
+    assert _concat(parts).to_pylist() == ["a", "b", "a", "b", "c", "d", "a", "a", "b"]
+    numbers = np.array([1, 2])
+    assert _concat([numbers, numbers, np.array([3]), numbers]).tolist() == [1, 2, 1, 2, 3, 1, 2]
+    assert _concat([["x"], ["x"], ["y"]]) == ["x", "x", "y"]
+
+
+def test_training_evaluation_and_full_steps_read_back_record_by_record(tmp_path: Path) -> None:
+    """Steps of two layouts (training, and training after an evaluation pass) in one flush,
+    and full steps whose call specs are their own: every record where it belongs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 4)
+    outputs = {}
+    with hooktrace.record(model, tmp_path / "run", full_steps=[1, 4], inputs=True):
+        for step in range(6):
+            if step % 2:
+                model.eval()
+                with torch.no_grad():
+                    model(x)
+                model.train()
+            out = model(x)
+            outputs[step] = out.detach().numpy().astype(np.float64)
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    records = hooktrace.load(tmp_path / "run").records
+    for step in range(6):
+        rows = records[records["step"] == step].sort_values("seq")
+        assert rows["seq"].tolist() == list(range(len(rows)))
+        phases = set(rows.loc[rows["kind"] == "output", "phase"])
+        assert phases == ({"eval", "train"} if step % 2 else {"train"}), step
+        head = rows[(rows["module"] == "2") & (rows["kind"] == "output")]
+        assert head["phase"].tolist()[-1] == "train" and head["shape"].tolist()[-1] == "5,2"
+        np.testing.assert_allclose(head["mean"].tolist()[-1], outputs[step].mean(), rtol=1e-6)
+        specs = rows.loc[rows["call_spec"] != "", "module"].tolist()
+        assert bool(specs) == (step in (1, 4)), step

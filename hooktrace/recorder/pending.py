@@ -4,15 +4,22 @@ While hooks fire, the training thread appends to lists and copies small tensors'
 a reused buffer (:class:`Staging`). Everything else that costs time (the small tensors'
 statistics, stacking, the device-to-host copy, building columns) happens in
 :meth:`PendingStep.materialize`, which the writer thread calls.
+
+The writer's time is not free either: on a 2-core machine it runs beside the training's own
+second thread, and each millisecond it takes a step adds about a millisecond to the step. Most
+of what a step's records say (module, kind, slot, shape, ...) is the same from step to step,
+so those columns are built once per :class:`Layout` and shared; a step adds its values only.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from hooktrace.recorder.stats import (
@@ -21,8 +28,8 @@ from hooktrace.recorder.stats import (
     activity_staged,
     summarize_staged,
 )
-from hooktrace.trace.schema import NO_GRADIENT_DTYPE
-from hooktrace.trace.writer import StepData
+from hooktrace.trace.schema import NO_GRADIENT_DTYPE, RECORD_SCHEMA
+from hooktrace.trace.writer import StepData, arrow_strings
 
 
 class Meta(NamedTuple):
@@ -157,12 +164,78 @@ class Staging:
         np.cumsum(self.lengths, out=bounds[1:])
         return bounds
 
+    def lengths_array(self) -> np.ndarray:
+        return np.array(self.lengths, dtype=np.int64)
+
     def release(self) -> None:
         """Give the buffer back for another step. Arrays from :meth:`values` point into it:
         another step's values overwrite them from here on."""
         buffer, self.buffer = self.buffer, None
         if buffer is not None and self.pool is not None:
             self.pool.give_back(buffer)
+
+
+class Layout:
+    """The columns of a step's records that do not depend on the values recorded: where each
+    record comes from (module, call, kind, slot), what it holds (dtype, shape, units) and its
+    place in the step. Built once, shared by every step whose records line up the same way;
+    the writer repeats them without rebuilding (``writer._concat_columns``)."""
+
+    def __init__(self, meta: list[Meta]) -> None:
+        n = len(meta)
+        (micro_step, phase, seq, module, call, kind, slot, dtype, shape, units, unit_size) = (
+            zip(*meta, strict=True) if n else ((),) * len(Meta._fields)
+        )
+        self.rows = n
+        self.numel = np.array(
+            [_numel(s) if d is not None else 0 for s, d in zip(shape, dtype, strict=True)],
+            dtype=np.int64,
+        )
+        strings = {
+            "phase": list(phase),
+            "module": list(module),
+            "kind": list(kind),
+            "slot": list(slot),
+            "dtype": [dtype_name(d) for d in dtype],
+            "shape": [shape_text(s) for s in shape],
+        }
+        self.columns: dict[str, Any] = {
+            "micro_step": np.array(micro_step, dtype=np.int32),
+            "seq": np.array(seq, dtype=np.int64),
+            "call": np.array(call, dtype=np.int32),
+            "numel": self.numel,
+            "units": np.array(units, dtype=np.int32),
+            "unit_size": np.array(unit_size, dtype=np.int64),
+        }
+        for name, values in strings.items():
+            self.columns[name] = arrow_strings(values, RECORD_SCHEMA.field(name).type)
+        self.no_specs = arrow_strings([""] * n, pa.string())  # call_spec where none was saved
+
+
+class Layouts:
+    """The layouts of recent steps, by their records' :class:`Meta`: a training loop
+    alternates between a few (a training step, an evaluation pass)."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self._keep = keep
+        self._recent: OrderedDict[tuple[Meta, ...], Layout] = OrderedDict()
+        self._lock = threading.Lock()  # materialize() normally runs in the writer thread only
+        self.built = 0  # layouts built, over the cache's life
+
+    def of(self, meta: list[Meta]) -> Layout:
+        key = tuple(meta)
+        with self._lock:
+            layout = self._recent.get(key)
+            if layout is not None:
+                self._recent.move_to_end(key)
+                return layout
+        layout = Layout(meta)
+        with self._lock:
+            self.built += 1
+            self._recent[key] = layout
+            while len(self._recent) > self._keep:
+                self._recent.popitem(last=False)
+        return layout
 
 
 @dataclass
@@ -173,6 +246,7 @@ class PendingStep:
     stats: list[Stats | Staged | None] = field(default_factory=list)
     activity: list[tuple[int, torch.Tensor | StagedUnits]] = field(default_factory=list)
     staging: Staging = field(default_factory=Staging)
+    layouts: Layouts | None = None  # shared between steps; None: each step builds its own
     tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
     specs: dict[int, str] = field(default_factory=dict)  # row -> call spec (JSON)
     micro_steps: int = 0
@@ -193,47 +267,14 @@ class PendingStep:
 
     def _materialize(self) -> StepData:
         n = len(self.meta)
-        stats = np.full((n, STATS_WIDTH), np.nan)
-        stats[:, 5:] = 0
-        staged_values = self.staging.values()
-        staged_bounds = self.staging.bounds()
-        staged_stats = summarize_staged(staged_values, np.diff(staged_bounds))
-        on_device: list[int] = []
-        device_stats: list[torch.Tensor] = []
-        for i, values in enumerate(self.stats):
-            if isinstance(values, np.ndarray):  # computed on the host already
-                stats[i] = values
-            elif isinstance(values, Staged):
-                stats[i] = staged_stats[values.position]
-            elif values is not None:
-                on_device.append(i)
-                device_stats.append(values)
-        _wait_for_devices(
-            device_stats + [a for _, a in self.activity if isinstance(a, torch.Tensor)]
-        )
-        for rows, values in _gather(device_stats, on_device):
-            stats[rows] = values
-        (micro_step, phase, seq, module, call, kind, slot, dtype, shape, units, unit_size) = (
-            zip(*self.meta, strict=True) if n else ((),) * len(Meta._fields)
-        )
-        numel = np.array(
-            [_numel(s) if d is not None else 0 for s, d in zip(shape, dtype, strict=True)],
-            dtype=np.int64,
-        )
+        layout = self.layouts.of(self.meta) if self.layouts is not None else Layout(self.meta)
+        stats = self._statistics()
         with np.errstate(invalid="ignore", divide="ignore"):
+            numel = layout.numel
             zero_fraction = np.where(numel > 0, stats[:, 5] / np.maximum(numel, 1), np.nan)
         columns = {
+            **layout.columns,
             "step": np.full(n, self.step, dtype=np.int64),
-            "micro_step": np.array(micro_step, dtype=np.int32),
-            "phase": list(phase),
-            "seq": np.array(seq, dtype=np.int64),
-            "module": list(module),
-            "call": np.array(call, dtype=np.int32),
-            "kind": list(kind),
-            "slot": list(slot),
-            "dtype": [dtype_name(d) for d in dtype],
-            "shape": [shape_text(s) for s in shape],
-            "numel": numel,
             "mean": stats[:, 0],
             "std": stats[:, 1],
             "min": stats[:, 2],
@@ -242,22 +283,10 @@ class PendingStep:
             "zero_fraction": zero_fraction,
             "nan_count": stats[:, 6].astype(np.int64),
             "inf_count": stats[:, 7].astype(np.int64),
-            "units": np.array(units, dtype=np.int32),
-            "unit_size": np.array(unit_size, dtype=np.int64),
-            "call_spec": [self.specs.get(row, "") for row in range(n)],
+            "call_spec": (
+                [self.specs.get(row, "") for row in range(n)] if self.specs else layout.no_specs
+            ),
         }
-        activity: list[tuple[int, np.ndarray]] = []
-        if self.activity:
-            counted = [(row, a) for row, a in self.activity if isinstance(a, torch.Tensor)]
-            rows = [row for row, _ in counted]
-            for chunk_rows, merged in _gather_ragged([a for _, a in counted], rows):
-                activity.extend(zip(chunk_rows, merged, strict=True))
-            for row, staged in self.activity:
-                if isinstance(staged, StagedUnits):
-                    lo, hi = staged_bounds[staged.position], staged_bounds[staged.position + 1]
-                    counts = activity_staged(staged_values[lo:hi], staged.shape, staged.dim)
-                    activity.append((row, counts))
-            activity.sort(key=lambda item: item[0])
         tensors = []
         for row, tensor, event in self.tensors:
             if event is not None:
@@ -271,10 +300,58 @@ class PendingStep:
             start_time=self.start_time,
             end_time=self.end_time,
             columns=columns,
-            activity=activity,
+            activity=self._activity(),
             tensors=tensors,
             dropped=self.dropped,
         )
+
+    def _statistics(self) -> np.ndarray:
+        """One row of ``STATS_WIDTH`` per record: NaN statistics and zero counts where the
+        record has none (a parameter without a gradient)."""
+        stats = np.full((len(self.stats), STATS_WIDTH), np.nan)
+        stats[:, 5:] = 0
+        computed = [(i, v) for i, v in enumerate(self.stats) if type(v) is np.ndarray]
+        if computed:  # summarised on the host already
+            rows, arrays = zip(*computed, strict=True)
+            stats[list(rows)] = np.stack(arrays)
+        staged = [(i, v.position) for i, v in enumerate(self.stats) if type(v) is Staged]
+        if staged:
+            rows, positions = zip(*staged, strict=True)
+            segments = summarize_staged(self.staging.values(), self.staging.lengths_array())
+            stats[list(rows)] = segments[list(positions)]
+        on_device = [(i, v) for i, v in enumerate(self.stats) if isinstance(v, torch.Tensor)]
+        _wait_for_devices(
+            [v for _, v in on_device] + [a for _, a in self.activity if isinstance(a, torch.Tensor)]
+        )
+        if on_device:
+            rows, tensors = zip(*on_device, strict=True)
+            for gathered_rows, gathered in _gather(list(tensors), list(rows)):
+                stats[gathered_rows] = gathered
+        return stats
+
+    def _activity(self) -> list[tuple[int, np.ndarray]]:
+        """Each record's per-unit positive counts (int64), in row order."""
+        if not self.activity:
+            return []
+        activity: list[tuple[int, np.ndarray]] = []
+        on_device: list[tuple[int, torch.Tensor]] = []
+        staged = bounds = None
+        for row, counts in self.activity:
+            if isinstance(counts, StagedUnits):
+                if staged is None or bounds is None:
+                    staged, bounds = self.staging.values(), self.staging.bounds()
+                lo, hi = bounds[counts.position], bounds[counts.position + 1]
+                activity.append((row, activity_staged(staged[lo:hi], counts.shape, counts.dim)))
+            elif counts.device.type == "cpu":  # a view, no copy
+                activity.append((row, counts.to(torch.int64).numpy()))
+            else:
+                on_device.append((row, counts))
+        if on_device:
+            rows, tensors = zip(*on_device, strict=True)
+            for chunk_rows, merged in _gather_ragged(list(tensors), list(rows)):
+                activity.extend(zip(chunk_rows, merged, strict=True))
+        activity.sort(key=lambda item: item[0])
+        return activity
 
 
 def _wait_for_devices(tensors: list[torch.Tensor]) -> None:

@@ -34,7 +34,14 @@ except ImportError:  # pragma: no cover - older torch
 
 from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
-from hooktrace.recorder.pending import Meta, PendingStep, StagedUnits, Staging, StagingPool
+from hooktrace.recorder.pending import (
+    Layouts,
+    Meta,
+    PendingStep,
+    StagedUnits,
+    Staging,
+    StagingPool,
+)
 from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
 from hooktrace.recorder.stats import (
     route,
@@ -187,6 +194,7 @@ class Recorder:
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
         self._staging_pool = StagingPool()
+        self._layouts = Layouts()
         self._reset_step_state()
         self._root_depth = 0
         self._phase = "train"
@@ -671,7 +679,12 @@ class Recorder:
         self._tensor_handles = [h for h in self._tensor_handles if _alive(h)]
 
     def _new_pending(self) -> PendingStep:
-        return PendingStep(self.current_step, time.time(), staging=Staging(self._staging_pool))
+        return PendingStep(
+            self.current_step,
+            time.time(),
+            staging=Staging(self._staging_pool),
+            layouts=self._layouts,
+        )
 
     def _reset_step_state(self) -> None:
         self._recording = self._active and self.current_step in self._steps

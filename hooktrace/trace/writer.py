@@ -361,9 +361,10 @@ class TraceWriter:
             tensors.extend((base + row, array, dtype) for row, array, dtype in data.tensors)
             base += data.rows
         columns["activity_offset"] = offsets
-        columns["tensor_key"] = keys
+        segment_type = schema.RECORD_SCHEMA.field("segment").type
         if not activity and not tensors:
-            columns["segment"] = [None] * n
+            columns["tensor_key"] = keys
+            columns["segment"] = pa.nulls(n, segment_type)
             return None
 
         name = schema.segment_name(index)
@@ -385,7 +386,11 @@ class TraceWriter:
             f.attrs["format_version"] = schema.FORMAT_VERSION
             if activity:
                 merged = np.concatenate(activity).astype(np.int64, copy=False)
-                f.create_dataset("activity", data=merged, compression="gzip", compression_opts=1)
+                # counts are small: shuffled, their high bytes compress away first (a third
+                # smaller and a third faster than gzip alone on the reference models)
+                f.create_dataset(
+                    "activity", data=merged, compression="gzip", compression_opts=1, shuffle=True
+                )
             group = f.create_group("t") if tensors else None
             for row, array, dtype in tensors:
                 key = f"t/{row}"
@@ -401,7 +406,10 @@ class TraceWriter:
         with _removed_on_failure(tmp):
             os.replace(tmp, final)
         relative = f"{schema.rank_dir(schema.TENSORS_DIR, self.rank)}/{name}"
-        columns["segment"] = [relative] * n
+        columns["tensor_key"] = keys
+        columns["segment"] = pa.DictionaryArray.from_arrays(
+            pa.array(np.zeros(n, dtype=np.int32)), arrow_strings([relative], pa.string())
+        ).cast(segment_type)
         return final
 
     def _write_parquet(self, table: pa.Table, directory: Path, index: int) -> None:
@@ -530,6 +538,15 @@ def _escape(value: Any) -> Any:
     return value
 
 
+def arrow_strings(values: list[str], type: pa.DataType) -> pa.Array:
+    """``values`` as an Arrow array of ``type`` (a string or dictionary type), with names that
+    are not valid Unicode backslash-escaped as :func:`_table` does."""
+    try:
+        return pa.array(values, type=type)
+    except UnicodeEncodeError:
+        return pa.array([_escape(v) for v in values], type=type)
+
+
 def _concat_columns(steps: list[StepData]) -> dict[str, Any]:
     columns: dict[str, Any] = {}
     for name in RECORD_COLUMNS_IN:
@@ -538,11 +555,32 @@ def _concat_columns(steps: list[StepData]) -> dict[str, Any]:
             parts = [
                 p if len(p) == d.rows else [""] * d.rows for p, d in zip(parts, steps, strict=True)
             ]
-        if isinstance(parts[0], np.ndarray):
-            columns[name] = np.concatenate(parts)
-        else:
-            columns[name] = [v for p in parts for v in p]
+        columns[name] = _concat(parts)
     return columns
+
+
+def _concat(parts: list[Any]) -> Any:
+    """One column from the steps' parts: numpy arrays, Arrow arrays or lists. A part that
+    steps share (a :class:`~hooktrace.recorder.pending.Layout`'s column) is repeated as a
+    whole, not value by value."""
+    runs: list[tuple[Any, int]] = []  # (part, how many steps in a row share it)
+    for part in parts:
+        if runs and runs[-1][0] is part:
+            runs[-1] = (part, runs[-1][1] + 1)
+        else:
+            runs.append((part, 1))
+    if all(isinstance(p, np.ndarray) for p, _ in runs):
+        return np.concatenate([np.tile(p, k) if k > 1 else p for p, k in runs])
+    arrow = next((p.type for p, _ in runs if isinstance(p, pa.Array)), None)
+    if arrow is None:
+        return [v for p, k in runs for v in (p * k if k > 1 else p)]
+    arrays = []
+    for part, k in runs:
+        array = part if isinstance(part, pa.Array) else arrow_strings(list(part), arrow)
+        if k > 1:
+            array = array.take(np.tile(np.arange(len(array), dtype=np.int64), k))
+        arrays.append(array)
+    return pa.concat_arrays(arrays)
 
 
 def _steps_table(steps: list[StepData]) -> pa.Table:
