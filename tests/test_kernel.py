@@ -315,3 +315,100 @@ def test_numba_is_imported_at_the_first_large_cpu_tensor_only(tmp_path: Path) ->
         capture_output=True, text=True,
     )  # fmt: skip
     assert analyzer.stdout.strip() == "False", analyzer.stderr
+
+
+# --- the writer's kernels: a step's small tensors, all in one call ---------------------------
+
+
+def _segments_of(rng: np.random.Generator, lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 segments of the given lengths, each of a different scale and kind: some with
+    a NaN, an infinity, many zeros, or one value repeated."""
+    parts = []
+    for i, n in enumerate(lengths):
+        a = rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6)
+        kind = i % 6
+        if kind == 1:
+            a[rng.integers(0, n)] = np.nan
+        elif kind == 2:
+            a[rng.integers(0, n)] = -np.inf if i % 4 else np.inf
+        elif kind == 3:
+            a[rng.random(n) < 0.6] = 0.0
+        elif kind == 4:
+            a[:] = 0.1  # a constant that float64 cannot hold exactly
+        parts.append(a)
+    bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    return np.concatenate(parts), bounds
+
+
+def test_the_writers_kernel_sums_exactly_as_numpy_does() -> None:
+    """Bit for bit, NaN where numpy has NaN: so which of the two summarises a step's small
+    tensors never shows in a trace. The lengths cross each branch of numpy's pairwise
+    summation (8 values, 128, a split)."""
+    from hooktrace.recorder.kernel import summarize_segments
+    from hooktrace.recorder.stats import summarize_staged
+
+    rng = np.random.default_rng(0)
+    edges = [1, 2, 7, 8, 9, 15, 16, 17, 128, 129, 130, 255, 256, 257, 1000, 8191, 8192]
+    for trial in range(40):
+        lengths = edges if trial == 0 else rng.integers(1, 3000, rng.integers(1, 30)).tolist()
+        values, bounds = _segments_of(rng, lengths)
+        want = summarize_staged(values, np.diff(bounds))
+        got = summarize_segments(values, bounds)
+        assert np.array_equal(got, want, equal_nan=True), trial
+        assert np.isnan(got[1::6, 2]).all()  # each segment with a NaN has NaN extremes
+
+
+def test_the_writers_kernel_counts_units_as_numpy_does() -> None:
+    from hooktrace.recorder.kernel import unit_counts
+    from hooktrace.recorder.stats import activity_staged
+
+    rng = np.random.default_rng(1)
+    shapes = [((3, 4, 2, 2), 1), ((2, 5, 6), 2), ((7,), 0), ((4, 3), 0), ((2, 3, 1), 1)]
+    tensors = [rng.standard_normal(int(np.prod(s))) for s, _ in shapes]
+    for t in tensors:
+        t[rng.random(t.size) < 0.3] = 0.0  # zero is not positive
+    values = np.concatenate(tensors)
+    starts = np.cumsum([0] + [t.size for t in tensors])[:-1]
+    segments = np.array(
+        [(start, int(np.prod(s[:d])), s[d], int(np.prod(s[d + 1 :])))
+         for start, (s, d) in zip(starts, shapes, strict=True)],
+        dtype=np.int64,
+    )  # fmt: skip
+    want = np.concatenate(
+        [activity_staged(t, s, d) for t, (s, d) in zip(tensors, shapes, strict=True)]
+    )
+    assert unit_counts(values, segments).tolist() == want.tolist()
+
+
+def test_a_step_materialises_the_same_with_and_without_the_writers_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real training step's small tensors, taken once by the kernel (this process took
+    the one-pass route) and once by numpy: the same statistics and activity, bit for bit."""
+    from hooktrace.recorder import pending
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept: list[pending.PendingStep] = []
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        rec._writer.submit = kept.append  # the steps, before the writer takes them
+        for _ in range(2):
+            model(torch.randn(2, 3, 8, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    step = kept[-1]
+    assert sum(type(s) is pending.Staged for s in step.stats) >= 10
+    assert any(isinstance(a, pending.StagedUnits) for _, a in step.activity)
+    route()  # the one-pass route is taken: the writer's kernels are used
+    assert pending._compiled() is not None
+    compiled = (step._statistics(), step._activity())
+    monkeypatch.setattr(pending, "_compiled", lambda: None)
+    plain = (step._statistics(), step._activity())
+    assert np.array_equal(compiled[0], plain[0], equal_nan=True)
+    assert [r for r, _ in compiled[1]] == [r for r, _ in plain[1]]
+    for (_, got), (_, want) in zip(compiled[1], plain[1], strict=True):
+        assert got.dtype == want.dtype == np.int64 and got.tolist() == want.tolist()

@@ -17,6 +17,10 @@ sums come from matters to their last bits, so the choice of route never depends 
 a tensor takes the kernel whenever numba is installed and the tensor is a contiguous float32
 CPU tensor with finite values (:func:`hooktrace.recorder.stats.summarize_with_activity`).
 
+The same module holds the writer's kernels for small tensors (:func:`summarize_segments`,
+:func:`unit_counts`): a step's staged values, all of its tensors in one call, with the very
+sums numpy's reductions make, bit for bit.
+
 This module imports numba; :mod:`hooktrace.recorder.stats` imports it on first use only.
 """
 
@@ -97,10 +101,31 @@ def _prod(dims: tuple[int, ...]) -> int:
     return n
 
 
+def summarize_segments(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """:func:`hooktrace.recorder.stats.summarize_staged` in one compiled call: the rows are
+    equal to numpy's, sums included (``values`` float64, ``bounds`` int64, each segment
+    ``values[bounds[i]:bounds[i + 1]]`` non-empty)."""
+    out = np.empty((len(bounds) - 1, 8), dtype=np.float64)
+    _segments(values, bounds, out)
+    return out
+
+
+def unit_counts(values: np.ndarray, segments: np.ndarray) -> np.ndarray:
+    """Positive values per unit of several staged tensors, one after the other (int64).
+
+    ``segments`` is int64 (k, 4): each tensor's first value in ``values``, and its
+    (outer, units, inner) sizes around the unit dimension."""
+    out = np.zeros(int(segments[:, 2].sum()), dtype=np.int64)
+    _unit_counts(values, segments, out)
+    return out
+
+
 def warm_up() -> None:
     """Compile the kernels now (or load them from numba's cache), not at their first use."""
     _rows(np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.int64))
     _columns(np.zeros((1, 1), dtype=np.float32), np.zeros(1, dtype=np.int32))
+    summarize_segments(np.zeros(1), np.array([0, 1], dtype=np.int64))
+    unit_counts(np.zeros(1), np.array([[0, 1, 1, 1]], dtype=np.int64))
 
 
 # The kernels are numba code: plain loops over blocks of values, which numba compiles for
@@ -197,3 +222,127 @@ def _key(bits):
     """A float32's bits as an int32 that orders as the float does: negative values have
     their magnitude bits flipped."""
     return _I32(bits ^ ((bits >> _SIGN) & _FLIP))
+
+
+# The writer's kernels, for the staged values of small tensors (float64). Their results must
+# equal numpy's (``stats.summarize_staged``), so they do what numpy does in the order numpy
+# does it: no fastmath, and numpy's pairwise summation (:func:`_pairwise`).
+_exact = numba.njit(nogil=True, cache=True, boundscheck=False)
+
+
+@_exact
+@no_type_check
+def _segments(values, bounds, out):
+    """One row per segment: mean, std (two passes), min, max, norm, zeros, NaNs, infinities.
+
+    The extremes and counts are taken on the values' bits, as integers (as :func:`_rows`
+    does for float32): integer comparisons vectorise where float ones, which must mind NaN,
+    do not."""
+    bits = values.view(np.int64)
+    for i in range(len(bounds) - 1):
+        lo, hi = bounds[i], bounds[i + 1]
+        n = hi - lo
+        k_lo, k_hi = _FLIP64, _LOWEST64
+        zeros = nans = infs = 0
+        for j in range(lo, hi):
+            b = bits[j]
+            k = b ^ ((b >> 63) & _FLIP64)
+            k_lo, k_hi = min(k_lo, k), max(k_hi, k)
+            magnitude = b & _FLIP64
+            zeros += magnitude == 0
+            nans += magnitude > _INF64
+            infs += magnitude == _INF64
+        mean = _reduce(values, lo, hi, 0.0, False) / n
+        norm = np.sqrt(_reduce(values, lo, hi, 0.0, True))
+        std = np.sqrt(_reduce(values, lo, hi, mean, True) / n)
+        smallest, largest = _from_key64(k_lo), _from_key64(k_hi)
+        if nans:  # numpy's minimum and maximum propagate NaN
+            smallest = largest = std = np.nan
+        elif infs:
+            std = np.nan
+        row = out[i]
+        row[0], row[1], row[2], row[3], row[4] = mean, std, smallest, largest, norm
+        row[5], row[6], row[7] = zeros, nans, infs
+
+
+_FLIP64 = np.int64(0x7FFFFFFFFFFFFFFF)
+_LOWEST64 = np.int64(-0x8000000000000000)
+_INF64 = np.int64(0x7FF0000000000000)  # the bits of +inf; larger magnitudes are NaN
+
+
+@_inline
+@no_type_check
+def _from_key64(key):
+    bits = key ^ _FLIP64 if key < 0 else key
+    return np.array([bits]).view(np.float64)[0]
+
+
+@_exact
+@no_type_check
+def _unit_counts(values, segments, out):
+    at = 0
+    for k in range(segments.shape[0]):
+        start, outer, units, inner = segments[k, 0], segments[k, 1], segments[k, 2], segments[k, 3]
+        for o in range(outer):
+            for u in range(units):
+                base = start + (o * units + u) * inner
+                p = 0
+                for j in range(base, base + inner):
+                    p += values[j] > 0
+                out[at + u] += p
+        at += units
+
+
+@_exact
+@no_type_check
+def _reduce(a, lo, hi, shift, square):
+    """``np.add.reduceat``'s sum of the terms of ``a[lo:hi]``: the first term, plus the
+    pairwise sum of the rest. A term is ``a[j]``, or ``(a[j] - shift) ** 2`` where
+    ``square`` (rounded as numpy rounds ``d * d`` before summing it; ``a[j] - 0.0`` is
+    ``a[j]``)."""
+    first = _term(a[lo], shift, square)
+    return first + _pairwise(a, lo + 1, hi, shift, square) if hi - lo > 1 else first
+
+
+@_inline
+@no_type_check
+def _term(v, shift, square):
+    if square:
+        d = v - shift
+        return d * d
+    return v
+
+
+@_exact
+@no_type_check
+def _pairwise(a, lo, hi, shift, square):
+    """numpy's pairwise summation (``pairwise_sum`` in its loops): up to 8 terms one after
+    another, up to 128 in 8 running sums, more split in two (at a multiple of 8)."""
+    n = hi - lo
+    if n < 8:
+        total = -0.0
+        for j in range(lo, hi):
+            total += _term(a[j], shift, square)
+        return total
+    if n <= 128:
+        r0, r1 = _term(a[lo], shift, square), _term(a[lo + 1], shift, square)
+        r2, r3 = _term(a[lo + 2], shift, square), _term(a[lo + 3], shift, square)
+        r4, r5 = _term(a[lo + 4], shift, square), _term(a[lo + 5], shift, square)
+        r6, r7 = _term(a[lo + 6], shift, square), _term(a[lo + 7], shift, square)
+        end = hi - n % 8
+        for j in range(lo + 8, end, 8):
+            r0 += _term(a[j], shift, square)
+            r1 += _term(a[j + 1], shift, square)
+            r2 += _term(a[j + 2], shift, square)
+            r3 += _term(a[j + 3], shift, square)
+            r4 += _term(a[j + 4], shift, square)
+            r5 += _term(a[j + 5], shift, square)
+            r6 += _term(a[j + 6], shift, square)
+            r7 += _term(a[j + 7], shift, square)
+        total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        for j in range(end, hi):
+            total += _term(a[j], shift, square)
+        return total
+    half = n // 2
+    half -= half % 8
+    return _pairwise(a, lo, lo + half, shift, square) + _pairwise(a, lo + half, hi, shift, square)

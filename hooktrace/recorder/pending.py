@@ -26,6 +26,7 @@ from hooktrace.recorder.stats import (
     STATS_WIDTH,
     Stats,
     activity_staged,
+    route_taken,
     summarize_staged,
 )
 from hooktrace.trace.schema import NO_GRADIENT_DTYPE, RECORD_SCHEMA
@@ -244,7 +245,9 @@ class PendingStep:
     start_time: float
     meta: list[Meta] = field(default_factory=list)
     stats: list[Stats | Staged | None] = field(default_factory=list)
-    activity: list[tuple[int, torch.Tensor | StagedUnits]] = field(default_factory=list)
+    activity: list[tuple[int, torch.Tensor | np.ndarray | StagedUnits]] = field(
+        default_factory=list
+    )
     staging: Staging = field(default_factory=Staging)
     layouts: Layouts | None = None  # shared between steps; None: each step builds its own
     tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
@@ -308,24 +311,39 @@ class PendingStep:
     def _statistics(self) -> np.ndarray:
         """One row of ``STATS_WIDTH`` per record: NaN statistics and zero counts where the
         record has none (a parameter without a gradient)."""
-        stats = np.full((len(self.stats), STATS_WIDTH), np.nan)
+        stats = np.empty((len(self.stats), STATS_WIDTH))
+        stats[:, :5] = np.nan
         stats[:, 5:] = 0
-        computed = [(i, v) for i, v in enumerate(self.stats) if type(v) is np.ndarray]
-        if computed:  # summarised on the host already
-            rows, arrays = zip(*computed, strict=True)
-            stats[list(rows)] = np.stack(arrays)
-        staged = [(i, v.position) for i, v in enumerate(self.stats) if type(v) is Staged]
-        if staged:
-            rows, positions = zip(*staged, strict=True)
-            segments = summarize_staged(self.staging.values(), self.staging.lengths_array())
-            stats[list(rows)] = segments[list(positions)]
-        on_device = [(i, v) for i, v in enumerate(self.stats) if isinstance(v, torch.Tensor)]
-        _wait_for_devices(
-            [v for _, v in on_device] + [a for _, a in self.activity if isinstance(a, torch.Tensor)]
-        )
+        computed_rows: list[int] = []
+        computed: list[np.ndarray] = []
+        staged_rows: list[int] = []
+        positions: list[int] = []
+        device_rows: list[int] = []
+        on_device: list[torch.Tensor] = []
+        for row, value in enumerate(self.stats):
+            kind = type(value)
+            if kind is Staged:
+                staged_rows.append(row)
+                positions.append(value.position)  # type: ignore[union-attr]
+            elif kind is np.ndarray:  # summarised on the host already
+                computed_rows.append(row)
+                computed.append(value)  # type: ignore[arg-type]
+            elif value is not None:
+                device_rows.append(row)
+                on_device.append(value)  # type: ignore[arg-type]
+        if computed:
+            stats[computed_rows] = computed
+        if staged_rows:
+            compiled = _compiled()
+            values = self.staging.values()
+            if compiled is not None:
+                segments = compiled.summarize_segments(values, self.staging.bounds())
+            else:
+                segments = summarize_staged(values, self.staging.lengths_array())
+            stats[staged_rows] = segments[positions]
+        _wait_for_devices(on_device + [a for _, a in self.activity if isinstance(a, torch.Tensor)])
         if on_device:
-            rows, tensors = zip(*on_device, strict=True)
-            for gathered_rows, gathered in _gather(list(tensors), list(rows)):
+            for gathered_rows, gathered in _gather(on_device, device_rows):
                 stats[gathered_rows] = gathered
         return stats
 
@@ -334,24 +352,58 @@ class PendingStep:
         if not self.activity:
             return []
         activity: list[tuple[int, np.ndarray]] = []
+        staged: list[tuple[int, StagedUnits]] = []
         on_device: list[tuple[int, torch.Tensor]] = []
-        staged = bounds = None
         for row, counts in self.activity:
             if isinstance(counts, StagedUnits):
-                if staged is None or bounds is None:
-                    staged, bounds = self.staging.values(), self.staging.bounds()
-                lo, hi = bounds[counts.position], bounds[counts.position + 1]
-                activity.append((row, activity_staged(staged[lo:hi], counts.shape, counts.dim)))
+                staged.append((row, counts))
+            elif isinstance(counts, np.ndarray):  # counted by the one-pass kernel
+                activity.append((row, counts))
             elif counts.device.type == "cpu":  # a view, no copy
                 activity.append((row, counts.to(torch.int64).numpy()))
             else:
                 on_device.append((row, counts))
+        if staged:
+            activity.extend(self._staged_activity(staged))
         if on_device:
             rows, tensors = zip(*on_device, strict=True)
             for chunk_rows, merged in _gather_ragged(list(tensors), list(rows)):
                 activity.extend(zip(chunk_rows, merged, strict=True))
         activity.sort(key=lambda item: item[0])
         return activity
+
+    def _staged_activity(
+        self, staged: list[tuple[int, StagedUnits]]
+    ) -> list[tuple[int, np.ndarray]]:
+        values, bounds = self.staging.values(), self.staging.bounds()
+        compiled = _compiled()
+        if compiled is None:
+            spans = [(bounds[c.position], bounds[c.position + 1]) for _, c in staged]
+            return [
+                (row, activity_staged(values[lo:hi], c.shape, c.dim))
+                for (row, c), (lo, hi) in zip(staged, spans, strict=True)
+            ]
+        # each tensor as (first value, outer, units, inner): one call counts them all
+        segments = np.array(
+            [(bounds[c.position], *_around(c.shape, c.dim)) for _, c in staged], dtype=np.int64
+        )
+        merged = compiled.unit_counts(values, segments)
+        ends = np.cumsum(segments[:, 2]).tolist()
+        return [
+            (row, merged[end - c.units : end]) for (row, c), end in zip(staged, ends, strict=True)
+        ]
+
+
+def _compiled() -> Any:
+    """The compiled kernels for staged values (:mod:`hooktrace.recorder.kernel`) once this
+    process took the one-pass route, else None: importing numba is left to the first large
+    tensor. Their results equal numpy's, so which one runs changes the time only."""
+    taken = route_taken()
+    if taken is None or taken.one_pass is None:
+        return None
+    from hooktrace.recorder import kernel
+
+    return kernel
 
 
 def _wait_for_devices(tensors: list[torch.Tensor]) -> None:
@@ -394,6 +446,11 @@ def _gather_ragged(
         pieces = [merged[bounds[k] : bounds[k + 1]] for k in range(len(indices))]
         out.append(([rows[i] for i in indices], pieces))
     return out
+
+
+def _around(shape: tuple[int, ...], dim: int) -> tuple[int, int, int]:
+    """(values before, units, values after) of ``shape`` around ``dim``."""
+    return _numel(shape[:dim]), shape[dim], _numel(shape[dim + 1 :])
 
 
 def _numel(shape: tuple[int, ...]) -> int:
