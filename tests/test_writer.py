@@ -12,6 +12,7 @@ from typing import Any
 import h5py
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from click.testing import CliRunner
 from torch import nn
@@ -105,6 +106,53 @@ def test_full_tensors_are_flushed_by_size_before_the_timer(tmp_path: Path) -> No
     assert len(list(parts.glob("part-*.parquet"))) >= 2  # written while the run goes on
     writer.close("complete")
     assert writer.steps_written == 4
+
+
+class _Failing(_Step):
+    def materialize(self) -> StepData:
+        raise ValueError("cannot read this step")
+
+
+def test_steps_are_materialised_a_few_at_a_time_and_all_written_in_order(
+    tmp_path: Path,
+) -> None:
+    made: list[int] = []
+
+    class Counted(_Step):
+        def materialize(self) -> StepData:
+            made.append(self.step)
+            return super().materialize()
+
+    writer = TraceWriter(tmp_path / "run", flush_seconds=3600, hold_steps=3, flush_bytes=1 << 40)
+    for i in range(7):
+        writer.submit(Counted(i, size=16))
+    deadline = time.monotonic() + 60  # hang detection, not a timing assertion
+    while not (len(made) == 6 and len(writer._held) == 1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made == list(range(6))  # two batches of three; the seventh waits for more
+    assert len(writer._held) == 1
+    writer.close("complete")
+    assert made == list(range(7)) and writer.steps_written == 7 and writer.steps_lost == 0
+    assert _steps_on_disk(tmp_path / "run") == list(range(7))
+
+
+def test_a_step_that_cannot_be_materialised_is_counted_lost_with_those_after_it(
+    tmp_path: Path,
+) -> None:
+    # 16 bytes a step, a flush every 32: the first two reach the disk before the failure
+    writer = TraceWriter(tmp_path / "run", flush_seconds=3600, hold_steps=2, flush_bytes=32)
+    for step in [_Step(0, 16), _Step(1, 16), _Failing(2, 16), _Step(3, 16)]:
+        writer.submit(step)
+    problem = writer.close("complete", warn=False)
+    assert isinstance(writer.error, ValueError)
+    assert writer.steps_written == 2 and writer.steps_lost == 2
+    assert problem is not None and "2 step(s) were not written" in problem
+    assert _steps_on_disk(tmp_path / "run") == [0, 1]
+
+
+def _steps_on_disk(run: Path) -> list[int]:
+    parts = sorted((run / "steps" / "rank=0").glob("part-*.parquet"))
+    return [step for part in parts for step in pq.read_table(part).column("step").to_pylist()]
 
 
 class _ShortWrites(io.FileIO):

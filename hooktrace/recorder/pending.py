@@ -30,7 +30,7 @@ from hooktrace.recorder.stats import (
     summarize_staged,
 )
 from hooktrace.trace.schema import NO_GRADIENT_DTYPE, RECORD_SCHEMA
-from hooktrace.trace.writer import StepData, arrow_strings
+from hooktrace.trace.writer import HOLD_STEPS, StepData, arrow_strings
 
 
 class Meta(NamedTuple):
@@ -79,10 +79,11 @@ class StagingPool:
     (docs/PERFORMANCE.md).
     """
 
-    def __init__(self, *, keep: int = 4, keep_values: int = 1 << 20) -> None:
+    def __init__(self, *, keep: int = HOLD_STEPS + 4, keep_values: int = 1 << 20) -> None:
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []
-        self._keep = keep  # buffers held between steps, at most
+        self._keep = keep  # buffers held between steps, at most: the steps the writer
+        # holds, the step being recorded, and a few in the writer's queue
         self._keep_values = keep_values  # larger buffers are freed after use
         self.capacity = 1024  # values: the largest buffer asked for so far
         self.allocated = 0  # buffers made, over the pool's life

@@ -38,6 +38,10 @@ from hooktrace.trace import schema
 _CLOSE = object()
 _WAKE = object()  # a submitter waits for space: flush now rather than at the next timer
 
+HOLD_STEPS = 4
+"""Steps the writer takes before it materialises them, together (``_materialize_held``).
+Each holds its staging buffer until then (``pending.StagingPool`` keeps enough)."""
+
 
 @dataclass
 class StepData:
@@ -113,6 +117,7 @@ class TraceWriter:
         flush_seconds: float = 1.0,
         flush_rows: int = 200_000,
         flush_bytes: int = 32 << 20,
+        hold_steps: int = HOLD_STEPS,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -121,6 +126,7 @@ class TraceWriter:
         self.flush_seconds = flush_seconds
         self.flush_rows = flush_rows
         self.flush_bytes = flush_bytes  # full tensors stream to disk instead of piling up
+        self.hold_steps = hold_steps
 
         self.error: BaseException | None = None
         self.steps_written = 0
@@ -158,8 +164,9 @@ class TraceWriter:
         self._queue: queue.Queue[object] = queue.Queue()
         self._pending_bytes = 0
         self._space = threading.Condition()
+        self._held: list[PendingStep] = []  # taken, not yet materialised
         self._buffer: list[StepData] = []
-        self._buffered_bytes = 0  # bytes of the steps in _buffer, released when flushed
+        self._buffered_bytes = 0  # bytes of the steps held and buffered, released when flushed
         self._buffered_rows = 0
         self._waiting = 0  # submitters blocked by backpressure
         self._new_modules: list[dict[str, Any]] = []
@@ -259,19 +266,14 @@ class TraceWriter:
             if item is not None and item is not _WAKE:
                 pending: PendingStep = item  # type: ignore[assignment]
                 if self.error is None:
-                    try:
-                        data = pending.materialize()
-                        self._buffer.append(data)
-                        self._buffered_rows += data.rows
-                    except BaseException as exc:  # a fault here must not reach training
-                        self._fail(exc)
-                else:
-                    self.steps_lost += 1
-                if self.error is None:
+                    self._held.append(pending)
                     self._buffered_bytes += pending.nbytes
                 else:
+                    self.steps_lost += 1
                     self._release(pending.nbytes)
-            if not self._buffer:
+                if len(self._held) >= self.hold_steps:
+                    self._materialize_held()
+            if not self._buffer and not self._held:
                 continue
             if (
                 self._buffered_rows >= self.flush_rows
@@ -281,6 +283,24 @@ class TraceWriter:
             ):
                 self._flush_safely()
                 last_flush = time.monotonic()
+
+    def _materialize_held(self) -> None:
+        """Turn the held steps into columns, one after the other: the interpreter's code and
+        data stay in the caches from one step to the next, where a step at a time found them
+        evicted by the training each time (a third of the time, on the reference models)."""
+        held, self._held = self._held, []
+        for pending in held:
+            if self.error is not None:  # an earlier step failed: the rest are lost with it
+                self.steps_lost += 1
+                continue
+            try:
+                data = pending.materialize()
+            except BaseException as exc:  # a fault here must not reach training
+                self.steps_lost += 1
+                self._fail(exc)
+                continue
+            self._buffer.append(data)
+            self._buffered_rows += data.rows
 
     def _release(self, nbytes: int) -> None:
         with self._space:
@@ -295,6 +315,7 @@ class TraceWriter:
         self._buffered_rows = 0
 
     def _flush_safely(self) -> None:
+        self._materialize_held()
         nbytes, self._buffered_bytes = self._buffered_bytes, 0
         self._buffered_rows = 0
         steps = len(self._buffer)
