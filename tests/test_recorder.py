@@ -528,3 +528,62 @@ def test_the_recorder_keeps_no_reference_to_the_training_tensors(run_dir: Path) 
         for h in handles:
             h.remove()
     assert len(hooktrace.load(run_dir).query(steps=[0])) > 40
+
+
+class _MixedParameters(nn.Module):
+    """Parameters and buffers of several dtypes, one frozen, one too large to stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.tensor([2.0**40 + 1.0, -0.5], dtype=torch.float64))
+        self.frozen = nn.Parameter(torch.tensor([3.0, 4.0]), requires_grad=False)
+        self.big = nn.Parameter(torch.linspace(-1.0, 1.0, 9000))
+        self.bn = nn.BatchNorm1d(3)  # an int64 buffer among float32 ones
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn(self.fc(x)) * self.big[:3]
+        return y.double() * self.scale[1] + self.frozen.sum()
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_parameters_of_every_dtype_keep_their_own_values_and_order(
+    run_dir: Path, full: bool
+) -> None:
+    """Small parameters are staged together, one copy per dtype: each record must still hold
+    its own tensor's values, in the order the model lists them (full steps included, where
+    those with a full tensor take the hook's own path)."""
+    torch.manual_seed(0)
+    model = _MixedParameters()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    options = {"full_every": 1, "full_modules": "fc"} if full else {}
+    # parameters and buffers as the step's first forward finds them, gradients at its end
+    values = {("param", name): p.detach().clone() for name, p in model.named_parameters()}
+    values |= {("buffer", name): b.clone() for name, b in model.named_buffers()}
+    with hooktrace.record(model, run_dir, **options):
+        model(torch.randn(5, 4)).sum().backward()
+        values |= {
+            ("grad_param", name): p.grad.clone()
+            for name, p in model.named_parameters()
+            if p.grad is not None
+        }
+        opt.step()
+    records = hooktrace.load(run_dir).records
+    step = records[records["kind"].isin(["param", "buffer", "grad_param"])]
+    assert len(step) == 2 * len(list(model.parameters())) + len(list(model.buffers()))
+    for row in step.itertuples():
+        name = f"{row.module}.{row.slot}".removeprefix("_MixedParameters.")
+        key = (row.kind, name)
+        if row.kind == "grad_param" and name == "frozen":
+            assert row.dtype == "None" and np.isnan(row.mean)
+            continue
+        want = values[key].double().numpy()
+        assert row.shape == ",".join(map(str, want.shape)), key
+        assert row.min == want.min() and row.max == want.max(), key
+        np.testing.assert_allclose(row.mean, want.mean(), rtol=1e-6, atol=1e-7, err_msg=str(key))
+    assert step.loc[step["slot"] == "scale", "max"].max() == 2.0**40 + 1.0  # kept whole
+    for kind in ("param", "grad_param"):  # the model's own order
+        names = step.loc[step["kind"] == kind].sort_values("seq")
+        listed = [n for n, _ in model.named_parameters()]
+        assert [f"{m}.{s}".removeprefix("_MixedParameters.") for m, s in
+                zip(names["module"], names["slot"], strict=True)] == listed  # fmt: skip

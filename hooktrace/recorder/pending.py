@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from hooktrace.recorder.stats import (
     STATS_WIDTH,
@@ -137,6 +138,20 @@ class Staging:
         self.used += n
         self.lengths.append(n)
         return len(self.lengths) - 1
+
+    def add_many(self, tensors: list[torch.Tensor]) -> int:
+        """:meth:`add` for several tensors of one dtype, with one copy; the first one's
+        position (the others follow it)."""
+        flat = _flatten_dense_tensors([t.detach() for t in tensors])
+        n = flat.numel()
+        if self.buffer is None or self.used + n > self.buffer.numel():
+            self._grow(self.used + n)
+        assert self.buffer is not None
+        self.buffer[self.used : self.used + n].copy_(flat)
+        self.used += n
+        first = len(self.lengths)
+        self.lengths.extend(t.numel() for t in tensors)
+        return first
 
     def _grow(self, needed: int) -> None:
         size = max(needed, 2 * self.buffer.numel() if self.buffer is not None else 0)

@@ -38,6 +38,7 @@ from hooktrace.recorder.pending import (
     Layouts,
     Meta,
     PendingStep,
+    Staged,
     StagedUnits,
     Staging,
     StagingPool,
@@ -616,18 +617,38 @@ class Recorder:
             self.micro_step = saved_micro_step
 
     def _record_param_values(self, kind: str, full_step: bool) -> None:
+        """One record per entry, in order. Small CPU values (most of a model's parameters) are
+        staged together: one copy per dtype instead of a hook's work per tensor."""
         phase = "train" if kind == "grad_param" else self._phase
         entries = self._buffer_entries if kind == "buffer" else self._param_entries
-        for module, slot, tensor in entries:
-            value = tensor.grad if kind == "grad_param" else tensor
-            full = full_step and module in self._full_modules
+        values = [tensor.grad if kind == "grad_param" else tensor for _, _, tensor in entries]
+        together: dict[torch.dtype, list[int]] = {}  # entries staged together, by dtype
+        for i, value in enumerate(values):
+            full = full_step and entries[i][0] in self._full_modules  # saved by _observe
+            if value is not None and not full and stageable(value):
+                together.setdefault(value.dtype, []).append(i)
+        staging = self._pending.staging
+        position: dict[int, int] = {}
+        for indices in together.values():
+            first = staging.add_many([values[i] for i in indices])  # type: ignore[misc]
+            position.update((i, first + k) for k, i in enumerate(indices))
+        pending = self._pending
+        for i, ((module, slot, _), value) in enumerate(zip(entries, values, strict=True)):
             if value is None:
-                self._pending.meta.append(
+                pending.meta.append(
                     Meta(self.micro_step, phase, self._seq, module, 0, kind, slot, None, (), 0, 0)
                 )
-                self._pending.stats.append(None)
+                pending.stats.append(None)
+                self._seq += 1
+            elif i in position:
+                pending.meta.append(
+                    Meta(self.micro_step, phase, self._seq, module, 0, kind, slot, value.dtype,
+                         tuple(value.shape), 0, 0)
+                )  # fmt: skip
+                pending.stats.append(Staged(position[i]))
                 self._seq += 1
             else:
+                full = full_step and module in self._full_modules
                 self._observe(module, 0, kind, slot, value, phase=phase, full=full, units=False)
 
     # -- steps -------------------------------------------------------------------------------
