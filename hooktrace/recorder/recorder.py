@@ -561,7 +561,7 @@ class Recorder:
     def _scratch_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """One float32 buffer, grown to the largest CPU tensor seen, for counting in place on
         the eager route (the one-pass kernel needs none)."""
-        if tensor.device.type != "cpu" or tensor.numel() < 4096 or route().one_pass is not None:
+        if not tensor.is_cpu or tensor.numel() < 4096 or route().one_pass is not None:
             return None
         if self._scratch.numel() < tensor.numel():
             self._scratch = torch.empty(tensor.numel(), dtype=torch.float32)

@@ -53,7 +53,7 @@ STAGED_MAX_VALUES = 8192
 def stageable(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a small CPU tensor whose statistics can wait for the writer."""
     return (
-        tensor.device.type == "cpu"
+        tensor.is_cpu
         and 0 < tensor.numel() <= STAGED_MAX_VALUES
         and tensor.layout == torch.strided
         and not tensor.is_complex()
@@ -96,7 +96,7 @@ def activity_staged(values: np.ndarray, shape: tuple[int, ...], dim: int) -> np.
 
 def scratch_view(scratch: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     """A float32 view of ``scratch`` shaped like ``like``, where one fits (CPU counts only)."""
-    if scratch is None or like.device.type != "cpu" or scratch.numel() < like.numel():
+    if scratch is None or not like.is_cpu or scratch.numel() < like.numel():
         return None
     if like.numel() >= _EXACT_F32_COUNT:
         return None
@@ -114,7 +114,7 @@ def summarize(tensor: torch.Tensor, *, scratch: torch.Tensor | None = None) -> S
     x = _values(tensor)
     if x is None:
         return None
-    if x.device.type == "cpu":
+    if x.is_cpu:
         return _summarize_on_host(x, scratch_view(scratch, x))
     return _summarize_on_device(x)
 
@@ -128,7 +128,7 @@ def summarize_with_activity(
     numba is installed); anything else takes :func:`summarize` and :func:`activity`.
     """
     x = _values(tensor)
-    one_pass = route().one_pass if x is not None and x.device.type == "cpu" else None
+    one_pass = route().one_pass if x is not None and x.is_cpu else None
     if x is not None and one_pass is not None and x.numel() < 1 << 31:
         dense, dense_dim = _in_memory_order(x, dim)  # dim as it lies in ``dense``
         sums = one_pass(dense, dense_dim)
@@ -280,7 +280,7 @@ def activity(
 
 
 def _values(tensor: torch.Tensor) -> torch.Tensor | None:
-    if tensor.device.type == "meta" or tensor.is_quantized or tensor.is_complex():
+    if tensor.is_meta or tensor.is_quantized or tensor.is_complex():
         return None
     if tensor.layout != torch.strided:
         tensor = tensor.to_dense()
