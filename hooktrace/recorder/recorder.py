@@ -22,6 +22,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -532,7 +533,7 @@ class Recorder:
                 dim = unit_dim(tensor, channels_first=tensor.shape in self._channel_shapes)
                 if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
                     dim = None
-            counts: torch.Tensor | StagedUnits | None = None
+            counts: torch.Tensor | np.ndarray | StagedUnits | None = None
             if stageable(tensor):  # summarised later, with the step's other small tensors
                 stats: Any = pending.stage(tensor)
                 if dim is not None:
@@ -546,7 +547,7 @@ class Recorder:
             stats, counts = cached
         n_units = unit_size = 0
         if counts is not None and units:
-            n_units = counts.units if isinstance(counts, StagedUnits) else counts.numel()
+            n_units = counts.units if isinstance(counts, StagedUnits) else counts.shape[0]
             unit_size = tensor.numel() // max(n_units, 1)
             pending.activity.append((row, counts))
         pending.meta.append(

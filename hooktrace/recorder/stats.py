@@ -121,11 +121,12 @@ def summarize(tensor: torch.Tensor, *, scratch: torch.Tensor | None = None) -> S
 
 def summarize_with_activity(
     tensor: torch.Tensor, dim: int | None, *, scratch: torch.Tensor | None = None
-) -> tuple[Stats | None, torch.Tensor | None]:
+) -> tuple[Stats | None, torch.Tensor | np.ndarray | None]:
     """:func:`summarize` and, where ``dim`` is given, :func:`activity` of ``tensor``.
 
     A CPU tensor with finite values takes one pass for both (the compiled kernel, where
-    numba is installed); anything else takes :func:`summarize` and :func:`activity`.
+    numba is installed; its counts are a numpy int64 array); anything else takes
+    :func:`summarize` and :func:`activity` (counts as a tensor).
     """
     x = _values(tensor)
     one_pass = route().one_pass if x is not None and x.is_cpu else None
@@ -137,8 +138,7 @@ def summarize_with_activity(
             n = x.numel()
             mean = total / n
             row = [mean, _std(x, mean, squares), lo, hi, math.sqrt(squares), zeros, 0, 0]
-            per_unit = torch.from_numpy(counts) if counts is not None else None
-            return np.array(row, dtype=np.float64), per_unit
+            return np.array(row, dtype=np.float64), counts
     stats = summarize(tensor, scratch=scratch)
     return stats, activity(tensor, dim, scratch=scratch) if dim is not None else None
 
