@@ -226,7 +226,7 @@ def test_keys_and_counts_stay_32_bit_inside_a_block() -> None:
     values = np.array([-1.5, 0.0, 2.0], dtype=np.float32)
     total, squares, lo, hi, zeros, positives = block(values)
     assert (total, squares, zeros, positives) == (0.5, 6.25, 1, 1)
-    assert (kernel._from_key(lo), kernel._from_key(hi)) == (-1.5, 2.0)
+    assert (kernel._float_of(lo), kernel._float_of(hi)) == (-1.5, 2.0)
     counts = np.zeros(3, dtype=np.int32)
     block_columns(values, counts)
     assert counts.tolist() == [0, 0, 1]

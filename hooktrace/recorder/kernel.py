@@ -52,28 +52,23 @@ def one_pass(
     ``x`` is a contiguous float32 CPU tensor with fewer than 2**31 values (the caller checks).
     None where ``x`` holds a NaN or an infinity.
     """
-    values = x.detach().numpy()
-    shape = values.shape
-    counts: np.ndarray | None = None
+    shape = x.shape
+    values = x.detach().numpy().ravel()
     if dim is None:
-        ignored = np.zeros(1, dtype=np.int64)
-        total, squares, lo, hi, zeros = _rows(values.reshape(1, 1, -1), ignored)
+        outer, units, inner, columns = 1, 1, values.size, False
     else:
         units = shape[dim]
         outer, inner = _prod(shape[:dim]), _prod(shape[dim + 1 :])
-        if inner < _BLOCK // 2:  # short runs per unit: count per column, then per unit
-            fold = _fold(outer, units * inner)
-            per_column = np.zeros(fold * units * inner, dtype=np.int32)
-            total, squares, lo, hi, zeros = _columns(
-                values.reshape(outer // fold, fold * units * inner), per_column
-            )
-            counts = per_column.reshape(fold, units, inner).sum(axis=(0, 2), dtype=np.int64)
-        else:  # long runs per unit: count per (outer, unit) row
-            counts = np.zeros(units, dtype=np.int64)
-            total, squares, lo, hi, zeros = _rows(values.reshape(outer, units, inner), counts)
-    if not (lo > _KEY_NEG_INF and hi < _KEY_POS_INF):
+        # short runs per unit (inner < half a block): count per column, then per unit;
+        # long runs: count per (outer, unit) row
+        columns = inner < _BLOCK // 2
+    fold = _fold(outer, units * inner) if columns else 1
+    finite, total, squares, lo, hi, zeros, counts = _one_pass(
+        values, outer, units, inner, fold, columns
+    )
+    if not finite:
         return None
-    return total, squares, _from_key(lo), _from_key(hi), int(zeros), counts
+    return total, squares, lo, hi, zeros, counts if dim is not None else None
 
 
 @functools.lru_cache(maxsize=1024)
@@ -87,11 +82,6 @@ def _fold(rows: int, width: int) -> int:
         if rows % d == 0:
             best = max([best] + [f for f in (d, rows // d) if f <= limit])
     return best
-
-
-def _from_key(key: int) -> float:
-    bits = key ^ 0x7FFFFFFF if key < 0 else key
-    return float(np.array(bits, dtype=np.int32).view(np.float32))
 
 
 def _prod(dims: tuple[int, ...]) -> int:
@@ -122,8 +112,7 @@ def unit_counts(values: np.ndarray, segments: np.ndarray) -> np.ndarray:
 
 def warm_up() -> None:
     """Compile the kernels now (or load them from numba's cache), not at their first use."""
-    _rows(np.zeros((1, 1, 1), dtype=np.float32), np.zeros(1, dtype=np.int64))
-    _columns(np.zeros((1, 1), dtype=np.float32), np.zeros(1, dtype=np.int32))
+    _one_pass(np.zeros(1, dtype=np.float32), 1, 1, 1, 1, False)
     summarize_segments(np.zeros(1), np.array([0, 1], dtype=np.int64))
     unit_counts(np.zeros(1), np.array([[0, 1, 1, 1]], dtype=np.int64))
 
@@ -142,6 +131,35 @@ _I32 = np.int32
 _FLIP = _I32(0x7FFFFFFF)  # the magnitude bits; also the largest key
 _LOWEST = _I32(-0x80000000)  # the smallest key
 _SIGN = _I32(31)  # shifting a key by this fills it with its sign bit
+
+
+@_jit
+@no_type_check
+def _one_pass(values, outer, units, inner, fold, columns):
+    """:func:`one_pass` on ``values`` (float32, flat, C order, seen as (outer, units, inner)):
+    (finite, sum, sum of squares, min, max, zero count, positive counts per unit)."""
+    counts = np.zeros(units, dtype=np.int64)
+    if columns:
+        width = fold * units * inner
+        per_column = np.zeros(width, dtype=np.int32)
+        total, squares, lo, hi, zeros = _columns(values.reshape(outer // fold, width), per_column)
+        for f in range(fold):
+            for u in range(units):
+                start = (f * units + u) * inner
+                for i in range(start, start + inner):
+                    counts[u] += per_column[i]
+    else:
+        total, squares, lo, hi, zeros = _rows(values.reshape(outer, units, inner), counts)
+    finite = lo > _KEY_NEG_INF and hi < _KEY_POS_INF
+    return finite, total, squares, _float_of(lo), _float_of(hi), zeros, counts
+
+
+@_inline
+@no_type_check
+def _float_of(key):
+    """The float32 whose key (:func:`_key`) is ``key``."""
+    bits = key ^ _FLIP if key < 0 else key
+    return np.array([bits], dtype=np.int32).view(np.float32)[0]
 
 
 @_jit
