@@ -10,6 +10,7 @@ import h5py
 import numpy as np
 import pandas as pd
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 import torch
 from torch import nn
@@ -57,6 +58,21 @@ def test_duckdb_queries_the_metadata(run: Path) -> None:
         "WHERE kind = 'output' GROUP BY module ORDER BY module"
     ).fetchall()
     assert [(m, n) for m, n, _ in rows] == [("0", 3), ("1", 3), ("2", 3), ("Sequential", 3)]
+
+
+def test_statistics_are_written_plain_and_names_as_dictionaries(run: Path) -> None:
+    """Statistics rarely repeat: a dictionary page of them is wasted work (writer.py)."""
+    part = next((run / "records" / "rank=0").glob("part-*.parquet"))
+    group = pq.ParquetFile(part).metadata.row_group(0)
+    encodings = {
+        group.column(i).path_in_schema: set(group.column(i).encodings)
+        for i in range(group.num_columns)
+    }
+    dictionary = {"PLAIN_DICTIONARY", "RLE_DICTIONARY"}
+    for name in ("mean", "std", "min", "max", "norm", "zero_fraction"):
+        assert not encodings[name] & dictionary, name
+    for name in ("module", "kind", "step", "seq"):
+        assert encodings[name] & dictionary, name
 
 
 def test_h5py_reads_full_tensors_and_activity(run: Path) -> None:
