@@ -19,7 +19,7 @@ from torch import nn
 
 import hooktrace
 from hooktrace.cli import cli
-from hooktrace.trace.writer import StepData, TraceWriter, _concat, _Sink
+from hooktrace.trace.writer import HOLD_BYTES, StepData, TraceWriter, _concat, _Sink
 
 
 def _train(run: Path, steps: int = 6, **options: object) -> None:
@@ -134,6 +134,26 @@ def test_steps_are_materialised_a_few_at_a_time_and_all_written_in_order(
     writer.close("complete")
     assert made == list(range(7)) and writer.steps_written == 7 and writer.steps_lost == 0
     assert _steps_on_disk(tmp_path / "run") == list(range(7))
+
+
+def test_a_large_step_is_materialised_without_waiting_for_others(tmp_path: Path) -> None:
+    """Holding steps saves time on small ones; a step of full tensors is not held."""
+    made: list[int] = []
+
+    class Counted(_Step):
+        def materialize(self) -> StepData:
+            made.append(self.step)
+            return super().materialize()
+
+    writer = TraceWriter(tmp_path / "run", flush_seconds=3600, hold_steps=100, flush_bytes=1 << 40)
+    writer.submit(Counted(0, size=16))
+    writer.submit(Counted(1, size=HOLD_BYTES))
+    deadline = time.monotonic() + 60  # hang detection, not a timing assertion
+    while len(made) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert made == [0, 1] and not writer._held
+    writer.close("complete")
+    assert writer.steps_written == 2
 
 
 def test_a_step_that_cannot_be_materialised_is_counted_lost_with_those_after_it(
