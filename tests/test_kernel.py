@@ -197,6 +197,13 @@ def test_non_contiguous_tensors_take_one_pass_too(make: object, dim: int) -> Non
     _check(x, dim)
 
 
+def test_an_empty_tensor_has_no_statistics_on_any_route() -> None:
+    for empty in (torch.empty(0, 5), torch.empty(0, 5, dtype=torch.float64)):
+        stats, counts = summarize_with_activity(empty, 1)
+        assert stats is None
+        assert counts is not None and counts.tolist() == [0] * 5
+
+
 def test_one_pass_is_deterministic() -> None:
     torch.manual_seed(2)
     x = torch.randn(32, 16, 32, 32)

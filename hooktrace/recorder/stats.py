@@ -128,14 +128,17 @@ def summarize_with_activity(
     numba is installed; its counts are a numpy int64 array); anything else takes
     :func:`summarize` and :func:`activity` (counts as a tensor).
     """
-    x = _values(tensor)
-    one_pass = route().one_pass if x is not None and x.is_cpu else None
-    if x is not None and one_pass is not None and x.numel() < 1 << 31:
+    if tensor.dtype is torch.float32 and tensor.is_cpu and tensor.layout is torch.strided:
+        x: torch.Tensor | None = tensor.detach()  # what _values would make of it, sooner
+    else:
+        x = _values(tensor)
+    n = x.numel() if x is not None else 0
+    one_pass = route().one_pass if x is not None and x.is_cpu and 0 < n < 1 << 31 else None
+    if x is not None and one_pass is not None:
         dense, dense_dim = _in_memory_order(x, dim)  # dim as it lies in ``dense``
         sums = one_pass(dense, dense_dim)
         if sums is not None:
             total, squares, lo, hi, zeros, counts = sums
-            n = x.numel()
             mean = total / n
             row = [mean, _std(x, mean, squares), lo, hi, math.sqrt(squares), zeros, 0, 0]
             return np.array(row, dtype=np.float64), counts
