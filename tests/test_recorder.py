@@ -587,3 +587,25 @@ def test_parameters_of_every_dtype_keep_their_own_values_and_order(
         listed = [n for n, _ in model.named_parameters()]
         assert [f"{m}.{s}".removeprefix("_MixedParameters.") for m, s in
                 zip(names["module"], names["slot"], strict=True)] == listed  # fmt: skip
+
+
+def test_a_record_half_appended_when_the_step_ends_is_left_out(run_dir: Path) -> None:
+    """A signal between a hook's two appends leaves a record's metadata without its
+    statistics: the step keeps its whole records only, and nothing that points past them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, run_dir, params=False) as rec:  # outputs' records come last
+        for step in range(2):
+            model(torch.randn(5, 4)).sum().backward()
+            if step == 1:
+                pending = rec._pending
+                half = len(pending.meta)
+                pending.meta.append(pending.meta[-1]._replace(seq=half, module="half"))
+                pending.activity.append((half, np.ones(3, dtype=np.int64)))
+            opt.step()
+            opt.zero_grad()
+    records = hooktrace.load(run_dir).records
+    assert "half" not in set(records["module"].astype(str))
+    counts = records.groupby("step").size()
+    assert counts[0] == counts[1]

@@ -687,10 +687,11 @@ class Recorder:
         pending = self._pending
         # a signal can land between a hook's two appends: keep only whole records
         whole = min(len(pending.meta), len(pending.stats))
-        del pending.meta[whole:], pending.stats[whole:]
-        pending.activity = [(row, counts) for row, counts in pending.activity if row < whole]
-        pending.tensors = [item for item in pending.tensors if item[0] < whole]
-        pending.specs = {row: spec for row, spec in pending.specs.items() if row < whole}
+        if whole < max(len(pending.meta), len(pending.stats)):
+            del pending.meta[whole:], pending.stats[whole:]
+            pending.activity = [(row, counts) for row, counts in pending.activity if row < whole]
+            pending.tensors = [item for item in pending.tensors if item[0] < whole]
+            pending.specs = {row: spec for row, spec in pending.specs.items() if row < whole}
         pending.micro_steps = self.micro_step
         pending.end_time = time.time()
         pending.nbytes += 96 * len(pending.meta) + pending.staging.nbytes
