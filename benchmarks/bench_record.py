@@ -17,7 +17,12 @@ as any variant):
                steps and is printed on its own at the end
   full         hooktrace.record with full tensors of every module at every step
 
-Run: python benchmarks/bench_record.py [--reps 15] [--steps 5] [--models SmallCNN,TinyTransformer]
+Each repetition times a window of steady training: a variant's recording is started, takes
+WARM_UP_STEPS untimed steps (its first steps build what later steps reuse), then as many
+steps as fill --seconds. The window must be longer than the writer's flush period (1 s), or
+the writer's flushes and its held steps would fall after the window, outside the figure.
+
+Run: python benchmarks/bench_record.py [--reps 15] [--seconds 2.5] [--models SmallCNN,TinyTransformer]
                                       [--variants plain,naive,stats]  (plain and naive always run)
 """
 
@@ -135,26 +140,42 @@ def page_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+WARM_UP_STEPS = 10
+
+
 def time_steps(
-    name: str, variant: Variant, model: nn.Module, opt: torch.optim.Optimizer, steps: int, out: Path
+    name: str,
+    variant: Variant,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    seconds: float,
+    out: Path,
 ) -> tuple[float, float]:
-    """Seconds and page faults per step."""
+    """Seconds and page faults per step, over at least ``seconds`` of steps."""
     batch = make_batch(name, seed=0)
+
+    def step() -> None:
+        loss = default_loss(batch.run(model), batch.target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     with variant(model, out):
+        for _ in range(WARM_UP_STEPS):
+            step()
         faults = page_faults()
         start = time.perf_counter()
-        for _ in range(steps):
-            loss = default_loss(batch.run(model), batch.target)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        steps = 0
+        while steps < 4 or time.perf_counter() - start < seconds:
+            step()
+            steps += 1
         elapsed = time.perf_counter() - start
         faults = page_faults() - faults
     return elapsed / steps, faults / steps
 
 
 def bench(
-    name: str, variants: list[str], *, reps: int, steps: int
+    name: str, variants: list[str], *, reps: int, seconds: float
 ) -> dict[str, list[tuple[float, float]]]:
     model = make_model(name)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -162,7 +183,7 @@ def bench(
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         for label in variants:  # warm-up: allocator, first-call costs
-            time_steps(name, VARIANTS[label], model, opt, 2, out)
+            time_steps(name, VARIANTS[label], model, opt, 0.0, out)
         shuffle = random.Random(0).shuffle
         for _ in range(reps):
             # a new order each repetition, so that no variant always runs right after the
@@ -171,18 +192,21 @@ def bench(
             shuffle(order)
             for label in order:
                 variant = VARIANTS[label]
-                times[label].append(time_steps(name, variant, model, opt, steps, out))
+                times[label].append(time_steps(name, variant, model, opt, seconds, out))
                 os.sync()  # the disk's write-back of one variant's files must not slow the next
     return times
 
 
-def report(name: str, times: dict[str, list[tuple[float, float]]]) -> None:
+def report(name: str, times: dict[str, list[tuple[float, float]]], seconds: float) -> None:
     def median(label: str, field: int = 0) -> float:
         return statistics.median(t[field] for t in times[label])
 
     base = median("plain")
     naive_overhead = median("naive") - base
-    print(f"\n{name}: median step time over {len(times['plain'])} interleaved repetitions")
+    print(
+        f"\n{name}: median step time over {len(times['plain'])} interleaved repetitions of"
+        f" {seconds:g} s or more each"
+    )
     print(
         f"  {'variant':<8} {'ms/step':>9} {'x plain':>8} {'overhead / naive overhead':>26}"
         f" {'page faults/step':>17}"
@@ -198,7 +222,9 @@ def report(name: str, times: dict[str, list[tuple[float, float]]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--seconds", type=float, default=2.5, help="timed training per variant and repetition"
+    )
     parser.add_argument("--models", default="SmallCNN,TinyTransformer")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()
@@ -211,7 +237,7 @@ def main() -> None:
     variants = [v for v in VARIANTS if v in chosen]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.models.split(","):
-        report(name, bench(name, variants, reps=args.reps, steps=args.steps))
+        report(name, bench(name, variants, reps=args.reps, seconds=args.seconds), args.seconds)
     taken = route_taken()
     if taken is not None:  # paid once per process, in the warm-up steps, outside the figures
         print(f"\nstatistics route: {taken.description}; warm-up {taken.warmup_s:.2f} s, once")
