@@ -97,13 +97,14 @@ def test_a_blocked_submit_wakes_the_writer_instead_of_waiting_for_its_timer(tmp_
 
 def test_full_tensors_are_flushed_by_size_before_the_timer(tmp_path: Path) -> None:
     writer = TraceWriter(tmp_path / "run", flush_seconds=3600, flush_bytes=1 << 17)
-    for i in range(4):
-        writer.submit(_Step(i))  # 64 kB each: a flush every second step
     parts = tmp_path / "run" / "records" / "rank=0"
-    deadline = time.monotonic() + 60
-    while len(list(parts.glob("part-*.parquet"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert len(list(parts.glob("part-*.parquet"))) >= 2  # written while the run goes on
+    for flushes in (1, 2):
+        for i in range(2):
+            writer.submit(_Step(2 * flushes + i))  # 64 kB each: a flush every second step
+        deadline = time.monotonic() + 60  # hang detection, not a timing assertion
+        while len(list(parts.glob("part-*.parquet"))) < flushes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(list(parts.glob("part-*.parquet"))) == flushes  # while the run goes on
     writer.close("complete")
     assert writer.steps_written == 4
 
@@ -113,9 +114,8 @@ class _Failing(_Step):
         raise ValueError("cannot read this step")
 
 
-def test_steps_are_materialised_a_few_at_a_time_and_all_written_in_order(
-    tmp_path: Path,
-) -> None:
+def test_steps_are_taken_a_few_at_a_time_and_all_written_in_order(tmp_path: Path) -> None:
+    """The training thread wakes the writer once for every few steps, not once a step."""
     made: list[int] = []
 
     class Counted(_Step):
@@ -124,14 +124,18 @@ def test_steps_are_materialised_a_few_at_a_time_and_all_written_in_order(
             return super().materialize()
 
     writer = TraceWriter(tmp_path / "run", flush_seconds=3600, hold_steps=3, flush_bytes=1 << 40)
-    for i in range(7):
+    for i in range(2):
         writer.submit(Counted(i, size=16))
+    time.sleep(0.5)  # a writer woken for each step would have taken them by now
+    assert made == [] and len(writer._incoming) == 2
+    writer.submit(Counted(2, size=16))  # the third wakes it
     deadline = time.monotonic() + 60  # hang detection, not a timing assertion
-    while not (len(made) == 6 and len(writer._held) == 1) and time.monotonic() < deadline:
+    while len(made) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert made == list(range(6))  # two batches of three; the seventh waits for more
-    assert len(writer._held) == 1
-    writer.close("complete")
+    assert made == [0, 1, 2]
+    for i in range(3, 7):
+        writer.submit(Counted(i, size=16))
+    writer.close("complete")  # takes what is left
     assert made == list(range(7)) and writer.steps_written == 7 and writer.steps_lost == 0
     assert _steps_on_disk(tmp_path / "run") == list(range(7))
 
@@ -151,7 +155,7 @@ def test_a_large_step_is_materialised_without_waiting_for_others(tmp_path: Path)
     deadline = time.monotonic() + 60  # hang detection, not a timing assertion
     while len(made) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert made == [0, 1] and not writer._held
+    assert made == [0, 1] and not writer._incoming
     writer.close("complete")
     assert writer.steps_written == 2
 
@@ -161,8 +165,13 @@ def test_a_step_that_cannot_be_materialised_is_counted_lost_with_those_after_it(
 ) -> None:
     # 16 bytes a step, a flush every 32: the first two reach the disk before the failure
     writer = TraceWriter(tmp_path / "run", flush_seconds=3600, hold_steps=2, flush_bytes=32)
-    for step in [_Step(0, 16), _Step(1, 16), _Failing(2, 16), _Step(3, 16)]:
-        writer.submit(step)
+    writer.submit(_Step(0, 16))
+    writer.submit(_Step(1, 16))
+    deadline = time.monotonic() + 60  # hang detection, not a timing assertion
+    while writer.steps_written < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writer.submit(_Failing(2, 16))
+    writer.submit(_Step(3, 16))
     problem = writer.close("complete", warn=False)
     assert isinstance(writer.error, ValueError)
     assert writer.steps_written == 2 and writer.steps_lost == 2
