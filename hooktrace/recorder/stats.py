@@ -3,8 +3,9 @@
 Small CPU tensors (at most ``STAGED_MAX_VALUES`` values) are not summarised in the hook:
 the hook copies their values aside (into a reused float64 buffer, ``pending.Staging``) and
 the writer thread summarises all of a step's small tensors together, in float64
-(:func:`summarize_staged`). For them, the fixed cost of a handful of reductions, each a
-dispatch and a ``.item()``, outweighed the work.
+(:func:`summarize_staged`, or the same sums in one compiled call once numba is loaded:
+``kernel.summarize_segments``). For them, the fixed cost of a handful of reductions, each
+a dispatch and a ``.item()``, outweighed the work.
 
 Larger contiguous CPU tensors with finite values take one pass for everything, the kernel
 compiled by numba in :mod:`hooktrace.recorder.kernel` (:func:`summarize_with_activity`).
