@@ -114,27 +114,33 @@ class _Failing(_Step):
         raise ValueError("cannot read this step")
 
 
+class _Counted(_Step):
+    """A small step that notes, in ``made``, when the writer materialises it."""
+
+    def __init__(self, step: int, made: list[int], size: int = 16) -> None:
+        super().__init__(step, size)
+        self.made = made
+
+    def materialize(self) -> StepData:
+        self.made.append(self.step)
+        return super().materialize()
+
+
 def test_steps_are_taken_a_few_at_a_time_and_all_written_in_order(tmp_path: Path) -> None:
     """The training thread wakes the writer once for every few steps, not once a step."""
     made: list[int] = []
-
-    class Counted(_Step):
-        def materialize(self) -> StepData:
-            made.append(self.step)
-            return super().materialize()
-
     writer = TraceWriter(tmp_path / "run", flush_seconds=3600, hold_steps=3, flush_bytes=1 << 40)
     for i in range(2):
-        writer.submit(Counted(i, size=16))
+        writer.submit(_Counted(i, made))
     time.sleep(0.5)  # a writer woken for each step would have taken them by now
     assert made == [] and len(writer._incoming) == 2
-    writer.submit(Counted(2, size=16))  # the third wakes it
+    writer.submit(_Counted(2, made))  # the third wakes it
     deadline = time.monotonic() + 60  # hang detection, not a timing assertion
     while len(made) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert made == [0, 1, 2]
     for i in range(3, 7):
-        writer.submit(Counted(i, size=16))
+        writer.submit(_Counted(i, made))
     writer.close("complete")  # takes what is left
     assert made == list(range(7)) and writer.steps_written == 7 and writer.steps_lost == 0
     assert _steps_on_disk(tmp_path / "run") == list(range(7))
@@ -143,15 +149,9 @@ def test_steps_are_taken_a_few_at_a_time_and_all_written_in_order(tmp_path: Path
 def test_a_large_step_is_materialised_without_waiting_for_others(tmp_path: Path) -> None:
     """Holding steps saves time on small ones; a step of full tensors is not held."""
     made: list[int] = []
-
-    class Counted(_Step):
-        def materialize(self) -> StepData:
-            made.append(self.step)
-            return super().materialize()
-
     writer = TraceWriter(tmp_path / "run", flush_seconds=3600, hold_steps=100, flush_bytes=1 << 40)
-    writer.submit(Counted(0, size=16))
-    writer.submit(Counted(1, size=HOLD_BYTES))
+    writer.submit(_Counted(0, made))
+    writer.submit(_Counted(1, made, size=HOLD_BYTES))
     deadline = time.monotonic() + 60  # hang detection, not a timing assertion
     while len(made) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
