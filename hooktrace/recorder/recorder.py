@@ -526,24 +526,22 @@ class Recorder:
         """The hot path: queue this tensor's statistics and note where they belong."""
         pending = self._pending
         row = len(pending.meta)
-        shape = tuple(tensor.shape)  # each tensor.shape makes a new torch.Size: once
-        inference = tensor.is_inference()  # inference tensors keep no version counter
-        cached = None if inference else self._lookup(tensor)
+        cached = self._lookup(tensor)
         if cached is None:
             dim = None
             if units and tensor.is_floating_point():
-                dim = unit_dim(tensor, channels_first=shape in self._channel_shapes)
-                if dim is not None and not 0 < shape[dim] <= self.max_units:
+                dim = unit_dim(tensor, channels_first=tensor.shape in self._channel_shapes)
+                if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
                     dim = None
             counts: torch.Tensor | np.ndarray | StagedUnits | None = None
             if stageable(tensor):  # summarised later, with the step's other small tensors
                 stats: Any = pending.stage(tensor)
                 if dim is not None:
-                    counts = StagedUnits(stats.position, shape, dim)
+                    counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
             else:
                 scratch = self._scratch_for(tensor)
                 stats, counts = summarize_with_activity(tensor, dim, scratch=scratch)
-            if not inference:
+            if not tensor.is_inference():  # inference tensors keep no version counter
                 self._recent.append((weakref.ref(tensor), tensor._version, stats, counts))
         else:
             stats, counts = cached
@@ -554,7 +552,7 @@ class Recorder:
             pending.activity.append((row, counts))
         pending.meta.append(
             Meta(self.micro_step, phase, self._seq, module, call, kind, slot, tensor.dtype,
-                 shape, n_units, unit_size)
+                 tuple(tensor.shape), n_units, unit_size)
         )  # fmt: skip
         pending.stats.append(stats)
         self._seq += 1
@@ -574,8 +572,9 @@ class Recorder:
         self, tensor: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """Statistics already queued for this very tensor (a container's output is its last
-        child's output; one gradient reaches both): summarise each tensor once. Not for
-        inference tensors, which keep no version counter."""
+        child's output; one gradient reaches both): summarise each tensor once."""
+        if tensor.is_inference():
+            return None
         for seen, version, stats, counts in self._recent:
             if seen() is tensor and tensor._version == version:
                 return stats, counts
