@@ -17,9 +17,7 @@ from hooktrace.recorder.pending import Layouts, Meta, PendingStep, Staging, Stag
 def _stage_all(step: PendingStep, tensors: list[torch.Tensor]) -> None:
     """What the recorder's hooks do for small tensors: a record each, its values staged."""
     for i, t in enumerate(tensors):
-        step.meta.append(
-            Meta(0, "train", i, f"m{i}", 0, "output", "0", t.dtype, tuple(t.shape), 0, 0)
-        )
+        step.meta.append(Meta(0, "train", f"m{i}", 0, "output", "0", t.dtype, tuple(t.shape), 0, 0))
         step.stats.append(step.stage(t))
 
 
@@ -171,7 +169,7 @@ def test_steps_whose_records_line_up_share_one_layout() -> None:
 def test_layouts_keep_only_the_most_recent() -> None:
     layouts = Layouts(keep=2)
     metas = [
-        [Meta(0, "train", 0, f"m{i}", 0, "output", "0", torch.float32, (i + 1,), 0, 0)]
+        [Meta(0, "train", f"m{i}", 0, "output", "0", torch.float32, (i + 1,), 0, 0)]
         for i in range(3)
     ]
     built = [layouts.of(m) for m in metas]

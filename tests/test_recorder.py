@@ -601,7 +601,7 @@ def test_a_record_half_appended_when_the_step_ends_is_left_out(run_dir: Path) ->
             if step == 1:
                 pending = rec._pending
                 half = len(pending.meta)
-                pending.meta.append(pending.meta[-1]._replace(seq=half, module="half"))
+                pending.meta.append(pending.meta[-1]._replace(module="half"))
                 pending.activity.append((half, np.ones(3, dtype=np.int64)))
             opt.step()
             opt.zero_grad()

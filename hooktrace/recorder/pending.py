@@ -35,11 +35,12 @@ from hooktrace.trace.writer import HOLD_STEPS, StepData, arrow_strings
 
 
 class Meta(NamedTuple):
-    """What a hook knows about one record, kept as cheap Python values."""
+    """What a hook knows about one record, kept as cheap Python values. A record's ``seq`` is
+    its row in the step, so it is not kept here: the same Meta can stand for a parameter's
+    record step after step."""
 
     micro_step: int
     phase: str
-    seq: int
     module: str
     call: int
     kind: str
@@ -200,7 +201,7 @@ class Layout:
 
     def __init__(self, meta: list[Meta]) -> None:
         n = len(meta)
-        (micro_step, phase, seq, module, call, kind, slot, dtype, shape, units, unit_size) = (
+        (micro_step, phase, module, call, kind, slot, dtype, shape, units, unit_size) = (
             zip(*meta, strict=True) if n else ((),) * len(Meta._fields)
         )
         self.rows = n
@@ -218,7 +219,7 @@ class Layout:
         }
         self.columns: dict[str, Any] = {
             "micro_step": np.array(micro_step, dtype=np.int32),
-            "seq": np.array(seq, dtype=np.int64),
+            "seq": np.arange(n, dtype=np.int64),  # the order the hooks saw the records in
             "call": np.array(call, dtype=np.int32),
             "numel": self.numel,
             "units": np.array(units, dtype=np.int32),

@@ -35,11 +35,11 @@ except ImportError:  # pragma: no cover - older torch
 
 from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
+from hooktrace.recorder.params import Entry, param_records, values_of
 from hooktrace.recorder.pending import (
     Layouts,
     Meta,
     PendingStep,
-    Staged,
     StagedUnits,
     Staging,
     StagingPool,
@@ -105,7 +105,6 @@ class Recorder:
     _channel_shapes: set[torch.Size]
     _recent: deque[tuple[weakref.ref[torch.Tensor], int, Any, Any]]
     _params_recorded: bool
-    _seq: int
     _output_specs: dict[tuple[str, int], str]  # call specs of calls with no tensor input
 
     def __init__(
@@ -152,8 +151,8 @@ class Recorder:
         self.roots: dict[str, nn.Module] = {}
         self._modules: dict[str, nn.Module] = {}
         self._full_modules: set[str] = set()
-        self._param_entries: list[tuple[str, str, nn.Parameter]] = []
-        self._buffer_entries: list[tuple[str, str, torch.Tensor]] = []
+        self._param_entries: list[Entry] = []
+        self._buffer_entries: list[Entry] = []
         self._param_ids: set[int] = set()
         self._known: set[int] = set()  # ids of modules already named
         self.rank = _rank()
@@ -316,20 +315,14 @@ class Recorder:
             if id(param) in self._param_ids:
                 continue
             self._param_ids.add(id(param))
-            owner, _, slot = qualname.rpartition(".")
-            if compiled:
-                owner, slot = "", qualname
-            module_name = _qualified(root_name, owner, prefixed)
-            if module_name in new:
-                self._param_entries.append((module_name, slot, param))
+            entry = _entry(root_name, inner, qualname, prefixed=prefixed, compiled=compiled)
+            if entry.module in new:
+                self._param_entries.append(entry)
         for qualname, buffer in inner.named_buffers():
-            owner, _, slot = qualname.rpartition(".")
-            if compiled:
-                owner, slot = "", qualname
-            module_name = _qualified(root_name, owner, prefixed)
-            if module_name in new and id(buffer) not in self._param_ids:
+            entry = _entry(root_name, inner, qualname, prefixed=prefixed, compiled=compiled)
+            if entry.module in new and id(buffer) not in self._param_ids:
                 self._param_ids.add(id(buffer))
-                self._buffer_entries.append((module_name, slot, buffer))
+                self._buffer_entries.append(entry)
         for name, module in new.items():
             channels = isinstance(module, _CHANNELS_FIRST)
             if self.inputs:
@@ -551,11 +544,10 @@ class Recorder:
             unit_size = tensor.numel() // max(n_units, 1)
             pending.activity.append((row, counts))
         pending.meta.append(
-            Meta(self.micro_step, phase, self._seq, module, call, kind, slot, tensor.dtype,
+            Meta(self.micro_step, phase, module, call, kind, slot, tensor.dtype,
                  tuple(tensor.shape), n_units, unit_size)
         )  # fmt: skip
         pending.stats.append(stats)
-        self._seq += 1
         if full:
             self._snapshot(row, tensor)
 
@@ -618,39 +610,30 @@ class Recorder:
             self.micro_step = saved_micro_step
 
     def _record_param_values(self, kind: str, full_step: bool) -> None:
-        """One record per entry, in order. Small CPU values (most of a model's parameters) are
-        staged together: one copy per dtype instead of a hook's work per tensor."""
+        """One record per entry, in order (:mod:`hooktrace.recorder.params`)."""
         phase = "train" if kind == "grad_param" else self._phase
         entries = self._buffer_entries if kind == "buffer" else self._param_entries
-        values = [tensor.grad if kind == "grad_param" else tensor for _, _, tensor in entries]
-        together: dict[torch.dtype, list[int]] = {}  # entries staged together, by dtype
-        for i, value in enumerate(values):
-            full = full_step and entries[i][0] in self._full_modules  # saved by _observe
-            if value is not None and not full and stageable(value):
-                together.setdefault(value.dtype, []).append(i)
-        staging = self._pending.staging
-        position: dict[int, int] = {}
-        for indices in together.values():
-            first = staging.add_many([values[i] for i in indices])  # type: ignore[misc]
-            position.update((i, first + k) for k, i in enumerate(indices))
+        values = values_of(entries, kind)
+        records = param_records(
+            entries,
+            values,
+            kind=kind,
+            phase=phase,
+            micro_step=self.micro_step,
+            saved_whole=self._full_modules if full_step else (),
+        )
         pending = self._pending
-        for i, ((module, slot, _), value) in enumerate(zip(entries, values, strict=True)):
-            if value is None:
-                pending.meta.append(
-                    Meta(self.micro_step, phase, self._seq, module, 0, kind, slot, None, (), 0, 0)
-                )
-                pending.stats.append(None)
-                self._seq += 1
-            elif i in position:
-                pending.meta.append(
-                    Meta(self.micro_step, phase, self._seq, module, 0, kind, slot, value.dtype,
-                         tuple(value.shape), 0, 0)
-                )  # fmt: skip
-                pending.stats.append(Staged(position[i]))
-                self._seq += 1
-            else:
-                full = full_step and module in self._full_modules
-                self._observe(module, 0, kind, slot, value, phase=phase, full=full, units=False)
+        stats = records.stage(values, pending.staging)
+        done = 0
+        for i in records.observed:
+            pending.meta.extend(records.metas[done:i])
+            pending.stats.extend(stats[done:i])
+            module, slot, _, _ = entries[i]
+            full = full_step and module in self._full_modules
+            self._observe(module, 0, kind, slot, values[i], phase=phase, full=full, units=False)  # type: ignore[arg-type]
+            done = i + 1
+        pending.meta.extend(records.metas[done:])
+        pending.stats.extend(stats[done:])
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -723,7 +706,6 @@ class Recorder:
         self._channel_shapes = set()
         self._recent = deque(maxlen=4)
         self._params_recorded = False
-        self._seq = 0
         self._output_specs = {}
 
     # -- faults ------------------------------------------------------------------------------
@@ -820,6 +802,19 @@ def unwrap(module: nn.Module) -> tuple[nn.Module, bool]:
             module = inner
         else:
             return module, compiled
+
+
+def _entry(
+    root_name: str, inner: nn.Module, qualname: str, *, prefixed: bool, compiled: bool
+) -> Entry:
+    """A parameter or buffer of ``inner`` (a root) by its qualified name: under its own
+    module, or under the root where the root is compiled (its submodules are not recorded)."""
+    owner, _, attr = qualname.rpartition(".")
+    if compiled:
+        return Entry(
+            _qualified(root_name, "", prefixed), qualname, inner.get_submodule(owner), attr
+        )
+    return Entry(_qualified(root_name, owner, prefixed), attr, inner.get_submodule(owner), attr)
 
 
 def _qualified(root_name: str, qualname: str, prefixed: bool) -> str:

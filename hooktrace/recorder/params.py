@@ -1,0 +1,96 @@
+"""Parameters, buffers and parameter gradients: a record of each, every step.
+
+Most of a model's parameters are small: they are staged together (one copy per dtype,
+:class:`ParamRecords`) rather than each taking a hook's work; large ones, and those saved whole
+on a full step, take the hook's route one by one.
+
+Values are looked up by name every step (:func:`values_of`), not kept from the start: a
+module may replace a buffer or a parameter with a new tensor (``model.double()`` replaces
+buffers, and a forward may assign ``self.count = self.count + 1``); the record is of the
+tensor there now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from hooktrace.recorder.pending import Meta, Staged, Staging
+from hooktrace.recorder.stats import stageable
+
+
+class Entry(NamedTuple):
+    """A parameter or buffer, recorded under ``module`` as ``slot``; found as ``owner``'s
+    ``attr`` (they differ under a compiled root, recorded as a whole)."""
+
+    module: str
+    slot: str
+    owner: nn.Module
+    attr: str
+
+
+def values_of(entries: Sequence[Entry], kind: str) -> list[torch.Tensor | None]:
+    """The tensors the entries name now: buffers for ``buffer``, parameters for ``param``,
+    the parameters' gradients for ``grad_param`` (None where there is none)."""
+    if kind == "buffer":
+        return [e.owner._buffers.get(e.attr) for e in entries]
+    params = [e.owner._parameters.get(e.attr) for e in entries]
+    if kind == "param":
+        return params  # type: ignore[return-value]
+    return [None if p is None else p.grad for p in params]
+
+
+@dataclass(frozen=True)
+class ParamRecords:
+    """The records of one kind of value (``param``, ``buffer`` or ``grad_param``), in entry
+    order. ``observed`` entries are summarised one by one, as a hook's tensor would be (large
+    values, and values saved whole on a full step); the others are staged, ``together`` by
+    dtype, or have no value (no record statistics)."""
+
+    metas: tuple[Meta, ...]
+    together: tuple[tuple[int, ...], ...]
+    observed: tuple[int, ...]
+
+    def stage(self, values: Sequence[torch.Tensor | None], staging: Staging) -> list[Any]:
+        """Copy the staged values in; each record's statistics to come (None: none, or an
+        observed entry's)."""
+        stats: list[Any] = [None] * len(self.metas)
+        for indices in self.together:
+            first = staging.add_many([values[i] for i in indices])  # type: ignore[misc]
+            for k, i in enumerate(indices):
+                stats[i] = Staged(first + k)
+        return stats
+
+
+def param_records(
+    entries: Sequence[Entry],
+    values: Sequence[torch.Tensor | None],
+    *,
+    kind: str,
+    phase: str,
+    micro_step: int,
+    saved_whole: Collection[str],
+) -> ParamRecords:
+    """The records of ``values`` (:func:`values_of` of ``entries``). ``saved_whole``: the
+    modules whose values this step saves whole; their records take the hook's route, which
+    saves them."""
+    metas: list[Meta] = []
+    together: dict[torch.dtype, list[int]] = {}
+    observed: list[int] = []
+    for i, ((module, slot, _, _), value) in enumerate(zip(entries, values, strict=True)):
+        if value is None:
+            metas.append(Meta(micro_step, phase, module, 0, kind, slot, None, (), 0, 0))
+            continue
+        shape = tuple(value.shape)
+        metas.append(Meta(micro_step, phase, module, 0, kind, slot, value.dtype, shape, 0, 0))
+        if module in saved_whole or not stageable(value):
+            observed.append(i)
+        else:
+            together.setdefault(value.dtype, []).append(i)
+    return ParamRecords(
+        tuple(metas), tuple(tuple(indices) for indices in together.values()), tuple(observed)
+    )

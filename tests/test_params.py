@@ -1,0 +1,136 @@
+"""Parameter records, planned once per layout (hooktrace.recorder.params)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import hooktrace
+from hooktrace.recorder.params import Entry, param_records
+from hooktrace.recorder.pending import Staged, Staging
+
+
+def _entries(*names: str) -> list[Entry]:
+    return [Entry(*name.split("."), nn.Module(), name.split(".")[1]) for name in names]
+
+
+def test_small_values_are_staged_by_dtype_and_the_rest_left_to_the_hook() -> None:
+    entries = _entries("a.weight", "a.bias", "b.weight", "b.bias", "c.weight")
+    values = [
+        torch.ones(3, 2),
+        torch.ones(3, dtype=torch.float64),
+        torch.ones(9000),  # too large to stage
+        None,  # no gradient
+        torch.ones(2),  # saved whole this step
+    ]
+    records = param_records(
+        entries, values, kind="grad_param", phase="train", micro_step=1, saved_whole={"c"}
+    )
+    assert records.together == ((0,), (1,))  # float32, then float64, in entry order
+    assert records.observed == (2, 4)
+    assert [m.module for m in records.metas] == ["a", "a", "b", "b", "c"]
+    assert records.metas[3].dtype is None and records.metas[3].shape == ()
+    assert records.metas[0].shape == (3, 2) and records.metas[0].micro_step == 1
+
+    staging = Staging()
+    stats = records.stage(values, staging)
+    assert stats == [Staged(0), Staged(1), None, None, None]
+    assert staging.lengths == [6, 3]
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.fc(x))))
+
+
+def _expected(model: nn.Module, kind: str) -> dict[str, np.ndarray | None]:
+    if kind == "buffer":
+        return {name: b.double().numpy().copy() for name, b in model.named_buffers()}
+    if kind == "param":
+        return {name: p.detach().double().numpy().copy() for name, p in model.named_parameters()}
+    return {
+        name: None if p.grad is None else p.grad.double().numpy().copy()
+        for name, p in model.named_parameters()
+    }
+
+
+def test_records_follow_the_values_when_their_layout_changes(run_dir: Path) -> None:
+    """Each record holds its own step's values, when a dtype changes (``double()``, which
+    replaces the buffers) and when a parameter loses its gradient."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want: dict[int, dict[tuple[str, str], np.ndarray | None]] = {}
+    dtypes = {}
+    with hooktrace.record(model, run_dir):
+        for step in range(6):
+            if step == 3:
+                model.double()
+            if step == 4:
+                model.fc.weight.requires_grad_(False)
+            dtype = torch.float64 if step >= 3 else torch.float32
+            dtypes[step] = "float64" if step >= 3 else "float32"
+            want[step] = {
+                (kind, name): value
+                for kind in ("param", "buffer")
+                for name, value in _expected(model, kind).items()
+            }
+            model(torch.randn(8, 4, dtype=dtype)).sum().backward()
+            want[step] |= {("grad_param", n): v for n, v in _expected(model, "grad_param").items()}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    records = hooktrace.load(run_dir).records
+    records = records[records["kind"].isin(["param", "buffer", "grad_param"])]
+    for step, expected in want.items():
+        rows = records[records["step"] == step]
+        assert len(rows) == len(expected), step
+        for row in rows.itertuples():
+            key = (row.kind, f"{row.module.removeprefix('_Net.')}.{row.slot}")
+            value = expected[key]
+            if value is None:
+                assert row.dtype == "None" and np.isnan(row.mean), (step, key)
+                continue
+            if row.kind != "buffer" or row.slot != "num_batches_tracked":
+                assert row.dtype == dtypes[step], (step, key)
+            assert row.shape == ",".join(map(str, value.shape)), (step, key)
+            assert row.min == value.min() and row.max == value.max(), (step, key)
+            np.testing.assert_allclose(row.mean, value.mean(), rtol=1e-6, err_msg=str(key))
+        assert rows["seq"].is_monotonic_increasing
+
+
+class _Counting(nn.Module):
+    """Replaces its buffer with a new tensor on every call, as custom modules often do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.fc(x)
+
+
+def test_a_buffer_replaced_by_the_model_is_recorded_as_it_is_now(run_dir: Path) -> None:
+    """The recorder used to keep the buffer tensor it found when it started: a module that
+    assigns a new one recorded the first one's values for ever."""
+    model = _Counting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, run_dir):
+        for _ in range(4):
+            model(torch.ones(3, 2)).sum().backward()
+            opt.step()
+    records = hooktrace.load(run_dir).records
+    calls = records[(records["kind"] == "buffer") & (records["slot"] == "calls")]
+    # as each step's first forward finds it: before that forward's own call
+    assert calls.sort_values("step")["mean"].tolist() == [0.0, 1.0, 2.0, 3.0]
