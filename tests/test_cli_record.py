@@ -470,6 +470,9 @@ def test_a_compiled_model_is_recorded_from_the_outside(tmp_path: Path) -> None:
         "2.weight",
         "2.bias",
     }
+    # found in the compiled model's submodules, with their values and gradients
+    params = records[records["kind"].isin(["param", "grad_param"])]
+    assert (params["dtype"] == "float32").all() and params["mean"].notna().all()
 
 
 def test_every_option_has_help_with_an_example() -> None:

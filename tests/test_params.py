@@ -1,4 +1,4 @@
-"""Parameter records, planned once per layout (hooktrace.recorder.params)."""
+"""Parameter, buffer and gradient records (hooktrace.recorder.params)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 import hooktrace
 from hooktrace.recorder.params import Entry, param_records
@@ -14,7 +15,7 @@ from hooktrace.recorder.pending import Staged, Staging
 
 
 def _entries(*names: str) -> list[Entry]:
-    return [Entry(*name.split("."), nn.Module(), name.split(".")[1]) for name in names]
+    return [Entry(*name.split("."), {}, name.split(".")[1], None) for name in names]
 
 
 def test_small_values_are_staged_by_dtype_and_the_rest_left_to_the_hook() -> None:
@@ -105,7 +106,6 @@ def test_records_follow_the_values_when_their_layout_changes(run_dir: Path) -> N
             assert row.shape == ",".join(map(str, value.shape)), (step, key)
             assert row.min == value.min() and row.max == value.max(), (step, key)
             np.testing.assert_allclose(row.mean, value.mean(), rtol=1e-6, err_msg=str(key))
-        assert rows["seq"].is_monotonic_increasing
 
 
 class _Counting(nn.Module):
@@ -134,3 +134,49 @@ def test_a_buffer_replaced_by_the_model_is_recorded_as_it_is_now(run_dir: Path) 
     calls = records[(records["kind"] == "buffer") & (records["slot"] == "calls")]
     # as each step's first forward finds it: before that forward's own call
     assert calls.sort_values("step")["mean"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_parameter_replaced_or_pruned_mid_run_keeps_being_recorded(run_dir: Path) -> None:
+    """A new Parameter assigned in place of the old one is recorded from then on; pruning
+    moves ``weight`` to ``weight_orig`` (the same parameter), which is recorded still."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, run_dir):
+        for step in range(4):
+            if step == 2:
+                model.head.bias = nn.Parameter(torch.full((2,), 7.0))
+                prune.l1_unstructured(model.fc, "weight", amount=0.5)
+            orig = model.fc._parameters.get("weight_orig", model.fc.weight).detach().clone()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    records = hooktrace.load(run_dir).records
+    later = records[records["step"] == 3]
+    bias = later[(later["kind"] == "param") & (later["module"] == "head")]
+    assert bias.loc[bias["slot"] == "bias", "mean"].tolist() == [7.0]
+    weight = later[(later["module"] == "fc") & (later["slot"] == "weight")]
+    assert set(weight["kind"]) == {"param", "grad_param"}
+    param = weight[weight["kind"] == "param"].iloc[0]
+    assert param["min"] == orig.min().item() and param["max"] == orig.max().item()
+    assert (weight["dtype"] == "float32").all()
+
+
+def test_a_parameter_its_module_sets_to_none_is_recorded_without_a_value(run_dir: Path) -> None:
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, run_dir):
+        for step in range(2):
+            if step == 1:
+                model.head.bias = None
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    records = hooktrace.load(run_dir).records
+    bias = records[(records["module"] == "head") & (records["slot"] == "bias")]
+    by_step = bias.set_index(["step", "kind"])
+    assert by_step.loc[(0, "param"), "dtype"] == "float32"
+    for kind in ("param", "grad_param"):
+        assert by_step.loc[(1, kind), "dtype"] == "None" and np.isnan(
+            by_step.loc[(1, kind), "mean"]
+        )

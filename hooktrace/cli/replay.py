@@ -170,7 +170,7 @@ def _notes(row: Any, gain: float | None) -> str:
     if gain is not None:
         notes.append(f"<< jump x{_factor(gain)}")
     if row.dtype == "None":
-        notes.append("no gradient")
+        notes.append("no gradient" if row.kind == "grad_param" else "no value")
     return "  ".join(notes)
 
 

@@ -4,10 +4,11 @@ Most of a model's parameters are small: they are staged together (one copy per d
 :class:`ParamRecords`) rather than each taking a hook's work; large ones, and those saved whole
 on a full step, take the hook's route one by one.
 
-Values are looked up by name every step (:func:`values_of`), not kept from the start: a
-module may replace a buffer or a parameter with a new tensor (``model.double()`` replaces
-buffers, and a forward may assign ``self.count = self.count + 1``); the record is of the
-tensor there now.
+Values are looked up by name every step (:func:`values_of`): a module may replace a buffer
+or a parameter with a new tensor (``model.double()`` replaces buffers, and a forward may
+assign ``self.count = self.count + 1``); the record is of the tensor there now. Where the
+name is gone, the tensor found at the start is recorded: pruning
+(``torch.nn.utils.prune``) moves ``weight`` to ``weight_orig``, the same parameter.
 """
 
 from __future__ import annotations
@@ -24,24 +25,29 @@ from hooktrace.recorder.stats import stageable
 
 
 class Entry(NamedTuple):
-    """A parameter or buffer, recorded under ``module`` as ``slot``; found as ``owner``'s
-    ``attr`` (they differ under a compiled root, recorded as a whole)."""
+    """A parameter or buffer, recorded under ``module`` as ``slot``: ``table[attr]``, the
+    owning module's ``_parameters`` or ``_buffers`` (``slot`` and ``attr`` differ under a
+    compiled root, recorded as a whole); ``first`` is the tensor found there at the start."""
 
     module: str
     slot: str
-    owner: nn.Module
+    table: dict[str, Any]
     attr: str
+    first: torch.Tensor | None
+
+    @classmethod
+    def of(cls, module: str, slot: str, owner: nn.Module, attr: str) -> Entry:
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        return cls(module, slot, table, attr, table[attr])
 
 
 def values_of(entries: Sequence[Entry], kind: str) -> list[torch.Tensor | None]:
-    """The tensors the entries name now: buffers for ``buffer``, parameters for ``param``,
-    the parameters' gradients for ``grad_param`` (None where there is none)."""
-    if kind == "buffer":
-        return [e.owner._buffers.get(e.attr) for e in entries]
-    params = [e.owner._parameters.get(e.attr) for e in entries]
-    if kind == "param":
-        return params  # type: ignore[return-value]
-    return [None if p is None else p.grad for p in params]
+    """The tensors the entries name now (parameters or buffers), or for ``grad_param`` the
+    parameters' gradients (None where there is none, or where the name holds None)."""
+    values = [table.get(attr, first) for _, _, table, attr, first in entries]
+    if kind == "grad_param":
+        return [None if p is None else p.grad for p in values]
+    return values
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ def param_records(
     metas: list[Meta] = []
     together: dict[torch.dtype, list[int]] = {}
     observed: list[int] = []
-    for i, ((module, slot, _, _), value) in enumerate(zip(entries, values, strict=True)):
+    for i, ((module, slot, *_), value) in enumerate(zip(entries, values, strict=True)):
         if value is None:
             metas.append(Meta(micro_step, phase, module, 0, kind, slot, None, (), 0, 0))
             continue

@@ -36,8 +36,7 @@ from hooktrace.trace.writer import HOLD_STEPS, StepData, arrow_strings
 
 class Meta(NamedTuple):
     """What a hook knows about one record, kept as cheap Python values. A record's ``seq`` is
-    its row in the step, so it is not kept here: the same Meta can stand for a parameter's
-    record step after step."""
+    its row in the step (the writer numbers them)."""
 
     micro_step: int
     phase: str

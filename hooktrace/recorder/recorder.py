@@ -628,7 +628,7 @@ class Recorder:
         for i in records.observed:
             pending.meta.extend(records.metas[done:i])
             pending.stats.extend(stats[done:i])
-            module, slot, _, _ = entries[i]
+            module, slot, *_ = entries[i]
             full = full_step and module in self._full_modules
             self._observe(module, 0, kind, slot, values[i], phase=phase, full=full, units=False)  # type: ignore[arg-type]
             done = i + 1
@@ -810,11 +810,10 @@ def _entry(
     """A parameter or buffer of ``inner`` (a root) by its qualified name: under its own
     module, or under the root where the root is compiled (its submodules are not recorded)."""
     owner, _, attr = qualname.rpartition(".")
+    found = inner.get_submodule(owner)
     if compiled:
-        return Entry(
-            _qualified(root_name, "", prefixed), qualname, inner.get_submodule(owner), attr
-        )
-    return Entry(_qualified(root_name, owner, prefixed), attr, inner.get_submodule(owner), attr)
+        return Entry.of(_qualified(root_name, "", prefixed), qualname, found, attr)
+    return Entry.of(_qualified(root_name, owner, prefixed), attr, found, attr)
 
 
 def _qualified(root_name: str, qualname: str, prefixed: bool) -> str:

@@ -57,7 +57,8 @@ STATUS_INCOMPLETE: Final = "incomplete"
 STATUSES: Final = (STATUS_RECORDING, STATUS_COMPLETE, STATUS_FAILED, STATUS_INCOMPLETE)
 
 NO_GRADIENT_DTYPE: Final = "None"
-"""dtype of a grad_param row whose parameter had no gradient (``p.grad is None``)."""
+"""dtype of a record with no value: a grad_param row whose parameter had no gradient
+(``p.grad is None``), or a param/buffer row whose module set it to None."""
 
 STAT_COLUMNS: Final = ("mean", "std", "min", "max", "norm", "zero_fraction")
 COUNT_COLUMNS: Final = ("nan_count", "inf_count")
