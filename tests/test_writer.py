@@ -130,11 +130,19 @@ def test_steps_are_taken_a_few_at_a_time_and_all_written_in_order(tmp_path: Path
     """The training thread wakes the writer once for every few steps, not once a step."""
     made: list[int] = []
     writer = TraceWriter(tmp_path / "run", flush_seconds=3600, hold_steps=3, flush_bytes=1 << 40)
+    wakes: list[object] = []  # what the training thread puts on the writer's queue
+    put = writer._queue.put
+
+    def counted_put(item: object, *args: Any, **kwargs: Any) -> None:
+        wakes.append(item)
+        put(item, *args, **kwargs)
+
+    writer._queue.put = counted_put
     for i in range(2):
         writer.submit(_Counted(i, made))
-    time.sleep(0.5)  # a writer woken for each step would have taken them by now
-    assert made == [] and len(writer._incoming) == 2
+    assert wakes == [] and made == [] and len(writer._incoming) == 2
     writer.submit(_Counted(2, made))  # the third wakes it
+    assert len(wakes) == 1
     deadline = time.monotonic() + 60  # hang detection, not a timing assertion
     while len(made) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
