@@ -16,6 +16,8 @@ as any variant):
                the one-time warm-up of its one-pass kernel falls in the untimed warm-up
                steps and is printed on its own at the end
   full         hooktrace.record with full tensors of every module at every step
+  onethread    stats, with the kernel kept to one thread instead of torch's OpenMP threads
+               (not run unless asked for: what reading on torch's threads saves)
 
 Each repetition times a window of steady training: a variant's recording is started, takes
 WARM_UP_STEPS untimed steps (its first steps build what later steps reuse), then as many
@@ -48,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from models import default_loss, make_batch, make_model
 
 import hooktrace
+from hooktrace.recorder import omp
 from hooktrace.recorder.stats import route_taken
 
 Variant = Callable[[nn.Module, Path], contextlib.AbstractContextManager[object]]
@@ -124,6 +127,17 @@ def full(model: nn.Module, out: Path) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def onethread(model: nn.Module, out: Path) -> Iterator[None]:
+    threads = omp.threads
+    omp.threads = lambda: 1  # what kernel.one_pass asks before each large tensor
+    try:
+        with hooktrace.record(model, out / "run", overwrite=True):
+            yield
+    finally:
+        omp.threads = threads
+
+
 VARIANTS: dict[str, Variant] = {
     "plain": plain,
     "empty": empty,
@@ -131,7 +145,9 @@ VARIANTS: dict[str, Variant] = {
     "naive": naive,
     "stats": stats,
     "full": full,
+    "onethread": onethread,
 }
+DEFAULT = ["plain", "empty", "floor", "naive", "stats", "full"]
 
 
 def page_faults() -> int:
@@ -208,15 +224,18 @@ def report(name: str, times: dict[str, list[tuple[float, float]]], seconds: floa
         f" {seconds:g} s or more each"
     )
     print(
-        f"  {'variant':<8} {'ms/step':>9} {'x plain':>8} {'overhead / naive overhead':>26}"
+        f"  {'variant':<10} {'ms/step':>9} {'x plain':>8} {'overhead / naive overhead':>26}"
         f" {'page faults/step':>17}"
     )
     for label in times:
         share = (median(label) - base) / naive_overhead if naive_overhead > 0 else float("nan")
         print(
-            f"  {label:<8} {median(label) * 1e3:9.2f} {median(label) / base:8.2f} {share:26.2f}"
+            f"  {label:<10} {median(label) * 1e3:9.2f} {median(label) / base:8.2f} {share:26.2f}"
             f" {median(label, 1):17.0f}"
         )
+    if "stats" in times and "onethread" in times:  # the same repetition, side by side
+        paired = [a[0] / b[0] for a, b in zip(times["stats"], times["onethread"], strict=True)]
+        print(f"  stats / onethread, paired by repetition: median {statistics.median(paired):.3f}")
 
 
 def main() -> None:
@@ -226,7 +245,7 @@ def main() -> None:
         "--seconds", type=float, default=2.5, help="timed training per variant and repetition"
     )
     parser.add_argument("--models", default="SmallCNN,TinyTransformer")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT))
     args = parser.parse_args()
     chosen = set(args.variants.split(",")) | {"plain", "naive"}
     unknown = chosen - set(VARIANTS)

@@ -4,7 +4,9 @@ Times, per tensor of SmallCNN's and TinyTransformer's activation shapes, what th
 does in a hook on the CPU:
 
   eager      ``summarize`` and per-unit ``activity`` (torch, four or five passes, 2 threads)
-  one-pass   ``summarize_with_activity``: the numba kernel, one pass, one thread (the default)
+  one-pass   ``summarize_with_activity``: the numba kernel, one pass (the default); tensors of
+             131,072 values or more on torch's OpenMP threads
+  1 thread   the same kernel kept to one thread
 
 and prints the one-pass kernel's one-time warm-up, in fresh processes, with numba's cache
 empty and then filled. With ``--inductor`` it also times single functions compiled by
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from hooktrace.recorder import omp
 from hooktrace.recorder.stats import activity, route, summarize, summarize_with_activity
 
 # (shape, unit dimension): SmallCNN's conv activations (channels), TinyTransformer's
@@ -101,7 +104,8 @@ def main() -> None:
             compiled[f"inductor {name}"] = kernel
             print(f"compiling the {name} kernel: {time.perf_counter() - start:.1f} s (once)")
     torch.manual_seed(0)
-    header = "".join(f" {name + ' us':>21} {'ratio':>6}" for name in ["one-pass", *compiled])
+    names = ["one-pass", "1 thread", *compiled]
+    header = "".join(f" {name + ' us':>21} {'ratio':>6}" for name in names)
     print(f"  {'shape':<18} {'eager us':>9}{header}")
     for shape, dim in SHAPES:
         x = torch.randn(shape).relu_()
@@ -117,9 +121,20 @@ def main() -> None:
         stats, counts = summarize_with_activity(x, dim)
         assert counts is not None and counts.tolist() == activity(x, dim).tolist()
         assert stats is not None and stats[5] == (x == 0).sum().item()
+
+        def one_thread(x: torch.Tensor = x, dim: int = dim) -> None:
+            threads = omp.threads
+            omp.threads = lambda: 1  # what kernel.one_pass asks before a large tensor
+            try:
+                summarize_with_activity(x, dim)
+            finally:
+                omp.threads = threads
+
         eager_us = median_us(eager, args.reps)
-        one_pass_us = median_us(one_pass, args.reps)
-        line = f"  {shape!s:<18} {eager_us:9.1f} {one_pass_us:21.1f} {one_pass_us / eager_us:6.2f}"
+        line = f"  {shape!s:<18} {eager_us:9.1f}"
+        for run_one in (one_pass, one_thread):
+            us = median_us(run_one, args.reps)
+            line += f" {us:21.1f} {us / eager_us:6.2f}"
         x3 = x.view(math.prod(shape[:dim]), shape[dim], -1)
         for kernel in compiled.values():
             totals, counts = kernel(x3)

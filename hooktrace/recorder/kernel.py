@@ -17,6 +17,11 @@ sums come from matters to their last bits, so the choice of route never depends 
 a tensor takes the kernel whenever numba is installed and the tensor is a contiguous float32
 CPU tensor with finite values (:func:`hooktrace.recorder.stats.summarize_with_activity`).
 
+Large tensors are read by several threads: torch's own OpenMP threads, which otherwise spin
+between torch's operators (:mod:`hooktrace.recorder.omp`). Each chunk of ``_CHUNK`` values is
+summed apart and the chunks are added in order, so the results do not depend on how many
+threads ran, or whether any did.
+
 The same module holds the writer's kernels for small tensors (:func:`summarize_segments`,
 :func:`unit_counts`): a step's staged values, all of its tensors in one call, with the very
 sums numpy's reductions make, bit for bit.
@@ -34,10 +39,25 @@ import numba
 import numpy as np
 import torch
 
+from hooktrace.recorder import omp
+
 _BLOCK = 512
 """Values summed in float32 before the sum is added to the float64 total. Each vector lane
 adds 32 to 64 of them one after another: at 4,096 the mean of a constant 0.1 was off by
 2.4e-6 (torch's 1.5e-7), at 512 by 3e-7, for 7% more time."""
+
+_CHUNK = 64 * _BLOCK
+"""Values in a chunk, at least: the kernel sums each chunk apart, and threads take whole
+chunks."""
+
+_MOST_CHUNKS = 16
+"""Chunks in a tensor, at most: each keeps counts of its own per unit (or per column), and a
+tensor of many units (a language model's logits) would otherwise keep more counts than it
+has values."""
+
+_THREADS_FROM = 1 << 17
+"""Values from which a tensor is read by several threads (:mod:`hooktrace.recorder.omp`):
+below, starting them costs more than they save."""
 
 _KEY_POS_INF = 0x7F800000  # key of +inf; greater keys are NaN
 _KEY_NEG_INF = -0x7F800001  # key of -inf; smaller keys are NaN with the sign bit set
@@ -63,9 +83,12 @@ def one_pass(
         # long runs: count per (outer, unit) row
         columns = inner < _BLOCK // 2
     fold = _fold(outer, units * inner) if columns else 1
-    finite, total, squares, lo, hi, zeros, counts = _one_pass(
-        values, outer, units, inner, fold, columns
-    )
+    threads = omp.threads() if values.size >= _THREADS_FROM else 1
+    if threads > 1:
+        sums = omp.run(_one_pass_threads, threads, values, outer, units, inner, fold, columns)
+    else:
+        sums = _one_pass(values, outer, units, inner, fold, columns)
+    finite, total, squares, lo, hi, zeros, counts = sums
     if not finite:
         return None
     return total, squares, lo, hi, zeros, counts if dim is not None else None
@@ -110,11 +133,15 @@ def unit_counts(values: np.ndarray, segments: np.ndarray) -> np.ndarray:
     return out
 
 
-def warm_up() -> None:
-    """Compile the kernels now (or load them from numba's cache), not at their first use."""
-    _one_pass(np.zeros(1, dtype=np.float32), 1, 1, 1, 1, False)
+def warm_up() -> str | None:
+    """Compile the kernels now (or load them from numba's cache), not at their first use,
+    and start numba's threads. None if large tensors may be read on torch's threads, else
+    why they are read on one (:func:`hooktrace.recorder.omp.join`)."""
+    one = np.zeros(1, dtype=np.float32)
+    _one_pass(one, 1, 1, 1, 1, False)
     summarize_segments(np.zeros(1), np.array([0, 1], dtype=np.int64))
     unit_counts(np.zeros(1), np.array([[0, 1, 1, 1]], dtype=np.int64))
+    return omp.join(lambda: _one_pass_threads(one, 1, 1, 1, 1, False))
 
 
 # The kernels are numba code: plain loops over blocks of values, which numba compiles for
@@ -133,25 +160,86 @@ _LOWEST = _I32(-0x80000000)  # the smallest key
 _SIGN = _I32(31)  # shifting a key by this fills it with its sign bit
 
 
-@_jit
+@_inline
 @no_type_check
-def _one_pass(values, outer, units, inner, fold, columns):
+def _chunked(values, outer, units, inner, fold, columns):
     """:func:`one_pass` on ``values`` (float32, flat, C order, seen as (outer, units, inner)):
-    (finite, sum, sum of squares, min, max, zero count, positive counts per unit)."""
-    counts = np.zeros(units, dtype=np.int64)
+    (finite, sum, sum of squares, min, max, zero count, positive counts per unit).
+
+    The values are taken in chunks of about ``_CHUNK`` values, fixed by the shape alone; each
+    chunk's sums are kept apart and added in chunk order, so the result is the same whether
+    the chunks ran one after another or on several threads (``prange``)."""
+    # no np.zeros here: in the threaded kernel each would be a parallel loop of its own
+    counts = np.empty(units, dtype=np.int64)
+    for u in range(units):
+        counts[u] = 0
     if columns:
         width = fold * units * inner
-        per_column = np.zeros(width, dtype=np.int32)
-        total, squares, lo, hi, zeros = _columns(values.reshape(outer // fold, width), per_column)
+        rows = outer // fold
+        x = values.reshape(rows, width)
+        per = _chunk_length(rows, _CHUNK // width)
+        chunks = (rows + per - 1) // per
+        part = np.empty((chunks, 5), dtype=np.float64)
+        per_column = np.empty((chunks, width), dtype=np.int32)
+        for c in numba.prange(chunks):
+            for i in range(width):
+                per_column[c, i] = 0
+            stop = min(rows, (c + 1) * per)
+            s, q, k_lo, k_hi, z = _columns(x[c * per : stop], per_column[c])
+            part[c, 0], part[c, 1], part[c, 2], part[c, 3], part[c, 4] = s, q, k_lo, k_hi, z
         for f in range(fold):
             for u in range(units):
                 start = (f * units + u) * inner
-                for i in range(start, start + inner):
-                    counts[u] += per_column[i]
+                for c in range(chunks):
+                    for i in range(start, start + inner):
+                        counts[u] += per_column[c, i]
     else:
-        total, squares, lo, hi, zeros = _rows(values.reshape(outer, units, inner), counts)
+        x = values.reshape(outer * units, inner)
+        per_row = (inner + _BLOCK - 1) // _BLOCK
+        blocks = outer * units * per_row
+        per = _chunk_length(blocks, _CHUNK // _BLOCK)
+        chunks = (blocks + per - 1) // per
+        part = np.empty((chunks, 5), dtype=np.float64)
+        per_unit = np.empty((chunks, units), dtype=np.int64)
+        for c in numba.prange(chunks):
+            for u in range(units):
+                per_unit[c, u] = 0
+            stop = min(blocks, (c + 1) * per)
+            s, q, k_lo, k_hi, z = _rows(x, units, per_row, c * per, stop, per_unit[c])
+            part[c, 0], part[c, 1], part[c, 2], part[c, 3], part[c, 4] = s, q, k_lo, k_hi, z
+        for c in range(chunks):
+            for u in range(units):
+                counts[u] += per_unit[c, u]
+    total, squares, lo, hi, zeros = 0.0, 0.0, _FLIP, _LOWEST, 0
+    for c in range(chunks):
+        total += part[c, 0]
+        squares += part[c, 1]
+        lo, hi = min(lo, _I32(part[c, 2])), max(hi, _I32(part[c, 3]))
+        zeros += np.int64(part[c, 4])
     finite = lo > _KEY_NEG_INF and hi < _KEY_POS_INF
     return finite, total, squares, _float_of(lo), _float_of(hi), zeros, counts
+
+
+@_inline
+@no_type_check
+def _chunk_length(items, least):
+    """Rows or blocks in a chunk: ``least`` or more, and no more than ``_MOST_CHUNKS``
+    chunks."""
+    return max(least, (items + _MOST_CHUNKS - 1) // _MOST_CHUNKS, 1)
+
+
+@_jit
+@no_type_check
+def _one_pass(values, outer, units, inner, fold, columns):
+    return _chunked(values, outer, units, inner, fold, columns)
+
+
+@numba.njit(
+    nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"}, boundscheck=False
+)
+@no_type_check
+def _one_pass_threads(values, outer, units, inner, fold, columns):
+    return _chunked(values, outer, units, inner, fold, columns)
 
 
 @_inline
@@ -164,21 +252,21 @@ def _float_of(key):
 
 @_jit
 @no_type_check
-def _rows(x, counts):
-    """x: float32 (outer, units, inner), C order; counts: int64 (units,), positives added."""
+def _rows(x, units, per_row, first, stop, counts):
+    """Blocks ``first`` to ``stop`` of x, float32 (rows, inner), C order, each row cut into
+    ``per_row`` blocks; row r is unit ``r % units``. counts: int64 (units,), positives added."""
     keys = x.view(np.int32)
-    outer, units, inner = x.shape
     total, squares, lo, hi, zeros = 0.0, 0.0, _FLIP, _LOWEST, 0
-    for o in range(outer):
-        for u in range(units):
-            for start in range(0, inner, _BLOCK):
-                stop = start + _BLOCK
-                s, q, k_lo, k_hi, z, p = _block(x[o, u, start:stop], keys[o, u, start:stop])
-                total += s
-                squares += q
-                lo, hi = min(lo, k_lo), max(hi, k_hi)
-                zeros += z
-                counts[u] += p
+    for b in range(first, stop):
+        r = b // per_row
+        start = (b - r * per_row) * _BLOCK
+        stop_ = start + _BLOCK
+        s, q, k_lo, k_hi, z, p = _block(x[r, start:stop_], keys[r, start:stop_])
+        total += s
+        squares += q
+        lo, hi = min(lo, k_lo), max(hi, k_hi)
+        zeros += z
+        counts[r % units] += p
     return total, squares, lo, hi, zeros
 
 

@@ -178,14 +178,15 @@ def route() -> Route:
         try:
             from hooktrace.recorder import kernel
 
-            kernel.warm_up()
+            single = kernel.warm_up()
         except Exception as exc:  # numba missing, or unable to compile here
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             _route = Route(f"eager (no one-pass kernel: {reason})", 0.0, None)
         else:
             version = kernel.numba.__version__
             warmup = time.perf_counter() - start
-            _route = Route(f"one-pass (numba {version})", warmup, kernel.one_pass)
+            threads = "on torch's OpenMP threads" if single is None else f"one thread: {single}"
+            _route = Route(f"one-pass (numba {version}, {threads})", warmup, kernel.one_pass)
     return _route
 
 

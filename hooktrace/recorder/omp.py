@@ -1,0 +1,115 @@
+"""The one-pass kernel on torch's own OpenMP threads.
+
+On a CPU, torch runs its operators on a team of OpenMP threads (GNU libgomp, in the Linux
+wheels). Between operators the team's workers spin, waiting for the next one, so the cores
+they run on are never free: a thread of hooktrace's own takes its time from them
+(docs/PERFORMANCE.md). numba's "omp" threading layer calls the same GNU OpenMP entry points,
+and the dynamic linker binds them to the copy torch loaded, which torch makes global. A
+parallel kernel then runs on torch's own team, on workers that would otherwise spin.
+
+:func:`join` checks that this is so before the kernel takes a second thread, and puts back
+what numba's layer changes in torch's library as it starts (the thread count, nesting).
+:func:`threads` then says how many threads a kernel call may take: as many as torch uses now,
+and one in a process forked from this one (GNU OpenMP does not survive a fork, and numba
+stops a forked child that tries).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import numba
+import torch
+
+T = TypeVar("T")
+
+_limit = 1  # threads numba's layer started with, once joined; 1 while not
+
+
+def threads() -> int:
+    """Threads a kernel call may take now: torch's own count, within numba's."""
+    return min(torch.get_num_threads(), _limit) if _limit > 1 else 1
+
+
+def run(kernel: Callable[..., T], size: int, *args: object) -> T:
+    """``kernel(*args)``, its parallel loops on ``size`` threads (:func:`threads`). numba's
+    own setting is per thread and starts at its limit: only a smaller team (torch told to use
+    fewer threads) costs the two calls that set and restore it."""
+    if size == _limit:
+        return kernel(*args)
+    before = numba.get_num_threads()
+    numba.set_num_threads(size)
+    try:
+        return kernel(*args)
+    finally:
+        numba.set_num_threads(before)
+
+
+def join(start: Callable[[], object]) -> str | None:
+    """Start numba's threading layer by calling ``start`` (a parallel kernel), and let kernel
+    calls use more than one thread if the layer runs on torch's OpenMP team. Returns None if
+    so, else why not (the kernel then keeps to one thread)."""
+    global _limit
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return "torch does not run on OpenMP here"
+    gomp = _torch_openmp()
+    if gomp is None:
+        return "torch's OpenMP library was not found"
+    saved = torch.get_num_threads(), gomp.omp_get_max_active_levels(), gomp.omp_get_nested()
+    try:
+        start()
+    except Exception as exc:  # no threading layer here, or it failed to start
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"numba's threads did not start: {reason}"
+    finally:
+        # numba's OpenMP layer sets the thread count to the CPU count and allows nested
+        # parallel regions as it starts: in torch's library too, whose settings they are
+        gomp.omp_set_nested(saved[2])
+        gomp.omp_set_max_active_levels(saved[1])
+        torch.set_num_threads(saved[0])
+    layer = numba.threading_layer()
+    if layer != "omp":
+        return f"numba's threading layer is {layer}, not torch's OpenMP"
+    if _address(ctypes.CDLL(None), "GOMP_parallel") != _address(gomp, "GOMP_parallel"):
+        return "numba's OpenMP is not the library torch runs on"
+    _limit = max(numba.config.NUMBA_NUM_THREADS, 1)  # type: ignore[attr-defined]
+    return None
+
+
+def _leave() -> None:
+    global _limit
+    _limit = 1
+
+
+os.register_at_fork(after_in_child=_leave)
+
+
+def _torch_openmp() -> ctypes.CDLL | None:
+    """The GNU OpenMP library torch loaded: its own copy where it ships one, else the only
+    one loaded. None where neither can be told (or off Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = {line.split()[-1] for line in maps if "/libgomp" in line}
+    except OSError:
+        return None
+    package = Path(torch.__file__).resolve().parent
+    homes = (package, package.parent / "torch.libs")  # where wheels keep their libraries
+    own = [p for p in loaded if any(Path(p).resolve().is_relative_to(h) for h in homes)]
+    chosen = own if own else list(loaded)
+    if len(chosen) != 1:
+        return None
+    try:
+        return ctypes.CDLL(chosen[0], mode=os.RTLD_NOLOAD)
+    except OSError:
+        return None
+
+
+def _address(library: ctypes.CDLL, name: str) -> int | None:
+    try:
+        return ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+    except AttributeError:
+        return None
