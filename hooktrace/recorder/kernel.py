@@ -3,8 +3,8 @@
 torch computes each statistic with its own vectorised pass: min and max, the sum, the sum of
 squares, the zero count and the per-unit positive counts are four or five passes over every
 activation and gradient. The kernel here makes one: each value is read once, and the sums,
-extremes and counts are kept in vector registers. Single-threaded, it takes 0.18 to 0.28 of
-the time torch's passes take on both cores (``benchmarks/bench_stats_kernels.py``).
+extremes and counts are kept in vector registers. On one thread it takes 0.18 to 0.28 of the
+time torch's passes take on both cores (``benchmarks/bench_stats_kernels.py``).
 
 Extremes are taken on integer keys: a float32's bits, with the magnitude bits flipped for
 negative values, order the same way as the floats do, and integer minimum and maximum
