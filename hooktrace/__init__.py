@@ -6,6 +6,7 @@ The analyzer side (``load``, ``Trace`` and the analyses) never imports torch; th
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,6 @@ from hooktrace.errors import (
 )
 
 if TYPE_CHECKING:
-    import os
-
     import torch
 
     from hooktrace.analyze.anomalies import anomalies
@@ -35,6 +34,10 @@ if TYPE_CHECKING:
     from hooktrace.recorder.replay import replay_module
     from hooktrace.trace.check import check
     from hooktrace.trace.reader import Trace, load
+
+_imported_in = os.getpid()
+"""The process that imported hooktrace. One forked from it keeps the recorder's kernel to one
+thread, whatever its parent did with OpenMP threads (:mod:`hooktrace.recorder.omp`)."""
 
 # Imported on first use: `hooktrace --help` must not pay for pandas, and nothing on the
 # analyzer side may pull in torch.

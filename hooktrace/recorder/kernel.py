@@ -18,9 +18,10 @@ a tensor takes the kernel whenever numba is installed and the tensor is a contig
 CPU tensor with finite values (:func:`hooktrace.recorder.stats.summarize_with_activity`).
 
 Large tensors are read by several threads: torch's own OpenMP threads, which otherwise spin
-between torch's operators (:mod:`hooktrace.recorder.omp`). Each chunk of ``_CHUNK`` values is
-summed apart and the chunks are added in order, so the results do not depend on how many
-threads ran, or whether any did.
+between torch's operators (:mod:`hooktrace.recorder.omp`). The chunks a tensor is cut into
+depend on its shape alone, each is summed apart, and the chunks are added in order by the same
+code on one thread or on several, so the results do not depend on how many threads ran (a
+test checks it bit for bit, on values of magnitudes far apart).
 
 The same module holds the writer's kernels for small tensors (:func:`summarize_segments`,
 :func:`unit_counts`): a step's staged values, all of its tensors in one call, with the very
@@ -47,13 +48,17 @@ adds 32 to 64 of them one after another: at 4,096 the mean of a constant 0.1 was
 2.4e-6 (torch's 1.5e-7), at 512 by 3e-7, for 7% more time."""
 
 _CHUNK = 64 * _BLOCK
-"""Values in a chunk, at least: the kernel sums each chunk apart, and threads take whole
-chunks."""
+"""Values in a chunk, about (whole rows or blocks: the last chunk of a tensor holds what is
+left): the kernel sums each chunk apart, and threads take whole chunks."""
 
 _MOST_CHUNKS = 16
 """Chunks in a tensor, at most: each keeps counts of its own per unit (or per column), and a
 tensor of many units (a language model's logits) would otherwise keep more counts than it
 has values."""
+
+_LEAST_ROWS = 8
+"""Rows in a chunk counted per column, at least: its counts are then at most an eighth of its
+values, however wide the rows."""
 
 _THREADS_FROM = 1 << 17
 """Values from which a tensor is read by several threads (:mod:`hooktrace.recorder.omp`):
@@ -177,7 +182,7 @@ def _chunked(values, outer, units, inner, fold, columns):
         width = fold * units * inner
         rows = outer // fold
         x = values.reshape(rows, width)
-        per = _chunk_length(rows, _CHUNK // width)
+        per = _chunk_length(rows, max(_CHUNK // width, _LEAST_ROWS))
         chunks = (rows + per - 1) // per
         part = np.empty((chunks, 5), dtype=np.float64)
         per_column = np.empty((chunks, width), dtype=np.int32)
@@ -187,12 +192,14 @@ def _chunked(values, outer, units, inner, fold, columns):
             stop = min(rows, (c + 1) * per)
             s, q, k_lo, k_hi, z = _columns(x[c * per : stop], per_column[c])
             part[c, 0], part[c, 1], part[c, 2], part[c, 3], part[c, 4] = s, q, k_lo, k_hi, z
+        for c in range(1, chunks):  # the chunks' counts into the first, row by row
+            for i in range(width):
+                per_column[0, i] += per_column[c, i]
         for f in range(fold):
             for u in range(units):
                 start = (f * units + u) * inner
-                for c in range(chunks):
-                    for i in range(start, start + inner):
-                        counts[u] += per_column[c, i]
+                for i in range(start, start + inner):
+                    counts[u] += per_column[0, i]
     else:
         x = values.reshape(outer * units, inner)
         per_row = (inner + _BLOCK - 1) // _BLOCK

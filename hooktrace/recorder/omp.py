@@ -9,9 +9,14 @@ parallel kernel then runs on torch's own team, on workers that would otherwise s
 
 :func:`join` checks that this is so before the kernel takes a second thread, and puts back
 what numba's layer changes in torch's library as it starts (the thread count, nesting).
-:func:`threads` then says how many threads a kernel call may take: as many as torch uses now,
-and one in a process forked from this one (GNU OpenMP does not survive a fork, and numba
-stops a forked child that tries).
+:func:`threads` then says how many threads a kernel call may take: as many as torch uses now.
+
+A forked process keeps to one thread: GNU OpenMP's team does not survive a fork (a parallel
+region in the child waits for threads that are not there), and numba stops a forked child
+that starts its OpenMP threads. That holds for a process forked after this module joined,
+and for one forked after hooktrace was imported, whatever its parent did with OpenMP.
+
+numba is imported by :func:`join` and :func:`run` only: importing this module costs nothing.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import numba
 import torch
+
+import hooktrace
 
 T = TypeVar("T")
 
@@ -31,8 +37,11 @@ _limit = 1  # threads numba's layer started with, once joined; 1 while not
 
 
 def threads() -> int:
-    """Threads a kernel call may take now: torch's own count, within numba's."""
-    return min(torch.get_num_threads(), _limit) if _limit > 1 else 1
+    """Threads a kernel call may take now: as many as torch uses, or one where that is one
+    or more than numba started with (a smaller team would make libgomp end torch's extra
+    threads, and torch's next operator start them again)."""
+    n = torch.get_num_threads()
+    return n if 1 < n <= _limit else 1
 
 
 def run(kernel: Callable[..., T], size: int, *args: object) -> T:
@@ -41,6 +50,8 @@ def run(kernel: Callable[..., T], size: int, *args: object) -> T:
     fewer threads) costs the two calls that set and restore it."""
     if size == _limit:
         return kernel(*args)
+    import numba
+
     before = numba.get_num_threads()
     numba.set_num_threads(size)
     try:
@@ -50,34 +61,46 @@ def run(kernel: Callable[..., T], size: int, *args: object) -> T:
 
 
 def join(start: Callable[[], object]) -> str | None:
-    """Start numba's threading layer by calling ``start`` (a parallel kernel), and let kernel
-    calls use more than one thread if the layer runs on torch's OpenMP team. Returns None if
-    so, else why not (the kernel then keeps to one thread)."""
+    """Start numba's threading layer and compile (or load) the parallel kernel by calling
+    ``start`` on a team of one, and let kernel calls use more threads if the layer runs on
+    torch's OpenMP team. Returns None if so, else why not: the kernel then keeps to one
+    thread. Never raises."""
     global _limit
-    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
-        return "torch does not run on OpenMP here"
-    gomp = _torch_openmp()
-    if gomp is None:
-        return "torch's OpenMP library was not found"
-    saved = torch.get_num_threads(), gomp.omp_get_max_active_levels(), gomp.omp_get_nested()
     try:
-        start()
+        import numba
+
+        if os.getpid() != hooktrace._imported_in:
+            return "a forked process"
+        if numba.config.NUMBA_NUM_THREADS < 2:  # type: ignore[attr-defined]
+            return "numba is limited to one thread"
+        if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+            return "torch does not run on OpenMP here"
+        gomp = _torch_openmp()
+        if gomp is None:
+            return "torch's OpenMP library was not found"
+        saved = gomp.omp_get_max_threads(), gomp.omp_get_max_active_levels()
+        nested = gomp.omp_get_nested()
+        try:
+            numba.set_num_threads(1)  # starts the layer; the first call needs no team
+            start()
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+        finally:
+            # numba's OpenMP layer sets the thread count to its own and allows nested
+            # parallel regions as it starts: in torch's library too, whose settings they are
+            # (torch reads its thread count from there)
+            gomp.omp_set_nested(nested)
+            gomp.omp_set_max_active_levels(saved[1])
+            gomp.omp_set_num_threads(saved[0])
+        layer = numba.threading_layer()
+        if layer != "omp":
+            return f"numba's threading layer is {layer}, not torch's OpenMP"
+        if _address(ctypes.CDLL(None), "GOMP_parallel") != _address(gomp, "GOMP_parallel"):
+            return "numba's OpenMP is not the library torch runs on"
+        _limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+        return None
     except Exception as exc:  # no threading layer here, or it failed to start
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return f"numba's threads did not start: {reason}"
-    finally:
-        # numba's OpenMP layer sets the thread count to the CPU count and allows nested
-        # parallel regions as it starts: in torch's library too, whose settings they are
-        gomp.omp_set_nested(saved[2])
-        gomp.omp_set_max_active_levels(saved[1])
-        torch.set_num_threads(saved[0])
-    layer = numba.threading_layer()
-    if layer != "omp":
-        return f"numba's threading layer is {layer}, not torch's OpenMP"
-    if _address(ctypes.CDLL(None), "GOMP_parallel") != _address(gomp, "GOMP_parallel"):
-        return "numba's OpenMP is not the library torch runs on"
-    _limit = max(numba.config.NUMBA_NUM_THREADS, 1)  # type: ignore[attr-defined]
-    return None
 
 
 def _leave() -> None:
