@@ -5,6 +5,7 @@ leaves torch's settings as they were, and that a forked child keeps to one threa
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -23,6 +24,16 @@ def test_large_tensors_are_read_on_torchs_threads_here() -> None:
     assert taken.description.endswith(", on torch's OpenMP threads)"), taken.description
     limit = omp._limit
     assert omp.threads() == min(torch.get_num_threads(), limit)
+
+
+def _spread(shape: tuple[int, ...]) -> torch.Tensor:
+    """Runs of 1,000 values of magnitudes 2**-40 to 2**40 apart. Block sums of such values
+    differ so much in scale that float64 sums of them round, and a change in the order the
+    chunks' sums are added in shows in the last bits (random values of one scale sum
+    exactly in float64, whatever the order)."""
+    n = math.prod(shape)
+    scales = 2.0 ** torch.randint(-40, 40, (n // 1000 + 1,)).repeat_interleave(1000)[:n]
+    return (torch.randn(n) * scales).reshape(shape)
 
 
 def _sums(x: torch.Tensor, dim: int | None) -> tuple[object, ...]:
@@ -50,9 +61,7 @@ def test_threads_do_not_change_a_single_bit(
     if omp.threads() < 2:
         pytest.skip("torch runs on one thread here")
     torch.manual_seed(0)
-    # magnitudes 2**-40 to 2**40 apart: float64 sums of float32 block sums are then inexact,
-    # and any change in the order of the chunks' sums shows in the last bits
-    spread = torch.randn(shape) * 2.0 ** torch.randint(-40, 40, shape)
+    spread = _spread(shape)
     for x in (torch.randn(shape), torch.relu(torch.randn(shape)), -torch.rand(shape) - 1, spread):
         assert x.numel() >= kernel._THREADS_FROM
         threaded = _sums(x, dim)
@@ -75,7 +84,7 @@ def test_a_smaller_team_gives_the_same_result() -> None:
     route()
     if omp.threads() < 2:
         pytest.skip("torch runs on one thread here")
-    x = torch.randn(32, 16, 32, 32)
+    x = _spread((32, 16, 32, 32))
     values = x.numpy().ravel()
     args = (values, 32, 16, 1024, 1, False)
     both = omp.run(kernel._one_pass_threads, omp._limit, *args)
