@@ -223,3 +223,27 @@ def test_a_process_forked_before_its_first_large_tensor_records_it(started: str)
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0", done.stderr  # -15: the child was terminated
+
+
+_IMPORTED_IN_THE_CHILD = """
+import os, torch
+torch.nn.functional.conv2d(torch.randn(8, 3, 32, 32), torch.randn(8, 3, 3, 3))
+x = torch.relu(torch.randn(32, 16, 32, 32))
+pid = os.fork()
+if pid == 0:  # hooktrace is imported here, in the child: its pid is the importer's
+    torch.set_num_threads(1)  # GNU OpenMP's team did not survive the fork
+    from hooktrace.recorder.stats import summarize_with_activity
+    stats, counts = summarize_with_activity(x, 1)
+    os._exit(0 if counts.tolist() == (x > 0).sum(dim=(0, 2, 3)).tolist() else 3)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+"""
+
+
+def test_a_forked_child_that_imports_hooktrace_itself_records() -> None:
+    """Such a child cannot tell it was forked, and starts numba's layer: on a team of one,
+    which waits for no thread of the team the fork did not copy."""
+    done = subprocess.run(
+        [sys.executable, "-c", _IMPORTED_IN_THE_CHILD], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0", done.stderr
