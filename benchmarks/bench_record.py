@@ -147,6 +147,7 @@ VARIANTS: dict[str, Variant] = {
     "full": full,
     "onethread": onethread,
 }
+REFERENCE_MODELS = ["SmallCNN", "TinyTransformer"]  # issue 8's two, in tests/models.py
 DEFAULT = ["plain", "empty", "floor", "naive", "stats", "full"]
 
 
@@ -244,7 +245,7 @@ def main() -> None:
     parser.add_argument(
         "--seconds", type=float, default=2.5, help="timed training per variant and repetition"
     )
-    parser.add_argument("--models", default="SmallCNN,TinyTransformer")
+    parser.add_argument("--models", default=",".join(REFERENCE_MODELS))
     parser.add_argument("--variants", default=",".join(DEFAULT))
     args = parser.parse_args()
     chosen = set(args.variants.split(",")) | {"plain", "naive"}
@@ -254,8 +255,15 @@ def main() -> None:
             f"unknown variant(s) {', '.join(sorted(unknown))}; choose from {', '.join(VARIANTS)}"
         )
     variants = [v for v in VARIANTS if v in chosen]
+    models = args.models.split(",")
+    unknown = set(models) - set(REFERENCE_MODELS)
+    if unknown:
+        parser.error(
+            f"unknown model(s) {', '.join(sorted(unknown))};"
+            f" choose from {', '.join(REFERENCE_MODELS)}"
+        )
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    for name in args.models.split(","):
+    for name in models:
         report(name, bench(name, variants, reps=args.reps, seconds=args.seconds), args.seconds)
     taken = route_taken()
     if taken is not None:  # paid once per process, in the warm-up steps, outside the figures

@@ -3,6 +3,7 @@ the recorder: which tensors take it, what falls back to the eager route, what a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -366,6 +367,50 @@ def test_the_writers_kernel_sums_exactly_as_numpy_does() -> None:
         assert np.isnan(got[1::6, 2]).all()  # each segment with a NaN has NaN extremes
 
 
+def test_tensors_read_in_place_sum_exactly_as_their_float64_copies() -> None:
+    """The parameters' route: float32 tensors read where they lie, each value widened as it
+    is read, give the rows numpy gives their float64 copies, bit for bit."""
+    from hooktrace.recorder.kernel import summarize_tensors
+    from hooktrace.recorder.stats import summarize_staged
+
+    rng = np.random.default_rng(2)
+    edges = [1, 2, 7, 8, 9, 15, 16, 17, 128, 129, 130, 255, 256, 257, 1000, 8191, 8192]
+    for trial in range(20):
+        lengths = edges if trial == 0 else rng.integers(1, 3000, rng.integers(1, 30)).tolist()
+        values, bounds = _segments_of(rng, lengths)
+        tensors = [
+            torch.from_numpy(values[lo:hi].astype(np.float32))
+            for lo, hi in itertools.pairwise(bounds.tolist())
+        ]
+        copies = np.concatenate([t.double().numpy() for t in tensors])
+        want = summarize_staged(copies, np.diff(bounds))
+        got = summarize_tensors(tensors)
+        assert got is not None and np.array_equal(got, want, equal_nan=True), trial
+
+
+def test_only_plain_contiguous_float32_cpu_tensors_are_read_in_place() -> None:
+    """The kernel reads raw memory: anything it could misread leaves the whole group to the
+    staged route, and nothing is read."""
+    from hooktrace.recorder.kernel import summarize_tensors
+
+    class Tagged(torch.Tensor):
+        pass
+
+    good = torch.randn(4, 3)
+    assert summarize_tensors([good, torch.nn.Parameter(torch.ones(2))]) is not None
+    for bad in (
+        good.t(),  # not contiguous
+        good.double(),
+        good.to(torch.bfloat16),
+        torch.ones(3, dtype=torch.int64),
+        torch.ones(0),
+        good.as_subclass(Tagged),
+        good.to_sparse(),
+        torch.empty(3, device="meta"),
+    ):
+        assert summarize_tensors([good, bad]) is None, bad
+
+
 def test_the_writers_kernel_counts_units_as_numpy_does() -> None:
     from hooktrace.recorder.kernel import unit_counts
     from hooktrace.recorder.stats import activity_staged
@@ -411,9 +456,9 @@ def test_a_step_materialises_the_same_with_and_without_the_writers_kernel(
     assert sum(type(s) is pending.Staged for s in step.stats) >= 10
     assert any(isinstance(a, pending.StagedUnits) for _, a in step.activity)
     route()  # the one-pass route is taken: the writer's kernels are used
-    assert pending._compiled() is not None
+    assert pending.compiled_kernels() is not None
     compiled = (step._statistics(), step._activity())
-    monkeypatch.setattr(pending, "_compiled", lambda: None)
+    monkeypatch.setattr(pending, "compiled_kernels", lambda: None)
     plain = (step._statistics(), step._activity())
     assert np.array_equal(compiled[0], plain[0], equal_nan=True)
     assert [r for r, _ in compiled[1]] == [r for r, _ in plain[1]]

@@ -5,20 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 from torch.nn.utils import prune
 
 import hooktrace
+from hooktrace.recorder import params
 from hooktrace.recorder.params import Entry, param_records
 from hooktrace.recorder.pending import Staged, Staging
+from hooktrace.recorder.stats import route, summarize_staged
 
 
 def _entries(*names: str) -> list[Entry]:
     return [Entry(*name.split("."), {}, name.split(".")[1], None) for name in names]
 
 
-def test_small_values_are_staged_by_dtype_and_the_rest_left_to_the_hook() -> None:
+def test_small_values_are_staged_by_dtype_and_the_rest_left_to_the_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(params, "compiled_kernels", lambda: None)  # as before numba loads
     entries = _entries("a.weight", "a.bias", "b.weight", "b.bias", "c.weight")
     values = [
         torch.ones(3, 2),
@@ -40,6 +46,32 @@ def test_small_values_are_staged_by_dtype_and_the_rest_left_to_the_hook() -> Non
     stats = records.stage(values, staging)
     assert stats == [Staged(0), Staged(1), None, None, None]
     assert staging.lengths == [6, 3]
+
+
+def test_float32_values_are_summarised_in_place_once_the_kernels_are_loaded() -> None:
+    """No copy: the float32 group's rows come back now, equal bit for bit to what the writer
+    makes of the staged copies; other dtypes are still staged."""
+    route()  # loads the compiled kernels, as the first large tensor of a run does
+    assert params.compiled_kernels() is not None
+    entries = _entries("a.weight", "a.bias", "b.weight", "b.count")
+    generator = torch.Generator().manual_seed(0)
+    values = [
+        torch.randn(30, 20, generator=generator),
+        torch.tensor([0.0, -0.0, float("inf"), 1e30]),
+        torch.randn(7, generator=generator) * 1e-20,
+        torch.tensor(3, dtype=torch.int64),
+    ]
+    records = param_records(
+        entries, values, kind="param", phase="train", micro_step=0, saved_whole=()
+    )
+    staging = Staging()
+    stats = records.stage(values, staging)
+    assert [type(s).__name__ for s in stats] == ["ndarray", "ndarray", "ndarray", "Staged"]
+    assert staging.lengths == [1]
+
+    copies = [v.double().numpy().ravel() for v in values]
+    want = summarize_staged(np.concatenate(copies), np.array([c.size for c in copies]))
+    assert np.array_equal(np.stack(stats[:3]), want[:3], equal_nan=True)
 
 
 class _Net(nn.Module):

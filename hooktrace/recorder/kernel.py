@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import no_type_check
+from typing import Any, no_type_check
 
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import intrinsic
 
 from hooktrace.recorder import omp
 
@@ -138,6 +140,31 @@ def unit_counts(values: np.ndarray, segments: np.ndarray) -> np.ndarray:
     return out
 
 
+def summarize_tensors(tensors: list[torch.Tensor]) -> np.ndarray | None:
+    """:func:`summarize_segments` of float32 CPU tensors, read where they lie: no copy, and
+    rows equal to those of their float64 copies, bit for bit. None, and nothing read, unless
+    every tensor is a plain contiguous float32 CPU tensor with values (a subclass may have no
+    memory of its own to read). The caller keeps the tensors alive through the call."""
+    for t in tensors:
+        if not (
+            type(t) in _PLAIN
+            and t.dtype is torch.float32
+            and t.is_cpu
+            and t.layout is torch.strided
+            and t.is_contiguous()
+            and t.numel() > 0
+        ):
+            return None
+    out = np.empty((len(tensors), 8), dtype=np.float64)
+    addresses = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
+    lengths = np.array([t.numel() for t in tensors], dtype=np.int64)
+    _tensors32(addresses, lengths, out)
+    return out
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def warm_up() -> str | None:
     """Compile the kernels now (or load them from numba's cache), not at their first use,
     and start numba's threads. None if large tensors may be read on torch's threads, else
@@ -146,6 +173,7 @@ def warm_up() -> str | None:
     _one_pass(one, 1, 1, 1, 1, False)
     summarize_segments(np.zeros(1), np.array([0, 1], dtype=np.int64))
     unit_counts(np.zeros(1), np.array([[0, 1, 1, 1]], dtype=np.int64))
+    summarize_tensors([torch.zeros(1)])
     return omp.join(lambda: _one_pass_threads(one, 1, 1, 1, 1, False))
 
 
@@ -354,7 +382,6 @@ def _segments(values, bounds, out):
     bits = values.view(np.int64)
     for i in range(len(bounds) - 1):
         lo, hi = bounds[i], bounds[i + 1]
-        n = hi - lo
         k_lo, k_hi = _FLIP64, _LOWEST64
         zeros = nans = infs = 0
         for j in range(lo, hi):
@@ -365,17 +392,60 @@ def _segments(values, bounds, out):
             zeros += magnitude == 0
             nans += magnitude > _INF64
             infs += magnitude == _INF64
-        mean = _reduce(values, lo, hi, 0.0, False) / n
-        norm = np.sqrt(_reduce(values, lo, hi, 0.0, True))
-        std = np.sqrt(_reduce(values, lo, hi, mean, True) / n)
-        smallest, largest = _from_key64(k_lo), _from_key64(k_hi)
-        if nans:  # numpy's minimum and maximum propagate NaN
-            smallest = largest = std = np.nan
-        elif infs:
-            std = np.nan
-        row = out[i]
-        row[0], row[1], row[2], row[3], row[4] = mean, std, smallest, largest, norm
-        row[5], row[6], row[7] = zeros, nans, infs
+        extremes = _from_key64(k_lo), _from_key64(k_hi)
+        _finish_row(values, lo, hi, extremes, zeros, nans, infs, out[i])
+
+
+@_exact
+@no_type_check
+def _tensors32(addresses, lengths, out):
+    """:func:`_segments` of float32 tensors read where they lie: tensor ``i`` is
+    ``lengths[i]`` values from address ``addresses[i]``. Each value is widened to float64 as
+    it is read, so the rows equal those of the tensors' float64 copies, bit for bit."""
+    for i in range(len(addresses)):
+        n = lengths[i]
+        values = numba.carray(_float32_at(addresses[i]), n)
+        bits = values.view(np.int32)
+        k_lo, k_hi = _FLIP, _LOWEST
+        zeros = nans = infs = 0
+        for j in range(n):
+            b = bits[j]
+            k_lo, k_hi = min(k_lo, _key(b)), max(k_hi, _key(b))
+            magnitude = b & _FLIP
+            zeros += magnitude == 0
+            nans += magnitude > _KEY_POS_INF
+            infs += magnitude == _KEY_POS_INF
+        extremes = np.float64(_float_of(k_lo)), np.float64(_float_of(k_hi))
+        _finish_row(values, 0, n, extremes, zeros, nans, infs, out[i])
+
+
+@_inline
+@no_type_check
+def _finish_row(values, lo, hi, extremes, zeros, nans, infs, row):
+    """Fill ``row`` for ``values[lo:hi]``, given its extremes and counts: the sums as numpy
+    makes them (:func:`_reduce`), NaN where numpy's would be."""
+    n = hi - lo
+    mean = _reduce(values, lo, hi, 0.0, False) / n
+    norm = np.sqrt(_reduce(values, lo, hi, 0.0, True))
+    std = np.sqrt(_reduce(values, lo, hi, mean, True) / n)
+    smallest, largest = extremes
+    if nans:  # numpy's minimum and maximum propagate NaN
+        smallest = largest = std = np.nan
+    elif infs:
+        std = np.nan
+    row[0], row[1], row[2], row[3], row[4] = mean, std, smallest, largest, norm
+    row[5], row[6], row[7] = zeros, nans, infs
+
+
+@intrinsic
+def _float32_at(typingctx: Any, address: Any) -> Any:
+    """A float32 pointer to the integer ``address`` (numba has no cast for it)."""
+    signature = types.CPointer(types.float32)(types.int64)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return signature, codegen
 
 
 _FLIP64 = np.int64(0x7FFFFFFFFFFFFFFF)

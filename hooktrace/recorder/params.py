@@ -1,8 +1,9 @@
 """Parameters, buffers and parameter gradients: a record of each, every step.
 
-Most of a model's parameters are small: they are staged together (one copy per dtype,
-:class:`ParamRecords`) rather than each taking a hook's work; large ones, and those saved whole
-on a full step, take the hook's route one by one.
+Most of a model's parameters are small: they are taken together, a dtype at a time
+(:class:`ParamRecords`), rather than each taking a hook's work. float32 ones are read in place
+by one compiled call once numba is loaded; the others are staged (one copy per dtype) for the
+writer. Large ones, and those saved whole on a full step, take the hook's route one by one.
 
 Values are looked up by name every step (:func:`values_of`): a module may replace a buffer
 or a parameter with a new tensor (``model.double()`` replaces buffers, and a forward may
@@ -20,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from hooktrace.recorder.pending import Meta, Staged, Staging
+from hooktrace.recorder.pending import Meta, Staged, Staging, compiled_kernels
 from hooktrace.recorder.stats import stageable
 
 
@@ -62,11 +63,20 @@ class ParamRecords:
     observed: tuple[int, ...]
 
     def stage(self, values: Sequence[torch.Tensor | None], staging: Staging) -> list[Any]:
-        """Copy the staged values in; each record's statistics to come (None: none, or an
-        observed entry's)."""
+        """Each record's statistics, or what stands for them until the writer computes them
+        (None: none, or an observed entry's). Once the compiled kernels are loaded, float32
+        values are summarised now, read in place, and the rest staged (copied aside); before,
+        all of them are staged. Both give the same rows, bit for bit."""
         stats: list[Any] = [None] * len(self.metas)
+        kernels = compiled_kernels()
         for indices in self.together:
-            first = staging.add_many([values[i] for i in indices])  # type: ignore[misc]
+            group: list[torch.Tensor] = [values[i] for i in indices]  # type: ignore[misc]
+            rows = kernels.summarize_tensors(group) if kernels is not None else None
+            if rows is not None:
+                for k, i in enumerate(indices):
+                    stats[i] = rows[k]
+                continue
+            first = staging.add_many(group)
             for k, i in enumerate(indices):
                 stats[i] = Staged(first + k)
         return stats

@@ -350,7 +350,7 @@ class PendingStep:
         if computed:
             stats[computed_rows] = computed
         if staged_rows:
-            compiled = _compiled()
+            compiled = compiled_kernels()
             values = self.staging.values()
             if compiled is not None:
                 segments = compiled.summarize_segments(values, self.staging.bounds())
@@ -392,7 +392,7 @@ class PendingStep:
         self, staged: list[tuple[int, StagedUnits]]
     ) -> list[tuple[int, np.ndarray]]:
         values, bounds = self.staging.values(), self.staging.bounds()
-        compiled = _compiled()
+        compiled = compiled_kernels()
         if compiled is None:
             spans = [(bounds[c.position], bounds[c.position + 1]) for _, c in staged]
             return [
@@ -410,7 +410,7 @@ class PendingStep:
         ]
 
 
-def _compiled() -> Any:
+def compiled_kernels() -> Any:
     """The compiled kernels for staged values (:mod:`hooktrace.recorder.kernel`) once this
     process took the one-pass route, else None: importing numba is left to the first large
     tensor. Their results equal numpy's, so which one runs changes the time only."""
