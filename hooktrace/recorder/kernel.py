@@ -79,17 +79,8 @@ def one_pass(
     ``x`` is a contiguous float32 CPU tensor with fewer than 2**31 values (the caller checks).
     None where ``x`` holds a NaN or an infinity.
     """
-    shape = x.shape
+    outer, units, inner, fold, columns = _plan(x.shape, dim)
     values = x.detach().numpy().ravel()
-    if dim is None:
-        outer, units, inner, columns = 1, 1, values.size, False
-    else:
-        units = shape[dim]
-        outer, inner = _prod(shape[:dim]), _prod(shape[dim + 1 :])
-        # short runs per unit (inner < half a block): count per column, then per unit;
-        # long runs: count per (outer, unit) row
-        columns = inner < _BLOCK // 2
-    fold = _fold(outer, units * inner) if columns else 1
     threads = omp.threads() if values.size >= _THREADS_FROM else 1
     if threads > 1:
         sums = omp.run(_one_pass_threads, threads, values, outer, units, inner, fold, columns)
@@ -102,6 +93,19 @@ def one_pass(
 
 
 @functools.lru_cache(maxsize=1024)
+def _plan(shape: tuple[int, ...], dim: int | None) -> tuple[int, int, int, int, bool]:
+    """How the kernel takes a tensor of ``shape``, counting units along ``dim``: as (outer,
+    units, inner) values around the unit dimension, ``fold`` rows at a time, per column or
+    per row. Remembered: the same shapes come back every step."""
+    if dim is None:
+        return 1, 1, _prod(shape), 1, False
+    outer, units, inner = _prod(shape[:dim]), shape[dim], _prod(shape[dim + 1 :])
+    # short runs per unit (inner < half a block): count per column, then per unit;
+    # long runs: count per (outer, unit) row
+    columns = inner < _BLOCK // 2
+    return outer, units, inner, _fold(outer, units * inner) if columns else 1, columns
+
+
 def _fold(rows: int, width: int) -> int:
     """How many rows of ``width`` values to take as one, for rows of a block's length or
     less: the kernel's loop ends at every row, and rows of 10 or 128 values (a classifier's

@@ -16,7 +16,6 @@ import sys
 import time
 import warnings
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -69,6 +68,10 @@ _CHANNELS_FIRST = (
     nn.GroupNorm,
 )
 
+_RECENT = 4
+"""Tensors whose statistics a hook remembers, the latest ones: a container's output is its
+last child's, and one gradient may reach several hooks in a row."""
+
 _ACTIVE: Recorder | None = None
 
 
@@ -103,7 +106,7 @@ class Recorder:
     _recompute_calls: dict[str, int]
     _grad_hooked: set[tuple[str, int]]
     _channel_shapes: set[torch.Size]
-    _recent: deque[tuple[weakref.ref[torch.Tensor], int, Any, Any]]
+    _recent: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]]  # by id(tensor)
     _params_recorded: bool
     _output_specs: dict[tuple[str, int], str]  # call specs of calls with no tensor input
 
@@ -443,7 +446,8 @@ class Recorder:
         spec = self._output_specs.pop((name, call), None) if self._output_specs else None
         if spec is not None:
             self._pending.specs[len(self._pending.meta)] = spec
-        for slot, tensor in flatten(output):
+        outputs = (("0", output),) if isinstance(output, torch.Tensor) else flatten(output)
+        for slot, tensor in outputs:
             if channels_first and tensor.dim() == 3:
                 self._channel_shapes.add(tensor.shape)
             self._observe(name, call, "output", slot, tensor, phase=phase, full=full, units=True)
@@ -523,7 +527,8 @@ class Recorder:
         if cached is None:
             dim = None
             if units and tensor.is_floating_point():
-                dim = unit_dim(tensor, channels_first=tensor.shape in self._channel_shapes)
+                channels_first = tensor.dim() == 3 and tensor.shape in self._channel_shapes
+                dim = unit_dim(tensor, channels_first=channels_first)
                 if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
                     dim = None
             counts: torch.Tensor | np.ndarray | StagedUnits | None = None
@@ -535,7 +540,10 @@ class Recorder:
                 scratch = self._scratch_for(tensor)
                 stats, counts = summarize_with_activity(tensor, dim, scratch=scratch)
             if not tensor.is_inference():  # inference tensors keep no version counter
-                self._recent.append((weakref.ref(tensor), tensor._version, stats, counts))
+                recent = self._recent
+                if len(recent) >= _RECENT:
+                    del recent[next(iter(recent))]  # the oldest
+                recent[id(tensor)] = (weakref.ref(tensor), tensor._version, stats, counts)
         else:
             stats, counts = cached
         n_units = unit_size = 0
@@ -554,7 +562,7 @@ class Recorder:
     def _scratch_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """One float32 buffer, grown to the largest CPU tensor seen, for counting in place on
         the eager route (the one-pass kernel needs none)."""
-        if not tensor.is_cpu or tensor.numel() < 4096 or route().one_pass is not None:
+        if route().one_pass is not None or not tensor.is_cpu or tensor.numel() < 4096:
             return None
         if self._scratch.numel() < tensor.numel():
             self._scratch = torch.empty(tensor.numel(), dtype=torch.float32)
@@ -565,12 +573,13 @@ class Recorder:
     ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
         """Statistics already queued for this very tensor (a container's output is its last
         child's output; one gradient reaches both): summarise each tensor once."""
-        if tensor.is_inference():
+        recent = self._recent.get(id(tensor))
+        if recent is None:
             return None
-        for seen, version, stats, counts in self._recent:
-            if seen() is tensor and tensor._version == version:
-                return stats, counts
-        return None
+        seen, version, stats, counts = recent
+        if seen() is not tensor or tensor._version != version:
+            return None
+        return stats, counts
 
     def _snapshot(self, row: int, tensor: torch.Tensor) -> None:
         nbytes = tensor.numel() * tensor.element_size()
@@ -704,7 +713,7 @@ class Recorder:
         self._recompute_calls = {}
         self._grad_hooked = set()
         self._channel_shapes = set()
-        self._recent = deque(maxlen=4)
+        self._recent = {}
         self._params_recorded = False
         self._output_specs = {}
 
