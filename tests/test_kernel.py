@@ -296,6 +296,25 @@ def test_switched_off_the_eager_route_records_the_same_statistics(tmp_path: Path
     )
 
 
+_OFF_CPU = """
+import os, sys, torch, hooktrace
+lin = torch.nn.Linear(256, 256, device="meta")
+rec = hooktrace.record(lin, sys.argv[1])
+lin(torch.randn(64, 256, device="meta"))  # 16,384 values, but not on the CPU
+print("numba" in sys.modules, flush=True)
+os._exit(0)  # the writer has nothing to prove here
+"""
+
+
+def test_a_run_with_no_large_cpu_tensor_never_loads_numba(tmp_path: Path) -> None:
+    """Large tensors off the CPU (a GPU's; here the meta device) take no kernel: loading it
+    (compiling it, the first time on a machine) would stall the first recorded step."""
+    done = subprocess.run(
+        [sys.executable, "-c", _OFF_CPU, str(tmp_path / "run")], capture_output=True, text=True
+    )
+    assert done.stdout.split() == ["False"], done.stderr
+
+
 _LAZY = """
 import sys, torch, hooktrace
 conv = torch.nn.Conv2d(3, 8, 3, padding=1)
@@ -389,16 +408,17 @@ def test_tensors_read_in_place_sum_exactly_as_their_float64_copies() -> None:
 
 
 def test_only_plain_contiguous_float32_cpu_tensors_are_read_in_place() -> None:
-    """The kernel reads raw memory: anything it could misread leaves the whole group to the
-    staged route, and nothing is read."""
+    """The kernel reads raw memory: a tensor it could misread is left to the staged route
+    (None in its place) and not read; the others in the same call still are."""
     from hooktrace.recorder.kernel import summarize_tensors
+    from hooktrace.recorder.stats import summarize_staged
 
     class Tagged(torch.Tensor):
         pass
 
     good = torch.randn(4, 3)
-    assert summarize_tensors([good, torch.nn.Parameter(torch.ones(2))]) is not None
-    for bad in (
+    want = summarize_staged(good.double().numpy().ravel(), np.array([12]))[0]
+    bad = [
         good.t(),  # not contiguous
         good.double(),
         good.to(torch.bfloat16),
@@ -407,8 +427,17 @@ def test_only_plain_contiguous_float32_cpu_tensors_are_read_in_place() -> None:
         good.as_subclass(Tagged),
         good.to_sparse(),
         torch.empty(3, device="meta"),
-    ):
-        assert summarize_tensors([good, bad]) is None, bad
+        # contiguous, but its memory holds the values before negation (a real parameter's
+        # gradient through complex conj() is one)
+        torch._neg_view(torch.tensor([2.0])),
+    ]
+    if hasattr(torch, "_to_functional_tensor"):
+        bad.append(torch._to_functional_tensor(torch.randn(3)))  # no memory of its own
+    for tensor in bad:
+        rows = summarize_tensors([good, tensor, torch.nn.Parameter(good.clone())])
+        assert rows[1] is None, tensor
+        assert rows[0] is not None and rows[2] is not None
+        assert np.array_equal(rows[0], want) and np.array_equal(rows[2], want)
 
 
 def test_the_writers_kernel_counts_units_as_numpy_does() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -212,3 +213,43 @@ def test_a_parameter_its_module_sets_to_none_is_recorded_without_a_value(run_dir
         assert by_step.loc[(1, kind), "dtype"] == "None" and np.isnan(
             by_step.loc[(1, kind), "mean"]
         )
+
+
+def test_parameters_read_in_place_are_recorded_as_staged_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same training recorded twice, once with the float32 values read in place and once
+    staged: every statistic of every parameter, buffer and gradient record is equal."""
+    from hooktrace.recorder import kernel
+
+    route()
+    read: list[int] = []
+    real = kernel.summarize_tensors
+
+    def counting(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
+        rows = real(tensors)
+        read.extend(1 for row in rows if row is not None)
+        return rows
+
+    records = {}
+    for name in ("in_place", "staged"):
+        if name == "in_place":
+            monkeypatch.setattr(kernel, "summarize_tensors", counting)
+        else:
+            monkeypatch.setattr(params, "compiled_kernels", lambda: None)
+        torch.manual_seed(0)
+        model = _Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hooktrace.record(model, tmp_path / name):
+            for _ in range(3):
+                model(torch.randn(8, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        loaded = hooktrace.load(tmp_path / name).records
+        records[name] = loaded[loaded["kind"].isin(["param", "buffer", "grad_param"])]
+    assert len(read) == 3 * (6 + 2 + 6)  # parameters, float32 buffers, gradients, a step
+    columns = ["step", "module", "kind", "slot", "dtype", "mean", "std", "min", "max", "norm"]
+    columns += ["zero_fraction", "nan_count", "inf_count"]
+    in_place, staged = (records[n][columns].reset_index(drop=True) for n in records)
+    assert len(in_place) == 3 * (6 + 3 + 6)
+    pd.testing.assert_frame_equal(in_place, staged, check_exact=True)

@@ -609,3 +609,40 @@ def test_a_record_half_appended_when_the_step_ends_is_left_out(run_dir: Path) ->
     assert "half" not in set(records["module"].astype(str))
     counts = records.groupby("step").size()
     assert counts[0] == counts[1]
+
+
+def test_a_tensor_seen_again_after_an_in_place_change_keeps_the_others_remembered(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hooks remember the last few tensors they summarised (a container's output is its
+    last child's). A tensor changed in place and seen again is summarised again, and takes
+    the newest place: it must not push out another tensor, nor be the next one dropped."""
+    from hooktrace.recorder import recorder as recorder_module
+
+    summarised: list[int] = []
+    real = recorder_module.summarize_with_activity
+
+    def counting(tensor: torch.Tensor, dim: int | None, **options: object) -> object:
+        summarised.append(id(tensor))
+        return real(tensor, dim, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(recorder_module, "summarize_with_activity", counting)
+    a, b, c, d, e, f = (torch.randn(9000) for _ in range(6))  # large: summarised in the hook
+    with hooktrace.record(nn.Linear(2, 2), run_dir, params=False) as rec:
+
+        def observe(tensor: torch.Tensor) -> None:
+            rec._observe("m", 0, "output", "0", tensor, phase="train", full=False, units=False)
+
+        for tensor in (a, b, c, d):
+            observe(tensor)
+        b.add_(1)
+        observe(b)  # a new version: summarised again
+        observe(e)
+        observe(f)
+        assert len(summarised) == 7
+        observe(b)  # unchanged since: still remembered
+        observe(f)
+        assert len(summarised) == 7
+        observe(a)  # the oldest, long dropped
+        assert len(summarised) == 8
+        rec._pending.meta.clear(), rec._pending.stats.clear()

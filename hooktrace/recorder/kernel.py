@@ -25,7 +25,8 @@ test checks it bit for bit, on values of magnitudes far apart).
 
 The same module holds the writer's kernels for small tensors (:func:`summarize_segments`,
 :func:`unit_counts`): a step's staged values, all of its tensors in one call, with the very
-sums numpy's reductions make, bit for bit.
+sums numpy's reductions make, bit for bit. (One difference: where a tensor's smallest or
+largest value is a zero of both signs, they order -0.0 before 0.0; numpy returns either.)
 
 This module imports numba; :mod:`hooktrace.recorder.stats` imports it on first use only.
 """
@@ -144,26 +145,42 @@ def unit_counts(values: np.ndarray, segments: np.ndarray) -> np.ndarray:
     return out
 
 
-def summarize_tensors(tensors: list[torch.Tensor]) -> np.ndarray | None:
+def summarize_tensors(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
     """:func:`summarize_segments` of float32 CPU tensors, read where they lie: no copy, and
-    rows equal to those of their float64 copies, bit for bit. None, and nothing read, unless
-    every tensor is a plain contiguous float32 CPU tensor with values (a subclass may have no
-    memory of its own to read). The caller keeps the tensors alive through the call."""
-    for t in tensors:
-        if not (
-            type(t) in _PLAIN
-            and t.dtype is torch.float32
-            and t.is_cpu
-            and t.layout is torch.strided
-            and t.is_contiguous()
-            and t.numel() > 0
-        ):
-            return None
-    out = np.empty((len(tensors), 8), dtype=np.float64)
-    addresses = np.array([t.data_ptr() for t in tensors], dtype=np.int64)
-    lengths = np.array([t.numel() for t in tensors], dtype=np.int64)
-    _tensors32(addresses, lengths, out)
-    return out
+    rows equal to those of their float64 copies, bit for bit. One row per tensor, or None
+    for a tensor that cannot be read in place (:func:`_readable_in_place`), which is not
+    read. The caller keeps the tensors alive through the call."""
+    rows: list[np.ndarray | None] = [None] * len(tensors)
+    readable = [i for i, t in enumerate(tensors) if _readable_in_place(t)]
+    if readable:
+        out = np.empty((len(readable), 8), dtype=np.float64)
+        addresses = np.array([tensors[i].data_ptr() for i in readable], dtype=np.int64)
+        lengths = np.array([tensors[i].numel() for i in readable], dtype=np.int64)
+        _tensors32(addresses, lengths, out)
+        for k, i in enumerate(readable):
+            rows[i] = out[k]
+    return rows
+
+
+def _readable_in_place(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values are the ``numel()`` float32s from ``data_ptr()`` on: a plain
+    contiguous CPU tensor with values, not a view that negates its memory (``is_neg``), and
+    with memory of its own (a functional or wrapper tensor may have none)."""
+    if not (
+        type(t) in _PLAIN
+        and t.dtype is torch.float32
+        and t.is_cpu
+        and t.layout is torch.strided
+        and t.is_contiguous()
+        and not t.is_neg()
+        and t.numel() > 0
+    ):
+        return False
+    try:
+        held = t.untyped_storage().nbytes()
+        return t.data_ptr() != 0 and held >= (t.storage_offset() + t.numel()) * 4
+    except (RuntimeError, NotImplementedError):  # no storage to read
+        return False
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -494,10 +511,11 @@ def _reduce(a, lo, hi, shift, square):
 @_inline
 @no_type_check
 def _term(v, shift, square):
+    w = np.float64(v)  # a float32 value is widened as it is read: the sums are float64
     if square:
-        d = v - shift
+        d = w - shift
         return d * d
-    return v
+    return w
 
 
 @_exact

@@ -71,14 +71,17 @@ class ParamRecords:
         kernels = compiled_kernels()
         for indices in self.together:
             group: list[torch.Tensor] = [values[i] for i in indices]  # type: ignore[misc]
-            rows = kernels.summarize_tensors(group) if kernels is not None else None
-            if rows is not None:
-                for k, i in enumerate(indices):
-                    stats[i] = rows[k]
-                continue
-            first = staging.add_many(group)
-            for k, i in enumerate(indices):
-                stats[i] = Staged(first + k)
+            rows = kernels.summarize_tensors(group) if kernels is not None else [None] * len(group)
+            staged = []
+            for i, row in zip(indices, rows, strict=True):
+                if row is None:
+                    staged.append(i)
+                else:
+                    stats[i] = row
+            if staged:
+                first = staging.add_many([values[i] for i in staged])  # type: ignore[misc]
+                for k, i in enumerate(staged):
+                    stats[i] = Staged(first + k)
         return stats
 
 

@@ -411,9 +411,10 @@ class PendingStep:
 
 
 def compiled_kernels() -> Any:
-    """The compiled kernels for staged values (:mod:`hooktrace.recorder.kernel`) once this
-    process took the one-pass route, else None: importing numba is left to the first large
-    tensor. Their results equal numpy's, so which one runs changes the time only."""
+    """The compiled kernels for small tensors (:mod:`hooktrace.recorder.kernel`: staged
+    values, and parameters read in place) once this process took the one-pass route, else
+    None: importing numba is left to the first large CPU tensor. Their results equal
+    numpy's, so which one runs changes the time only."""
     taken = route_taken()
     if taken is None or taken.one_pass is None:
         return None

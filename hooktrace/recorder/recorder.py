@@ -16,6 +16,7 @@ import sys
 import time
 import warnings
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -106,7 +107,7 @@ class Recorder:
     _recompute_calls: dict[str, int]
     _grad_hooked: set[tuple[str, int]]
     _channel_shapes: set[torch.Size]
-    _recent: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]]  # by id(tensor)
+    _recent: OrderedDict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]]  # by id(tensor)
     _params_recorded: bool
     _output_specs: dict[tuple[str, int], str]  # call specs of calls with no tensor input
 
@@ -540,9 +541,10 @@ class Recorder:
                 scratch = self._scratch_for(tensor)
                 stats, counts = summarize_with_activity(tensor, dim, scratch=scratch)
             if not tensor.is_inference():  # inference tensors keep no version counter
-                recent = self._recent
+                recent = self._recent  # (one C call each: hooks may fire in several threads)
+                recent.pop(id(tensor), None)  # an earlier version of it: now the latest
                 if len(recent) >= _RECENT:
-                    del recent[next(iter(recent))]  # the oldest
+                    recent.popitem(last=False)  # the oldest
                 recent[id(tensor)] = (weakref.ref(tensor), tensor._version, stats, counts)
         else:
             stats, counts = cached
@@ -562,7 +564,8 @@ class Recorder:
     def _scratch_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """One float32 buffer, grown to the largest CPU tensor seen, for counting in place on
         the eager route (the one-pass kernel needs none)."""
-        if route().one_pass is not None or not tensor.is_cpu or tensor.numel() < 4096:
+        # route() last: it loads numba, which a run with no large CPU tensor never needs
+        if not tensor.is_cpu or tensor.numel() < 4096 or route().one_pass is not None:
             return None
         if self._scratch.numel() < tensor.numel():
             self._scratch = torch.empty(tensor.numel(), dtype=torch.float32)
@@ -713,7 +716,7 @@ class Recorder:
         self._recompute_calls = {}
         self._grad_hooked = set()
         self._channel_shapes = set()
-        self._recent = {}
+        self._recent = OrderedDict()
         self._params_recorded = False
         self._output_specs = {}
 
