@@ -148,24 +148,24 @@ def unit_counts(values: np.ndarray, segments: np.ndarray) -> np.ndarray:
 def summarize_tensors(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
     """:func:`summarize_segments` of float32 CPU tensors, read where they lie: no copy, and
     rows equal to those of their float64 copies, bit for bit. One row per tensor, or None
-    for a tensor that cannot be read in place (:func:`_readable_in_place`), which is not
-    read. The caller keeps the tensors alive through the call."""
+    for a tensor that cannot be read in place (:func:`_address`), which is not read. The
+    caller keeps the tensors alive through the call."""
     rows: list[np.ndarray | None] = [None] * len(tensors)
-    readable = [i for i, t in enumerate(tensors) if _readable_in_place(t)]
-    if readable:
-        out = np.empty((len(readable), 8), dtype=np.float64)
-        addresses = np.array([tensors[i].data_ptr() for i in readable], dtype=np.int64)
-        lengths = np.array([tensors[i].numel() for i in readable], dtype=np.int64)
+    found = [(i, address) for i, t in enumerate(tensors) if (address := _address(t))]
+    if found:
+        out = np.empty((len(found), 8), dtype=np.float64)
+        addresses = np.array([address for _, address in found], dtype=np.int64)
+        lengths = np.array([tensors[i].numel() for i, _ in found], dtype=np.int64)
         _tensors32(addresses, lengths, out)
-        for k, i in enumerate(readable):
+        for k, (i, _) in enumerate(found):
             rows[i] = out[k]
     return rows
 
 
-def _readable_in_place(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values are the ``numel()`` float32s from ``data_ptr()`` on: a plain
-    contiguous CPU tensor with values, not a view that negates its memory (``is_neg``), and
-    with memory of its own (a functional or wrapper tensor may have none)."""
+def _address(t: torch.Tensor) -> int:
+    """Where ``t``'s values lie, if they are ``numel()`` float32s one after the other: a
+    plain contiguous CPU tensor with values, not a view that negates its memory
+    (``is_neg``), and with memory of its own (a functional tensor has none: 0). Else 0."""
     if not (
         type(t) in _PLAIN
         and t.dtype is torch.float32
@@ -175,12 +175,11 @@ def _readable_in_place(t: torch.Tensor) -> bool:
         and not t.is_neg()
         and t.numel() > 0
     ):
-        return False
+        return 0
     try:
-        held = t.untyped_storage().nbytes()
-        return t.data_ptr() != 0 and held >= (t.storage_offset() + t.numel()) * 4
-    except (RuntimeError, NotImplementedError):  # no storage to read
-        return False
+        return t.data_ptr()
+    except RuntimeError:  # no storage to read
+        return 0
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
