@@ -6,6 +6,8 @@ import base64
 import contextlib
 import json
 import shutil
+import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -646,3 +648,33 @@ def test_a_tensor_seen_again_after_an_in_place_change_keeps_the_others_remembere
         observe(a)  # the oldest, long dropped
         assert len(summarised) == 8
         rec._pending.meta.clear(), rec._pending.stats.clear()
+
+
+def test_hooks_firing_in_several_threads_at_once_record_every_call(run_dir: Path) -> None:
+    """nn.DataParallel's replicas, autograd's device threads and a user's own threads fire
+    hooks at once. Each hook's changes to the step (its records, the staging buffer, the
+    remembered tensors) are made under the recorder's lock: without it, two threads' copies
+    into the staging buffer overlapped and recording stopped."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    calls, threads = 1000, 4
+
+    def work() -> None:
+        with torch.no_grad():
+            for _ in range(calls):
+                model(torch.randn(2, 8))
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        with hooktrace.record(model, run_dir, params=False) as rec:
+            workers = [threading.Thread(target=work) for _ in range(threads)]
+            for worker in workers:
+                worker.start()
+            for worker in workers:
+                worker.join()
+            assert rec.error is None
+    finally:
+        sys.setswitchinterval(interval)
+    records = hooktrace.load(run_dir).records
+    assert len(records) == threads * calls * 7  # six layers and the Sequential, every call
+    assert (records.groupby("module")["call"].nunique() == threads * calls).all()

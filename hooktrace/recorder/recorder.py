@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 import warnings
 import weakref
@@ -198,6 +199,9 @@ class Recorder:
         self._closed = False
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
+        # hooks may fire in several threads at once (nn.DataParallel's replicas, autograd's
+        # device threads, a user's threads): each takes this lock for what it changes
+        self._lock = threading.RLock()
         self._staging_pool = StagingPool()
         self._layouts = Layouts()
         self._reset_step_state()
@@ -221,7 +225,8 @@ class Recorder:
 
     def step(self, *, skipped: bool = False) -> None:
         """Mark the end of a step, where no torch.optim optimizer marks it."""
-        self._end_step(skipped=skipped)
+        with self._lock:
+            self._end_step(skipped=skipped)
 
     def close(self, *, status: str = schema.STATUS_COMPLETE, error: str | None = None) -> None:
         """Flush what was recorded, remove every hook and finish the trace. Idempotent."""
@@ -231,14 +236,17 @@ class Recorder:
         self._closed = True
         finishing = status == schema.STATUS_COMPLETE  # not ended by an exception in flight
         try:
-            if self._active and self._pending.meta:
-                self._submit()
+            with self._lock:
+                if self._active and self._pending.meta:
+                    self._submit()
         finally:
-            self._active = False
-            for handle in (*self._handles, *self._tensor_handles):
-                handle.remove()
-            self._handles.clear()
-            self._tensor_handles.clear()
+            with self._lock:
+                self._active = False
+                self._recording = False
+                for handle in (*self._handles, *self._tensor_handles):
+                    handle.remove()
+                self._handles.clear()
+                self._tensor_handles.clear()
             if _ACTIVE is self:
                 _ACTIVE = None
             if self.error is not None and status == schema.STATUS_COMPLETE:
@@ -348,34 +356,39 @@ class Recorder:
             module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
         ) -> None:
             if self._recording and not _in_transform():
-                try:
-                    self._on_forward(name, module, args, kwargs, output, channels_first)
-                except Exception as exc:
-                    self._fault(exc, f"the forward of {name!r}")
+                with self._lock:
+                    try:
+                        self._on_forward(name, module, args, kwargs, output, channels_first)
+                    except Exception as exc:
+                        self._fault(exc, f"the forward of {name!r}")
 
         return hook
 
     def _input_hook(self, name: str) -> Callable[..., None]:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if self._recording and not _in_backward() and not _in_transform():
-                try:
-                    phase = self._phase_of(module)
-                    call = self._calls.get((phase, name), 0)  # the forward hook counts the call
-                    full = self._full_step and name in self._full_modules
-                    if full:  # what replay needs to call the module again
-                        spec = self._call_spec(module, args, kwargs)
-                        if any(True for _ in flatten_call(args, kwargs)):
-                            self._pending.specs[len(self._pending.meta)] = spec
-                        else:  # no tensor input: the spec goes on the call's first output
-                            self._output_specs[(name, call)] = spec
-                    for slot, tensor in flatten_call(args, kwargs):
-                        self._observe(
-                            name, call, "input", slot, tensor, phase=phase, full=full, units=True
-                        )
-                except Exception as exc:
-                    self._fault(exc, f"the inputs of {name!r}")
+                with self._lock:
+                    try:
+                        self._on_inputs(name, module, args, kwargs)
+                    except Exception as exc:
+                        self._fault(exc, f"the inputs of {name!r}")
 
         return hook
+
+    def _on_inputs(
+        self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        phase = self._phase_of(module)
+        call = self._calls.get((phase, name), 0)  # the forward hook counts the call
+        full = self._full_step and name in self._full_modules
+        if full:  # what replay needs to call the module again
+            spec = self._call_spec(module, args, kwargs)
+            if any(True for _ in flatten_call(args, kwargs)):
+                self._pending.specs[len(self._pending.meta)] = spec
+            else:  # no tensor input: the spec goes on the call's first output
+                self._output_specs[(name, call)] = spec
+        for slot, tensor in flatten_call(args, kwargs):
+            self._observe(name, call, "input", slot, tensor, phase=phase, full=full, units=True)
 
     @staticmethod
     def _call_spec(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
@@ -397,10 +410,11 @@ class Recorder:
     ) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
             if self._recording and not _in_transform():
-                try:
-                    self._on_grad(module, call, kind, slot, grad)
-                except Exception as exc:
-                    self._fault(exc, f"the backward of {module!r}")
+                with self._lock:
+                    try:
+                        self._on_grad(module, call, kind, slot, grad)
+                    except Exception as exc:
+                        self._fault(exc, f"the backward of {module!r}")
 
         return hook
 
@@ -409,6 +423,10 @@ class Recorder:
     def _root_enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if _in_backward() or _in_transform():
             return
+        with self._lock:
+            self._enter_root(module)
+
+    def _enter_root(self, module: nn.Module) -> None:
         if self._root_depth == 0:
             if self._backward_active:  # the last backward raised before it finished
                 self._backward_active = False
@@ -425,7 +443,8 @@ class Recorder:
 
     def _root_exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not _in_backward() and not _in_transform():
-            self._root_depth = max(0, self._root_depth - 1)
+            with self._lock:
+                self._root_depth = max(0, self._root_depth - 1)
 
     def _on_forward(
         self,
@@ -483,31 +502,33 @@ class Recorder:
 
     def _backward_done(self) -> None:
         """Queued on the autograd engine: runs once when a backward pass completes."""
-        self._backward_active = False
-        self.micro_step += 1
-        self._calls.clear()
-        self._grad_hooked.clear()
-        self._recompute_calls.clear()
+        with self._lock:
+            self._backward_active = False
+            self.micro_step += 1
+            self._calls.clear()
+            self._grad_hooked.clear()
+            self._recompute_calls.clear()
 
     def watch(self, tensor: torch.Tensor, name: str) -> None:
         if not self._recording or _in_backward() or _in_transform():
             return
-        try:
-            phase = (
-                self._phase
-                if self._root_depth
-                else ("train" if torch.is_grad_enabled() else "eval")
-            )
-            key = (phase, name)
-            call = self._calls.get(key, 0)
-            self._calls[key] = call + 1
-            full = self._full_step and self._wants_full(name)
-            self._observe(name, call, "tensor", "0", tensor, phase=phase, full=full, units=True)
-            if phase == "train" and tensor.requires_grad:
-                handle = tensor.register_hook(self._grad_hook(name, call, "grad_tensor", "0"))
-                self._tensor_handles.append(handle)
-        except Exception as exc:
-            self._fault(exc, f"the watched tensor {name!r}")
+        with self._lock:
+            try:
+                phase = (
+                    self._phase
+                    if self._root_depth
+                    else ("train" if torch.is_grad_enabled() else "eval")
+                )
+                key = (phase, name)
+                call = self._calls.get(key, 0)
+                self._calls[key] = call + 1
+                full = self._full_step and self._wants_full(name)
+                self._observe(name, call, "tensor", "0", tensor, phase=phase, full=full, units=True)
+                if phase == "train" and tensor.requires_grad:
+                    handle = tensor.register_hook(self._grad_hook(name, call, "grad_tensor", "0"))
+                    self._tensor_handles.append(handle)
+            except Exception as exc:
+                self._fault(exc, f"the watched tensor {name!r}")
 
     def _observe(
         self,
@@ -659,7 +680,8 @@ class Recorder:
             )
             self._optimizer_owned[id(optimizer)] = owned
         if owned:
-            self._end_step()
+            with self._lock:
+                self._end_step()
 
     def _end_step(self, *, skipped: bool = False) -> None:
         if self._closed:
