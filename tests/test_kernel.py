@@ -387,27 +387,50 @@ def test_the_writers_kernel_sums_exactly_as_numpy_does() -> None:
 
 
 def test_tensors_read_in_place_sum_exactly_as_their_float64_copies() -> None:
-    """The parameters' route: float32 tensors read where they lie, each value widened as it
-    is read, give the rows numpy gives their float64 copies, bit for bit."""
+    """The parameters' route: float32, float64 and int64 tensors read where they lie, each
+    value widened as it is read, give the rows numpy gives their float64 copies, bit for bit,
+    with the dtypes mixed in one call."""
     from hooktrace.recorder.kernel import summarize_tensors
     from hooktrace.recorder.stats import summarize_staged
 
     rng = np.random.default_rng(2)
     edges = [1, 2, 7, 8, 9, 15, 16, 17, 128, 129, 130, 255, 256, 257, 1000, 8191, 8192]
+    dtypes = [torch.float32, torch.float64, torch.int64]
     for trial in range(20):
         lengths = edges if trial == 0 else rng.integers(1, 3000, rng.integers(1, 30)).tolist()
         values, bounds = _segments_of(rng, lengths)
-        tensors = [
-            torch.from_numpy(values[lo:hi].astype(np.float32))
-            for lo, hi in itertools.pairwise(bounds.tolist())
-        ]
+        tensors = []
+        for k, (lo, hi) in enumerate(itertools.pairwise(bounds.tolist())):
+            dtype = dtypes[(k + trial) % 3]
+            if dtype is torch.int64:  # magnitudes past 2**53 round as they widen
+                part = np.nan_to_num(values[lo:hi], posinf=3.0, neginf=-5.0) * 2.0**60
+                tensors.append(torch.from_numpy(np.round(part).astype(np.int64)))
+            else:
+                tensors.append(torch.from_numpy(values[lo:hi]).to(dtype))
         copies = np.concatenate([t.double().numpy() for t in tensors])
         want = summarize_staged(copies, np.diff(bounds))
         got = summarize_tensors(tensors)
-        assert got is not None and np.array_equal(got, want, equal_nan=True), trial
+        assert all(row is not None for row in got), trial
+        assert np.array_equal(np.stack(got), want, equal_nan=True), trial
 
 
-def test_only_plain_contiguous_float32_cpu_tensors_are_read_in_place() -> None:
+def test_integers_read_in_place_at_the_ends_of_int64() -> None:
+    """Values no float64 holds exactly: the extremes and the sums are of the widened values,
+    as numpy makes them of a float64 copy. Checked against the copy, and by hand."""
+    from hooktrace.recorder.kernel import summarize_tensors
+    from hooktrace.recorder.stats import summarize_staged
+
+    tensor = torch.tensor([2**63 - 1, -(2**63), 2**53 + 1, 0, 7])
+    (row,) = summarize_tensors([tensor])
+    want = summarize_staged(tensor.double().numpy(), np.array([5]))[0]
+    assert row is not None and np.array_equal(row, want)
+    assert row[2] == -(2.0**63) and row[3] == 2.0**63  # 2**63 - 1 widens to 2**63
+    assert row[5] == 1  # one zero
+    (scalar,) = summarize_tensors([torch.tensor(3)])  # num_batches_tracked, 0-dimensional
+    assert scalar is not None and scalar.tolist() == [3.0, 0.0, 3.0, 3.0, 3.0, 0, 0, 0]
+
+
+def test_only_plain_contiguous_cpu_tensors_of_three_dtypes_are_read_in_place() -> None:
     """The kernel reads raw memory: a tensor it could misread is left to the staged route
     (None in its place) and not read; the others in the same call still are."""
     from hooktrace.recorder.kernel import summarize_tensors
@@ -420,9 +443,11 @@ def test_only_plain_contiguous_float32_cpu_tensors_are_read_in_place() -> None:
     want = summarize_staged(good.double().numpy().ravel(), np.array([12]))[0]
     bad = [
         good.t(),  # not contiguous
-        good.double(),
         good.to(torch.bfloat16),
-        torch.ones(3, dtype=torch.int64),
+        good.half(),
+        torch.ones(3, dtype=torch.int32),
+        torch.ones(3, dtype=torch.bool),
+        torch.ones(3, dtype=torch.int64).t().expand(2, 3),  # not contiguous either
         torch.ones(0),
         good.as_subclass(Tagged),
         good.to_sparse(),

@@ -146,29 +146,32 @@ def unit_counts(values: np.ndarray, segments: np.ndarray) -> np.ndarray:
 
 
 def summarize_tensors(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
-    """:func:`summarize_segments` of float32 CPU tensors, read where they lie: no copy, and
-    rows equal to those of their float64 copies, bit for bit. One row per tensor, or None
-    for a tensor that cannot be read in place (:func:`_address`), which is not read. The
-    caller keeps the tensors alive through the call."""
+    """:func:`summarize_segments` of float32, float64 and int64 CPU tensors, read where they
+    lie: no copy, and rows equal to those of their float64 copies, bit for bit. One row per
+    tensor, or None for a tensor that cannot be read in place (:func:`_address`), which is
+    not read. The caller keeps the tensors alive through the call."""
     rows: list[np.ndarray | None] = [None] * len(tensors)
     found = [(i, address) for i, t in enumerate(tensors) if (address := _address(t))]
     if found:
         out = np.empty((len(found), 8), dtype=np.float64)
-        addresses = np.array([address for _, address in found], dtype=np.int64)
-        lengths = np.array([tensors[i].numel() for i, _ in found], dtype=np.int64)
-        _tensors32(addresses, lengths, out)
+        places = np.array(
+            [(address, tensors[i].numel(), _IN_PLACE[tensors[i].dtype]) for i, address in found],
+            dtype=np.int64,
+        )
+        _in_place(places, out)
         for k, (i, _) in enumerate(found):
             rows[i] = out[k]
     return rows
 
 
 def _address(t: torch.Tensor) -> int:
-    """Where ``t``'s values lie, if they are ``numel()`` float32s one after the other: a
-    plain contiguous CPU tensor with values, not a view that negates its memory
-    (``is_neg``), and with memory of its own (a functional tensor has none: 0). Else 0."""
+    """Where ``t``'s values lie, if they are ``numel()`` values of a dtype read in place
+    (``_IN_PLACE``) one after the other: a plain contiguous CPU tensor with values, not a
+    view that negates its memory (``is_neg``), and with memory of its own (a functional
+    tensor has none: 0). Else 0."""
     if not (
         type(t) in _PLAIN
-        and t.dtype is torch.float32
+        and t.dtype in _IN_PLACE
         and t.is_cpu
         and t.layout is torch.strided
         and t.is_contiguous()
@@ -183,6 +186,10 @@ def _address(t: torch.Tensor) -> int:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_FLOAT32, _FLOAT64, _INT64 = 0, 1, 2
+_IN_PLACE = {torch.float32: _FLOAT32, torch.float64: _FLOAT64, torch.int64: _INT64}
+"""The dtypes read in place, and how the kernel names them. Others (half precision, bool,
+smaller integers) are rare in parameters and buffers, and staged."""
 
 
 def warm_up() -> str | None:
@@ -193,7 +200,7 @@ def warm_up() -> str | None:
     _one_pass(one, 1, 1, 1, 1, False)
     summarize_segments(np.zeros(1), np.array([0, 1], dtype=np.int64))
     unit_counts(np.zeros(1), np.array([[0, 1, 1, 1]], dtype=np.int64))
-    summarize_tensors([torch.zeros(1)])
+    summarize_tensors([torch.zeros(1)])  # one kernel for every dtype read in place
     return omp.join(lambda: _one_pass_threads(one, 1, 1, 1, 1, False))
 
 
@@ -394,49 +401,85 @@ _exact = numba.njit(nogil=True, cache=True, boundscheck=False)
 @_exact
 @no_type_check
 def _segments(values, bounds, out):
-    """One row per segment: mean, std (two passes), min, max, norm, zeros, NaNs, infinities.
-
-    The extremes and counts are taken on the values' bits, as integers (as :func:`_rows`
-    does for float32): integer comparisons vectorise where float ones, which must mind NaN,
-    do not."""
-    bits = values.view(np.int64)
+    """One row per segment: mean, std (two passes), min, max, norm, zeros, NaNs, infinities."""
     for i in range(len(bounds) - 1):
         lo, hi = bounds[i], bounds[i + 1]
-        k_lo, k_hi = _FLIP64, _LOWEST64
-        zeros = nans = infs = 0
-        for j in range(lo, hi):
-            b = bits[j]
-            k = b ^ ((b >> 63) & _FLIP64)
-            k_lo, k_hi = min(k_lo, k), max(k_hi, k)
-            magnitude = b & _FLIP64
-            zeros += magnitude == 0
-            nans += magnitude > _INF64
-            infs += magnitude == _INF64
-        extremes = _from_key64(k_lo), _from_key64(k_hi)
+        extremes, zeros, nans, infs = _scan64(values, lo, hi)
         _finish_row(values, lo, hi, extremes, zeros, nans, infs, out[i])
+
+
+@_inline
+@no_type_check
+def _scan64(values, lo, hi):
+    """Extremes and counts of float64 ``values[lo:hi]``, taken on the values' bits, as
+    integers (as :func:`_rows` does for float32): integer comparisons vectorise where float
+    ones, which must mind NaN, do not."""
+    bits = values.view(np.int64)
+    k_lo, k_hi = _FLIP64, _LOWEST64
+    zeros = nans = infs = 0
+    for j in range(lo, hi):
+        b = bits[j]
+        k = b ^ ((b >> 63) & _FLIP64)
+        k_lo, k_hi = min(k_lo, k), max(k_hi, k)
+        magnitude = b & _FLIP64
+        zeros += magnitude == 0
+        nans += magnitude > _INF64
+        infs += magnitude == _INF64
+    return (_from_key64(k_lo), _from_key64(k_hi)), zeros, nans, infs
+
+
+@_inline
+@no_type_check
+def _scan32(values):
+    """As :func:`_scan64`, for float32 values; the extremes widened to float64."""
+    bits = values.view(np.int32)
+    k_lo, k_hi = _FLIP, _LOWEST
+    zeros = nans = infs = 0
+    for j in range(values.size):
+        b = bits[j]
+        k_lo, k_hi = min(k_lo, _key(b)), max(k_hi, _key(b))
+        magnitude = b & _FLIP
+        zeros += magnitude == 0
+        nans += magnitude > _KEY_POS_INF
+        infs += magnitude == _KEY_POS_INF
+    return (np.float64(_float_of(k_lo)), np.float64(_float_of(k_hi))), zeros, nans, infs
+
+
+@_inline
+@no_type_check
+def _scan_int64(values):
+    """As :func:`_scan64`, for int64 values; the extremes widened to float64 (widening keeps
+    the order, so they are the extremes of the widened values)."""
+    lo, hi = values[0], values[0]
+    zeros = 0
+    for j in range(values.size):
+        v = values[j]
+        lo, hi = min(lo, v), max(hi, v)
+        zeros += v == 0
+    return (np.float64(lo), np.float64(hi)), zeros, 0, 0
 
 
 @_exact
 @no_type_check
-def _tensors32(addresses, lengths, out):
-    """:func:`_segments` of float32 tensors read where they lie: tensor ``i`` is
-    ``lengths[i]`` values from address ``addresses[i]``. Each value is widened to float64 as
-    it is read, so the rows equal those of the tensors' float64 copies, bit for bit."""
-    for i in range(len(addresses)):
-        n = lengths[i]
-        values = numba.carray(_float32_at(addresses[i]), n)
-        bits = values.view(np.int32)
-        k_lo, k_hi = _FLIP, _LOWEST
-        zeros = nans = infs = 0
-        for j in range(n):
-            b = bits[j]
-            k_lo, k_hi = min(k_lo, _key(b)), max(k_hi, _key(b))
-            magnitude = b & _FLIP
-            zeros += magnitude == 0
-            nans += magnitude > _KEY_POS_INF
-            infs += magnitude == _KEY_POS_INF
-        extremes = np.float64(_float_of(k_lo)), np.float64(_float_of(k_hi))
-        _finish_row(values, 0, n, extremes, zeros, nans, infs, out[i])
+def _in_place(places, out):
+    """:func:`_segments` of tensors read where they lie: tensor ``i`` is ``places[i, 1]``
+    values of dtype ``places[i, 2]`` (``_IN_PLACE``) from address ``places[i, 0]``. Each
+    value is widened to float64 as it is read, so the rows equal those of the tensors'
+    float64 copies, bit for bit."""
+    for i in range(places.shape[0]):
+        address, n, dtype = places[i, 0], places[i, 1], places[i, 2]
+        if dtype == _FLOAT32:
+            values32 = numba.carray(_pointer_at(address, np.float32), n)
+            extremes, zeros, nans, infs = _scan32(values32)
+            _finish_row(values32, 0, n, extremes, zeros, nans, infs, out[i])
+        elif dtype == _FLOAT64:
+            values64 = numba.carray(_pointer_at(address, np.float64), n)
+            extremes, zeros, nans, infs = _scan64(values64, 0, n)
+            _finish_row(values64, 0, n, extremes, zeros, nans, infs, out[i])
+        else:
+            integers = numba.carray(_pointer_at(address, np.int64), n)
+            extremes, zeros, nans, infs = _scan_int64(integers)
+            _finish_row(integers, 0, n, extremes, zeros, nans, infs, out[i])
 
 
 @_inline
@@ -445,8 +488,9 @@ def _finish_row(values, lo, hi, extremes, zeros, nans, infs, row):
     """Fill ``row`` for ``values[lo:hi]``, given its extremes and counts: the sums as numpy
     makes them (:func:`_reduce`), NaN where numpy's would be."""
     n = hi - lo
-    mean = _reduce(values, lo, hi, 0.0, False) / n
-    norm = np.sqrt(_reduce(values, lo, hi, 0.0, True))
+    total, squares = _reduce_both(values, lo, hi)
+    mean = total / n
+    norm = np.sqrt(squares)
     std = np.sqrt(_reduce(values, lo, hi, mean, True) / n)
     smallest, largest = extremes
     if nans:  # numpy's minimum and maximum propagate NaN
@@ -458,9 +502,10 @@ def _finish_row(values, lo, hi, extremes, zeros, nans, infs, row):
 
 
 @intrinsic
-def _float32_at(typingctx: Any, address: Any) -> Any:
-    """A float32 pointer to the integer ``address`` (numba has no cast for it)."""
-    signature = types.CPointer(types.float32)(types.int64)
+def _pointer_at(typingctx: Any, address: Any, dtype: Any) -> Any:
+    """A pointer to values of ``dtype`` (a numpy scalar type) at the integer ``address``
+    (numba has no cast for it)."""
+    signature = types.CPointer(dtype.dtype)(types.int64, dtype)
 
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
@@ -505,6 +550,64 @@ def _reduce(a, lo, hi, shift, square):
     ``a[j]``)."""
     first = _term(a[lo], shift, square)
     return first + _pairwise(a, lo + 1, hi, shift, square) if hi - lo > 1 else first
+
+
+@_exact
+@no_type_check
+def _reduce_both(a, lo, hi):
+    """``_reduce(a, lo, hi, 0.0, False)`` and ``_reduce(a, lo, hi, 0.0, True)`` in one pass
+    over ``a``: the same additions in the same order, so the same sums, bit for bit."""
+    w = _wide(a, lo)
+    if hi - lo == 1:
+        return w, w * w
+    total, squares = _pairwise_both(a, lo + 1, hi)
+    return w + total, w * w + squares
+
+
+@_exact
+@no_type_check
+def _pairwise_both(a, lo, hi):
+    """:func:`_pairwise` of the values and of their squares, side by side."""
+    n = hi - lo
+    if n < 8:
+        total = squares = -0.0
+        for j in range(lo, hi):
+            w = _wide(a, j)
+            total += w
+            squares += w * w
+        return total, squares
+    if n <= 128:
+        w0, w1, w2, w3 = _wide(a, lo), _wide(a, lo + 1), _wide(a, lo + 2), _wide(a, lo + 3)
+        w4, w5, w6, w7 = _wide(a, lo + 4), _wide(a, lo + 5), _wide(a, lo + 6), _wide(a, lo + 7)
+        r0, r1, r2, r3, r4, r5, r6, r7 = w0, w1, w2, w3, w4, w5, w6, w7
+        q0, q1, q2, q3 = w0 * w0, w1 * w1, w2 * w2, w3 * w3
+        q4, q5, q6, q7 = w4 * w4, w5 * w5, w6 * w6, w7 * w7
+        end = hi - n % 8
+        for j in range(lo + 8, end, 8):
+            w0, w1, w2, w3 = _wide(a, j), _wide(a, j + 1), _wide(a, j + 2), _wide(a, j + 3)
+            w4, w5, w6, w7 = _wide(a, j + 4), _wide(a, j + 5), _wide(a, j + 6), _wide(a, j + 7)
+            r0, r1, r2, r3 = r0 + w0, r1 + w1, r2 + w2, r3 + w3
+            r4, r5, r6, r7 = r4 + w4, r5 + w5, r6 + w6, r7 + w7
+            q0, q1, q2, q3 = q0 + w0 * w0, q1 + w1 * w1, q2 + w2 * w2, q3 + w3 * w3
+            q4, q5, q6, q7 = q4 + w4 * w4, q5 + w5 * w5, q6 + w6 * w6, q7 + w7 * w7
+        total = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+        squares = ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
+        for j in range(end, hi):
+            w = _wide(a, j)
+            total += w
+            squares += w * w
+        return total, squares
+    half = n // 2
+    half -= half % 8
+    t0, s0 = _pairwise_both(a, lo, lo + half)
+    t1, s1 = _pairwise_both(a, lo + half, hi)
+    return t0 + t1, s0 + s1
+
+
+@_inline
+@no_type_check
+def _wide(a, j):
+    return np.float64(a[j])
 
 
 @_inline

@@ -1,8 +1,8 @@
 """Parameters, buffers and parameter gradients: a record of each, every step.
 
-Most of a model's parameters are small: they are taken together, a dtype at a time
-(:class:`ParamRecords`), rather than each taking a hook's work. float32 ones are read in place
-by one compiled call once numba is loaded; the others are staged (one copy per dtype) for the
+Most of a model's parameters are small: they are taken together (:class:`ParamRecords`),
+rather than each taking a hook's work. Once numba is loaded, one compiled call reads the
+float32, float64 and int64 ones in place; the others are staged (one copy per dtype) for the
 writer. Large ones, and those saved whole on a full step, take the hook's route one by one.
 
 Values are looked up by name every step (:func:`values_of`): a module may replace a buffer
@@ -64,20 +64,19 @@ class ParamRecords:
 
     def stage(self, values: Sequence[torch.Tensor | None], staging: Staging) -> list[Any]:
         """Each record's statistics, or what stands for them until the writer computes them
-        (None: none, or an observed entry's). Once the compiled kernels are loaded, float32
-        values are summarised now, read in place, and the rest staged (copied aside); before,
-        all of them are staged. Both give the same rows, bit for bit."""
+        (None: none, or an observed entry's). Once the compiled kernels are loaded, the values
+        they read in place are summarised now, in one call, and the rest staged (copied
+        aside, one copy per dtype); before, all of them are staged. Both give the same rows,
+        bit for bit."""
         stats: list[Any] = [None] * len(self.metas)
         kernels = compiled_kernels()
-        for indices in self.together:
-            group: list[torch.Tensor] = [values[i] for i in indices]  # type: ignore[misc]
-            rows = kernels.summarize_tensors(group) if kernels is not None else [None] * len(group)
-            staged = []
+        if kernels is not None and self.together:
+            indices = [i for group in self.together for i in group]
+            rows = kernels.summarize_tensors([values[i] for i in indices])
             for i, row in zip(indices, rows, strict=True):
-                if row is None:
-                    staged.append(i)
-                else:
-                    stats[i] = row
+                stats[i] = row
+        for group in self.together:
+            staged = [i for i in group if stats[i] is None]
             if staged:
                 first = staging.add_many([values[i] for i in staged])  # type: ignore[misc]
                 for k, i in enumerate(staged):
