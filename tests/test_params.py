@@ -197,6 +197,40 @@ def test_a_parameter_replaced_or_pruned_mid_run_keeps_being_recorded(run_dir: Pa
     assert (weight["dtype"] == "float32").all()
 
 
+class _Extra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.extra = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.extra.sum()
+
+
+def test_a_parameter_given_new_data_of_another_shape_is_recorded_with_it(run_dir: Path) -> None:
+    """``p.data = ...`` keeps the Parameter and changes what it holds: the records built for
+    one step must not be reused for the next (the recorder reuses them while every value's
+    dtype, shape, device and layout hold). The last shape is too large to be taken with the
+    small values: it takes the hook's route."""
+    model = _Extra()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    datas = [torch.zeros(2), torch.arange(5.0), torch.arange(5.0) - 9, torch.arange(10000.0)]
+    with hooktrace.record(model, run_dir):
+        for data in datas:
+            model.extra.data = data
+            model(torch.ones(3, 2)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    records = hooktrace.load(run_dir).records
+    extra = records[(records["slot"] == "extra") & (records["kind"] == "param")]
+    extra = extra.sort_values("step")
+    assert extra["shape"].tolist() == ["2", "5", "5", "10000"]
+    assert extra["min"].tolist() == [0.0, 0.0, -9.0, 0.0]
+    assert extra["max"].tolist() == [0.0, 4.0, -5.0, 9999.0]
+    grads = records[(records["slot"] == "extra") & (records["kind"] == "grad_param")]
+    assert grads.sort_values("step")["shape"].tolist() == ["2", "5", "5", "10000"]
+
+
 def test_a_parameter_its_module_sets_to_none_is_recorded_without_a_value(run_dir: Path) -> None:
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - older torch
 
 from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
-from hooktrace.recorder.params import Entry, param_records, values_of
+from hooktrace.recorder.params import Entry, RecordsCache, values_of
 from hooktrace.recorder.pending import (
     Layouts,
     Meta,
@@ -158,6 +158,7 @@ class Recorder:
         self._full_modules: set[str] = set()
         self._param_entries: list[Entry] = []
         self._buffer_entries: list[Entry] = []
+        self._param_records = RecordsCache()
         self._param_ids: set[int] = set()
         self._known: set[int] = set()  # ids of modules already named
         self.rank = _rank()
@@ -647,7 +648,7 @@ class Recorder:
         phase = "train" if kind == "grad_param" else self._phase
         entries = self._buffer_entries if kind == "buffer" else self._param_entries
         values = values_of(entries, kind)
-        records = param_records(
+        records = self._param_records.records(
             entries,
             values,
             kind=kind,
