@@ -678,3 +678,40 @@ def test_hooks_firing_in_several_threads_at_once_record_every_call(run_dir: Path
     records = hooktrace.load(run_dir).records
     assert len(records) == threads * calls * 7  # six layers and the Sequential, every call
     assert (records.groupby("module")["call"].nunique() == threads * calls).all()
+
+
+class _Doubled(nn.Module):
+    """Returns its child's output after doubling it in place: the same tensor, changed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(3, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).mul_(2.0)
+
+
+def test_a_tensor_returned_by_several_modules_takes_one_gradient_hook(run_dir: Path) -> None:
+    """``inner.0``'s output is ``inner``'s output too (a container returns its last child's):
+    one hook on the tensor records the gradient under both. The root changes that tensor in
+    place before returning it: its gradient differs (the loss is the sum of the doubled
+    values, so 1 after the doubling and 2 before it), and takes a hook of its own."""
+    model = _Doubled()
+    hooks_on_output: list[int] = []
+
+    def count_hooks(module: nn.Module, args: object, output: torch.Tensor) -> None:
+        hooks_on_output.append(len(output._backward_hooks or {}))
+
+    with hooktrace.record(model, run_dir, params=False) as rec:
+        mine = model.inner.register_forward_hook(count_hooks)  # after hooktrace's hook there
+        model(torch.randn(4, 3)).sum().backward()
+        mine.remove()
+        rec.step()
+    assert hooks_on_output == [1]  # for inner.0 and inner; it was one each
+
+    records = hooktrace.load(run_dir).records
+    grads = records[records["kind"] == "grad_output"].set_index("module")
+    assert list(grads.index) == ["_Doubled", "inner.0", "inner"]  # the order they fired in
+    for module, value in (("_Doubled", 1.0), ("inner.0", 2.0), ("inner", 2.0)):
+        row = grads.loc[module]
+        assert (row["mean"], row["min"], row["max"], row["std"]) == (value, value, value, 0.0)

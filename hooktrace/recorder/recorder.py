@@ -107,6 +107,8 @@ class Recorder:
     _calls: dict[tuple[str, str], int]
     _recompute_calls: dict[str, int]
     _grad_hooked: set[tuple[str, int]]
+    # by id(tensor): the tensor, its version, and what its gradient hook records it as
+    _hooked: dict[int, tuple[weakref.ref[torch.Tensor], int, list[tuple[str, int, str, str]]]]
     _channel_shapes: set[torch.Size]
     _recent: OrderedDict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]]  # by id(tensor)
     _params_recorded: bool
@@ -407,17 +409,39 @@ class Recorder:
         return "train" if torch.is_grad_enabled() and module.training else "eval"
 
     def _grad_hook(
-        self, module: str, call: int, kind: str, slot: str
+        self, targets: list[tuple[str, int, str, str]]
     ) -> Callable[[torch.Tensor], None]:
+        """A tensor's gradient hook: records the gradient as each (module, call, kind, slot)
+        of ``targets`` (a tensor several modules returned is each one's output)."""
+
         def hook(grad: torch.Tensor) -> None:
             if self._recording and not _in_transform():
                 with self._lock:
+                    module = targets[0][0]
                     try:
-                        self._on_grad(module, call, kind, slot, grad)
+                        for module, call, kind, slot in targets:
+                            self._on_grad(module, call, kind, slot, grad)
                     except Exception as exc:
                         self._fault(exc, f"the backward of {module!r}")
 
         return hook
+
+    def _hook_grad(
+        self, tensor: torch.Tensor, module: str, call: int, kind: str, slot: str
+    ) -> None:
+        """Record ``tensor``'s gradient as (module, call, kind, slot). One hook a tensor: one
+        returned again unchanged (a container's output is its last child's) takes one more
+        target in the hook it has, not a hook of its own."""
+        target = (module, call, kind, slot)
+        hooked = self._hooked.get(id(tensor))
+        if hooked is not None:
+            seen, version, targets = hooked
+            if seen() is tensor and tensor._version == version:
+                targets.append(target)
+                return
+        targets = [target]
+        self._tensor_handles.append(tensor.register_hook(self._grad_hook(targets)))
+        self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, targets)
 
     # -- what hooks do -----------------------------------------------------------------------
 
@@ -474,8 +498,7 @@ class Recorder:
             self._observe(name, call, "output", slot, tensor, phase=phase, full=full, units=True)
             if phase == "train" and tensor.requires_grad:
                 self._grad_hooked.add((name, call))
-                handle = tensor.register_hook(self._grad_hook(name, call, "grad_output", slot))
-                self._tensor_handles.append(handle)
+                self._hook_grad(tensor, name, call, "grad_output", slot)
 
     def _on_recompute(self, name: str, output: Any) -> None:
         """A forward run again by activation checkpointing: record nothing twice.
@@ -491,8 +514,7 @@ class Recorder:
         for slot, tensor in flatten(output):
             if tensor.requires_grad:
                 self._grad_hooked.add((name, call))
-                handle = tensor.register_hook(self._grad_hook(name, call, "grad_output", slot))
-                self._tensor_handles.append(handle)
+                self._hook_grad(tensor, name, call, "grad_output", slot)
 
     def _on_grad(self, module: str, call: int, kind: str, slot: str, grad: torch.Tensor) -> None:
         if not self._backward_active:
@@ -508,6 +530,7 @@ class Recorder:
             self.micro_step += 1
             self._calls.clear()
             self._grad_hooked.clear()
+            self._hooked.clear()
             self._recompute_calls.clear()
 
     def watch(self, tensor: torch.Tensor, name: str) -> None:
@@ -526,8 +549,7 @@ class Recorder:
                 full = self._full_step and self._wants_full(name)
                 self._observe(name, call, "tensor", "0", tensor, phase=phase, full=full, units=True)
                 if phase == "train" and tensor.requires_grad:
-                    handle = tensor.register_hook(self._grad_hook(name, call, "grad_tensor", "0"))
-                    self._tensor_handles.append(handle)
+                    self._hook_grad(tensor, name, call, "grad_tensor", "0")
             except Exception as exc:
                 self._fault(exc, f"the watched tensor {name!r}")
 
@@ -738,6 +760,7 @@ class Recorder:
         self._calls = {}
         self._recompute_calls = {}
         self._grad_hooked = set()
+        self._hooked = {}
         self._channel_shapes = set()
         self._recent = OrderedDict()
         self._params_recorded = False
