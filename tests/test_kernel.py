@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -493,7 +494,10 @@ def test_a_step_materialises_the_same_with_and_without_the_writers_kernel(
     """A real training step's small tensors, taken once by the kernel (this process took
     the one-pass route) and once by numpy: the same statistics and activity, bit for bit."""
     from hooktrace.recorder import pending
+    from hooktrace.recorder import recorder as recorder_module
 
+    # hooks stage their small tensors (as before numba loads), to be taken by the writer
+    monkeypatch.setattr(recorder_module, "compiled_kernels", lambda: None)
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5)
@@ -517,4 +521,73 @@ def test_a_step_materialises_the_same_with_and_without_the_writers_kernel(
     assert np.array_equal(compiled[0], plain[0], equal_nan=True)
     assert [r for r, _ in compiled[1]] == [r for r, _ in plain[1]]
     for (_, got), (_, want) in zip(compiled[1], plain[1], strict=True):
+        assert got.dtype == want.dtype == np.int64 and got.tolist() == want.tolist()
+
+
+def _small_outputs_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 36, 5),
+        torch.nn.Tanh(),
+    )
+
+
+def test_small_outputs_read_in_place_are_recorded_as_staged_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the kernels are loaded, a hook reads a small output or gradient where it lies
+    (statistics and per-unit counts) instead of copying it for the writer. The same training
+    recorded both ways (staged, the writer takes them with numpy): every record and every
+    activity count equal, bit for bit."""
+    from hooktrace.recorder import kernel, pending
+    from hooktrace.recorder import recorder as recorder_module
+
+    route()
+    read: list[int] = []
+    real = kernel.summarize_in_place
+
+    def counting(tensor: torch.Tensor, dim: int | None) -> object:
+        summed = real(tensor, dim)
+        read.append(summed is not None)
+        return summed
+
+    traces = {}
+    for name in ("in_place", "staged"):
+        if name == "in_place":
+            monkeypatch.setattr(kernel, "summarize_in_place", counting)
+        else:
+            monkeypatch.setattr(recorder_module, "compiled_kernels", lambda: None)
+            monkeypatch.setattr(pending, "compiled_kernels", lambda: None)
+        torch.manual_seed(0)
+        model = _small_outputs_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hooktrace.record(model, tmp_path / name, params=False):
+            for step in range(3):
+                x = torch.randn(2, 3, 8, 8)
+                if step == 2:  # the last: the weights stay finite until then
+                    x[0, 0, 0, :3] = torch.tensor([0.0, float("inf"), float("nan")])
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        traces[name] = hooktrace.load(tmp_path / name)
+    # a step: 5 outputs and their 5 gradients, all small (the Sequential's are Tanh's)
+    assert len(read) == 3 * 10 and all(read)
+    records = {
+        n: t.records.sort_values(["step", "seq"]).reset_index(drop=True) for n, t in traces.items()
+    }
+    assert records["staged"]["nan_count"].iloc[-10:].gt(0).any()
+    columns = ["step", "module", "kind", "slot", "shape", "mean", "std", "min", "max", "norm"]
+    columns += ["zero_fraction", "nan_count", "inf_count", "units", "unit_size"]
+    pd.testing.assert_frame_equal(
+        records["in_place"][columns], records["staged"][columns], check_exact=True
+    )
+    with_units = records["staged"][records["staged"]["units"] > 0]
+    assert len(with_units) >= 3 * 5
+    for row in with_units.itertuples():
+        got, want = (
+            traces[n].activity(row.module, row.kind, step=row.step, slot=row.slot)
+            for n in ("in_place", "staged")
+        )
         assert got.dtype == want.dtype == np.int64 and got.tolist() == want.tolist()

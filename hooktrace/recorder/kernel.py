@@ -155,13 +155,36 @@ def summarize_tensors(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
     if found:
         out = np.empty((len(found), 8), dtype=np.float64)
         places = np.array(
-            [(address, tensors[i].numel(), _IN_PLACE[tensors[i].dtype]) for i, address in found],
+            [
+                (address, tensors[i].numel(), _IN_PLACE[tensors[i].dtype], 0, 0, 0)
+                for i, address in found
+            ],
             dtype=np.int64,
         )
-        _in_place(places, out)
+        _in_place(places, out, _NO_COUNTS)
         for k, (i, _) in enumerate(found):
             rows[i] = out[k]
     return rows
+
+
+def summarize_in_place(
+    tensor: torch.Tensor, dim: int | None
+) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """:func:`summarize_tensors` of one tensor, with :func:`unit_counts` along ``dim`` (None:
+    no counts): what the writer makes of the tensor staged, without staging it. None if the
+    tensor cannot be read in place."""
+    address = _address(tensor)
+    if not address:
+        return None
+    shape = tensor.shape
+    outer, units, inner = (0, 0, 0) if dim is None else _plan(tuple(shape), dim)[:3]
+    counts = np.zeros(units, dtype=np.int64)
+    row = np.empty((1, 8), dtype=np.float64)
+    place = np.array(
+        [(address, tensor.numel(), _IN_PLACE[tensor.dtype], outer, units, inner)], dtype=np.int64
+    )
+    _in_place(place, row, counts)
+    return row[0], counts if dim is not None else None
 
 
 def _address(t: torch.Tensor) -> int:
@@ -190,6 +213,7 @@ _FLOAT32, _FLOAT64, _INT64 = 0, 1, 2
 _IN_PLACE = {torch.float32: _FLOAT32, torch.float64: _FLOAT64, torch.int64: _INT64}
 """The dtypes read in place, and how the kernel names them. Others (half precision, bool,
 smaller integers) are rare in parameters and buffers, and staged."""
+_NO_COUNTS = np.zeros(0, dtype=np.int64)
 
 
 def warm_up() -> str | None:
@@ -461,25 +485,33 @@ def _scan_int64(values):
 
 @_exact
 @no_type_check
-def _in_place(places, out):
-    """:func:`_segments` of tensors read where they lie: tensor ``i`` is ``places[i, 1]``
-    values of dtype ``places[i, 2]`` (``_IN_PLACE``) from address ``places[i, 0]``. Each
-    value is widened to float64 as it is read, so the rows equal those of the tensors'
-    float64 copies, bit for bit."""
+def _in_place(places, out, counts):
+    """:func:`_segments` of tensors read where they lie, and :func:`_unit_counts` of them:
+    tensor ``i`` is ``places[i, 1]`` values of dtype ``places[i, 2]`` (``_IN_PLACE``) from
+    address ``places[i, 0]``, seen as (outer, units, inner) = ``places[i, 3:6]`` (no units:
+    not counted). Each value is widened to float64 as it is read, so the rows equal those of
+    the tensors' float64 copies, bit for bit. ``counts``: int64, the tensors' units one after
+    the other, zeros on entry."""
+    at = 0
     for i in range(places.shape[0]):
         address, n, dtype = places[i, 0], places[i, 1], places[i, 2]
+        outer, units, inner = places[i, 3], places[i, 4], places[i, 5]
         if dtype == _FLOAT32:
             values32 = numba.carray(_pointer_at(address, np.float32), n)
             extremes, zeros, nans, infs = _scan32(values32)
             _finish_row(values32, 0, n, extremes, zeros, nans, infs, out[i])
+            _count_units(values32, 0, outer, units, inner, counts[at : at + units])
         elif dtype == _FLOAT64:
             values64 = numba.carray(_pointer_at(address, np.float64), n)
             extremes, zeros, nans, infs = _scan64(values64, 0, n)
             _finish_row(values64, 0, n, extremes, zeros, nans, infs, out[i])
+            _count_units(values64, 0, outer, units, inner, counts[at : at + units])
         else:
             integers = numba.carray(_pointer_at(address, np.int64), n)
             extremes, zeros, nans, infs = _scan_int64(integers)
             _finish_row(integers, 0, n, extremes, zeros, nans, infs, out[i])
+            _count_units(integers, 0, outer, units, inner, counts[at : at + units])
+        at += units
 
 
 @_inline
@@ -531,14 +563,22 @@ def _unit_counts(values, segments, out):
     at = 0
     for k in range(segments.shape[0]):
         start, outer, units, inner = segments[k, 0], segments[k, 1], segments[k, 2], segments[k, 3]
-        for o in range(outer):
-            for u in range(units):
-                base = start + (o * units + u) * inner
-                p = 0
-                for j in range(base, base + inner):
-                    p += values[j] > 0
-                out[at + u] += p
+        _count_units(values, start, outer, units, inner, out[at : at + units])
         at += units
+
+
+@_inline
+@no_type_check
+def _count_units(values, start, outer, units, inner, out):
+    """Positive values per unit of the (outer, units, inner) values from ``start``, added
+    to ``out``."""
+    for o in range(outer):
+        for u in range(units):
+            base = start + (o * units + u) * inner
+            p = 0
+            for j in range(base, base + inner):
+                p += values[j] > 0
+            out[u] += p
 
 
 @_exact

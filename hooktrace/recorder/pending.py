@@ -1,7 +1,8 @@
 """One step's observations, handed from the training thread to the writer thread.
 
 While hooks fire, the training thread appends to lists and copies small tensors' values into
-a reused buffer (:class:`Staging`). Everything else that costs time (the small tensors'
+a reused buffer (:class:`Staging`), those it cannot read in place (before numba loads, or
+another dtype or layout: ``stats``). Everything else that costs time (the staged tensors'
 statistics, stacking, the device-to-host copy, building columns) happens in
 :meth:`PendingStep.materialize`, which the writer thread calls.
 

@@ -44,6 +44,7 @@ from hooktrace.recorder.pending import (
     StagedUnits,
     Staging,
     StagingPool,
+    compiled_kernels,
 )
 from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
 from hooktrace.recorder.stats import (
@@ -577,10 +578,15 @@ class Recorder:
                 if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
                     dim = None
             counts: torch.Tensor | np.ndarray | StagedUnits | None = None
-            if stageable(tensor):  # summarised later, with the step's other small tensors
-                stats: Any = pending.stage(tensor)
-                if dim is not None:
-                    counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
+            if stageable(tensor):
+                kernels = compiled_kernels()
+                summed = kernels.summarize_in_place(tensor, dim) if kernels is not None else None
+                if summed is not None:  # now, as the writer would from a copy
+                    stats, counts = summed
+                else:  # summarised later, with the step's other small tensors
+                    stats = pending.stage(tensor)
+                    if dim is not None:
+                        counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
             else:
                 scratch = self._scratch_for(tensor)
                 stats, counts = summarize_with_activity(tensor, dim, scratch=scratch)

@@ -5,9 +5,10 @@ the hook copies their values aside (into a reused float64 buffer, ``pending.Stag
 the writer thread summarises all of a step's small tensors together, in float64
 (:func:`summarize_staged`, or the same sums in one compiled call once numba is loaded:
 ``kernel.summarize_segments``). For them, the fixed cost of a handful of reductions, each
-a dispatch and a ``.item()``, outweighed the work. Small float32, float64 and int64
-parameters, buffers and gradients skip the copy once numba is loaded: one compiled call reads
-them all in place, with the same float64 sums (``kernel.summarize_tensors``).
+a dispatch and a ``.item()``, outweighed the work. Once numba is loaded, small contiguous
+float32, float64 and int64 tensors skip the copy: a compiled call reads them in place, with
+the same float64 sums and unit counts (``kernel.summarize_in_place``; the parameters,
+buffers and gradients of a step all in one call, ``kernel.summarize_tensors``).
 
 Larger contiguous CPU tensors with finite values take one pass for everything, the kernel
 compiled by numba in :mod:`hooktrace.recorder.kernel` (:func:`summarize_with_activity`).
