@@ -715,3 +715,20 @@ def test_a_tensor_returned_by_several_modules_takes_one_gradient_hook(run_dir: P
     for module, value in (("_Doubled", 1.0), ("inner.0", 2.0), ("inner", 2.0)):
         row = grads.loc[module]
         assert (row["mean"], row["min"], row["max"], row["std"]) == (value, value, value, 0.0)
+
+
+def test_gradient_hook_handles_stay_bounded_and_live_ones_are_removed(run_dir: Path) -> None:
+    """Each step hooks its outputs' gradients. The handles of graphs that are gone are dropped
+    now and then, not kept for ever; a tensor the user keeps has its hook removed at the end."""
+    from hooktrace.recorder.recorder import _PRUNE_AT
+
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with hooktrace.record(model, run_dir, params=False) as rec:
+        kept = model(torch.randn(2, 4))  # hooked, and alive to the end
+        for _ in range(400):  # 7 hooked outputs a step: 2,800 handles in all
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            assert len(rec._tensor_handles) <= 2 * _PRUNE_AT
+    assert not kept._backward_hooks
+    assert len(hooktrace.load(run_dir).steps) == 400

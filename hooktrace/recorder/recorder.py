@@ -75,6 +75,9 @@ _RECENT = 4
 """Tensors whose statistics a hook remembers, the latest ones: a container's output is its
 last child's, and one gradient may reach several hooks in a row."""
 
+_PRUNE_AT = 1024
+"""Gradient hook handles held before the dead ones are dropped, at least."""
+
 _ACTIVE: Recorder | None = None
 
 
@@ -203,6 +206,7 @@ class Recorder:
         self._closed = False
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
+        self._prune_at = _PRUNE_AT
         # hooks may fire in several threads at once (nn.DataParallel's replicas, autograd's
         # device threads, a user's threads): each takes this lock for what it changes
         self._lock = threading.RLock()
@@ -744,8 +748,11 @@ class Recorder:
         self._pending = self._new_pending()
         self._recent.clear()
         self._writer.submit(pending)
-        # grad hooks of this step's graph are no longer needed once its backward ran
-        self._tensor_handles = [h for h in self._tensor_handles if _alive(h)]
+        # the gradient hooks of a graph that is gone need no removing: their handles are
+        # dropped now and then (a handle keeps no tensor alive)
+        if len(self._tensor_handles) >= self._prune_at:
+            self._tensor_handles = [h for h in self._tensor_handles if _alive(h)]
+            self._prune_at = max(_PRUNE_AT, 2 * len(self._tensor_handles))
 
     def _new_pending(self) -> PendingStep:
         return PendingStep(
