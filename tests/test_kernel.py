@@ -591,3 +591,33 @@ def test_small_outputs_read_in_place_are_recorded_as_staged_ones(
             for n in ("in_place", "staged")
         )
         assert got.dtype == want.dtype == np.int64 and got.tolist() == want.tolist()
+
+
+def test_denormals_read_in_place_count_as_the_staged_copy_counts_them() -> None:
+    """``torch.set_flush_denormal(True)`` makes the CPU treat denormals as zero: the staged
+    copy of a float32 tensor then holds zeros for them. The in-place read counts them as
+    zeros too (it counted their bits, none zero, while its min said -0.0). Without the flag,
+    both count them as the values they are."""
+    from hooktrace.recorder.kernel import summarize_in_place, summarize_tensors
+    from hooktrace.recorder.pending import Staging
+    from hooktrace.recorder.stats import activity_staged, summarize_staged
+
+    tensor = torch.tensor([[1e-40, -1e-40, 1.0, 2.0], [0.0, 3e-39, -1.0, 5.0]])
+    for flush in (True, False):
+        if not torch.set_flush_denormal(flush):
+            assert flush, "turning the flag off cannot fail"
+            continue  # a CPU without the flag: nothing to check
+        try:
+            staging = Staging()
+            staging.add(tensor)
+            copy = staging.values().copy()
+            want = summarize_staged(copy, np.array([8]))[0]
+            (row,) = summarize_tensors([tensor])
+            summed = summarize_in_place(tensor, 1)
+        finally:
+            torch.set_flush_denormal(False)
+        assert summed is not None and row is not None
+        assert want[5] == (4 if flush else 1)  # zeros
+        assert np.array_equal(row, want) and np.array_equal(summed[0], want)
+        assert summed[1] is not None
+        assert summed[1].tolist() == activity_staged(copy, (2, 4), 1).tolist()

@@ -161,7 +161,7 @@ def summarize_tensors(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
             ],
             dtype=np.int64,
         )
-        _in_place(places, out, _NO_COUNTS)
+        _in_place(places, out, _NO_COUNTS, _flushes_denormals())
         for k, (i, _) in enumerate(found):
             rows[i] = out[k]
     return rows
@@ -183,7 +183,7 @@ def summarize_in_place(
     place = np.array(
         [(address, tensor.numel(), _IN_PLACE[tensor.dtype], outer, units, inner)], dtype=np.int64
     )
-    _in_place(place, row, counts)
+    _in_place(place, row, counts, _flushes_denormals())
     return row[0], counts if dim is not None else None
 
 
@@ -214,6 +214,14 @@ _IN_PLACE = {torch.float32: _FLOAT32, torch.float64: _FLOAT64, torch.int64: _INT
 """The dtypes read in place, and how the kernel names them. Others (half precision, bool,
 smaller integers) are rare in parameters and buffers, and staged."""
 _NO_COUNTS = np.zeros(0, dtype=np.int64)
+_DENORMAL32 = np.float32(1e-40)
+_SMALLEST_NORMAL32 = np.int32(0x00800000)  # the bits of float32's smallest normal value
+
+
+def _flushes_denormals() -> bool:
+    """Whether this thread's CPU treats denormal floats as zero (``torch.set_flush_denormal``
+    sets it per thread): numpy's scalar comparison runs on the CPU's own flags."""
+    return bool(_DENORMAL32 == 0)
 
 
 def warm_up() -> str | None:
@@ -454,8 +462,10 @@ def _scan64(values, lo, hi):
 
 @_inline
 @no_type_check
-def _scan32(values):
-    """As :func:`_scan64`, for float32 values; the extremes widened to float64."""
+def _scan32(values, flush):
+    """As :func:`_scan64`, for float32 values; the extremes widened to float64. ``flush``:
+    the calling thread treats denormals as zero (``torch.set_flush_denormal``), so widening
+    makes zeros of them, as it does in the staged copy: they count as zeros."""
     bits = values.view(np.int32)
     k_lo, k_hi = _FLIP, _LOWEST
     zeros = nans = infs = 0
@@ -463,7 +473,7 @@ def _scan32(values):
         b = bits[j]
         k_lo, k_hi = min(k_lo, _key(b)), max(k_hi, _key(b))
         magnitude = b & _FLIP
-        zeros += magnitude == 0
+        zeros += magnitude == 0 or (flush and magnitude < _SMALLEST_NORMAL32)
         nans += magnitude > _KEY_POS_INF
         infs += magnitude == _KEY_POS_INF
     return (np.float64(_float_of(k_lo)), np.float64(_float_of(k_hi))), zeros, nans, infs
@@ -485,20 +495,21 @@ def _scan_int64(values):
 
 @_exact
 @no_type_check
-def _in_place(places, out, counts):
+def _in_place(places, out, counts, flush):
     """:func:`_segments` of tensors read where they lie, and :func:`_unit_counts` of them:
     tensor ``i`` is ``places[i, 1]`` values of dtype ``places[i, 2]`` (``_IN_PLACE``) from
     address ``places[i, 0]``, seen as (outer, units, inner) = ``places[i, 3:6]`` (no units:
     not counted). Each value is widened to float64 as it is read, so the rows equal those of
     the tensors' float64 copies, bit for bit. ``counts``: int64, the tensors' units one after
-    the other, zeros on entry."""
+    the other, zeros on entry. ``flush``: whether this thread flushes denormals
+    (:func:`_flushes_denormals`)."""
     at = 0
     for i in range(places.shape[0]):
         address, n, dtype = places[i, 0], places[i, 1], places[i, 2]
         outer, units, inner = places[i, 3], places[i, 4], places[i, 5]
         if dtype == _FLOAT32:
             values32 = numba.carray(_pointer_at(address, np.float32), n)
-            extremes, zeros, nans, infs = _scan32(values32)
+            extremes, zeros, nans, infs = _scan32(values32, flush)
             _finish_row(values32, 0, n, extremes, zeros, nans, infs, out[i])
             _count_units(values32, 0, outer, units, inner, counts[at : at + units])
         elif dtype == _FLOAT64:
