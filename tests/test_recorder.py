@@ -732,3 +732,32 @@ def test_gradient_hook_handles_stay_bounded_and_live_ones_are_removed(run_dir: P
             assert len(rec._tensor_handles) <= 2 * _PRUNE_AT
     assert not kept._backward_hooks
     assert len(hooktrace.load(run_dir).steps) == 400
+
+
+class _ScaledBetween(nn.Module):
+    """A hook of the user's on a child's output, before this module returns it too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.lin(x)
+        t.register_hook(lambda g: g * 3.0)
+        return t
+
+
+def test_a_hook_of_the_users_between_two_returns_of_a_tensor_is_seen_by_the_later_one(
+    run_dir: Path,
+) -> None:
+    """Gradient hooks run in the order they were registered: ``lin``'s record comes before
+    the user's hook triples the gradient, the root's after it. One hook for both records
+    (which a tensor returned twice takes) recorded the root's before the user's hook too."""
+    torch.manual_seed(0)
+    model = _ScaledBetween()
+    with hooktrace.record(model, run_dir, params=False) as rec:
+        model(torch.randn(2, 4)).sum().backward()
+        rec.step()
+    records = hooktrace.load(run_dir).records
+    grads = records[records["kind"] == "grad_output"].set_index("module")["mean"]
+    assert grads.to_dict() == {"_ScaledBetween": 3.0, "lin": 1.0}

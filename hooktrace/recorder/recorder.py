@@ -111,8 +111,8 @@ class Recorder:
     _calls: dict[tuple[str, str], int]
     _recompute_calls: dict[str, int]
     _grad_hooked: set[tuple[str, int]]
-    # by id(tensor): the tensor, its version, and what its gradient hook records it as
-    _hooked: dict[int, tuple[weakref.ref[torch.Tensor], int, list[tuple[str, int, str, str]]]]
+    # by id(tensor): the tensor, its version, its gradient hook's id, what that records
+    _hooked: dict[int, tuple[weakref.ref[torch.Tensor], int, int, list[tuple[str, int, str, str]]]]
     _channel_shapes: set[torch.Size]
     _recent: OrderedDict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]]  # by id(tensor)
     _params_recorded: bool
@@ -436,17 +436,21 @@ class Recorder:
     ) -> None:
         """Record ``tensor``'s gradient as (module, call, kind, slot). One hook a tensor: one
         returned again unchanged (a container's output is its last child's) takes one more
-        target in the hook it has, not a hook of its own."""
+        target in the hook it has, not a hook of its own; unless another hook came after
+        ours, which may change the gradient that the later module's record must see."""
         target = (module, call, kind, slot)
         hooked = self._hooked.get(id(tensor))
         if hooked is not None:
-            seen, version, targets = hooked
-            if seen() is tensor and tensor._version == version:
+            seen, version, ours, targets = hooked
+            hooks = tensor._backward_hooks
+            # the same tensor, unchanged, and our hook still the last one on it
+            if seen() is tensor and tensor._version == version and _last(hooks) == ours:
                 targets.append(target)
                 return
         targets = [target]
-        self._tensor_handles.append(tensor.register_hook(self._grad_hook(targets)))
-        self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, targets)
+        handle = tensor.register_hook(self._grad_hook(targets))
+        self._tensor_handles.append(handle)
+        self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, handle.id, targets)
 
     # -- what hooks do -----------------------------------------------------------------------
 
@@ -917,6 +921,11 @@ def _caller_outside() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame, level = frame.f_back, level + 1
     return level if frame is not None else 2
+
+
+def _last(hooks: Mapping[int, Any] | None) -> int | None:
+    """The id of the hook registered last among ``hooks`` (a tensor's ``_backward_hooks``)."""
+    return next(reversed(hooks)) if hooks else None
 
 
 def _alive(handle: RemovableHandle) -> bool:
