@@ -215,8 +215,14 @@ def bench(
 
 
 def report(name: str, times: dict[str, list[tuple[float, float]]], seconds: float) -> None:
+    """Medians per variant, and each variant's ratio to plain paired by repetition: the
+    host's speed drifts over minutes, and a repetition runs every variant within seconds."""
+
     def median(label: str, field: int = 0) -> float:
         return statistics.median(t[field] for t in times[label])
+
+    def paired(label: str) -> list[float]:
+        return sorted(a[0] / b[0] for a, b in zip(times[label], times["plain"], strict=True))
 
     base = median("plain")
     naive_overhead = median("naive") - base
@@ -226,17 +232,19 @@ def report(name: str, times: dict[str, list[tuple[float, float]]], seconds: floa
     )
     print(
         f"  {'variant':<10} {'ms/step':>9} {'x plain':>8} {'overhead / naive overhead':>26}"
-        f" {'page faults/step':>17}"
+        f" {'page faults/step':>17} {'x plain, paired (quartiles)':>29}"
     )
     for label in times:
         share = (median(label) - base) / naive_overhead if naive_overhead > 0 else float("nan")
+        ratios = paired(label)
+        q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
         print(
             f"  {label:<10} {median(label) * 1e3:9.2f} {median(label) / base:8.2f} {share:26.2f}"
-            f" {median(label, 1):17.0f}"
+            f" {median(label, 1):17.0f} {statistics.median(ratios):12.2f} ({q1:.2f} to {q3:.2f})"
         )
     if "stats" in times and "onethread" in times:  # the same repetition, side by side
-        paired = [a[0] / b[0] for a, b in zip(times["stats"], times["onethread"], strict=True)]
-        print(f"  stats / onethread, paired by repetition: median {statistics.median(paired):.3f}")
+        pairs = [a[0] / b[0] for a, b in zip(times["stats"], times["onethread"], strict=True)]
+        print(f"  stats / onethread, paired by repetition: median {statistics.median(pairs):.3f}")
 
 
 def main() -> None:
