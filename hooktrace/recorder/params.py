@@ -133,22 +133,20 @@ class RecordsCache:
         micro_step: int,
         saved_whole: Collection[str],
     ) -> ParamRecords:
-        if saved_whole:  # a full step: rare, and its records differ
-            return param_records(
-                entries, values, kind=kind, phase=phase, micro_step=micro_step,
-                saved_whole=saved_whole,
-            )  # fmt: skip
-        key = (
-            len(entries),  # entries are only ever added
-            phase,
-            micro_step,
-            [None if v is None else (v.dtype, v.shape, v.is_cpu, v.layout) for v in values],
-        )
-        built = self._built.get(kind)
-        if built is not None and built[0] == key:
-            return built[1]
+        key = None
+        if not saved_whole:  # a full step's records differ, and full steps are rare
+            key = (
+                len(entries),  # entries are only ever added
+                phase,
+                micro_step,
+                [None if v is None else (v.dtype, v.shape, v.is_cpu, v.layout) for v in values],
+            )
+            built = self._built.get(kind)
+            if built is not None and built[0] == key:
+                return built[1]
         records = param_records(
-            entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=()
+            entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
         )
-        self._built[kind] = (key, records)
+        if key is not None:
+            self._built[kind] = (key, records)
         return records
