@@ -16,17 +16,16 @@ Steps, where the script says nothing:
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from hooktrace.recorder.recorder import Recorder, _in_backward, unwrap
+from hooktrace.recorder import attach
+from hooktrace.recorder.recorder import Recorder, unwrap
 
 
 class ScriptRecorder(Recorder):
@@ -36,7 +35,6 @@ class ScriptRecorder(Recorder):
         self._depth = 0
         self._primary: str | None = None
         self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
-        self._restore: list[Callable[[], None]] = []
         self._stepped_in_call = False
         self._in_optimizer_step = False  # LBFGS calls zero_grad() inside step()
         self._saw_backward = False
@@ -50,52 +48,53 @@ class ScriptRecorder(Recorder):
     def _install(self) -> None:
         super()._install()
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_stepping))
-        self._handles.append(register_module_forward_pre_hook(self._global_enter))
-        self._handles.append(register_module_forward_hook(self._global_exit, always_call=True))
         self._patch(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
         self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
         self._patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
 
-    def close(self, **kwargs: Any) -> None:
-        try:
-            super().close(**kwargs)
-        finally:
-            while self._restore:
-                self._restore.pop()()
+    def _wrap_module_compile(self, original: Callable[..., None]) -> Callable[..., None]:
+        recorded = super()._wrap_module_compile(original)
 
-    def _patch(
-        self, owner: type, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-    ) -> None:
-        original = owner.__dict__[name]
-        setattr(owner, name, functools.wraps(original)(wrap(original)))
-        self._restore.append(lambda: setattr(owner, name, original))
+        def compile(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            recorded(module, *args, **kwargs)
+            if self._active and self._table.get(module) is None:
+                with self._lock:  # not yet found: its first call will find it
+                    self._watch_compiled(module)
+
+        return compile
 
     # -- finding roots ---------------------------------------------------------------------
+    #
+    # The process-wide hooks count the depth of every module call: a module called at depth
+    # one (outside any other module's forward) that nobody has named yet is a new root.
 
-    def _global_enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if torch.compiler.is_compiling() or _in_backward():
+    def _pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        if attach.is_compiling() or attach.in_backward() or self._paused or attach.traced():
             return
         self._depth += 1
-        if self._depth > 1 or not self._active:
-            return
-        try:
-            if id(module) not in self._known and id(module) not in self._wrapper_ids:
-                self._discover_root(module, args)
-            if id(module) in self._model_ids:
-                # inference (no backward pass, no optimizer): each model forward is a step,
-                # ended when the next one starts: a backward pass may still follow this one
-                if self._model_forwards and self._inference_mode():
-                    self._end_step()
-                self._model_forwards += 1
-        except Exception as exc:
-            self._fault(exc, f"finding the model {type(module).__name__}")
+        if self._depth == 1 and self._active:
+            try:
+                if id(module) not in self._known and id(module) not in self._wrapper_ids:
+                    self._discover_root(module)
+                if id(module) in self._model_ids:
+                    # inference (no backward pass, no optimizer): each model forward is a
+                    # step, ended when the next one starts: a backward pass may still follow
+                    if self._model_forwards and self._inference_mode():
+                        self._end_step()
+                    self._model_forwards += 1
+            except Exception as exc:
+                self._fault(exc, f"finding the model {type(module).__name__}")
+        super()._pre(module, args, kwargs)
 
-    def _global_exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if torch.compiler.is_compiling() or _in_backward():
+    def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if attach.is_compiling() or attach.in_backward() or self._paused or attach.traced():
             return
+        super()._exit(module, args, output)
         self._depth = max(0, self._depth - 1)
 
-    def _discover_root(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _discover_root(self, module: nn.Module) -> None:
         inner, _ = unwrap(module)
         if id(inner) in self._known:
             return
@@ -104,9 +103,6 @@ class ScriptRecorder(Recorder):
             self._model_ids.update({id(module), id(hooked)})
         if hooked is not module:
             self._wrapper_ids.add(id(module))
-        else:
-            # its pre-hooks were registered during this very call: run the phase hook
-            self._root_enter(module, args)
 
     def _end_step(self, *, skipped: bool = False) -> None:
         super()._end_step(skipped=skipped)

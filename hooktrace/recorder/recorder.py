@@ -9,6 +9,7 @@ kept. Every hook is removed when the recorder closes, normally or by an exceptio
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import platform
@@ -29,12 +30,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
-try:
-    from torch._C._functorch import peek_interpreter_stack as _peek_interpreter_stack
-except ImportError:  # pragma: no cover - older torch
-    _peek_interpreter_stack = None  # type: ignore[assignment]
-
 from hooktrace.errors import ConfigError, RecordingError
+from hooktrace.recorder import attach
+from hooktrace.recorder.attach import in_backward as _in_backward
+from hooktrace.recorder.attach import in_transform as _in_transform
+from hooktrace.recorder.attach import is_compiling
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
 from hooktrace.recorder.params import Entry, RecordsCache, values_of
 from hooktrace.recorder.pending import (
@@ -80,20 +80,11 @@ _PRUNE_AT = 1024
 
 _ACTIVE: Recorder | None = None
 
+_COMPILE_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
+
 
 def active_recorder() -> Recorder | None:
     return _ACTIVE
-
-
-def _in_transform() -> bool:
-    """True inside torch.func transforms (vmap, grad, ...): their tensors are wrappers without
-    storage, and what runs there is a function of the model, not a training step's pass."""
-    return _peek_interpreter_stack is not None and _peek_interpreter_stack() is not None
-
-
-def _in_backward() -> bool:
-    """True inside the autograd engine: a forward seen now is a checkpoint recomputation."""
-    return bool(torch._C._current_graph_task_id() != -1)
 
 
 class Recorder:
@@ -206,6 +197,10 @@ class Recorder:
         self._closed = False
         self._handles: list[RemovableHandle] = []
         self._tensor_handles: list[RemovableHandle] = []
+        self._table = attach.ModuleTable()
+        self._paused = 0  # > 0 while torch.jit.trace re-runs the model to check its graph
+        self._restore: list[Callable[[], None]] = []  # undoes what was patched, in reverse
+        self._compiled_calls: list[CompiledCall] = []
         self._prune_at = _PRUNE_AT
         # hooks may fire in several threads at once (nn.DataParallel's replicas, autograd's
         # device threads, a user's threads): each takes this lock for what it changes
@@ -255,6 +250,12 @@ class Recorder:
                     handle.remove()
                 self._handles.clear()
                 self._tensor_handles.clear()
+                self._table.clear()
+                for compiled_call in self._compiled_calls:
+                    compiled_call.restore()
+                self._compiled_calls.clear()
+                while self._restore:
+                    self._restore.pop()()
             if _ACTIVE is self:
                 _ACTIVE = None
             if self.error is not None and status == schema.STATUS_COMPLETE:
@@ -299,27 +300,80 @@ class Recorder:
 
     def _install(self) -> None:
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+        self._handles.extend(attach.install(pre=self._pre, post=self._post, exit=self._exit))
+        self._patch(nn.Module, "compile", self._wrap_module_compile)
+        self._patch(torch.jit._trace, "_check_trace", self._wrap_check_trace)
+        self._ignore_warning(_COMPILE_HOOKS_WARNING)
+
+    def _patch(
+        self, owner: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+    ) -> None:
+        """Replace ``owner.name`` (a torch class or module) while recording; undone at close."""
+        original = owner.__dict__[name]
+        setattr(owner, name, functools.wraps(original)(wrap(original)))
+        self._restore.append(lambda: setattr(owner, name, original))
+
+    def _ignore_warning(self, message: str) -> None:
+        """torch warns about the process-wide hooks in the script's output: not the script's
+        concern (its behaviour does not change), so the warning is filtered while recording."""
+        warnings.filterwarnings("ignore", message=message)
+        added = warnings.filters[0]
+
+        def remove() -> None:
+            filters: list[Any] = warnings.filters  # type: ignore[assignment]
+            if added in filters:
+                filters.remove(added)
+                warnings._filters_mutated()  # type: ignore[attr-defined]
+
+        self._restore.append(remove)
+
+    def _wrap_module_compile(self, original: Callable[..., None]) -> Callable[..., None]:
+        def compile(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            original(module, *args, **kwargs)
+            if self._active:
+                with self._lock:
+                    self._watch_compiled(module)
+                    entry = self._table.get(module)
+                    if entry is not None and entry.root:
+                        self._warn_compiled(next(n for n, m in self.roots.items() if m is module))
+
+        return compile
+
+    def _watch_compiled(self, module: nn.Module) -> None:
+        """nn.Module.compile() makes the module's calls skip every hook outside the compiled
+        frame: its compiled call is wrapped in one that calls the hooks around it."""
+        compiled = module.__dict__.get("_compiled_call_impl")
+        if compiled is not None and not isinstance(compiled, CompiledCall):
+            self._compiled_calls.append(CompiledCall(self, module, compiled))
+
+    def _wrap_check_trace(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _check_trace(*args: Any, **kwargs: Any) -> Any:
+            # torch.jit.trace runs the model again, eagerly, to compare: not a call of the run
+            self._paused += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._paused -= 1
+
+        return _check_trace
 
     def _add_root(self, root_name: str, root: nn.Module, *, prefixed: bool) -> nn.Module:
-        """Name a root model's modules and parameters, and hook the modules selected.
+        """Name a root model's modules and parameters, and enter the modules selected in the
+        table that the process-wide hooks consult (:mod:`hooktrace.recorder.attach`).
 
         Wrappers are looked through: DistributedDataParallel's ``module.`` and torch.compile's
-        ``_orig_mod.`` never appear in names. A compiled model is hooked on the outside only
+        ``_orig_mod.`` never appear in names. A compiled model is recorded on the outside only
         (hooks inside a compiled graph would change it), with its parameters under its name.
         Modules already named (shared with an earlier root) keep their first name. Returns
-        the module that was hooked as the root.
+        the module that was entered as the root.
         """
         inner, compiled = unwrap(root)
         hooked = root if compiled else inner
         if compiled:
-            warnings.warn(
-                f"hooktrace: {root_name} runs under torch.compile: its outputs, gradients and "
-                "parameters are recorded, its submodules are not (hooks inside a compiled graph "
-                "would change it). Run with TORCHDYNAMO_DISABLE=1 to record every module.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            self._warn_compiled(root_name)
             self._known.update(id(m) for m in root.modules() if m is not root)
+            if inner is root:  # nn.Module.compile(): its calls never reach a hook outside
+                self._watch_compiled(root)
         new: dict[str, nn.Module] = {}
         for qualname, module in hooked.named_modules():
             if id(module) in self._known:
@@ -343,48 +397,77 @@ class Recorder:
             if entry.module in new and id(buffer) not in self._param_ids:
                 self._param_ids.add(id(buffer))
                 self._buffer_entries.append(entry)
+        self._table.add_root(hooked)
         for name, module in new.items():
-            channels = isinstance(module, _CHANNELS_FIRST)
-            if self.inputs:
-                # before the forward runs: an in-place op inside it would change its input
-                hook = self._input_hook(name)
-                self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
-            self._handles.append(
-                module.register_forward_hook(self._forward_hook(name, channels), with_kwargs=True)
-            )
-        # the root's phase is set before any other pre-hook, and its depth is left after its
-        # own output was recorded, so the root's records carry the root's phase
-        self._handles.append(hooked.register_forward_pre_hook(self._root_enter, prepend=True))
-        self._handles.append(hooked.register_forward_hook(self._root_exit, always_call=True))
+            self._table.add(module, name, channels_first=isinstance(module, _CHANNELS_FIRST))
         self._writer.add_modules(self._module_rows(root_name, new))
         return hooked
 
-    def _forward_hook(self, name: str, channels_first: bool) -> Callable[..., None]:
-        def hook(
-            module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
-        ) -> None:
-            if self._recording and not _in_transform():
-                with self._lock:
-                    try:
-                        self._on_forward(name, module, args, kwargs, output, channels_first)
-                    except Exception as exc:
-                        self._fault(exc, f"the forward of {name!r}")
+    def _warn_compiled(self, root_name: str) -> None:
+        warnings.warn(
+            f"hooktrace: {root_name} runs under torch.compile: its outputs, gradients and "
+            "parameters are recorded, its submodules are not (hooks inside a compiled graph "
+            "would change it). Run with TORCHDYNAMO_DISABLE=1 to record every module.",
+            RuntimeWarning,
+            stacklevel=_caller_outside(),
+        )
 
-        return hook
+    # -- the process-wide hooks --------------------------------------------------------------
+    #
+    # torch calls them for every module call in the process. Each returns at once unless the
+    # module is in the table; is_compiling() comes first, as dynamo cannot trace the look-up.
 
-    def _input_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if self._recording and not _in_backward() and not _in_transform():
-                with self._lock:
-                    try:
-                        self._on_inputs(name, module, args, kwargs)
-                    except Exception as exc:
-                        self._fault(exc, f"the inputs of {name!r}")
+    def _pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        if is_compiling():
+            return
+        entry = self._table.get(module)
+        if entry is None or self._paused or attach.traced():
+            return
+        if _in_backward() or _in_transform():
+            return
+        with self._lock:
+            if entry.root:
+                self._enter_root(module)
+            if entry.name is not None and self.inputs and self._recording:
+                try:
+                    if kwargs is None:
+                        kwargs = attach.call_kwargs()
+                    self._on_inputs(entry.name, module, args, kwargs)
+                except Exception as exc:
+                    self._fault(exc, f"the inputs of {entry.name!r}")
 
-        return hook
+    def _post(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        if is_compiling():
+            return
+        entry = self._table.get(module)
+        if entry is None or entry.name is None or not self._recording:
+            return
+        if self._paused or attach.traced() or _in_transform():
+            return
+        with self._lock:
+            try:
+                self._on_forward(entry.name, module, args, kwargs, output, entry.channels_first)
+            except Exception as exc:
+                self._fault(exc, f"the forward of {entry.name!r}")
+
+    def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Runs after ``_post``, also when the forward raised: the root's records carry the
+        root's phase, and an exception leaves no depth behind."""
+        if is_compiling():
+            return
+        entry = self._table.get(module)
+        if entry is None or not entry.root or self._paused or attach.traced():
+            return
+        if not _in_backward() and not _in_transform():
+            with self._lock:
+                self._root_depth = max(0, self._root_depth - 1)
 
     def _on_inputs(
-        self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> None:
         phase = self._phase_of(module)
         call = self._calls.get((phase, name), 0)  # the forward hook counts the call
@@ -399,7 +482,7 @@ class Recorder:
             self._observe(name, call, "input", slot, tensor, phase=phase, full=full, units=True)
 
     @staticmethod
-    def _call_spec(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    def _call_spec(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         spec = describe_call(args, kwargs)
         spec["training"] = module.training
         spec["grad_enabled"] = torch.is_grad_enabled()
@@ -454,12 +537,6 @@ class Recorder:
 
     # -- what hooks do -----------------------------------------------------------------------
 
-    def _root_enter(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if _in_backward() or _in_transform():
-            return
-        with self._lock:
-            self._enter_root(module)
-
     def _enter_root(self, module: nn.Module) -> None:
         if self._root_depth == 0:
             if self._backward_active:  # the last backward raised before it finished
@@ -474,11 +551,6 @@ class Recorder:
                 except Exception as exc:
                     self._fault(exc, "the parameters")
         self._root_depth += 1
-
-    def _root_exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not _in_backward() and not _in_transform():
-            with self._lock:
-                self._root_depth = max(0, self._root_depth - 1)
 
     def _on_forward(
         self,
@@ -865,9 +937,11 @@ def _name_roots(models: Models) -> dict[str, nn.Module]:
 
 
 def unwrap(module: nn.Module) -> tuple[nn.Module, bool]:
-    """The model inside DDP / DataParallel / torch.compile wrappers; and whether compiled."""
+    """The model inside DDP / DataParallel / torch.compile wrappers; and whether compiled
+    (by torch.compile, or in place by nn.Module.compile)."""
     compiled = False
     while True:
+        compiled = compiled or module.__dict__.get("_compiled_call_impl") is not None
         kind = type(module).__name__
         inner = getattr(module, "_orig_mod" if kind == "OptimizedModule" else "module", None)
         if kind in ("OptimizedModule", "DistributedDataParallel", "DataParallel") and isinstance(
@@ -877,6 +951,40 @@ def unwrap(module: nn.Module) -> tuple[nn.Module, bool]:
             module = inner
         else:
             return module, compiled
+
+
+class CompiledCall:
+    """Stands in for the compiled call of a module compiled in place (nn.Module.compile):
+    torch calls it instead of the module's hooks, so it calls the recorder's around the
+    compiled function. It sits in the module's ``_compiled_call_impl``, which
+    ``nn.Module.__getstate__`` leaves out: pickling, ``torch.save`` and copies never see it.
+    The recorder puts the compiled function back when it closes."""
+
+    def __init__(self, recorder: Recorder, module: nn.Module, compiled: Callable[..., Any]):
+        self._recorder = recorder
+        self._module = weakref.ref(module)
+        self.compiled = compiled
+        module.__dict__["_compiled_call_impl"] = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._module()
+        if module is None or is_compiling():
+            return self.compiled(*args, **kwargs)
+        recorder = self._recorder
+        recorder._pre(module, args, kwargs)
+        try:
+            output = self.compiled(*args, **kwargs)
+        except BaseException:
+            recorder._exit(module, args, None)
+            raise
+        recorder._post(module, args, kwargs, output)
+        recorder._exit(module, args, output)
+        return output
+
+    def restore(self) -> None:
+        module = self._module()
+        if module is not None and module.__dict__.get("_compiled_call_impl") is self:
+            module.__dict__["_compiled_call_impl"] = self.compiled
 
 
 def _entry(
