@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from hooktrace.trace.reader import Trace, load
+from hooktrace.trace.schema import NOTE_SKIPPED
 
 
 @dataclass
@@ -36,17 +37,20 @@ class Summary:
     error: str | None
     largest: pd.DataFrame = field(repr=False)
     """The modules with the most records, for a first look."""
+    not_summarised: pd.DataFrame = field(repr=False, default_factory=pd.DataFrame)
+    """Records of tensors hooktrace could not summarise: module, kind, reason, records."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = {k: v for k, v in self.__dict__.items() if k != "largest"}
+        out = {k: v for k, v in self.__dict__.items() if k not in ("largest", "not_summarised")}
         out["path"] = str(self.path)
+        out["not_summarised"] = self.not_summarised.to_dict(orient="records")
         return out
 
 
 def summary(run: str | os.PathLike[str] | Trace) -> Summary:
-    """Summarise a run: steps, modules, kinds, sizes and status. Reads only four columns."""
+    """Summarise a run: steps, modules, kinds, sizes and status. Reads only six columns."""
     trace = run if isinstance(run, Trace) else load(run)
-    rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key"])
+    rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key", "note"])
     steps_table = trace.steps
     manifest = trace.manifest
     start, end = manifest.get("start_time"), manifest.get("end_time")
@@ -83,7 +87,17 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         },
         error=errors[0] if errors else None,
         largest=counts.head(10).reset_index(drop=True),
+        not_summarised=not_summarised(rows),
     )
+
+
+def not_summarised(rows: pd.DataFrame) -> pd.DataFrame:
+    """Records whose tensor was not summarised, counted by module, kind and reason."""
+    notes = rows["note"].astype(str)
+    skipped = rows.loc[notes.str.startswith(NOTE_SKIPPED), ["module", "kind"]].astype(str)
+    skipped["reason"] = notes[skipped.index].str.removeprefix(NOTE_SKIPPED)
+    counts = skipped.groupby(["module", "kind", "reason"], sort=True).size()
+    return counts.rename("records").reset_index()
 
 
 def _roots(trace: Trace) -> list[str]:

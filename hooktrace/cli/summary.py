@@ -54,6 +54,13 @@ def render(s: Summary) -> str:
         f"tensors   {s.full_tensors:,} full tensors saved",
         "on disk   " + ", ".join(f"{k} {_human(v)}" for k, v in s.bytes_on_disk.items()),
     ]
+    if not s.not_summarised.empty:
+        total = int(s.not_summarised["records"].sum())
+        lines.append(f"not summarised: {total:,} records (no statistics; the recording went on):")
+        lines += [
+            f"  {row.module} {row.kind}: {row.reason} ({row.records:,})"
+            for row in s.not_summarised.head(10).itertuples()
+        ]
     if not s.largest.empty:
         lines.append("most records:")
         lines += [f"  {row.module:<40} {row.records:>8,}" for row in s.largest.head(5).itertuples()]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hooktrace.recorder.pending import Meta, Staged, Staging, compiled_kernels
-from hooktrace.recorder.stats import stageable
+from hooktrace.recorder.stats import shape_of, stageable
 
 
 class Entry(NamedTuple):
@@ -103,7 +103,7 @@ def param_records(
         if value is None:
             metas.append(Meta(micro_step, phase, module, 0, kind, slot, None, (), 0, 0))
             continue
-        shape = tuple(value.shape)
+        shape = shape_of(value)
         metas.append(Meta(micro_step, phase, module, 0, kind, slot, value.dtype, shape, 0, 0))
         if module in saved_whole or not stageable(value):
             observed.append(i)
@@ -135,12 +135,18 @@ class RecordsCache:
     ) -> ParamRecords:
         key = None
         if not saved_whole:  # a full step's records differ, and full steps are rare
-            key = (
-                len(entries),  # entries are only ever added
-                phase,
-                micro_step,
-                [None if v is None else (v.dtype, v.shape, v.is_cpu, v.layout) for v in values],
-            )
+            try:
+                key = (
+                    len(entries),  # entries are only ever added
+                    phase,
+                    micro_step,
+                    [None if v is None else (v.dtype, v.shape, v.is_cpu, v.layout) for v in values],
+                )
+            except (RuntimeError, ValueError):  # a value without a shape: not kept
+                return param_records(
+                    entries, values, kind=kind, phase=phase, micro_step=micro_step,
+                    saved_whole=saved_whole,
+                )  # fmt: skip
             built = self._built.get(kind)
             if built is not None and built[0] == key:
                 return built[1]

@@ -31,7 +31,7 @@ from hooktrace.recorder.stats import (
     route_taken,
     summarize_staged,
 )
-from hooktrace.trace.schema import NO_GRADIENT_DTYPE, RECORD_SCHEMA
+from hooktrace.trace.schema import NO_GRADIENT_DTYPE, NOTE_SKIPPED, RECORD_SCHEMA
 from hooktrace.trace.writer import HOLD_STEPS, StepData, arrow_strings
 
 
@@ -49,6 +49,7 @@ class Meta(NamedTuple):
     shape: tuple[int, ...]
     units: int
     unit_size: int
+    note: str = ""  # schema's ``note``: why there are no statistics, or how they were taken
 
 
 class Staged(NamedTuple):
@@ -201,7 +202,7 @@ class Layout:
 
     def __init__(self, meta: list[Meta]) -> None:
         n = len(meta)
-        (micro_step, phase, module, call, kind, slot, dtype, shape, units, unit_size) = (
+        (micro_step, phase, module, call, kind, slot, dtype, shape, units, unit_size, note) = (
             zip(*meta, strict=True) if n else ((),) * len(Meta._fields)
         )
         self.rows = n
@@ -216,6 +217,7 @@ class Layout:
             "slot": list(slot),
             "dtype": [dtype_name(d) for d in dtype],
             "shape": [shape_text(s) for s in shape],
+            "note": list(note),
         }
         self.columns: dict[str, Any] = {
             "micro_step": np.array(micro_step, dtype=np.int32),
@@ -228,6 +230,8 @@ class Layout:
         for name, values in strings.items():
             self.columns[name] = arrow_strings(values, RECORD_SCHEMA.field(name).type)
         self.no_specs = arrow_strings([""] * n, pa.string())  # call_spec where none was saved
+        # records of tensors that were not summarised: no statistics, zero counts unknown
+        self.skipped = np.array([s.startswith(NOTE_SKIPPED) for s in note], dtype=bool)
 
 
 class Layouts:
@@ -292,6 +296,9 @@ class PendingStep:
         with np.errstate(invalid="ignore", divide="ignore"):
             numel = layout.numel
             zero_fraction = np.where(numel > 0, stats[:, 5] / np.maximum(numel, 1), np.nan)
+        nan_count, inf_count = stats[:, 6].astype(np.int64), stats[:, 7].astype(np.int64)
+        if layout.skipped.any():
+            zero_fraction[layout.skipped] = np.nan
         columns = {
             **layout.columns,
             "step": np.full(n, self.step, dtype=np.int64),
@@ -301,8 +308,8 @@ class PendingStep:
             "max": stats[:, 3],
             "norm": stats[:, 4],
             "zero_fraction": zero_fraction,
-            "nan_count": stats[:, 6].astype(np.int64),
-            "inf_count": stats[:, 7].astype(np.int64),
+            "nan_count": nan_count,
+            "inf_count": inf_count,
             "call_spec": (
                 [self.specs.get(row, "") for row in range(n)] if self.specs else layout.no_specs
             ),

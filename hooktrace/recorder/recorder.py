@@ -48,11 +48,17 @@ from hooktrace.recorder.pending import (
 )
 from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
 from hooktrace.recorder.stats import (
+    nested_values,
+    plain,
+    python_subclass,
     route,
     route_taken,
+    shape_of,
     stageable,
     summarize_with_activity,
     unit_dim,
+    unsupported,
+    usual,
 )
 from hooktrace.trace import schema
 from hooktrace.trace.writer import TraceWriter
@@ -434,7 +440,8 @@ class Recorder:
                 try:
                     if kwargs is None:
                         kwargs = attach.call_kwargs()
-                    self._on_inputs(entry.name, module, args, kwargs)
+                    with _unseen():
+                        self._on_inputs(entry.name, module, args, kwargs)
                 except Exception as exc:
                     self._fault(exc, f"the inputs of {entry.name!r}")
 
@@ -450,7 +457,13 @@ class Recorder:
             return
         with self._lock:
             try:
-                self._on_forward(entry.name, module, args, kwargs, output, entry.channels_first)
+                if type(output) is torch.Tensor:
+                    self._on_forward(entry.name, module, args, kwargs, output, entry.channels_first)
+                else:  # a container, or a tensor subclass: see _unseen()
+                    with _unseen():
+                        self._on_forward(
+                            entry.name, module, args, kwargs, output, entry.channels_first
+                        )
             except Exception as exc:
                 self._fault(exc, f"the forward of {entry.name!r}")
 
@@ -645,8 +658,12 @@ class Recorder:
         phase: str,
         full: bool,
         units: bool,
+        note: str = "",
     ) -> None:
         """The hot path: queue this tensor's statistics and note where they belong."""
+        if not usual(tensor):
+            self._observe_unusual(module, call, kind, slot, tensor, phase=phase, full=full)
+            return
         pending = self._pending
         row = len(pending.meta)
         cached = self._lookup(tensor)
@@ -685,11 +702,44 @@ class Recorder:
             pending.activity.append((row, counts))
         pending.meta.append(
             Meta(self.micro_step, phase, module, call, kind, slot, tensor.dtype,
-                 tuple(tensor.shape), n_units, unit_size)
+                 tuple(tensor.shape), n_units, unit_size, note)
         )  # fmt: skip
         pending.stats.append(stats)
         if full:
             self._snapshot(row, tensor)
+
+    def _observe_unusual(
+        self,
+        module: str,
+        call: int,
+        kind: str,
+        slot: str,
+        tensor: torch.Tensor,
+        *,
+        phase: str,
+        full: bool,
+    ) -> None:
+        """A tensor that is not a plain dense one. Nested tensors are summarised over their
+        values, Python subclasses as plain tensors; any other costs its own record only: a
+        record with no statistics, whose note says why (the recording goes on)."""
+        if python_subclass(tensor):
+            tensor = plain(tensor)
+            if usual(tensor):
+                self._observe(module, call, kind, slot, tensor, phase=phase, full=full,
+                              units=True, note="")  # fmt: skip
+                return
+        reason = unsupported(tensor)
+        if reason is None:  # nested: summarised over its values
+            values = nested_values(tensor)
+            note = f"nested: statistics over the values of its {tensor.size(0)} components"
+            self._observe(module, call, kind, slot, values, phase=phase, full=False,
+                          units=False, note=note)  # fmt: skip
+            return
+        self._pending.meta.append(
+            Meta(self.micro_step, phase, module, call, kind, slot, tensor.dtype,
+                 shape_of(tensor), 0, 0, schema.NOTE_SKIPPED + reason)
+        )  # fmt: skip
+        self._pending.stats.append(None)
 
     def _scratch_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """One float32 buffer, grown to the largest CPU tensor seen, for counting in place on
@@ -910,11 +960,25 @@ class Recorder:
                     "depth": 0
                     if name == root_name
                     else name.count(".") + (0 if name.startswith(root_name + ".") else 1),
-                    "parameters": sum(p.numel() for p in module.parameters()),
+                    "parameters": _parameter_count(module),
                     "first_step": self.current_step,
                 }
             )
         return rows
+
+
+def _unseen() -> Any:
+    """A tensor subclass's ``__torch_function__`` sees every attribute read and every
+    operation on its tensors: within this, the recorder's reach it not, so a script's
+    subclass cannot tell it is recorded."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def _parameter_count(module: nn.Module) -> int:
+    """Values in ``module``'s parameters; a lazy module's count none until its first call."""
+    from torch.nn.parameter import UninitializedTensorMixin as lazy  # type: ignore[attr-defined]
+
+    return sum(p.numel() for p in module.parameters() if not isinstance(p, lazy))
 
 
 def _name_roots(models: Models) -> dict[str, nn.Module]:

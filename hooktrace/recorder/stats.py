@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.parameter import UninitializedTensorMixin as _LAZY  # type: ignore[attr-defined]
 
 STATS_WIDTH = 8
 """mean, std, min, max, norm, zero count, NaN count, Inf count (float64)."""
@@ -54,10 +55,83 @@ STAGED_MAX_VALUES = 8192
 """CPU tensors up to this size are staged; larger ones are summarised in the hook."""
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types summarised as they are; others go through :func:`unsupported` first."""
+
+
+def usual(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` can be summarised as it is (the hot path's one question): a plain
+    dense tensor of real values, not a subclass, nested, meta, quantized or complex one."""
+    return (
+        type(tensor) in _PLAIN
+        and not tensor.is_nested
+        and not tensor.is_meta
+        and not tensor.is_quantized
+        and not tensor.is_complex()
+    )
+
+
+def python_subclass(tensor: torch.Tensor) -> bool:
+    """A subclass defined in Python over a tensor's own values (no ``__torch_dispatch__`` of
+    its own): summarised as the plain tensor it holds (:func:`plain`)."""
+    kind = type(tensor)
+    return (
+        kind not in _PLAIN
+        and kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
+        and not isinstance(tensor, _LAZY)
+        and not tensor.is_nested
+    )
+
+
+def unsupported(tensor: torch.Tensor) -> str | None:
+    """Why hooktrace does not summarise ``tensor`` (the record's note says it), or None for
+    a tensor that is summarised, if not as it is: a nested one over its values
+    (:func:`nested_values`)."""
+    kind = type(tensor)
+    if isinstance(tensor, _LAZY):
+        return "uninitialized (a lazy module's, before its first call)"
+    if tensor.is_nested:
+        return None
+    if kind not in _PLAIN:
+        # a wrapper subclass (FakeTensor, FunctionalTensor, DTensor, ...): its operations
+        # may run anything, a collective included; its values are not this process's
+        return f"tensor subclass {kind.__module__}.{kind.__qualname__}"
+    if tensor.is_meta:
+        return "meta tensor (a shape, no values)"
+    if tensor.is_quantized:
+        return "quantized tensor"
+    if tensor.is_complex():
+        return "complex tensor"
+    return None
+
+
+def nested_values(tensor: torch.Tensor) -> torch.Tensor:
+    """A nested tensor's values, its components flattened one after the other (1-D)."""
+    with torch.no_grad():
+        return torch.cat([part.detach().reshape(-1) for part in tensor.unbind()])
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A Python subclass's tensor as a plain one (the same memory): the statistics' operations
+    must not reach the subclass's ``__torch_function__``, where the script would see them."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return tensor.as_subclass(torch.Tensor)
+
+
+def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The shape, or () for a tensor that has none to give (an uninitialized parameter)."""
+    try:
+        return tuple(tensor.shape)
+    except (RuntimeError, ValueError):
+        return ()
+
+
 def stageable(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a small CPU tensor whose statistics can wait for the writer."""
     return (
-        tensor.is_cpu
+        type(tensor) in _PLAIN
+        and not tensor.is_nested
+        and tensor.is_cpu
         and 0 < tensor.numel() <= STAGED_MAX_VALUES
         and tensor.layout == torch.strided
         and not tensor.is_complex()

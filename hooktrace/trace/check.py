@@ -64,6 +64,7 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
                 "activity_offset",
                 "segment",
                 "tensor_key",
+                "note",
             ]
         )
         table = trace.steps
@@ -77,6 +78,7 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
         report.problems.append(
             f"interrupted write left {leftover.relative_to(trace.path)}: the steps it held are lost"
         )
+    _note_not_summarised(rows, report)
     _check_segments(trace, rows, report)
     _check_tables(rows, table, modules, report)
     return report
@@ -93,6 +95,19 @@ def _decode_every_part(trace: Trace) -> None:
                     pass
             except (OSError, ValueError, pa.ArrowException) as exc:
                 trace._drop(kind_dir, part, exc)
+
+
+def _note_not_summarised(rows: pd.DataFrame, report: CheckReport) -> None:
+    """Records without statistics, because hooktrace could not summarise their tensor: not a
+    loss (each has its record, with the reason), but worth knowing."""
+    notes = rows["note"].astype(str)
+    skipped = notes[notes.str.startswith(schema.NOTE_SKIPPED)]
+    if skipped.empty:
+        return
+    reasons = skipped.str.removeprefix(schema.NOTE_SKIPPED).value_counts()
+    ordered = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))  # the same order always
+    listed = "; ".join(f"{reason} ({n:,})" for reason, n in ordered)
+    report.notes.append(f"{len(skipped):,} records hold no statistics: {listed}")
 
 
 def _check_ranks(

@@ -220,6 +220,8 @@ class Trace:
                 )
         table = self._read(schema.RECORDS_DIR, schema.RECORD_SCHEMA, columns=wanted, filter=expr)
         frame = table.to_pandas()
+        if "note" in frame.columns and frame["note"].hasnans:  # a 1.0 trace has no notes
+            frame["note"] = _no_notes(frame["note"])
         order = [c for c in ("rank", "step", "seq") if c in frame.columns]
         if order:
             frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
@@ -474,6 +476,15 @@ class Trace:
 
 # A part without these is not hooktrace's (other columns may be missing from files of an
 # older minor version: they read as null)
+def _no_notes(notes: pd.Series) -> pd.Series:
+    """Notes with "" where a trace written before format 1.1 has none."""
+    if isinstance(notes.dtype, pd.CategoricalDtype):
+        if "" not in notes.cat.categories:
+            notes = notes.cat.add_categories([""])
+        return notes.fillna("")
+    return notes.fillna("")
+
+
 _REQUIRED = {
     schema.RECORDS_DIR: {"step", "seq", "module", "kind", "slot"},
     schema.STEPS_DIR: {"step"},

@@ -24,7 +24,7 @@ from typing import Final
 import pyarrow as pa
 
 FORMAT_NAME: Final = "hooktrace"
-FORMAT_VERSION: Final = "1.0"
+FORMAT_VERSION: Final = "1.1"
 """major.minor: a reader reads every minor version of its own major version."""
 
 TENSOR_CHECKSUM: Final = "crc32"
@@ -101,8 +101,15 @@ RECORD_SCHEMA: Final = pa.schema(
         # values kept, mode and RNG state), on a call's first input row when its inputs were
         # saved in full; "" elsewhere. What replay needs.
         pa.field("call_spec", pa.string(), nullable=False),
+        # since 1.1: why a record holds no statistics, or how they were taken, where that is
+        # not the usual way ("skipped: ..." for a tensor hooktrace cannot summarise, whose
+        # statistics are null; "nested: ..."); "" otherwise. Null in 1.0 traces.
+        pa.field("note", _dict_str),
     ]
 )
+
+NOTE_SKIPPED: Final = "skipped: "
+"""The prefix of the note of a record whose tensor was not summarised; the reason follows."""
 
 STEP_SCHEMA: Final = pa.schema(
     [

@@ -74,9 +74,9 @@ class StepData:
 RECORD_COLUMNS_IN = (
     "step", "micro_step", "phase", "seq", "module", "call", "kind", "slot", "dtype", "shape",
     "numel", "mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count",
-    "units", "unit_size", "call_spec",
+    "units", "unit_size", "call_spec", "note",
 )  # fmt: skip
-_OPTIONAL: dict[str, list[str]] = {"call_spec": []}
+_OPTIONAL: dict[str, list[str]] = {"call_spec": [], "note": []}
 
 
 class PendingStep(Protocol):
