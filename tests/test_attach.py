@@ -1,0 +1,186 @@
+"""How hooks attach (recorder/attach.py): nothing of hooktrace in the user's modules, and
+nothing in what a script makes of them (copies, pickles, graphs), while recording."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as module_globals
+
+import hooktrace
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+def _hook_dicts(model: nn.Module) -> int:
+    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return sum(len(getattr(m, name)) for m in model.modules() for name in names)
+
+
+def _global_hooks() -> tuple[int, ...]:
+    return tuple(
+        len(d)
+        for d in (
+            module_globals._global_forward_hooks,
+            module_globals._global_forward_pre_hooks,
+            module_globals._global_backward_hooks,
+            module_globals._global_backward_pre_hooks,
+        )
+    )
+
+
+def _train(model: nn.Module, steps: int = 2) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(steps):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_no_hook_in_the_model_and_none_left_behind(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    before = _global_hooks()
+    with hooktrace.record(model, tmp_path / "run"):
+        _train(model)
+        assert _hook_dicts(model) == 0
+        assert _global_hooks()[2:] == before[2:]  # never a process-wide backward hook
+    assert _global_hooks() == before
+    assert not [w for w in warnings.filters if "global hooks" in str(w[1])]
+
+
+def test_copies_pickles_and_saves_hold_nothing_of_hooktrace(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run"):
+        _train(model)
+        blob = pickle.dumps(model)
+        assert b"hooktrace" not in blob
+        assert b"hooktrace" not in pickle.dumps(opt)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        assert b"hooktrace" not in buffer.getvalue()
+        for made in (pickle.loads(blob), copy.deepcopy(model), copy.copy(model)):
+            assert _hook_dicts(made) == 0
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert _hook_dicts(loaded) == 0
+        for a, b in zip(loaded.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_a_deep_copy_is_not_recorded_under_the_originals_names(tmp_path: Path) -> None:
+    """The EMA pattern: hooktrace.record records the models it was given; a deep copy made
+    while recording is a model of its own, not recorded (``hooktrace record`` finds it as a
+    root of its own: tests/transparency)."""
+    torch.manual_seed(0)
+    model = Net()
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        _train(model, steps=1)
+        ema = copy.deepcopy(model)
+        with torch.no_grad():
+            ema(torch.randn(3, 4))
+        _train(model, steps=1)
+        assert rec.error is None
+    records = hooktrace.load(tmp_path / "run").records
+    assert set(records["phase"]) == {"train"}  # the copy's eval forward was not recorded
+    assert set(records["module"]) == {"Net", "fc1", "act", "fc2"}
+    sizes = records.groupby("step").size().tolist()
+    assert sizes == [sizes[0], sizes[0]]
+
+
+def _graphs(model: nn.Module, x: torch.Tensor) -> dict[str, str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scripted = torch.jit.script(model)
+        traced = torch.jit.trace(model, x)
+        exported = torch.export.export(model, (x,))
+        symbolic = torch.fx.symbolic_trace(model)
+    return {
+        "script": str(scripted.code),
+        "trace": str(traced.code),
+        "export": str(exported.graph_module.code),
+        "fx": str(symbolic.code),
+        "warnings": "\n".join(str(w.message) for w in caught),
+    }
+
+
+def test_graphs_are_those_of_the_model_unrecorded(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(3, 4)
+    _graphs(model, x)  # the first scripting in a process warns once more, recorded or not
+    plain = _graphs(model, x)
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        _train(model, steps=1)
+        recorded = _graphs(model, x)
+        steps_before = rec.current_step
+        _train(model, steps=1)
+    assert recorded == plain
+    assert steps_before == 1
+    # jit.trace's eager check run and the tracing itself added no calls to the step
+    records = hooktrace.load(tmp_path / "run").records
+    assert set(records["phase"]) == {"train"}
+    sizes = records.groupby("step").size().tolist()
+    assert sizes == [sizes[0], sizes[0]]
+
+
+@pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
+def test_a_compiled_model_is_recorded_from_the_outside(tmp_path: Path, how: str) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    compiled: nn.Module = model
+    if how == "torch.compile":
+        compiled = torch.compile(model, backend="eager")
+    else:
+        model.compile(backend="eager")
+    with (
+        pytest.warns(RuntimeWarning, match="runs under torch.compile") as caught,
+        hooktrace.record(compiled, tmp_path / "run") as rec,
+    ):
+        _train(compiled, steps=3)
+        assert rec.error is None
+    # torch's own warning about process-wide hooks is not shown to the script
+    assert not [w for w in caught if "global hooks" in str(w.message)]
+    records = hooktrace.load(tmp_path / "run").records
+    assert sorted(records["step"].unique()) == [0, 1, 2]
+    assert set(records["module"]) == {"Net"}
+    per_kind = records[records["step"] == 1].groupby("kind").size().to_dict()
+    assert per_kind == {"output": 1, "grad_output": 1, "param": 4, "grad_param": 4}
+    assert model.__dict__.get("_compiled_call_impl") is None or not isinstance(
+        model.__dict__["_compiled_call_impl"], hooktrace.recorder.recorder.CompiledCall
+    )
+
+
+def test_module_compile_during_recording_is_recorded_from_then_on(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        _train(model, steps=1)
+        with pytest.warns(RuntimeWarning, match="runs under torch.compile"):
+            model.compile(backend="eager")
+        _train(model, steps=1)
+        assert rec.error is None
+    assert "CompiledCall" not in type(model.__dict__["_compiled_call_impl"]).__name__
+    records = hooktrace.load(tmp_path / "run").records
+    step1 = records[records["step"] == 1]
+    assert set(step1.loc[step1["kind"] == "output", "module"]) == {"Net"}
+    assert len(step1[step1["kind"] == "param"]) == 4
