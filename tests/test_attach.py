@@ -132,10 +132,9 @@ def test_graphs_are_those_of_the_model_unrecorded(tmp_path: Path) -> None:
     with hooktrace.record(model, tmp_path / "run") as rec:
         _train(model, steps=1)
         recorded = _graphs(model, x)
-        steps_before = rec.current_step
         _train(model, steps=1)
+        assert rec.error is None
     assert recorded == plain
-    assert steps_before == 1
     # jit.trace's eager check run and the tracing itself added no calls to the step
     records = hooktrace.load(tmp_path / "run").records
     assert set(records["phase"]) == {"train"}

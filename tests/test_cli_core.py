@@ -34,7 +34,7 @@ def test_summary(run: Path) -> None:
     result = CliRunner().invoke(cli, ["summary", str(run)])
     assert result.exit_code == 0, result.output
     assert "status    complete" in result.output
-    assert "3 recorded (steps 0–2), 3 micro-steps, 0 skipped" in result.output
+    assert "3 trained (steps 0–2), 3 micro-steps, 0 skipped" in result.output
     assert "modules   4 (roots: Sequential)" in result.output
     data = json.loads(CliRunner().invoke(cli, ["summary", "--json", str(run)]).output)
     assert data["steps"] == 3 and data["kinds"]["grad_output"] == 12  # root + 3 children, 3 steps

@@ -178,10 +178,15 @@ def _train_block(block: nn.Module, steps: int = 2) -> None:
 def test_transformer_block_replays_bit_exactly(run_dir: Path) -> None:
     block = _block()
     trace = _record(block, run_dir, lambda: _train_block(block))
-    for step, phase in ((1, "train"), (2, "eval")):
+    # in eval, the layer takes torch's fused fast path, as it does unrecorded (per-module
+    # hooks used to turn it off): its submodules are not called, so not recorded
+    for step, phase, called in (
+        (1, "train", {"TransformerEncoderLayer", "self_attn", "linear1"}),
+        (2, "eval", {"TransformerEncoderLayer"}),
+    ):
         results = _replay_all(block, trace, step=step)
         assert {key[3] for key in results} == {phase}
-        assert {key[0] for key in results} >= {"TransformerEncoderLayer", "self_attn", "linear1"}
+        assert {key[0] for key in results} >= called
         inexact = {key[0] for key, r in results.items() if not r.exact}
         # dropout1 is fed a transposed view: exact because the spec keeps its strides
         assert inexact == set(), inexact

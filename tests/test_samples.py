@@ -223,13 +223,19 @@ def test_make_samples_makes_the_same_numbers(tmp_path: Path) -> None:
         pd.testing.assert_frame_equal(
             committed[keys].astype(str), again[keys].astype(str), check_categorical=False
         )
-        np.testing.assert_allclose(
-            again[numbers].to_numpy(dtype=float),
-            committed[numbers].to_numpy(dtype=float),
-            rtol=1e-5,
-            atol=1e-7,
+        # float32 rounding that another CPU's vector kernels do otherwise grows with the
+        # values: each record's numbers are compared at the scale of its own largest value
+        # (the exploding sample's gradients differ in the 6th digit on some hosts)
+        expected = committed[numbers].to_numpy(dtype=float)
+        scale = np.abs(np.nan_to_num(expected[:, :5], posinf=0.0, neginf=0.0)).max(axis=1)[:, None]
+        with np.errstate(invalid="ignore"):  # inf - inf: equal infinities compare as 0
+            difference = np.abs(again[numbers].to_numpy(dtype=float) - expected)
+        np.testing.assert_array_less(
+            np.nan_to_num(difference, nan=0.0),
+            1e-5 * np.abs(np.nan_to_num(expected)) + 1e-5 * scale + 1e-7,
             err_msg=f"sample {name}: run sample_traces/make_samples.py and commit the traces",
         )
+        assert (again[numbers].isna() == committed[numbers].isna()).all().all(), name
 
 
 def test_an_empty_filter_leaves_the_trace_whole() -> None:

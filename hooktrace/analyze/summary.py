@@ -23,8 +23,12 @@ class Summary:
     duration_s: float | None
     ranks: list[int]
     steps: int
+    """Steps that trained (a backward pass ran); every step, in a run that never trained."""
     first_step: int | None
     last_step: int | None
+    evaluation_only: list[int]
+    """Steps recorded that never trained in a run that did: an evaluation after the last
+    optimizer step, or before the first."""
     micro_steps: int
     skipped_steps: int
     modules: int
@@ -56,6 +60,7 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
     start, end = manifest.get("start_time"), manifest.get("end_time")
     errors = [s.get("error") for s in manifest["ranks"].values() if s.get("error")]
     counts = rows.groupby(rows["module"].astype(str)).size().rename("records").reset_index()
+    counted, evaluation_only = steps_that_trained(steps_table, rows["step"])
     # most records first, ties by name: the same order on every machine and pandas version
     counts = counts.sort_values(["records", "module"], ascending=[False, True], kind="stable")
     return Summary(
@@ -69,11 +74,13 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         command=list(manifest.get("command") or []),
         duration_s=(end - start) if start and end else None,
         ranks=trace.ranks,
-        steps=int(rows["step"].nunique()),
-        first_step=int(rows["step"].min()) if len(rows) else None,
-        last_step=int(rows["step"].max()) if len(rows) else None,
-        micro_steps=int(steps_table["micro_steps"].sum()) if not steps_table.empty else 0,
-        skipped_steps=int(steps_table["skipped"].sum()) if not steps_table.empty else 0,
+        steps=len(counted),
+        first_step=min(counted) if counted else None,
+        last_step=max(counted) if counted else None,
+        evaluation_only=evaluation_only,
+        # each rank writes its own row for a step: a step counts once, whatever the ranks
+        micro_steps=int(steps_table.groupby("step")["micro_steps"].max().sum()),
+        skipped_steps=int(steps_table.groupby("step")["skipped"].any().sum()),
         modules=int(trace.modules["module"].nunique())
         if not trace.modules.empty
         else rows["module"].nunique(),
@@ -89,6 +96,20 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         largest=counts.head(10).reset_index(drop=True),
         not_summarised=not_summarised(rows),
     )
+
+
+def steps_that_trained(steps_table: pd.DataFrame, steps: pd.Series) -> tuple[list[int], list[int]]:
+    """The steps that trained (a backward pass ran in them, on any rank), and the others:
+    what a script's own log counts as steps, and the evaluations outside them. A run that
+    never trained (inference) counts every step."""
+    recorded = sorted(int(s) for s in steps.unique())
+    if steps_table.empty:
+        return recorded, []
+    micro = steps_table.groupby("step")["micro_steps"].max()
+    trained = sorted(int(s) for s in micro.index[micro > 0] if s in set(recorded))
+    if not trained:
+        return recorded, []
+    return trained, [s for s in recorded if s not in set(trained)]
 
 
 def not_summarised(rows: pd.DataFrame) -> pd.DataFrame:

@@ -230,8 +230,15 @@ def _report(out: Path) -> None:
 
         trace = load(out)
         steps = trace.steps
+        if "rank" in steps.columns:  # this process's rank only: each rank says its own
+            steps = steps[steps["rank"] == int(os.environ.get("RANK", "0"))]
+        trained = int((steps["micro_steps"] > 0).sum())  # the steps the script's log counts
+        counted = f"{trained} steps" if trained else f"{len(steps)} steps"
+        if trained and trained < len(steps):
+            others = len(steps) - trained
+            counted += f" and {others} of evaluation only" if others > 1 else " and an evaluation"
         click.echo(
-            f"hooktrace: {trace.status}: {len(steps)} steps, "
+            f"hooktrace: {trace.status}: {counted}, "
             f"{int(steps['records'].sum()) if len(steps) else 0:,} records in {out}",
             err=True,
         )

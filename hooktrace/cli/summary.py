@@ -47,7 +47,8 @@ def render(s: Summary) -> str:
         lines.append(f"command   {' '.join(s.command)}")
     lines += [
         f"ranks     {', '.join(map(str, s.ranks)) or 'none'}",
-        f"steps     {s.steps} recorded (steps {span}), {s.micro_steps} micro-steps, {s.skipped_steps} skipped",
+        f"steps     {s.steps} {'trained' if s.micro_steps else 'recorded'} (steps {span}), "
+        f"{s.micro_steps} micro-steps, {s.skipped_steps} skipped" + _evaluation_only(s),
         f"modules   {s.modules} (roots: {', '.join(s.roots) or '-'})",
         f"records   {s.records:,}: " + ", ".join(f"{k} {v:,}" for k, v in s.kinds.items()),
         "phases    " + (", ".join(f"{k} {v:,}" for k, v in s.phases.items()) or "-"),
@@ -65,6 +66,16 @@ def render(s: Summary) -> str:
         lines.append("most records:")
         lines += [f"  {row.module:<40} {row.records:>8,}" for row in s.largest.head(5).itertuples()]
     return "\n".join(lines) + "\n"
+
+
+def _evaluation_only(s: Summary) -> str:
+    if not s.evaluation_only:
+        return ""
+    listed = ", ".join(map(str, s.evaluation_only[:5])) + (
+        ", ..." if len(s.evaluation_only) > 5 else ""
+    )
+    plural = "s" if len(s.evaluation_only) > 1 else ""
+    return f"; evaluation only: step{plural} {listed}"
 
 
 def _human(n: int) -> str:

@@ -113,6 +113,7 @@ class Recorder:
     _channel_shapes: set[torch.Size]
     _recent: OrderedDict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]]  # by id(tensor)
     _params_recorded: bool
+    _eval_params: tuple[int, int] | None  # rows of the parameters an evaluation recorded
     _output_specs: dict[tuple[str, int], str]  # call specs of calls with no tensor input
 
     def __init__(
@@ -558,12 +559,26 @@ class Recorder:
             self._phase = "train" if training else "eval"
             if self._recording and self.params and not self._params_recorded:
                 self._params_recorded = True
+                start = len(self._pending.meta)
                 try:
                     self._record_params("param")
                     self._record_params("buffer")
                 except Exception as exc:
                     self._fault(exc, "the parameters")
+                if not training:  # filed as train if this step trains (_file_params_as_train)
+                    self._eval_params = (start, len(self._pending.meta))
+            elif training and self._eval_params is not None:
+                self._file_params_as_train()
         self._root_depth += 1
+
+    def _file_params_as_train(self) -> None:
+        """Parameters belong to the step they are trained in: those an evaluation at the
+        step's start recorded are filed under phase train once the step trains."""
+        start, end = self._eval_params or (0, 0)
+        self._eval_params = None
+        meta = self._pending.meta
+        for row in range(start, min(end, len(meta))):
+            meta[row] = meta[row]._replace(phase="train")
 
     def _on_forward(
         self,
@@ -903,6 +918,7 @@ class Recorder:
         self._channel_shapes = set()
         self._recent = OrderedDict()
         self._params_recorded = False
+        self._eval_params = None
         self._output_specs = {}
 
     # -- faults ------------------------------------------------------------------------------
