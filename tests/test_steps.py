@@ -102,3 +102,18 @@ def test_inference_steps_end_at_once(tmp_path: Path) -> None:
     outputs = records[records["kind"] == "output"]
     assert list(outputs.groupby("step").size()) == [4, 4, 4]
     assert set(outputs["phase"]) == {"eval"}
+
+
+def test_a_recording_that_saw_training_but_wrote_no_step_is_not_complete(tmp_path: Path) -> None:
+    recorded, trained = _model(), _model()
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    with hooktrace.record(recorded, tmp_path / "run"):
+        for i in range(3):
+            trained(_batch(i)).sum().backward()
+            opt.step()
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.status == "incomplete"
+    assert trace.manifest["ranks"]["0"]["error"] == (
+        "an optimizer stepped 3 time(s), but no recorded model holds its parameters: "
+        "nothing was recorded"
+    )

@@ -219,6 +219,8 @@ class Recorder:
         self._phase = "train"
         self._backward_active = False
         self._optimizer_owned: dict[int, bool] = {}
+        self._unrecorded = 0  # optimizer steps of parameters no recorded model holds
+        self._submitted = 0  # steps handed to the writer
         self._scratch = torch.empty(0, dtype=torch.float32)
         _ACTIVE = self
         try:
@@ -267,6 +269,12 @@ class Recorder:
                 _ACTIVE = None
             if self.error is not None and status == schema.STATUS_COMPLETE:
                 status = schema.STATUS_INCOMPLETE
+            if status == schema.STATUS_COMPLETE and not self._submitted and self._unrecorded:
+                status = schema.STATUS_INCOMPLETE
+                error = error or (
+                    f"an optimizer stepped {self._unrecorded} time(s), but no recorded model "
+                    "holds its parameters: nothing was recorded"
+                )
             problem = self._writer.close(
                 status, error=error or self.error, extra=_route_taken(), warn=False
             )
@@ -856,6 +864,8 @@ class Recorder:
         if owned:
             with self._lock:
                 self._end_step()
+        else:
+            self._unrecorded += 1
 
     def _end_step(self, *, skipped: bool = False) -> None:
         if self._closed:
@@ -889,6 +899,7 @@ class Recorder:
         self._pending = self._new_pending()
         self._recent.clear()
         self._writer.submit(pending)
+        self._submitted += 1
         # the gradient hooks of a graph that is gone need no removing: their handles are
         # dropped now and then (a handle keeps no tensor alive)
         if len(self._tensor_handles) >= self._prune_at:
