@@ -16,6 +16,8 @@ as any variant):
                the one-time warm-up of its one-pass kernel falls in the untimed warm-up
                steps and is printed on its own at the end
   full         hooktrace.record with full tensors of every module at every step
+  bystander    hooktrace.record of another model: the process-wide hooks (recorder/attach.py)
+               fire for every module call and return at once; what unrecorded modules pay
   onethread    stats, with the kernel kept to one thread instead of torch's OpenMP threads
                (not run unless asked for: what reading on torch's threads saves)
 
@@ -128,6 +130,14 @@ def full(model: nn.Module, out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def bystander(model: nn.Module, out: Path) -> Iterator[None]:
+    """Another model is recorded, not this one: the process-wide hooks fire for each of this
+    model's module calls and return at once (what any module in the process pays)."""
+    with hooktrace.record(nn.Linear(1, 1), out / "run", overwrite=True):
+        yield
+
+
+@contextlib.contextmanager
 def onethread(model: nn.Module, out: Path) -> Iterator[None]:
     threads = omp.threads
     omp.threads = lambda: 1  # what kernel.one_pass asks before each large tensor
@@ -145,10 +155,11 @@ VARIANTS: dict[str, Variant] = {
     "naive": naive,
     "stats": stats,
     "full": full,
+    "bystander": bystander,
     "onethread": onethread,
 }
 REFERENCE_MODELS = ["SmallCNN", "TinyTransformer"]  # issue 8's two, in tests/models.py
-DEFAULT = ["plain", "empty", "floor", "naive", "stats", "full"]
+DEFAULT = ["plain", "empty", "floor", "naive", "stats", "full", "bystander"]
 
 
 def page_faults() -> int:
