@@ -183,3 +183,59 @@ def test_module_compile_during_recording_is_recorded_from_then_on(tmp_path: Path
     step1 = records[records["step"] == 1]
     assert set(step1.loc[step1["kind"] == "output", "module"]) == {"Net"}
     assert len(step1[step1["kind"] == "param"]) == 4
+
+
+class Growing(nn.Module):
+    """A model whose head is replaced, and to which a module is added, mid-run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 2)
+        self.extra: nn.Module | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.body(x))
+        if self.extra is not None:
+            h = self.extra(h)
+        return self.head(h)
+
+
+def test_modules_assigned_mid_run_are_recorded_from_then_on(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Growing()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        for i in range(4):
+            if i == 2:
+                model.head = nn.Sequential(nn.Linear(8, 3), nn.ReLU(), nn.Linear(3, 2))
+                model.extra = nn.Linear(8, 8)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                new_head = model.head[0].weight.detach().clone()
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert rec.error is None
+    trace = hooktrace.load(tmp_path / "run")
+    records = trace.records
+    outputs = records[records["kind"] == "output"]
+    by_step = outputs.groupby("step")["module"].agg(lambda m: sorted(map(str, m))).to_dict()
+    assert by_step[1] == ["Growing", "body", "head"]
+    assert by_step[2] == ["Growing", "body", "extra", "head", "head.0", "head.1", "head.2"]
+    # parameter records follow the modules there now: the first step after the change
+    # records the new head's values, not the old one's
+    params = records[(records["step"] == 3) & (records["kind"] == "param")]
+    assert sorted(map(str, params["module"])) == [
+        "body", "body", "extra", "extra", "head.0", "head.0", "head.2", "head.2"
+    ]  # fmt: skip
+    step2 = records[(records["step"] == 2) & (records["kind"] == "grad_param")]
+    assert "head" not in set(map(str, step2["module"]))  # the old head's gradients are gone
+    weight = records[
+        (records["step"] == 2) & (records["module"] == "head.0") & (records["kind"] == "grad_param")
+    ]
+    assert len(weight) == 2
+    modules = trace.modules
+    assert modules["module"].is_unique
+    added = modules.set_index("module").loc[["extra", "head.0"], "first_step"].tolist()
+    assert added == [2, 2]
+    assert new_head.shape == (3, 8)

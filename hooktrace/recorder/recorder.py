@@ -81,6 +81,10 @@ _RECENT = 4
 """Tensors whose statistics a hook remembers, the latest ones: a container's output is its
 last child's, and one gradient may reach several hooks in a row."""
 
+_ADOPT_MISSES = 64
+"""Modules called inside a recorded root and found nowhere in it, before no more are looked
+for (each search walks the roots' modules)."""
+
 _PRUNE_AT = 1024
 """Gradient hook handles held before the dead ones are dropped, at least."""
 
@@ -163,8 +167,11 @@ class Recorder:
         self._param_entries: list[Entry] = []
         self._buffer_entries: list[Entry] = []
         self._param_records = RecordsCache()
-        self._param_ids: set[int] = set()
-        self._known: set[int] = set()  # ids of modules already named
+        self._param_ids: set[int] = set()  # every parameter of a recorded root
+        self._entered: set[int] = set()  # parameters and buffers with a record of their own
+        self._known: set[int] = set()  # ids of modules already named, or looked for
+        self._prefixed: dict[str, bool] = {}  # by root: its modules' names carry its name
+        self._adopt_misses = 0
         self.rank = _rank()
         self._prepare_out(overwrite)
 
@@ -389,34 +396,76 @@ class Recorder:
             self._known.update(id(m) for m in root.modules() if m is not root)
             if inner is root:  # nn.Module.compile(): its calls never reach a hook outside
                 self._watch_compiled(root)
+        self.roots[root_name] = hooked
+        self._prefixed[root_name] = prefixed
+        self._table.add_root(hooked)
+        self._add_modules(root_name, hooked, prefix="", prefixed=prefixed, compiled=compiled)
+        return hooked
+
+    def _add_modules(
+        self, root_name: str, scope: nn.Module, *, prefix: str, prefixed: bool, compiled: bool
+    ) -> None:
+        """Name ``scope`` (the root, or a module at ``prefix`` inside it) and the modules in
+        it not named yet, with their parameters and buffers, and enter the selected ones in
+        the table. A parameter named anew replaces the record of the one it replaced."""
         new: dict[str, nn.Module] = {}
-        for qualname, module in hooked.named_modules():
+        for qualname, module in scope.named_modules(prefix=prefix):
             if id(module) in self._known:
                 continue
             self._known.add(id(module))
             name = _qualified(root_name, qualname, prefixed)
             if self._include(name) and not self._skip(name):
                 new[name] = module
-        self.roots[root_name] = hooked
+        written = [name for name in new if name not in self._modules]
         self._modules.update(new)
         self._full_modules.update(name for name in new if self._full_match(name))
+        inner, _ = unwrap(self.roots[root_name])
+        params, buffers = [], []
         for qualname, param in inner.named_parameters():
-            if id(param) in self._param_ids:
+            if id(param) in self._entered:
                 continue
-            self._param_ids.add(id(param))
+            self._param_ids.add(id(param))  # an optimizer holding it trains a recorded model
             entry = _entry(root_name, inner, qualname, prefixed=prefixed, compiled=compiled)
             if entry.module in new:
-                self._param_entries.append(entry)
+                self._entered.add(id(param))
+                params.append(entry)
         for qualname, buffer in inner.named_buffers():
+            if id(buffer) in self._entered:
+                continue
             entry = _entry(root_name, inner, qualname, prefixed=prefixed, compiled=compiled)
-            if entry.module in new and id(buffer) not in self._param_ids:
-                self._param_ids.add(id(buffer))
-                self._buffer_entries.append(entry)
-        self._table.add_root(hooked)
+            if entry.module in new:
+                self._entered.add(id(buffer))
+                buffers.append(entry)
+        self._param_entries = _replaced(self._param_entries, params, set(new))
+        self._buffer_entries = _replaced(self._buffer_entries, buffers, set(new))
+        self._param_records = RecordsCache()  # built for the entries as they were
         for name, module in new.items():
             self._table.add(module, name, channels_first=isinstance(module, _CHANNELS_FIRST))
-        self._writer.add_modules(self._module_rows(root_name, new))
-        return hooked
+        self._writer.add_modules(self._module_rows(root_name, {n: new[n] for n in written}))
+
+    def _adopt(self, module: nn.Module) -> attach.Attached | None:
+        """A module called inside a recorded root that had no name when the root was named
+        (assigned since: ``model.head = nn.Linear(...)``): named now, by where it sits in
+        its root, and recorded from this call on. Each module is looked for once; after
+        ``_ADOPT_MISSES`` modules found nowhere (made anew inside a forward, at every
+        call), no more are looked for."""
+        if self._adopt_misses >= _ADOPT_MISSES:
+            self._known.add(id(module))
+            return None
+        for root_name, root in list(self.roots.items()):
+            inner, compiled = unwrap(root)
+            if compiled:
+                continue
+            for qualname, found in inner.named_modules():
+                if found is module:
+                    self._add_modules(
+                        root_name, module, prefix=qualname,
+                        prefixed=self._prefixed[root_name], compiled=False,
+                    )  # fmt: skip
+                    return self._table.get(module)
+        self._known.add(id(module))
+        self._adopt_misses += 1
+        return None
 
     def _warn_compiled(self, root_name: str) -> None:
         warnings.warn(
@@ -438,7 +487,11 @@ class Recorder:
         if is_compiling():
             return
         entry = self._table.get(module)
-        if entry is None or self._paused or attach.traced():
+        if entry is None and self._root_depth and id(module) not in self._known:
+            with self._lock:  # inside a recorded root, and never seen: assigned since?
+                if self._active and not self._paused and not attach.traced():
+                    entry = self._adopt(module)
+        if entry is None or not (entry.root or self.inputs) or self._paused or attach.traced():
             return
         if _in_backward() or _in_transform():
             return
@@ -992,6 +1045,17 @@ class Recorder:
                 }
             )
         return rows
+
+
+def _replaced(entries: list[Entry], fresh: list[Entry], names: set[str]) -> list[Entry]:
+    """``entries`` with ``fresh`` ones added, the modules ``names`` were just given to. The
+    entries of a module those names had before (one replaced since), and of the modules
+    inside it, give way: they are no longer in the model."""
+    if not names:
+        return entries
+    stale = tuple(f"{name}." for name in names)
+    kept = [e for e in entries if e.module not in names and not e.module.startswith(stale)]
+    return kept + fresh
 
 
 def _unseen() -> Any:
