@@ -239,3 +239,37 @@ def test_modules_assigned_mid_run_are_recorded_from_then_on(tmp_path: Path) -> N
     added = modules.set_index("module").loc[["extra", "head.0"], "first_step"].tolist()
     assert added == [2, 2]
     assert new_head.shape == (3, 8)
+
+
+_POOL_MODEL = nn.Linear(3, 3)
+
+
+def _call_in_child(out: str) -> list[float]:
+    """In a forked worker: the parent's recording is not this process's; one of its own is."""
+    from hooktrace.recorder.recorder import active_recorder
+
+    assert active_recorder() is None
+    with torch.no_grad():
+        values = [float(_POOL_MODEL(torch.ones(1, 3)).sum())]
+    with hooktrace.record(_POOL_MODEL, out) as rec, torch.no_grad():
+        _POOL_MODEL(torch.ones(1, 3))
+        rec.step()
+    return values
+
+
+def test_a_process_forked_while_recording_records_nothing_of_the_parents(tmp_path: Path) -> None:
+    import multiprocessing
+
+    opt = torch.optim.SGD(_POOL_MODEL.parameters(), lr=0.1)
+    with hooktrace.record(_POOL_MODEL, tmp_path / "run") as rec:
+        _POOL_MODEL(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            [values] = pool.map(_call_in_child, [str(tmp_path / "child")])
+        _POOL_MODEL(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        assert rec.error is None
+    assert len(values) == 1
+    steps = hooktrace.load(tmp_path / "run").steps
+    assert list(steps["records"]) == [6, 6]  # params 2, output, its gradient, gradients 2
+    assert list(hooktrace.load(tmp_path / "child").steps["step"]) == [0]

@@ -97,6 +97,19 @@ def active_recorder() -> Recorder | None:
     return _ACTIVE
 
 
+def _leave_in_child() -> None:
+    """A process forked while recording (a DataLoader worker, a multiprocessing pool) holds
+    a copy of the recorder without its writer thread: it records nothing, and may start a
+    recording of its own."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE._orphan()
+        _ACTIVE = None
+
+
+os.register_at_fork(after_in_child=_leave_in_child)
+
+
 class Recorder:
     """Records the named modules of one or more models into a run directory.
 
@@ -984,6 +997,13 @@ class Recorder:
         self._params_recorded = False
         self._eval_params = None
         self._output_specs = {}
+
+    def _orphan(self) -> None:
+        """In a forked child: hooks return at once, nothing is written, nothing is closed."""
+        self._active = False
+        self._recording = False
+        self._closed = True
+        self._table.clear()
 
     # -- faults ------------------------------------------------------------------------------
 
