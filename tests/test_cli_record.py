@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import hooktrace
+from hooktrace.analyze.summary import summary
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -410,11 +411,18 @@ def test_torchrun_two_ranks_write_one_run(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "hooktrace", "record", "-q", "-o", str(run), str(script)],
+         "-m", "hooktrace", "record", "--overwrite", "-o", str(run), str(script)],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    # each rank counts its own steps (all ranks' rows were counted: "6 steps" for 3)
+    finals = sorted(line for line in result.stderr.splitlines() if "records in" in line)
+    assert finals == [
+        f"hooktrace: rank {r}: complete: 3 steps, 48 records in {run}" for r in (0, 1)
+    ]
     trace = hooktrace.load(run)
+    found = summary(trace)
+    assert (found.steps, found.micro_steps) == (3, 3)  # micro-steps were summed over ranks
     assert trace.manifest["world_size"] == 2 and trace.ranks == [0, 1]
     assert trace.status == "complete"
     records = trace.records

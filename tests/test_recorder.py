@@ -246,10 +246,12 @@ def test_eval_under_no_grad_is_phase_eval_and_not_a_step(run_dir: Path) -> None:
     records = trace.records
     assert sorted(trace.steps["step"]) == [0, 1, 2, 3]  # step 3: the last eval passes
     evals = records[records["phase"] == "eval"]
-    # no gradients in eval; parameters belong to the step they are trained in: an eval
-    # pass first in a step that trains records them as train, and only step 3 never trains
+    # no gradients in eval; parameters where an eval pass was the step's first forward, and
+    # again (phase train) at the step's first training forward
     assert set(evals["kind"]) == {"output", "param"}
-    assert set(evals.loc[evals["kind"] == "param", "step"]) == {3}
+    assert set(evals.loc[evals["kind"] == "param", "step"]) == {1, 2, 3}
+    train_params = records[(records["phase"] == "train") & (records["kind"] == "param")]
+    assert set(train_params["step"]) == {0, 1, 2}
     outputs = evals[(evals["module"] == "body") & (evals["kind"] == "output")]
     assert list(outputs["call"]) == [0, 1] * 3
     assert set(evals["step"]) == {1, 2, 3}

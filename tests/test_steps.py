@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import torch
 from torch import nn
 
@@ -63,30 +64,46 @@ def test_a_trainer_loop_with_accumulation_and_evaluation(tmp_path: Path) -> None
     evals = records[records["phase"] == "eval"]
     per_step = evals[(evals["module"] == "0") & (evals["kind"] == "output")]
     assert per_step.groupby("step").size().to_dict() == {2: 2, 4: 2, 6: 4}
-    # parameters belong to the step they are trained in, though an evaluation found them
+    # each step that trains has the parameters its training used (phase train); one that an
+    # evaluation opened also has those the evaluation used (phase eval)
     params = records[records["kind"] == "param"]
     phases = params.groupby("step")["phase"].agg(lambda p: set(map(str, p))).to_dict()
-    assert phases == {**{s: {"train"} for s in range(6)}, 6: {"eval"}}
+    both = {"eval", "train"}
+    assert phases == {
+        0: {"train"},
+        1: {"train"},
+        2: both,
+        3: {"train"},
+        4: both,
+        5: {"train"},
+        6: {"eval"},
+    }
 
 
-def test_an_evaluation_at_the_start_files_parameters_under_train(tmp_path: Path) -> None:
-    """Parameters belong to the step they are trained in: an evaluation before the first
-    training forward records them, and they are filed under phase train."""
+def test_an_evaluation_at_the_start_records_the_parameters_it_used(tmp_path: Path) -> None:
+    """An evaluation before a step's training (a sanity check, or with weights swapped in
+    for it, as EMA callbacks do) records the parameters it used, phase eval; the step's
+    training records its own, phase train."""
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with hooktrace.record(model, tmp_path / "run"):
-        _evaluate(model)  # before any training: step 0's
+        trained = model[0].weight.detach().clone()
+        with torch.no_grad():
+            model[0].weight.mul_(2)  # the evaluation's weights
+        _evaluate(model)
+        with torch.no_grad():
+            model[0].weight.copy_(trained)
         for i in range(2):
             model(_batch(i)).sum().backward()
             opt.step()
             opt.zero_grad()
     records = _records(tmp_path / "run")
-    params = records[records["kind"] == "param"]
-    assert list(params.groupby("step").size()) == [4, 4]
-    assert set(params["phase"]) == {"train"}
-    first = records[records["step"] == 0]
-    # the evaluation's records came first, in execution order, and kept their phase
-    assert list(first.loc[first["kind"] == "output", "phase"])[:3] == ["eval"] * 3
+    weight = records[(records["kind"] == "param") & (records["module"] == "0")]
+    weight = weight[weight["shape"] == "8,4"]
+    by_phase = {(int(r.step), str(r.phase)): r.mean for r in weight.itertuples()}
+    assert set(by_phase) == {(0, "eval"), (0, "train"), (1, "train")}
+    assert by_phase[(0, "eval")] == pytest.approx(2 * trained.double().mean().item(), rel=1e-6)
+    assert by_phase[(0, "train")] == pytest.approx(trained.double().mean().item(), rel=1e-6)
 
 
 def test_inference_steps_end_at_once(tmp_path: Path) -> None:

@@ -230,15 +230,19 @@ def _report(out: Path) -> None:
 
         trace = load(out)
         steps = trace.steps
-        if "rank" in steps.columns:  # this process's rank only: each rank says its own
-            steps = steps[steps["rank"] == int(os.environ.get("RANK", "0"))]
+        # this process's rank only: each rank says its own, while others may still write
+        rank = int(os.environ.get("RANK", "0"))
+        if "rank" in steps.columns:
+            steps = steps[steps["rank"] == rank]
+        status = trace.manifest["ranks"].get(str(rank), {}).get("status", trace.status)
+        who = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         trained = int((steps["micro_steps"] > 0).sum())  # the steps the script's log counts
         counted = f"{trained} steps" if trained else f"{len(steps)} steps"
         if trained and trained < len(steps):
             others = len(steps) - trained
             counted += f" and {others} of evaluation only" if others > 1 else " and an evaluation"
         click.echo(
-            f"hooktrace: {trace.status}: {counted}, "
+            f"hooktrace: {who}{status}: {counted}, "
             f"{int(steps['records'].sum()) if len(steps) else 0:,} records in {out}",
             err=True,
         )

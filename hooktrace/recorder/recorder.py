@@ -129,8 +129,7 @@ class Recorder:
     _hooked: dict[int, tuple[weakref.ref[torch.Tensor], int, int, list[tuple[str, int, str, str]]]]
     _channel_shapes: set[torch.Size]
     _recent: OrderedDict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]]  # by id(tensor)
-    _params_recorded: bool
-    _eval_params: tuple[int, int] | None  # rows of the parameters an evaluation recorded
+    _params_phase: str | None  # the phase whose forward recorded the step's parameters
     _output_specs: dict[tuple[str, int], str]  # call specs of calls with no tensor input
 
     def __init__(
@@ -196,7 +195,7 @@ class Recorder:
             "max_units": max_units, "compression": compression, "buffer_mb": buffer_mb,
             "strict": strict,
         }  # fmt: skip
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        world_size = _world_size()
         manifest = {
             "format": schema.FORMAT_NAME,
             "format_version": schema.FORMAT_VERSION,
@@ -631,28 +630,18 @@ class Recorder:
                 self._backward_active = False
             training = torch.is_grad_enabled() and module.training
             self._phase = "train" if training else "eval"
-            if self._recording and self.params and not self._params_recorded:
-                self._params_recorded = True
-                start = len(self._pending.meta)
+            # parameters as the step's first forward finds them, and again as its first
+            # training forward does, where an evaluation came first (an EMA callback may
+            # have swapped them in for it): each phase's records hold what it used
+            wanted = self._params_phase is None or (self._params_phase == "eval" and training)
+            if self._recording and self.params and wanted:
+                self._params_phase = self._phase
                 try:
                     self._record_params("param")
                     self._record_params("buffer")
                 except Exception as exc:
                     self._fault(exc, "the parameters")
-                if not training:  # filed as train if this step trains (_file_params_as_train)
-                    self._eval_params = (start, len(self._pending.meta))
-            elif training and self._eval_params is not None:
-                self._file_params_as_train()
         self._root_depth += 1
-
-    def _file_params_as_train(self) -> None:
-        """Parameters belong to the step they are trained in: those an evaluation at the
-        step's start recorded are filed under phase train once the step trains."""
-        start, end = self._eval_params or (0, 0)
-        self._eval_params = None
-        meta = self._pending.meta
-        for row in range(start, min(end, len(meta))):
-            meta[row] = meta[row]._replace(phase="train")
 
     def _on_forward(
         self,
@@ -994,8 +983,7 @@ class Recorder:
         self._hooked = {}
         self._channel_shapes = set()
         self._recent = OrderedDict()
-        self._params_recorded = False
-        self._eval_params = None
+        self._params_phase = None
         self._output_specs = {}
 
     def _orphan(self) -> None:
@@ -1036,8 +1024,8 @@ class Recorder:
                 f"{self.out} already holds a trace: choose another output directory, delete it, "
                 "or pass overwrite=True"
             )
-        if overwrite and self.rank == 0:
-            _clear_trace(self.out)
+        if overwrite:
+            _clear_trace(self.out, rank=self.rank, world_size=_world_size())
         try:
             self.out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -1232,18 +1220,33 @@ def _describe(spec: Any) -> Any:
         return repr(spec)
 
 
-def _clear_trace(out: Path) -> None:
+def _clear_trace(out: Path, *, rank: int, world_size: int) -> None:
+    """Remove what an earlier recording left of this rank; rank 0 also removes the manifest
+    and the ranks beyond this run's. Each rank removes its own only: under torchrun, rank 0
+    removing every rank's folders killed the writer of a rank that had begun writing."""
     import shutil
 
-    for name in (
-        schema.RECORDS_DIR,
-        schema.STEPS_DIR,
-        schema.MODULES_DIR,
-        schema.TENSORS_DIR,
-        schema.STATUS_DIR,
-    ):
-        shutil.rmtree(out / name, ignore_errors=True)
-    (out / schema.MANIFEST).unlink(missing_ok=True)
+    ranks = {rank} | (set() if rank else _ranks_in(out) - set(range(world_size)))
+    for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, schema.TENSORS_DIR):
+        for r in ranks:
+            shutil.rmtree(out / schema.rank_dir(name, r), ignore_errors=True)
+    for r in ranks:
+        (out / schema.STATUS_DIR / f"rank={r}.json").unlink(missing_ok=True)
+    if rank == 0:
+        (out / schema.MANIFEST).unlink(missing_ok=True)
+
+
+def _ranks_in(out: Path) -> set[int]:
+    found = set()
+    for path in out.glob("*/rank=*"):
+        number = path.name.removeprefix("rank=").removesuffix(".json")
+        if number.isdigit():
+            found.add(int(number))
+    return found
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _version() -> str:
