@@ -49,6 +49,8 @@ class ScriptRecorder(Recorder):
         super()._install()
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_stepping))
         self._patch(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
+        # an optimizer unpickled or deep-copied is made by __setstate__, not __init__
+        self._patch(torch.optim.Optimizer, "__setstate__", self._wrap_optimizer_init)
         self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
         self._patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
 
@@ -135,6 +137,7 @@ class ScriptRecorder(Recorder):
 
     def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._in_optimizer_step = True
+        self._optimizers.add(optimizer)  # however it was made
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._in_optimizer_step = False

@@ -38,7 +38,14 @@ def run_script(
     sys.path[0] = str(script.parent)
     previous_term = signal.getsignal(signal.SIGTERM)
 
+    recording_pid = os.getpid()
+
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != recording_pid:
+            # a process forked from the script (a DataLoader or pool worker) inherited this
+            # handler: it dies of the signal, as it would have unrecorded
+            _die_by(signal.SIGTERM, signal.SIG_DFL)
+            return
         # only raise: finishing the trace here could wait on a lock the interrupted code holds
         raise Terminated()
 
