@@ -273,3 +273,38 @@ def test_a_process_forked_while_recording_records_nothing_of_the_parents(tmp_pat
     steps = hooktrace.load(tmp_path / "run").steps
     assert list(steps["records"]) == [6, 6]  # params 2, output, its gradient, gradients 2
     assert list(hooktrace.load(tmp_path / "child").steps["step"]) == [0]
+
+
+def test_a_model_not_recorded_inside_a_recorded_forward_is_looked_for_once(tmp_path: Path) -> None:
+    """A frozen teacher called inside the student's forward is not the student's: it is not
+    recorded, and its modules cost one search in all, so modules assigned later are still
+    found."""
+    torch.manual_seed(0)
+    teacher = nn.Sequential(*[nn.Linear(4, 4) for _ in range(100)])
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.extra: nn.Module | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                target = teacher(x)
+            h = self.fc(x)
+            if self.extra is not None:
+                h = self.extra(h)
+            return (h - target).pow(2)
+
+    student = Student()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with hooktrace.record(student, tmp_path / "run") as rec:
+        for i in range(3):
+            if i == 2:
+                student.extra = nn.Linear(4, 4)
+            student(torch.randn(3, 4)).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert rec._adopt_misses == 1
+    modules = set(map(str, hooktrace.load(tmp_path / "run").records["module"]))
+    assert modules == {"Student", "fc", "extra"}

@@ -459,8 +459,9 @@ class Recorder:
         """A module called inside a recorded root that had no name when the root was named
         (assigned since: ``model.head = nn.Linear(...)``): named now, by where it sits in
         its root, and recorded from this call on. Each module is looked for once; after
-        ``_ADOPT_MISSES`` modules found nowhere (made anew inside a forward, at every
-        call), no more are looked for."""
+        ``_ADOPT_MISSES`` modules found nowhere (made anew inside a forward at every call,
+        or models not recorded called inside a recorded one's forward), no more are looked
+        for."""
         if self._adopt_misses >= _ADOPT_MISSES:
             self._known.add(id(module))
             return None
@@ -475,7 +476,9 @@ class Recorder:
                         prefixed=self._prefixed[root_name], compiled=False,
                     )  # fmt: skip
                     return self._table.get(module)
-        self._known.add(id(module))
+        # not in a recorded model (another model called inside one's forward): neither is
+        # anything inside it, so one search covers it all
+        self._known.update(id(m) for m in module.modules())
         self._adopt_misses += 1
         return None
 
