@@ -308,3 +308,23 @@ def test_a_model_not_recorded_inside_a_recorded_forward_is_looked_for_once(tmp_p
         assert rec._adopt_misses == 1
     modules = set(map(str, hooktrace.load(tmp_path / "run").records["module"]))
     assert modules == {"Student", "fc", "extra"}
+
+
+def test_hooktraces_warnings_never_raise_into_the_script(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A script that makes warnings errors (``-W error``) gets hooktrace's warnings printed,
+    not raised inside its own calls."""
+    torch.manual_seed(0)
+    model = Net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with hooktrace.record(model, tmp_path / "run") as rec:
+            _train(model, steps=1)
+            model.compile(backend="eager")  # warns: recorded from the outside
+            rec._observe = None  # type: ignore[assignment,method-assign]  # a planted fault
+            _train(model, steps=1)
+    err = capsys.readouterr().err
+    assert "hooktrace: Net runs under torch.compile" in err
+    assert "hooktrace failed in the forward of 'Net' at step 1" in err
+    assert rec.error is not None

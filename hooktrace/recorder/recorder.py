@@ -301,11 +301,8 @@ class Recorder:
             return
         if self.strict and finishing:
             raise RecordingError(f"hooktrace failed at the end of the recording: {problem}")
-        warnings.warn(  # an exception in flight is the one to see: not replaced, even if strict
-            f"hooktrace: {problem}; training was not affected",
-            RuntimeWarning,
-            stacklevel=_caller_outside(),
-        )
+        # an exception in flight is the one to see: not replaced, even if strict
+        _warn(f"hooktrace: {problem}; training was not affected")
 
     def __enter__(self) -> Recorder:
         return self
@@ -483,12 +480,10 @@ class Recorder:
         return None
 
     def _warn_compiled(self, root_name: str) -> None:
-        warnings.warn(
+        _warn(
             f"hooktrace: {root_name} runs under torch.compile: its outputs, gradients and "
             "parameters are recorded, its submodules are not (hooks inside a compiled graph "
-            "would change it). Run with TORCHDYNAMO_DISABLE=1 to record every module.",
-            RuntimeWarning,
-            stacklevel=_caller_outside(),
+            "would change it). Run with TORCHDYNAMO_DISABLE=1 to record every module."
         )
 
     # -- the process-wide hooks --------------------------------------------------------------
@@ -1006,11 +1001,9 @@ class Recorder:
         if self.strict:
             raise RecordingError(message) from exc
         if self._active:
-            warnings.warn(
+            _warn(
                 f"{message}. Recording stopped; training goes on and the trace keeps every step "
-                f"written before (in {self.out}).",
-                RuntimeWarning,
-                stacklevel=_caller_outside(),
+                f"written before (in {self.out})."
             )
         self.error = self.error or message
         self._active = False
@@ -1184,6 +1177,16 @@ def _route_taken() -> dict[str, Any] | None:
     if taken is None:
         return None
     return {"stats_route": taken.description, "stats_warmup_seconds": round(taken.warmup_s, 3)}
+
+
+def _warn(message: str) -> None:
+    """A RuntimeWarning pointing at the user's line. Where the script made warnings errors
+    (``-W error``, pytest's ``filterwarnings = error``) it would raise inside the script's
+    forward or backward call: the message is printed to stderr instead."""
+    try:
+        warnings.warn(message, RuntimeWarning, stacklevel=_caller_outside())
+    except Warning:
+        print(message, file=sys.stderr, flush=True)
 
 
 def _caller_outside() -> int:
