@@ -3,6 +3,7 @@ nothing in what a script makes of them (copies, pickles, graphs), while recordin
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -242,6 +243,8 @@ def test_modules_assigned_mid_run_are_recorded_from_then_on(tmp_path: Path) -> N
 
 
 _POOL_MODEL = nn.Linear(3, 3)
+_COMPILE = nn.Module.__dict__["compile"]
+_GLOBAL_HOOKS = _global_hooks()
 
 
 def _call_in_child(out: str) -> list[float]:
@@ -249,6 +252,9 @@ def _call_in_child(out: str) -> list[float]:
     from hooktrace.recorder.recorder import active_recorder
 
     assert active_recorder() is None
+    # the parent's hooks and patches are gone from the child: its modules run as unrecorded
+    assert _global_hooks() == _GLOBAL_HOOKS
+    assert nn.Module.__dict__["compile"] is _COMPILE
     with torch.no_grad():
         values = [float(_POOL_MODEL(torch.ones(1, 3)).sum())]
     with hooktrace.record(_POOL_MODEL, out) as rec, torch.no_grad():
@@ -328,3 +334,66 @@ def test_hooktraces_warnings_never_raise_into_the_script(
     assert "hooktrace: Net runs under torch.compile" in err
     assert "hooktrace failed in the forward of 'Net' at step 1" in err
     assert rec.error is not None
+
+
+def test_a_fault_naming_a_module_stops_the_recording_not_the_training(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Growing()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run") as rec, warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        _train(model, steps=1)
+
+        def broken(*args: object) -> None:
+            raise ValueError("a planted internal bug")
+
+        rec._module_rows = broken  # type: ignore[assignment,method-assign]
+        model.extra = nn.Linear(8, 8)
+        model(torch.randn(5, 4)).sum().backward()  # reaches the user's code: no exception
+        opt.step()
+    assert rec.error is not None and "naming the module Linear" in rec.error
+
+
+class Interrupted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interrupt:
+            raise KeyboardInterrupt  # torch's always_call hooks run for Exception only
+        return self.fc(x)
+
+
+def test_a_forward_ended_by_a_base_exception_leaves_no_depth_behind(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Interrupted()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run"):
+        for i in range(3):
+            model.interrupt = i == 1
+            with contextlib.suppress(KeyboardInterrupt):
+                model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            model.interrupt = False
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(3, 4))
+            model.train()
+    records = hooktrace.load(tmp_path / "run").records
+    params = records[records["kind"] == "param"]
+    # each step's first forward records them, whatever happened to the one before
+    phases = params.groupby("step")["phase"].agg(lambda p: sorted(set(map(str, p))))
+    assert phases.to_dict() == {
+        0: ["train"],
+        1: ["eval", "train"],
+        2: ["eval", "train"],
+        3: ["eval"],
+    }
+    step2 = records[(records["step"] == 2) & (records["module"] == "fc")]
+    outputs = step2[step2["kind"] == "output"]
+    assert list(outputs["phase"]) == ["eval", "train"]  # the eval after step 1, then training
+    step3 = records[(records["step"] == 3) & (records["kind"] == "output")]
+    assert set(step3["phase"]) == {"eval"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -98,6 +99,8 @@ def test_each_unusual_tensor_costs_its_record_only(tmp_path: Path) -> None:
     for slot in ("wrapped", "meta", "complex"):
         row = by_slot[slot]
         assert pd_isnan(row.mean) and pd_isnan(row.zero_fraction), slot
+        # nothing is known of their values: no count of NaN or Inf says "none"
+        assert pd.isna(row.nan_count) and pd.isna(row.inf_count), slot
     # the Python subclass is summarised as the plain tensor it holds; the same values
     assert by_slot["logged"].note == ""
     assert by_slot["logged"].mean == pytest.approx(by_slot["plain"].mean, rel=1e-6)

@@ -106,10 +106,12 @@ def steps_that_trained(steps_table: pd.DataFrame, steps: pd.Series) -> tuple[lis
     if steps_table.empty:
         return recorded, []
     micro = steps_table.groupby("step")["micro_steps"].max()
-    trained = sorted(int(s) for s in micro.index[micro > 0] if s in set(recorded))
+    with_records = set(recorded)
+    trained = sorted(int(s) for s in micro.index[micro > 0] if s in with_records)
     if not trained:
         return recorded, []
-    return trained, [s for s in recorded if s not in set(trained)]
+    done = set(trained)
+    return trained, [s for s in recorded if s not in done]
 
 
 def not_summarised(rows: pd.DataFrame) -> pd.DataFrame:

@@ -164,11 +164,12 @@ def record(
         if sys.argv and sys.argv[0]
         else ["hooktrace", "record", str(script), *args]
     )
+    recording_pid = os.getpid()
     try:
         code = run_script(script, list(args), out=out, options=options, command=command)
     except HooktraceError as exc:  # setting up failed, or --strict: finishing the trace did
         raise CommandError(str(exc)) from exc
-    if not quiet:
+    if not quiet and os.getpid() == recording_pid:  # not a child the script forked
         _report(out)
     sys.exit(code)
 

@@ -110,6 +110,10 @@ class ScriptRecorder(Recorder):
         super()._end_step(skipped=skipped)
         self._model_forwards = 0
 
+    def _outside_forwards(self) -> None:
+        super()._outside_forwards()
+        self._depth = 0
+
     def _discover(self, module: nn.Module, inner: nn.Module) -> nn.Module:
         """A new root: the first with parameters is the model, named as in named_modules();
         the others (a loss module, a second model) are prefixed by their class name."""

@@ -296,9 +296,12 @@ class PendingStep:
         with np.errstate(invalid="ignore", divide="ignore"):
             numel = layout.numel
             zero_fraction = np.where(numel > 0, stats[:, 5] / np.maximum(numel, 1), np.nan)
-        nan_count, inf_count = stats[:, 6].astype(np.int64), stats[:, 7].astype(np.int64)
-        if layout.skipped.any():
+        nan_count: Any = stats[:, 6].astype(np.int64)
+        inf_count: Any = stats[:, 7].astype(np.int64)
+        if layout.skipped.any():  # not summarised: nothing is known of their values
             zero_fraction[layout.skipped] = np.nan
+            nan_count = pa.array(nan_count, mask=layout.skipped)
+            inf_count = pa.array(inf_count, mask=layout.skipped)
         columns = {
             **layout.columns,
             "step": np.full(n, self.step, dtype=np.int64),

@@ -257,6 +257,7 @@ class Recorder:
     def step(self, *, skipped: bool = False) -> None:
         """Mark the end of a step, where no torch.optim optimizer marks it."""
         with self._lock:
+            self._outside_forwards()
             self._end_step(skipped=skipped)
 
     def close(self, *, status: str = schema.STATUS_COMPLETE, error: str | None = None) -> None:
@@ -500,7 +501,10 @@ class Recorder:
         if entry is None and self._root_depth and id(module) not in self._known:
             with self._lock:  # inside a recorded root, and never seen: assigned since?
                 if self._active and not self._paused and not attach.traced():
-                    entry = self._adopt(module)
+                    try:
+                        entry = self._adopt(module)
+                    except Exception as exc:
+                        self._fault(exc, f"naming the module {type(module).__name__}")
         if entry is None or not (entry.root or self.inputs) or self._paused or attach.traced():
             return
         if _in_backward() or _in_transform():
@@ -916,6 +920,7 @@ class Recorder:
             self._optimizer_owned[id(optimizer)] = owned
         if owned:
             with self._lock:
+                self._outside_forwards()
                 self._end_step()
         else:
             self._unrecorded += 1
@@ -936,6 +941,11 @@ class Recorder:
         self.current_step += 1
         self.micro_step = 0
         self._reset_step_state()
+
+    def _outside_forwards(self) -> None:
+        """At an optimizer step no forward runs: a root's forward that a BaseException ended
+        (a KeyboardInterrupt the script caught) skipped the hook that leaves it."""
+        self._root_depth = 0
 
     def _submit(self) -> None:
         pending = self._pending
@@ -990,6 +1000,11 @@ class Recorder:
         self._recording = False
         self._closed = True
         self._table.clear()
+        for handle in self._handles:  # the child's copies: its modules run without them
+            handle.remove()
+        self._handles.clear()
+        while self._restore:
+            self._restore.pop()()
 
     # -- faults ------------------------------------------------------------------------------
 
