@@ -91,6 +91,14 @@ class ModuleTable:
         elif entry.name is None:
             entry.name, entry.channels_first = name, channels_first
 
+    def name(self, module: nn.Module, name: str, *, channels_first: bool) -> None:
+        """Enter ``module`` under ``name``, or rename it (it moved within its model)."""
+        entry = self._by_id.get(id(module))
+        if entry is None:
+            self.add(module, name, channels_first=channels_first)
+        else:
+            entry.name, entry.channels_first = name, channels_first
+
     def add_root(self, module: nn.Module) -> None:
         entry = self._by_id.get(id(module))
         if entry is None:

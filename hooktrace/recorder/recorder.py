@@ -81,10 +81,6 @@ _RECENT = 4
 """Tensors whose statistics a hook remembers, the latest ones: a container's output is its
 last child's, and one gradient may reach several hooks in a row."""
 
-_ADOPT_MISSES = 64
-"""Modules called inside a recorded root and found nowhere in it, before no more are looked
-for (each search walks the roots' modules)."""
-
 _PRUNE_AT = 1024
 """Gradient hook handles held before the dead ones are dropped, at least."""
 
@@ -183,7 +179,9 @@ class Recorder:
         self._entered: set[int] = set()  # parameters and buffers with a record of their own
         self._known: set[int] = set()  # ids of modules already named, or looked for
         self._prefixed: dict[str, bool] = {}  # by root: its modules' names carry its name
-        self._adopt_misses = 0
+        self._root_names: dict[int, str] = {}  # by id of the module entered as a root
+        self._where: dict[int, tuple[str, str]] = {}  # by module id: (root, qualname)
+        self._layouts_seen: dict[int, list[int]] = {}  # by root id: its modules' ids
         self.rank = _rank()
         self._prepare_out(overwrite)
 
@@ -408,6 +406,7 @@ class Recorder:
                 self._watch_compiled(root)
         self.roots[root_name] = hooked
         self._prefixed[root_name] = prefixed
+        self._root_names[id(hooked)] = root_name
         self._table.add_root(hooked)
         self._add_modules(root_name, hooked, prefix="", prefixed=prefixed, compiled=compiled)
         return hooked
@@ -423,6 +422,7 @@ class Recorder:
             if id(module) in self._known:
                 continue
             self._known.add(id(module))
+            self._where[id(module)] = (root_name, qualname)
             name = _qualified(root_name, qualname, prefixed)
             if self._include(name) and not self._skip(name):
                 new[name] = module
@@ -453,32 +453,55 @@ class Recorder:
             self._table.add(module, name, channels_first=isinstance(module, _CHANNELS_FIRST))
         self._writer.add_modules(self._module_rows(root_name, {n: new[n] for n in written}))
 
-    def _adopt(self, module: nn.Module) -> attach.Attached | None:
-        """A module called inside a recorded root that had no name when the root was named
-        (assigned since: ``model.head = nn.Linear(...)``): named now, by where it sits in
-        its root, and recorded from this call on. Each module is looked for once; after
-        ``_ADOPT_MISSES`` modules found nowhere (made anew inside a forward at every call,
-        or models not recorded called inside a recorded one's forward), no more are looked
-        for."""
-        if self._adopt_misses >= _ADOPT_MISSES:
-            self._known.add(id(module))
-            return None
-        for root_name, root in list(self.roots.items()):
-            inner, compiled = unwrap(root)
-            if compiled:
+    def _restructure(self, root: nn.Module) -> None:
+        """Name the modules assigned to ``root`` since it was last looked at (``model.head =
+        nn.Linear(...)``, a module added, or one wrapped: ``m.fc = LoRA(m.fc)``), and enter
+        them: checked at each step's first forward of the root, by the identity of its
+        modules, so they are recorded from that step on. A module that moved within the
+        root is renamed; the parameter records under a name changed are the new module's."""
+        root_name = self._root_names.get(id(root))
+        if root_name is None:
+            return
+        inner, compiled = unwrap(root)
+        if compiled:
+            return
+        layout = [id(m) for m in inner.modules()]
+        if layout == self._layouts_seen.get(id(root)):
+            return
+        self._layouts_seen[id(root)] = layout
+        prefixed = self._prefixed[root_name]
+        fresh: dict[str, nn.Module] = {}
+        for qualname, module in inner.named_modules():
+            where = self._where.get(id(module))
+            if where == (root_name, qualname):
                 continue
-            for qualname, found in inner.named_modules():
-                if found is module:
-                    self._add_modules(
-                        root_name, module, prefix=qualname,
-                        prefixed=self._prefixed[root_name], compiled=False,
-                    )  # fmt: skip
-                    return self._table.get(module)
-        # not in a recorded model (another model called inside one's forward): neither is
-        # anything inside it, so one search covers it all
-        self._known.update(id(m) for m in module.modules())
-        self._adopt_misses += 1
-        return None
+            if where is not None and _still_at(self.roots[where[0]], where[1], module):
+                continue  # named where it still is (shared with another root, or a 2nd name)
+            self._where[id(module)] = (root_name, qualname)
+            self._known.add(id(module))
+            name = _qualified(root_name, qualname, prefixed)
+            if self._include(name) and not self._skip(name):
+                fresh[name] = module
+        if not fresh:
+            return
+        written = {n: m for n, m in fresh.items() if n not in self._modules}
+        self._modules.update(fresh)
+        self._full_modules.update(name for name in fresh if self._full_match(name))
+        params, buffers = [], []
+        for name, module in fresh.items():
+            for attr, param in module.named_parameters(recurse=False):
+                self._param_ids.add(id(param))
+                self._entered.add(id(param))
+                params.append(Entry.of(name, attr, module, attr))
+            for attr, buffer in module.named_buffers(recurse=False):
+                self._entered.add(id(buffer))
+                buffers.append(Entry.of(name, attr, module, attr))
+        self._param_entries = _replaced(self._param_entries, params, set(fresh))
+        self._buffer_entries = _replaced(self._buffer_entries, buffers, set(fresh))
+        self._param_records = RecordsCache()  # built for the entries as they were
+        for name, module in fresh.items():
+            self._table.name(module, name, channels_first=isinstance(module, _CHANNELS_FIRST))
+        self._writer.add_modules(self._module_rows(root_name, written))
 
     def _warn_compiled(self, root_name: str) -> None:
         _warn(
@@ -498,13 +521,6 @@ class Recorder:
         if is_compiling():
             return
         entry = self._table.get(module)
-        if entry is None and self._root_depth and id(module) not in self._known:
-            with self._lock:  # inside a recorded root, and never seen: assigned since?
-                if self._active and not self._paused and not attach.traced():
-                    try:
-                        entry = self._adopt(module)
-                    except Exception as exc:
-                        self._fault(exc, f"naming the module {type(module).__name__}")
         if entry is None or not (entry.root or self.inputs) or self._paused or attach.traced():
             return
         if _in_backward() or _in_transform():
@@ -632,6 +648,11 @@ class Recorder:
                 self._backward_active = False
             training = torch.is_grad_enabled() and module.training
             self._phase = "train" if training else "eval"
+            if self._recording and self._params_phase is None:  # the step's first forward
+                try:
+                    self._restructure(module)
+                except Exception as exc:
+                    self._fault(exc, f"naming the modules of {type(module).__name__}")
             # parameters as the step's first forward finds them, and again as its first
             # training forward does, where an evaluation came first (an EMA callback may
             # have swapped them in for it): each phase's records hold what it used
@@ -1064,6 +1085,14 @@ class Recorder:
                 }
             )
         return rows
+
+
+def _still_at(root: nn.Module, qualname: str, module: nn.Module) -> bool:
+    inner, _ = unwrap(root)
+    try:
+        return inner.get_submodule(qualname) is module
+    except AttributeError:
+        return False
 
 
 def _replaced(entries: list[Entry], fresh: list[Entry], names: set[str]) -> list[Entry]:
