@@ -436,3 +436,62 @@ def test_a_module_wrapped_mid_run_is_renamed_where_it_now_sits(tmp_path: Path) -
         ("out", "weight"), ("out", "bias"), ("fc.base", "weight"), ("fc.base", "bias"),
         ("fc.a", "weight"),
     ]  # fmt: skip
+
+
+def _replicate(net: nn.Module) -> nn.Module:
+    """What torch.nn.parallel.replicate does for each device, on the CPU: copies of every
+    module (``_replicate_for_data_parallel``) wired together, sharing the parameters."""
+    copies = {m: m._replicate_for_data_parallel() for m in net.modules()}
+    for module, copy_ in copies.items():
+        for key, child in module._modules.items():
+            copy_._modules[key] = copies[child] if child is not None else None
+        for key, param in module._parameters.items():
+            copy_._parameters[key] = param
+    return copies[net]
+
+
+class DataParallel(nn.Module):
+    """nn.DataParallel on two devices, as far as hooks see it: the wrapped module is never
+    called, two replicas made at each forward are, in threads of their own."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import threading
+
+        outputs: list[torch.Tensor] = [x, x]
+        replicas = [_replicate(self.module) for _ in range(2)]
+
+        def run(i: int, chunk: torch.Tensor) -> None:
+            outputs[i] = replicas[i](chunk)
+
+        threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(x.chunk(2))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return torch.cat(outputs)
+
+
+def test_data_parallel_replicas_are_recorded_as_their_module(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    model = DataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        for _ in range(2):
+            model(torch.randn(6, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        assert rec.error is None
+        assert not rec._table._replicas  # the replicas of the last forward are gone
+    records = hooktrace.load(tmp_path / "run").records
+    step = records[records["step"] == 1]
+    outputs = step[step["kind"] == "output"]
+    # each module once per replica: calls 0 and 1
+    assert outputs.groupby("module")["call"].agg(sorted).to_dict() == {
+        "0": [0, 1], "1": [0, 1], "2": [0, 1], "Sequential": [0, 1]
+    }  # fmt: skip
+    assert len(step[step["kind"] == "grad_output"]) == 8

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import types
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,6 +82,8 @@ class ModuleTable:
 
     def __init__(self) -> None:
         self._by_id: dict[int, Attached] = {}
+        # nn.DataParallel's per-device copies of a recorded module, called in its place
+        self._replicas: dict[int, tuple[weakref.ref[nn.Module], Attached]] = {}
 
     def add(self, module: nn.Module, name: str | None, *, channels_first: bool) -> None:
         entry = self._by_id.get(id(module))
@@ -108,10 +111,28 @@ class ModuleTable:
 
     def get(self, module: nn.Module) -> Attached | None:
         entry = self._by_id.get(id(module))
-        return entry if entry is not None and entry.module is module else None
+        if entry is not None and entry.module is module:
+            return entry
+        if self._replicas:
+            replica = self._replicas.get(id(module))
+            if replica is not None and replica[0]() is module:
+                return replica[1]
+        return None
+
+    def replica(self, replica: nn.Module, of: nn.Module) -> None:
+        """``replica`` (made by ``nn.DataParallel`` on each forward) stands for ``of``; held
+        weakly, it lives for its forward only."""
+        entry = self.get(of)
+        if entry is not None:
+            self._replicas[id(replica)] = (weakref.ref(replica), entry)
+
+    def drop_dead_replicas(self) -> None:
+        if self._replicas:
+            self._replicas = {k: v for k, v in self._replicas.items() if v[0]() is not None}
 
     def clear(self) -> None:
         self._by_id.clear()
+        self._replicas.clear()
 
     def __len__(self) -> int:
         return len(self._by_id)

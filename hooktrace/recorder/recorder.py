@@ -333,6 +333,7 @@ class Recorder:
         self._handles.extend(attach.install(pre=self._pre, post=self._post, exit=self._exit))
         self._patch(nn.Module, "compile", self._wrap_module_compile)
         self._patch(torch.jit._trace, "_check_trace", self._wrap_check_trace)
+        self._patch(nn.Module, "_replicate_for_data_parallel", self._wrap_replicate)
         self._ignore_warning(_COMPILE_HOOKS_WARNING)
 
     def _patch(
@@ -375,6 +376,16 @@ class Recorder:
         compiled = module.__dict__.get("_compiled_call_impl")
         if compiled is not None and not isinstance(compiled, CompiledCall):
             self._compiled_calls.append(CompiledCall(self, module, compiled))
+
+    def _wrap_replicate(self, original: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        def _replicate_for_data_parallel(module: nn.Module) -> nn.Module:
+            # nn.DataParallel on several devices calls copies made each forward, never the
+            # module itself: each copy is recorded as the module it copies
+            replica = original(module)
+            self._table.replica(replica, module)
+            return replica
+
+        return _replicate_for_data_parallel
 
     def _wrap_check_trace(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def _check_trace(*args: Any, **kwargs: Any) -> Any:
@@ -984,6 +995,7 @@ class Recorder:
         self._recent.clear()
         self._writer.submit(pending)
         self._submitted += 1
+        self._table.drop_dead_replicas()
         # the gradient hooks of a graph that is gone need no removing: their handles are
         # dropped now and then (a handle keeps no tensor alive)
         if len(self._tensor_handles) >= self._prune_at:
