@@ -32,6 +32,7 @@ from hooktrace.errors import (
     TensorNotRecorded,
     TraceError,
     TraceNotFound,
+    TraceTooLarge,
     TraceWarning,
 )
 from hooktrace.trace import schema
@@ -84,25 +85,37 @@ _PARQUET = ds.ParquetFileFormat(
 )
 
 
-def load(path: str | os.PathLike[str]) -> Trace:
-    """Open the run directory at ``path``.
+MAX_RECORDS = 10_000_000
+"""How many records ``Trace.records`` loads at most, by default: about 3 GB in pandas (some
+300 bytes a record). Past it, ``records`` raises :class:`TraceTooLarge`, which shows the
+filtered ways (:meth:`Trace.query`, :meth:`Trace.sql`)."""
+
+
+def load(path: str | os.PathLike[str], *, max_records: int | None = MAX_RECORDS) -> Trace:
+    """Open the run directory at ``path``; nothing is read but the manifest, the statuses and
+    the Parquet footers. ``max_records`` bounds what ``Trace.records`` loads (None: no bound).
 
     Raises :class:`TraceNotFound` when there is no run there and :class:`TraceError` when the
     manifest cannot be read or was written by a newer format.
     """
-    return Trace(path)
+    return Trace(path, max_records=max_records)
 
 
 class Trace:
     """One recorded run (all ranks), read lazily.
 
     ``records``, ``steps`` and ``modules`` are DataFrames (read on first use and kept);
-    :meth:`query` reads a filtered subset without loading everything; :meth:`tensor` returns a
-    saved full tensor as a numpy array.
+    :meth:`query` reads a filtered subset without loading everything; :meth:`sql` answers a
+    DuckDB query over the tables ``records``, ``steps`` and ``modules``; :meth:`tensor`
+    returns a saved full tensor as a numpy array.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, max_records: int | None = MAX_RECORDS
+    ) -> None:
         self.path = Path(path)
+        self.max_records = max_records
+        """The most records :attr:`records` loads (None: no bound); set it to load more."""
         if not self.path.exists():
             raise TraceNotFound(f"no run at {self.path}: give the directory a recording wrote")
         if not self.path.is_dir():
@@ -117,10 +130,14 @@ class Trace:
         """Files that could not be read and were left out, each with the reason."""
         self._manifest = _read_manifest(manifest_path, self._leave_out)
         self._status = _read_statuses(self.path / schema.STATUS_DIR, self._leave_out)
+        self._metadata: dict[Path, pq.FileMetaData] = {}
         self._parts = {
             name: self._discover(name)
             for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR)
         }
+        self._step_spans: dict[Path, tuple[int, int] | None] = {}
+        self._sql: Any = None  # the DuckDB connection, made on first use
+        self._sql_parts: dict[str, list[Path]] = {}
 
     # -- what the run is ---------------------------------------------------------------------
 
@@ -158,10 +175,63 @@ class Trace:
 
     # -- tables ------------------------------------------------------------------------------
 
+    @property
+    def record_count(self) -> int:
+        """How many records the readable parts hold, from their footers (nothing decoded)."""
+        return sum(self._metadata[p].num_rows for p in self._parts[schema.RECORDS_DIR])
+
     @cached_property
     def records(self) -> pd.DataFrame:
-        """Every record: one row per recorded tensor per call per step (see docs/FORMAT.md)."""
+        """Every record: one row per recorded tensor per call per step (see docs/FORMAT.md).
+
+        Raises :class:`TraceTooLarge` when the trace holds more than :attr:`max_records`:
+        then read a part of it with :meth:`query`, or ask in SQL with :meth:`sql`."""
+        count = self.record_count
+        if self.max_records is not None and count > self.max_records:
+            raise TraceTooLarge(
+                f"{_printable(self.path)} holds {count:,} records, more than trace.records loads "
+                f"into memory (max_records={self.max_records:,}; some 300 bytes a record in "
+                "pandas): read the part you need, e.g. trace.query(steps=(0, 99), "
+                "modules=['encoder.0.fc'], kinds=['grad_param'], columns=['step', 'module', "
+                "'norm']), or ask in SQL: trace.sql(\"SELECT module, max(norm) FROM records "
+                "WHERE kind = 'grad_param' GROUP BY module\"); or load it all anyway with "
+                "hooktrace.load(run, max_records=None)"
+            )
         return self.query()
+
+    def sql(self, query: str, parameters: Sequence[Any] | None = None) -> pd.DataFrame:
+        """The answer of a DuckDB ``query`` over this trace, as a DataFrame.
+
+        The tables are ``records``, ``steps`` and ``modules`` (with ``rank``), as
+        docs/FORMAT.md describes them; DuckDB reads only the columns and row groups the query
+        needs, on every core, spilling to disk past its memory limit::
+
+            trace.sql("SELECT module, max(norm) AS norm FROM records "
+                      "WHERE kind = 'grad_param' GROUP BY module ORDER BY norm DESC")
+
+        ``parameters`` fill the query's ``?`` or ``$1`` placeholders. A query DuckDB refuses
+        (a syntax error, an unknown column) raises :class:`TraceError` with DuckDB's reason.
+        """
+        import duckdb
+
+        try:
+            return self._duckdb().execute(query, parameters).df()
+        except duckdb.Error as exc:
+            raise TraceError(
+                f"the query over {_printable(self.path)} failed: {_one_line(exc)} (tables: "
+                "records, steps, modules; columns as in docs/FORMAT.md)"
+            ) from exc
+
+    def _duckdb(self) -> Any:
+        """The DuckDB connection, its views over the parts readable now."""
+        from hooktrace.trace import sql
+
+        if self._sql is None:
+            self._sql = sql.connect(self._parts)
+        elif self._sql_parts != self._parts:  # a part found damaged since: left out
+            sql.define_views(self._sql, self._parts)
+        self._sql_parts = {name: list(parts) for name, parts in self._parts.items()}
+        return self._sql
 
     @cached_property
     def steps(self) -> pd.DataFrame:
@@ -199,10 +269,14 @@ class Trace:
             nonlocal expr
             expr = e if expr is None else expr & e
 
+        span: tuple[int, int] | None = None
         if isinstance(steps, tuple) and len(steps) == 2:
             both((pc.field("step") >= steps[0]) & (pc.field("step") <= steps[1]))
+            span = (int(steps[0]), int(steps[1]))
         elif steps is not None:  # value sets typed: an empty one is then no row, not an error
-            both(pc.field("step").isin(pa.array([int(s) for s in steps], pa.int64())))
+            chosen = [int(s) for s in steps]
+            both(pc.field("step").isin(pa.array(chosen, pa.int64())))
+            span = (min(chosen), max(chosen)) if chosen else (1, 0)
         for name, values in (("module", modules), ("kind", kinds), ("phase", phases)):
             if values is not None:
                 value_set = pa.array([str(v) for v in values], pa.string())
@@ -218,7 +292,10 @@ class Trace:
                     f"unknown record column(s) {sorted(unknown)}: choose from "
                     f"{', '.join(['rank', *schema.RECORD_SCHEMA.names])}"
                 )
-        table = self._read(schema.RECORDS_DIR, schema.RECORD_SCHEMA, columns=wanted, filter=expr)
+        table = self._read(
+            schema.RECORDS_DIR, schema.RECORD_SCHEMA, columns=wanted, filter=expr,
+            parts=None if span is None else self._parts_holding(*span),
+        )  # fmt: skip
         frame = table.to_pandas()
         if "note" in frame.columns and frame["note"].hasnans:  # a 1.0 trace has no notes
             frame["note"] = _no_notes(frame["note"])
@@ -346,6 +423,18 @@ class Trace:
             f"{_printable(self.path)}: left out {name}: {reason}", TraceWarning, stacklevel=4
         )
 
+    def _parts_holding(self, first: int, last: int) -> list[Path]:
+        """The records parts that may hold a step in ``first``-``last``, by the step
+        statistics of their row groups: a window of steps opens a few files, not all."""
+        found = []
+        for part in self._parts[schema.RECORDS_DIR]:
+            if part not in self._step_spans:
+                self._step_spans[part] = _step_span(self._metadata[part])
+            span = self._step_spans[part]
+            if span is None or (span[0] <= last and first <= span[1]):
+                found.append(part)
+        return found
+
     def _discover(self, kind_dir: str) -> list[Path]:
         base = self.path / kind_dir
         if not base.is_dir():
@@ -359,7 +448,8 @@ class Trace:
                     raise ValueError("the file name is not valid UTF-8")
                 if not _regular(part):  # a directory, or a pipe that would block a read
                     raise ValueError("not a regular file")
-                missing = required - set(pq.read_schema(part).names)
+                metadata = pq.read_metadata(part)
+                missing = required - set(metadata.schema.names)
                 if missing:
                     raise ValueError(
                         f"not a hooktrace {kind_dir} part (no column {', '.join(sorted(missing))})"
@@ -368,6 +458,7 @@ class Trace:
                 self._leave_out(part, exc)
                 continue
             good.append(part)
+            self._metadata[part] = metadata
         return good
 
     def _read(
@@ -377,9 +468,10 @@ class Trace:
         *,
         columns: list[str] | None = None,
         filter: Any = None,
+        parts: list[Path] | None = None,
     ) -> pa.Table:
         full_schema = file_schema.append(schema.PARTITIONING.field("rank"))
-        parts = self._parts[kind_dir]
+        parts = self._parts[kind_dir] if parts is None else parts
         empty = full_schema.empty_table()
         empty = empty.select(columns) if columns else empty
         if not parts:
@@ -472,6 +564,23 @@ class Trace:
         steps = of_kind["step"]
         slots = sorted(of_kind["slot"].astype(str).unique())
         return f"it has steps {steps.min()}–{steps.max()} and slots {', '.join(slots)}"
+
+
+def _step_span(metadata: pq.FileMetaData) -> tuple[int, int] | None:
+    """The smallest and largest step of a records part, from its row groups' statistics;
+    None when a row group has none (then the part is always read)."""
+    try:
+        column = metadata.schema.names.index("step")
+    except ValueError:
+        return None
+    lows, highs = [], []
+    for i in range(metadata.num_row_groups):
+        stats = metadata.row_group(i).column(column).statistics
+        if stats is None or not stats.has_min_max:
+            return None
+        lows.append(int(stats.min))
+        highs.append(int(stats.max))
+    return (min(lows), max(highs)) if lows else (1, 0)
 
 
 # A part without these is not hooktrace's (other columns may be missing from files of an
