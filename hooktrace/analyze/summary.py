@@ -9,6 +9,8 @@ from typing import Any
 
 import pandas as pd
 
+from hooktrace.errors import TraceError
+from hooktrace.trace import schema
 from hooktrace.trace.reader import Trace, load
 from hooktrace.trace.schema import NOTE_SKIPPED
 
@@ -52,15 +54,20 @@ class Summary:
 
 
 def summary(run: str | os.PathLike[str] | Trace) -> Summary:
-    """Summarise a run: steps, modules, kinds, sizes and status. Reads only six columns."""
+    """Summarise a run: steps, modules, kinds, sizes and status.
+
+    One DuckDB query counts the records by module, kind and phase (reading three dictionary
+    columns, and the notes and tensor keys, which are nearly all empty); the steps, modules and
+    statuses come from their own small tables. Memory stays bounded whatever the trace's size.
+    """
     trace = run if isinstance(run, Trace) else load(run)
-    rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key", "note"])
+    groups, recorded, skipped = _counted(trace)
     steps_table = trace.steps
     manifest = trace.manifest
     start, end = manifest.get("start_time"), manifest.get("end_time")
     errors = [s.get("error") for s in manifest["ranks"].values() if s.get("error")]
-    counts = rows.groupby(rows["module"].astype(str)).size().rename("records").reset_index()
-    counted, evaluation_only = steps_that_trained(steps_table, rows["step"])
+    counts = groups.groupby("module")["records"].sum().rename("records").reset_index()
+    counted, evaluation_only = steps_that_trained(steps_table, recorded)
     # most records first, ties by name: the same order on every machine and pandas version
     counts = counts.sort_values(["records", "module"], ascending=[False, True], kind="stable")
     return Summary(
@@ -81,21 +88,58 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         # each rank writes its own row for a step: a step counts once, whatever the ranks
         micro_steps=int(steps_table.groupby("step")["micro_steps"].max().sum()),
         skipped_steps=int(steps_table.groupby("step")["skipped"].any().sum()),
-        modules=int(trace.modules["module"].nunique())
-        if not trace.modules.empty
-        else rows["module"].nunique(),
+        modules=int(trace.modules["module"].nunique()) if not trace.modules.empty else len(counts),
         roots=_roots(trace),
-        records=len(rows),
-        kinds=_counts(rows["kind"]),
-        phases=_counts(rows["phase"]),
-        full_tensors=int((rows["tensor_key"] != "").sum()),
+        records=int(groups["records"].sum()),
+        kinds=_counts(groups, "kind", schema.KINDS),
+        phases=_counts(groups, "phase", schema.PHASES),
+        full_tensors=int(groups["full_tensors"].sum()),
         bytes_on_disk={
             name: _size(trace.path / name) for name in ("records", "steps", "modules", "tensors")
         },
         error=errors[0] if errors else None,
         largest=counts.head(10).reset_index(drop=True),
-        not_summarised=not_summarised(rows),
+        not_summarised=skipped,
     )
+
+
+_GROUPS = """
+    SELECT module, kind, phase, count(*) AS records,
+           count(*) FILTER (WHERE tensor_key <> '') AS full_tensors
+    FROM records GROUP BY ALL
+"""
+_RECORDED_STEPS = "SELECT DISTINCT step FROM records"
+_NOT_SUMMARISED = f"""
+    SELECT module, kind, substr(note, {len(NOTE_SKIPPED) + 1}) AS reason, count(*) AS records
+    FROM records WHERE starts_with(note, '{NOTE_SKIPPED}')
+    GROUP BY ALL ORDER BY module, kind, reason
+"""
+
+
+def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.Series, pd.DataFrame]:
+    """Records per (module, kind, phase) with their full tensors, the steps recorded, and
+    the records not summarised. Where DuckDB cannot read a part (damaged inside: DuckDB does
+    not check page checksums but fails on what it cannot decode), hooktrace's own reader
+    counts instead, and leaves the damaged parts out with a warning."""
+    import duckdb
+
+    try:
+        groups = trace.sql(_GROUPS)
+        recorded = trace.sql(_RECORDED_STEPS)["step"]
+        skipped = trace.sql(_NOT_SUMMARISED)
+    except TraceError as exc:
+        if not isinstance(exc.__cause__, duckdb.Error):
+            raise
+        rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key", "note"])
+        keys = [rows[c].astype(str) for c in ("module", "kind", "phase")]
+        full = (rows["tensor_key"] != "").rename("full_tensors")
+        groups = full.groupby(keys).agg(["size", "sum"])
+        groups = groups.set_axis(["records", "full_tensors"], axis=1).reset_index()
+        recorded, skipped = rows["step"], not_summarised(rows)
+    for column in ("module", "kind", "phase"):
+        groups[column] = groups[column].astype(str)
+    skipped = skipped.astype({"module": str, "kind": str, "reason": str, "records": "int64"})
+    return groups, recorded, skipped.reset_index(drop=True)
 
 
 def steps_that_trained(steps_table: pd.DataFrame, steps: pd.Series) -> tuple[list[int], list[int]]:
@@ -128,9 +172,15 @@ def _roots(trace: Trace) -> list[str]:
     return list(dict.fromkeys(modules.loc[modules["depth"] == 0, "module"]))
 
 
-def _counts(column: pd.Series) -> dict[str, int]:
-    counts = column.astype(str).value_counts()
-    return {str(k): int(v) for k, v in counts.items()}
+def _counts(groups: pd.DataFrame, column: str, order: tuple[str, ...]) -> dict[str, int]:
+    """Records per value of ``column``, most first; ties in the format's order (KINDS, PHASES)."""
+    counts = groups.groupby(column)["records"].sum()
+    rank = {name: i for i, name in enumerate(order)}
+    ordered = sorted(
+        ((str(k), int(v)) for k, v in counts.items()),
+        key=lambda item: (-item[1], rank.get(item[0], len(rank)), item[0]),
+    )
+    return dict(ordered)
 
 
 def _size(path: Path) -> int:
