@@ -454,6 +454,9 @@ class Trace:
                     raise ValueError(
                         f"not a hooktrace {kind_dir} part (no column {', '.join(sorted(missing))})"
                     )
+                wrong = _wrong_types(metadata.schema.to_arrow_schema(), _SCHEMAS[kind_dir])
+                if wrong:
+                    raise ValueError(f"not a hooktrace {kind_dir} part ({wrong})")
             except (OSError, ValueError, pa.ArrowException) as exc:
                 self._leave_out(part, exc)
                 continue
@@ -566,6 +569,32 @@ class Trace:
         return f"it has steps {steps.min()}–{steps.max()} and slots {', '.join(slots)}"
 
 
+def _wrong_types(found: pa.Schema, expected: pa.Schema) -> str | None:
+    """Which column of a part holds values of another kind than the format says (text where
+    numbers belong, ...), if any: such a part is not read (and ``hooktrace check`` says so)."""
+    for field in expected:
+        if field.name not in found.names:
+            continue  # an older minor version: read as null
+        have, want = found.field(field.name).type, field.type
+        if _family(have) != _family(want):
+            return f"column {field.name} is {have}, not {want}"
+    return None
+
+
+def _family(arrow_type: pa.DataType) -> str:
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    for name, test in (
+        ("integer", pa.types.is_integer),
+        ("float", pa.types.is_floating),
+        ("bool", pa.types.is_boolean),
+        ("string", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
+    ):
+        if test(arrow_type):
+            return name
+    return str(arrow_type)
+
+
 def _step_span(metadata: pq.FileMetaData) -> tuple[int, int] | None:
     """The smallest and largest step of a records part, from its row groups' statistics;
     None when a row group has none (then the part is always read)."""
@@ -593,6 +622,12 @@ def _no_notes(notes: pd.Series) -> pd.Series:
         return notes.fillna("")
     return notes.fillna("")
 
+
+_SCHEMAS = {
+    schema.RECORDS_DIR: schema.RECORD_SCHEMA,
+    schema.STEPS_DIR: schema.STEP_SCHEMA,
+    schema.MODULES_DIR: schema.MODULE_SCHEMA,
+}
 
 _REQUIRED = {
     schema.RECORDS_DIR: {"step", "seq", "module", "kind", "slot"},
