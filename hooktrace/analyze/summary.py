@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from hooktrace.errors import TraceError
@@ -103,11 +104,6 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
     )
 
 
-_GROUPS = """
-    SELECT module, kind, phase, count(*) AS records,
-           count(*) FILTER (WHERE tensor_key <> '') AS full_tensors
-    FROM records GROUP BY ALL
-"""
 _RECORDED_STEPS = "SELECT DISTINCT step FROM records"
 _NOT_SUMMARISED = f"""
     SELECT module, kind, substr(note, {len(NOTE_SKIPPED) + 1}) AS reason, count(*) AS records
@@ -124,9 +120,16 @@ def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.Series, pd.DataFrame]:
     import duckdb
 
     try:
-        groups = trace.sql(_GROUPS)
-        recorded = trace.sql(_RECORDED_STEPS)["step"]
-        skipped = trace.sql(_NOT_SUMMARISED)
+        groups = trace.sql(_groups_query(trace))
+        recorded = _recorded_steps(trace)
+        if recorded is None:
+            recorded = trace.sql(_RECORDED_STEPS)["step"]
+        skipped = (
+            trace.sql(_NOT_SUMMARISED)
+            if groups["not_summarised"].any()
+            else pd.DataFrame(columns=["module", "kind", "reason", "records"])
+        )
+        groups = groups.drop(columns="not_summarised")
     except TraceError as exc:
         if not isinstance(exc.__cause__, duckdb.Error):
             raise
@@ -142,6 +145,62 @@ def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.Series, pd.DataFrame]:
     return groups, recorded, skipped.reset_index(drop=True)
 
 
+def _groups_query(trace: Trace) -> str:
+    """Records by module, kind and phase, with their full tensors and those not summarised.
+    What the row groups' statistics already answer is not computed: a run of one phase is
+    not grouped by phase, and a run without full tensors (or notes) does not test their
+    column, so DuckDB reads only the columns it must."""
+    phase = trace.value_span("phase")
+    keys = "module, kind, phase"
+    if phase is not None and phase[0] == phase[1]:
+        keys = f"module, kind, '{phase[0]}' AS phase" if _plain(phase[0]) else keys
+    tensor_key = trace.value_span("tensor_key")
+    full = (
+        "count(*) FILTER (WHERE tensor_key <> '')"
+        if tensor_key is None or tensor_key[1] != ""
+        else "0"
+    )
+    note = trace.value_span("note")
+    skipped = (
+        f"count(*) FILTER (WHERE starts_with(note, '{NOTE_SKIPPED}'))"
+        if note is None or (note[0] < NOTE_SKIPPED + "\U0010ffff" and note[1] >= NOTE_SKIPPED)
+        else "0"
+    )
+    return (
+        f"SELECT {keys}, count(*) AS records, {full} AS full_tensors, "
+        f"{skipped} AS not_summarised FROM records GROUP BY ALL"
+    )
+
+
+def _plain(text: object) -> bool:
+    return isinstance(text, str) and text.replace("_", "").isalnum()
+
+
+def _recorded_steps(trace: Trace) -> pd.Series | None:
+    """The steps that have records, from the steps table where it agrees with the parts'
+    footers: every records part's rows are the records its steps' rows count (a flush writes
+    whole steps and their rows together). None where they disagree (a part lost, a steps part
+    damaged): then the records themselves say."""
+    spans = trace.part_spans()
+    table = trace.steps
+    if spans.empty or table.empty or (spans["first"] < 0).any():
+        return None
+    listed = table[table["records"] > 0]
+    found: list[pd.Series] = []
+    for rank, mine in spans.groupby("rank"):
+        mine = mine.sort_values("first")
+        if (mine["first"].to_numpy()[1:] <= mine["last"].to_numpy()[:-1]).any():
+            return None  # parts of one rank overlap: not as the writer writes them
+        steps = listed.loc[listed["rank"] == rank, ["step", "records"]]
+        part = np.searchsorted(mine["first"].to_numpy(), steps["step"].to_numpy(), "right") - 1
+        inside = (part >= 0) & (steps["step"].to_numpy() <= mine["last"].to_numpy()[part])
+        counted = np.bincount(part[inside], steps["records"].to_numpy()[inside], len(mine))
+        if not np.array_equal(counted, mine["records"].to_numpy()):
+            return None
+        found.append(steps.loc[inside, "step"])
+    return pd.concat(found, ignore_index=True) if found else None
+
+
 def steps_that_trained(steps_table: pd.DataFrame, steps: pd.Series) -> tuple[list[int], list[int]]:
     """The steps that trained (a backward pass ran in them, on any rank), and the others:
     what a script's own log counts as steps, and the evaluations outside them. A run that
@@ -150,10 +209,12 @@ def steps_that_trained(steps_table: pd.DataFrame, steps: pd.Series) -> tuple[lis
     if steps_table.empty:
         return recorded, []
     micro = steps_table.groupby("step")["micro_steps"].max()
-    trained = sorted(int(s) for s in micro.index[micro > 0] if s in set(recorded))
+    recorded_set = set(recorded)
+    trained = sorted(int(s) for s in micro.index[micro > 0] if s in recorded_set)
     if not trained:
         return recorded, []
-    return trained, [s for s in recorded if s not in set(trained)]
+    trained_set = set(trained)
+    return trained, [s for s in recorded if s not in trained_set]
 
 
 def not_summarised(rows: pd.DataFrame) -> pd.DataFrame:

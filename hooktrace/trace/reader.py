@@ -226,10 +226,14 @@ class Trace:
         """The DuckDB connection, its views over the parts readable now."""
         from hooktrace.trace import sql
 
+        columns = {
+            name: {c for p in parts for c in self._metadata[p].schema.names}
+            for name, parts in self._parts.items()
+        }
         if self._sql is None:
-            self._sql = sql.connect(self._parts)
+            self._sql = sql.connect(self._parts, columns)
         elif self._sql_parts != self._parts:  # a part found damaged since: left out
-            sql.define_views(self._sql, self._parts)
+            sql.define_views(self._sql, self._parts, columns)
         self._sql_parts = {name: list(parts) for name, parts in self._parts.items()}
         return self._sql
 
@@ -422,6 +426,45 @@ class Trace:
         warnings.warn(
             f"{_printable(self.path)}: left out {name}: {reason}", TraceWarning, stacklevel=4
         )
+
+    def part_spans(self) -> pd.DataFrame:
+        """One row per readable records part, from its footer: ``rank``, ``first`` and
+        ``last`` step (from its row groups' statistics; -1 where they are missing) and
+        ``records``. A part holds whole steps, so this maps steps to files without reading
+        a record."""
+        rows = []
+        for part in self._parts[schema.RECORDS_DIR]:
+            if part not in self._step_spans:
+                self._step_spans[part] = _step_span(self._metadata[part])
+            span = self._step_spans[part] or (-1, -1)
+            rows.append((_rank_of(part), *span, self._metadata[part].num_rows))
+        return pd.DataFrame(rows, columns=["rank", "first", "last", "records"], dtype="int64")
+
+    def value_span(self, column: str) -> tuple[Any, Any] | None:
+        """The smallest and largest value of a records column, from the row groups'
+        statistics (nothing decoded); None where some row group has none. A part of an older
+        minor version without the column counts as ""-valued (``note``) or unknown."""
+        low: Any = None
+        high: Any = None
+        for part in self._parts[schema.RECORDS_DIR]:
+            metadata = self._metadata[part]
+            names = metadata.schema.names
+            if column not in names:
+                if column != "note":
+                    return None
+                spans = [("", "")]
+            else:
+                index = names.index(column)
+                spans = []
+                for i in range(metadata.num_row_groups):
+                    stats = metadata.row_group(i).column(index).statistics
+                    if stats is None or not stats.has_min_max:
+                        return None
+                    spans.append((stats.min, stats.max))
+            for lo, hi in spans:
+                low = lo if low is None else min(low, lo)
+                high = hi if high is None else max(high, hi)
+        return None if low is None else (low, high)
 
     def _parts_holding(self, first: int, last: int) -> list[Path]:
         """The records parts that may hold a step in ``first``-``last``, by the step

@@ -47,9 +47,12 @@ _SQL_TYPES = {
 }
 
 
-def connect(parts: dict[str, list[Path]]) -> duckdb.DuckDBPyConnection:
+def connect(
+    parts: dict[str, list[Path]], columns: dict[str, set[str]] | None = None
+) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per table over ``parts`` (the reader's
-    whole parts, by table directory name)."""
+    whole parts, by table directory name); ``columns``, where given, are the columns the
+    parts of each table hold between them (else DuckDB reads every footer to learn them)."""
     import duckdb
 
     con = duckdb.connect(
@@ -58,17 +61,28 @@ def connect(parts: dict[str, list[Path]]) -> duckdb.DuckDBPyConnection:
             "temp_directory": str(Path(tempfile.gettempdir()) / "hooktrace-duckdb"),
         }
     )
-    define_views(con, parts)
+    define_views(con, parts, columns)
     return con
 
 
-def define_views(con: duckdb.DuckDBPyConnection, parts: dict[str, list[Path]]) -> None:
+def define_views(
+    con: duckdb.DuckDBPyConnection,
+    parts: dict[str, list[Path]],
+    columns: dict[str, set[str]] | None = None,
+) -> None:
     """(Re)define the ``records``, ``steps`` and ``modules`` views over ``parts``."""
     for name, file_schema in TABLES.items():
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS {_select(con, file_schema, parts[name])}")
+        present = None if columns is None else columns[name]
+        view = _select(con, file_schema, parts[name], present)
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {view}")
 
 
-def _select(con: duckdb.DuckDBPyConnection, file_schema: pa.Schema, parts: Sequence[Path]) -> str:
+def _select(
+    con: duckdb.DuckDBPyConnection,
+    file_schema: pa.Schema,
+    parts: Sequence[Path],
+    columns_present: set[str] | None,
+) -> str:
     """``SELECT rank, <every column of the format> FROM read_parquet([...])``: columns the
     files lack (an older minor version) are NULL of their type; ``note`` is "" there."""
     if not parts:
@@ -79,7 +93,11 @@ def _select(con: duckdb.DuckDBPyConnection, file_schema: pa.Schema, parts: Seque
         f"read_parquet({files}, hive_partitioning = true, hive_types = {{'rank': INTEGER}}, "
         "union_by_name = true)"
     )
-    present = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+    present = (
+        set(columns_present)
+        if columns_present is not None
+        else {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+    )
     columns = []
     for f in file_schema:
         if f.name not in present:
