@@ -53,15 +53,27 @@ def connect(
     """An in-memory DuckDB connection with a view per table over ``parts`` (the reader's
     whole parts, by table directory name); ``columns``, where given, are the columns the
     parts of each table hold between them (else DuckDB reads every footer to learn them)."""
+    con = open_connection()
+    define_views(con, parts, columns)
+    return con
+
+
+def config() -> dict[str, Any]:
+    """The analyzer's DuckDB settings: its memory limit, and where it spills past it (made
+    only when it does). Open connections with :func:`open_connection`."""
+    return {
+        "memory_limit": MEMORY_LIMIT,
+        "temp_directory": str(Path(tempfile.gettempdir()) / "hooktrace-duckdb"),
+    }
+
+
+def open_connection() -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with :func:`config`, and no progress bar on the
+    terminal of a command's user."""
     import duckdb
 
-    con = duckdb.connect(
-        config={
-            "memory_limit": MEMORY_LIMIT,
-            "temp_directory": str(Path(tempfile.gettempdir()) / "hooktrace-duckdb"),
-        }
-    )
-    define_views(con, parts, columns)
+    con = duckdb.connect(config=config())
+    con.execute("SET enable_progress_bar = false")
     return con
 
 
