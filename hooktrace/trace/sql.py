@@ -15,6 +15,7 @@ Parquet with hive partitioning (docs/SCALING.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Sequence
@@ -73,7 +74,8 @@ def open_connection() -> duckdb.DuckDBPyConnection:
     import duckdb
 
     con = duckdb.connect(config=config())
-    con.execute("SET enable_progress_bar = false")
+    with contextlib.suppress(duckdb.Error):  # in Jupyter, DuckDB may refuse to touch it
+        con.execute("SET enable_progress_bar = false")
     return con
 
 
