@@ -396,8 +396,13 @@ class Trace:
 
     def read_activity(self, segment: str, offsets: Sequence[int], units: int) -> list[np.ndarray]:
         """Slices of one segment's activity array: for analyses that read many at once."""
-        merged = self._read_dataset(segment, "activity")
+        merged = self.activity_array(segment)
         return [merged[o : o + units] for o in offsets]
+
+    def activity_array(self, segment: str) -> np.ndarray:
+        """One segment's whole activity array (every record's counts, at its
+        ``activity_offset``)."""
+        return self._read_dataset(segment, "activity")
 
     # -- presentation ------------------------------------------------------------------------
 
