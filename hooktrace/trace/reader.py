@@ -85,9 +85,10 @@ _PARQUET = ds.ParquetFileFormat(
 )
 
 
-MAX_RECORDS = 10_000_000
-"""How many records ``Trace.records`` loads at most, by default: about 3 GB in pandas (some
-300 bytes a record). Past it, ``records`` raises :class:`TraceTooLarge`, which shows the
+MAX_RECORDS = 4_000_000
+"""How many records ``Trace.records`` loads at most, by default: about 1.7 GB at its peak
+(some 400 bytes a record while pyarrow's table and pandas' frame both exist), within the
+2 GB the analyzer keeps to. Past it, ``records`` raises :class:`TraceTooLarge`, which shows the
 filtered ways (:meth:`Trace.query`, :meth:`Trace.sql`)."""
 
 
@@ -190,7 +191,7 @@ class Trace:
         if self.max_records is not None and count > self.max_records:
             raise TraceTooLarge(
                 f"{_printable(self.path)} holds {count:,} records, more than trace.records loads "
-                f"into memory (max_records={self.max_records:,}; some 300 bytes a record in "
+                f"into memory (max_records={self.max_records:,}; some 400 bytes a record in "
                 "pandas): read the part you need, e.g. trace.query(steps=(0, 99), "
                 "modules=['encoder.0.fc'], kinds=['grad_param'], columns=['step', 'module', "
                 "'norm']), or ask in SQL: trace.sql(\"SELECT module, max(norm) FROM records "
