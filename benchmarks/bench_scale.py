@@ -61,6 +61,7 @@ answer = {pick}
 DUCKDB = """
 import duckdb
 con = duckdb.connect(config={{"memory_limit": "{memory}"}})
+con.execute("SET enable_progress_bar = false")
 def R(run):
     return f"read_parquet('{{run}}/records/*/*.parquet', hive_partitioning = true)"
 {body}
@@ -183,7 +184,8 @@ def measure(body: str) -> dict[str, Any]:
     if done.returncode != 0:
         why = done.stderr.strip().splitlines()[-1:] or ["?"]
         return {"seconds": math.nan, "peak_mb": math.nan, "answer": f"FAILED: {why[0]}"}
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return dict(json.loads(lines[-1]))
 
 
 def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
