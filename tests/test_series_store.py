@@ -24,8 +24,9 @@ def test_values_come_back_whole_per_module_in_order() -> None:
             [(r, m, s, float(s * 10 + m), m) for s in steps for r in (1, 0) for m in range(7)],
             columns=["rank", "module", "step", "value", "seq"],
         )
-        store.add(chunk)
-    tables = list(store.tables(names, rows=5))
+        store.add("norms", chunk)
+    tables = list(store.tables("norms", names, rows=5))
+    assert list(store.tables("other", names)) == []
     store.close()
     assert len(tables) > 3
     seen: list[tuple[int, str]] = []

@@ -137,11 +137,11 @@ def anomalies(
     found = scan.nonfinite.findings()
     try:
         names = scan.names
-        found += series.gradient_findings(scan.grads.tables(names), config, vanishing_below)
-        found += series.activation_findings(scan.outputs.tables(names), config)
+        grads, outputs = scan.norms.tables("grads", names), scan.norms.tables("outputs", names)
+        found += series.gradient_findings(grads, config, vanishing_below)
+        found += series.activation_findings(outputs, config)
     finally:
-        scan.grads.close()
-        scan.outputs.close()
+        scan.norms.close()
     found += _parameter_findings(scan)
     found += _saturation_findings(scan, saturation)
     notes = []
@@ -171,8 +171,8 @@ class _Scan:
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
         self.steps = 0
-        self.grads = SeriesStore()  # rank, module, step, value, seq: out of pandas
-        self.outputs = SeriesStore()
+        # grads, outputs: rank, module, step, value, seq per module per step, out of pandas
+        self.norms = SeriesStore()
         self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
         self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
         self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
@@ -189,10 +189,10 @@ class _Scan:
         if not grad_param.empty:
             self._tally_params(grad_param)
             has = grad_param[strings(grad_param["dtype"]) != "None"]
-            self.grads.add(_norms(has, how="sum"))
+            self.norms.add("grads", _norms(has, how="sum"))
         train_out = frame[(kind == "output") & (strings(frame["phase"]) == "train")]
         if not train_out.empty:
-            self.outputs.add(_norms(train_out, how="mean"))
+            self.norms.add("outputs", _norms(train_out, how="mean"))
             ranged = [self._ids[m] for m in self.ranges if m in self._ids]
             rows = train_out[train_out["module"].isin(ranged).to_numpy()]
             if not rows.empty:

@@ -26,34 +26,39 @@ BATCH_ROWS = 1 << 20
 
 
 class SeriesStore:
-    """Append chunks of (rank, module, step, value, seq); read them back by module."""
+    """Named series (``grads``, ``outputs``): append chunks of (rank, module, step, value,
+    seq) to one, read it back by module. One DuckDB database holds them all, so they share
+    its memory limit."""
 
     def __init__(self) -> None:
         self._con: Any = None
-        self.rows = 0
+        self._made: set[str] = set()
 
-    def add(self, frame: pd.DataFrame) -> None:
+    def add(self, series: str, frame: pd.DataFrame) -> None:
         if frame.empty:
             return
         if self._con is None:
             self._con = sql.open_connection()
+        if series not in self._made:
             self._con.execute(
-                "CREATE TABLE series (rank BIGINT, module BIGINT, step BIGINT, value DOUBLE, "
-                "seq BIGINT)"
+                f'CREATE TABLE "{series}" (rank BIGINT, module BIGINT, step BIGINT, '
+                "value DOUBLE, seq BIGINT)"
             )
+            self._made.add(series)
         self._con.register("chunk", frame[list(COLUMNS)])
-        self._con.execute("INSERT INTO series SELECT * FROM chunk")
+        self._con.execute(f'INSERT INTO "{series}" SELECT * FROM chunk')
         self._con.unregister("chunk")
-        self.rows += len(frame)
 
-    def tables(self, names: list[str], *, rows: int | None = None) -> Iterator[pd.DataFrame]:
+    def tables(
+        self, series: str, names: list[str], *, rows: int | None = None
+    ) -> Iterator[pd.DataFrame]:
         """Tables of whole modules, in (rank, module) order, each module's steps in order;
         ``module`` as a categorical of ``names`` (ids index it). About ``rows`` values a
         table (:data:`BATCH_ROWS`), more where one module has more."""
-        if self._con is None:
+        if series not in self._made:
             return
         rows = BATCH_ROWS if rows is None else rows
-        ordered = self._con.sql("SELECT * FROM series ORDER BY rank, module, step")
+        ordered = self._con.sql(f'SELECT * FROM "{series}" ORDER BY rank, module, step')
         carry: pd.DataFrame | None = None
         for record_batch in ordered.to_arrow_reader(max(1, rows)):
             batch = record_batch.to_pandas()
@@ -75,6 +80,7 @@ class SeriesStore:
         if self._con is not None:
             self._con.close()
             self._con = None
+            self._made.clear()
 
 
 def _named(table: pd.DataFrame, names: list[str]) -> pd.DataFrame:
