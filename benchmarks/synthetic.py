@@ -87,9 +87,11 @@ def generate_trace(
     nan_module: str | None = None,
     dead_units: int = 0,
     dead_from_step: int = 0,
+    writer_options: dict[str, Any] | None = None,
 ) -> SyntheticTrace:
     """Write ``steps`` x :func:`rows_per_step` (``modules``) records of rank ``rank`` into
-    ``path`` (see the module docstring for the layout and the planted faults)."""
+    ``path`` (see the module docstring for the layout and the planted faults).
+    ``writer_options`` go to the :class:`TraceWriter` (``max_buffer_bytes=1``: a part a step)."""
     if modules < 1 or steps < 1:
         raise ValueError("a synthetic trace needs at least one step and one module")
     names = module_names(modules)
@@ -102,6 +104,7 @@ def generate_trace(
         path,
         rank=rank,
         manifest=_manifest(steps, modules, seed, world_size) if rank == 0 else None,
+        **(writer_options or {}),
     )
     writer.add_modules(_module_rows(names, width))
     try:

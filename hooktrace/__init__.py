@@ -18,6 +18,7 @@ from hooktrace.errors import (
     TensorNotRecorded,
     TraceError,
     TraceNotFound,
+    TraceTooLarge,
     TraceWarning,
 )
 
@@ -77,6 +78,7 @@ __all__ = [
     "Trace",
     "TraceError",
     "TraceNotFound",
+    "TraceTooLarge",
     "TraceWarning",
     "__version__",
     "anomalies",

@@ -23,6 +23,11 @@ class FormatVersionError(TraceError):
     """The trace was written by a newer format than this hooktrace reads."""
 
 
+class TraceTooLarge(TraceError):
+    """The trace holds more records than ``Trace.records`` loads into memory
+    (``Trace.max_records``): read a part with ``Trace.query`` or ask ``Trace.sql``."""
+
+
 class TensorNotRecorded(HooktraceError, LookupError):
     """A full tensor or record that the trace does not hold was asked for."""
 

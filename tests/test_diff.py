@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 import torch
 from diff_runs import Net, perturb_weight, scale_grad_from, scale_on_from, train
+from scale_runs import many_parts, module_names
 
 import hooktrace
 from hooktrace.analyze.diff import DEFAULT_ATOL, DEFAULT_RTOL, NothingToCompare
@@ -253,3 +254,47 @@ def test_errors(base: Path, tmp_path: Path) -> None:
     late = train(tmp_path / "late", steps="2-3")
     with pytest.raises(NothingToCompare, match="share no recorded step"):
         hooktrace.diff(train(tmp_path / "early", steps="0-1"), late)
+
+
+@pytest.fixture(scope="module")
+def many(runs: Path) -> tuple[Path, Path]:
+    a = many_parts(runs / "many-a")
+    b = many_parts(runs / "many-b", perturb_from_step=12, perturb_module=module_names(10)[4])
+    return a, b
+
+
+def test_a_window_and_a_stop_at_the_first_read_only_the_steps_they_need(
+    many: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hooktrace.trace.reader import Trace
+
+    asked: list[object] = []
+    query = Trace.query
+
+    def watched(self: Trace, **kwargs: object) -> pd.DataFrame:
+        asked.append(kwargs.get("steps"))
+        return query(self, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Trace, "query", watched)
+    window = hooktrace.diff(*many, steps="14-15")
+    assert (window.first_step, window.last_step, window.records) == (14, 15, 80)
+    assert asked and all(steps is not None for steps in asked), asked
+    asked.clear()
+    first = hooktrace.diff(*many, stop_at_first=True, chunk_rows=40)
+    assert first.first is not None and first.first.step == 12
+    assert first.first.module == module_names(10)[4]
+    assert not first.complete and max(s[1] for s in asked if isinstance(s, tuple)) <= 13
+
+
+def test_the_plan_counts_what_the_records_hold(many: tuple[Path, Path]) -> None:
+    full = hooktrace.diff(*many)
+    records = hooktrace.load(many[0]).records
+    assert full.records == len(records) and full.steps == 40
+    assert full.first is not None and (full.first.step, full.first.kind) == (12, "param")
+    kinds = hooktrace.diff(*many, kinds=["grad_param"], modules="blocks\\.2", steps="10-")
+    expected = records[
+        (records["kind"] == "grad_param")
+        & records["module"].astype(str).str.contains("blocks\\.2")
+        & (records["step"] >= 10)
+    ]
+    assert kinds.records == len(expected) and kinds.first_step == 10

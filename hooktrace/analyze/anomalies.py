@@ -2,8 +2,9 @@
 
 Statistics are enough (no full tensors). The records are read in chunks of whole steps, so
 memory stays bounded; what is kept between chunks is one number per module per step (the
-gradient and activation norms the series checks need, modules as integer ids), per-module
-tallies, and the non-finite origins found.
+gradient and activation norms the series checks need, modules as integer ids: in DuckDB,
+which spills them to disk past its memory limit, read back a few modules at a time by
+:mod:`hooktrace.analyze.series_store`), per-module tallies, and the non-finite origins found.
 
 The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``count``):
 
@@ -68,6 +69,7 @@ from hooktrace.analyze.findings import (
     strings,
 )
 from hooktrace.analyze.nonfinite import NonFinite
+from hooktrace.analyze.series_store import SeriesStore
 from hooktrace.errors import ConfigError
 from hooktrace.trace.reader import Trace, load
 
@@ -133,8 +135,13 @@ def anomalies(
         scan.add(trace.query(columns=_COLUMNS, steps=chunk))
     config = series.Config(window, spike_factor, explode_factor, exploding_above)
     found = scan.nonfinite.findings()
-    found += series.gradient_findings(scan.table(scan.grads), config, vanishing_below)
-    found += series.activation_findings(scan.table(scan.outputs), config)
+    try:
+        names = scan.names
+        grads, outputs = scan.norms.tables("grads", names), scan.norms.tables("outputs", names)
+        found += series.gradient_findings(grads, config, vanishing_below)
+        found += series.activation_findings(outputs, config)
+    finally:
+        scan.norms.close()
     found += _parameter_findings(scan)
     found += _saturation_findings(scan, saturation)
     notes = []
@@ -164,8 +171,8 @@ class _Scan:
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
         self.steps = 0
-        self.grads: list[pd.DataFrame] = []  # rank, module, step, value, seq
-        self.outputs: list[pd.DataFrame] = []
+        # grads, outputs: rank, module, step, value, seq per module per step, out of pandas
+        self.norms = SeriesStore()
         self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
         self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
         self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
@@ -182,24 +189,14 @@ class _Scan:
         if not grad_param.empty:
             self._tally_params(grad_param)
             has = grad_param[strings(grad_param["dtype"]) != "None"]
-            self.grads.append(_norms(has, how="sum"))
+            self.norms.add("grads", _norms(has, how="sum"))
         train_out = frame[(kind == "output") & (strings(frame["phase"]) == "train")]
         if not train_out.empty:
-            self.outputs.append(_norms(train_out, how="mean"))
+            self.norms.add("outputs", _norms(train_out, how="mean"))
             ranged = [self._ids[m] for m in self.ranges if m in self._ids]
             rows = train_out[train_out["module"].isin(ranged).to_numpy()]
             if not rows.empty:
                 self._tally_saturation(rows)
-
-    def table(self, frames: list[pd.DataFrame]) -> pd.DataFrame:
-        """The per-step tables of all chunks as one, modules by name (a categorical)."""
-        if not frames:
-            return pd.DataFrame({"rank": [], "module": [], "step": [], "value": [], "seq": []})
-        table = pd.concat(frames, ignore_index=True)
-        table["module"] = pd.Categorical.from_codes(
-            table["module"].to_numpy(), categories=pd.Index(self.names)
-        )
-        return table
 
     def _module_ids(self, column: pd.Series) -> np.ndarray:
         """Integer ids for a module column: only its distinct names are looked at."""

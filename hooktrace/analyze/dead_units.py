@@ -35,12 +35,11 @@ from hooktrace.analyze.findings import (
     StepsSpec,
     findings_frame,
     fmt,
-    keys,
     modules_of_type,
     step_chunks,
     step_filter,
 )
-from hooktrace.errors import ConfigError
+from hooktrace.errors import ConfigError, TraceError
 from hooktrace.trace.reader import Trace, load
 
 RELU_FAMILY = ("ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "Threshold")
@@ -233,36 +232,70 @@ def _scan(
     by_segment = dict(tuple(rows.groupby("segment", sort=False)))
     for i, segment in enumerate(order):
         part = by_segment[segment]
-        width = int(part["units"].max())
-        slices = trace.read_activity(segment, part["activity_offset"].tolist(), width)
-        counts_of = dict(zip(part.index, slices, strict=True))
-        for key, group in part.groupby(["module", "call", "units"], sort=False):
-            module, call, units = keys(key)
-            key = (str(module), int(call), int(units))
-            block = np.stack([counts_of[j][:units] for j in group.index])
-            for step, positive, values in _per_step(
-                group["step"].to_numpy(), block, group["unit_size"].to_numpy()
-            ):
+        horizon = int(segments.iloc[i + 1]) if i + 1 < len(order) else None
+        counts = _activity_block(trace, segment, part)
+        # rows by layer, then step: each layer's rows one contiguous run
+        layer = pd.MultiIndex.from_arrays(
+            [part["module"], part["call"], part["units"]]
+        ).factorize()[0]
+        steps = part["step"].to_numpy()
+        order_rows = np.lexsort((steps, layer))
+        layer, steps = layer[order_rows], steps[order_rows]
+        counts = counts[order_rows]
+        unit_size = part["unit_size"].to_numpy()[order_rows]
+        modules = part["module"].to_numpy()[order_rows]
+        calls = part["call"].to_numpy()[order_rows]
+        units_of = part["units"].to_numpy()[order_rows]
+        starts = np.flatnonzero(np.r_[True, layer[1:] != layer[:-1]])
+        ends = np.r_[starts[1:], len(layer)]
+        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+            units = int(units_of[start])
+            key = (str(modules[start]), int(calls[start]), units)
+            reduced = _per_step(steps[start:end], counts[start:end, :units], unit_size[start:end])
+            held = pending.get(key)
+            if not held and (horizon is None or int(steps[end - 1]) < horizon):
+                # the usual case: no step of this layer is waiting on another segment
+                state = states.get(key) or states.setdefault(key, _LayerState(units))
+                state.update(*reduced, threshold)
+                continue
+            for step, positive, values in zip(*reduced, strict=True):
                 before = pending[key].get(step)
                 pending[key][step] = (
                     (positive, values)
                     if before is None
                     else (before[0] + positive, before[1] + values)
                 )
-        horizon = int(segments.iloc[i + 1]) if i + 1 < len(order) else None
         _finalize(pending, states, horizon, threshold)
+
+
+def _activity_block(trace: Trace, segment: str, part: pd.DataFrame) -> np.ndarray:
+    """The per-unit counts of ``part``'s rows, one row each, as wide as the widest (a row
+    of fewer units has garbage past them, never read)."""
+    width = int(part["units"].max())
+    merged = trace.activity_array(segment)
+    offsets = part["activity_offset"].to_numpy()
+    if (offsets < 0).any() or int((offsets + part["units"].to_numpy()).max()) > len(merged):
+        raise TraceError(
+            f"records point past the end of the activity of segment {segment}: run "
+            "`hooktrace check`"
+        )
+    index = np.minimum(offsets[:, None] + np.arange(width), len(merged) - 1)
+    return merged[index]
 
 
 def _per_step(
     steps: np.ndarray, block: np.ndarray, unit_size: np.ndarray
-) -> Iterable[tuple[int, np.ndarray, int]]:
-    """Sum the rows of ``block`` that share a step (calls, micro-steps)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sum the rows of ``block`` that share a step (calls, micro-steps): the steps in order,
+    the positive counts (steps, units) and the values counted per step."""
+    if len(steps) < 2 or (steps[1:] > steps[:-1]).all():  # a row a step, in order: as is
+        return steps.astype(np.int64), block, unit_size.astype(np.int64)
     order = np.argsort(steps, kind="stable")
     steps, block, unit_size = steps[order], block[order], unit_size[order]
     starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
     positive = np.add.reduceat(block, starts, axis=0)
     values = np.add.reduceat(unit_size, starts)
-    return zip(steps[starts].tolist(), positive, values.tolist(), strict=True)
+    return steps[starts].astype(np.int64), positive, values.astype(np.int64)
 
 
 def _finalize(

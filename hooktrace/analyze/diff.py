@@ -29,9 +29,9 @@ from hooktrace.analyze.diff_compare import (
     compare,
 )
 from hooktrace.analyze.diff_result import Accumulator, DiffResult, Divergence, Structure
-from hooktrace.errors import ConfigError, HooktraceError
+from hooktrace.errors import ConfigError, HooktraceError, TraceError
 from hooktrace.trace import schema
-from hooktrace.trace.reader import Trace, load
+from hooktrace.trace.reader import Trace, in_order, load
 
 __all__ = [
     "DEFAULT_ATOL",
@@ -137,7 +137,8 @@ def diff(
             acc.add(part, merged)
             del merged
             keep = part if rows == "all" else part[part["status"] != "equal"]
-            keep = keep.sort_values(["step", "seq", "rank"], kind="stable")
+            if not in_order(keep, ["step", "seq", "rank"]):
+                keep = keep.sort_values(["step", "seq", "rank"], kind="stable")
             if sink is not None:
                 sink(keep.reset_index(drop=True))
             else:
@@ -179,9 +180,11 @@ def _plan(
     ranks: list[int] | None,
     kinds: list[str] | None,
     modules: str | Iterable[str] | None,
-    in_range: Callable[[pd.Series], pd.Series],
+    in_range: _StepRanges,
 ) -> _Plan:
-    """Read only the step (and module) column to learn which steps hold how many records."""
+    """Count the records per step (and find the modules) that the filters select, without
+    holding a column of the trace: one DuckDB query, which reads only the row groups of the
+    steps asked for."""
     names: list[str] | None = None
     if isinstance(modules, str):
         try:
@@ -190,12 +193,8 @@ def _plan(
             raise ConfigError(
                 f"bad module pattern {modules!r}: {exc}; write a Python regex such as 'blocks\\.0'"
             ) from exc
-        found = (
-            trace.query(columns=["module"], kinds=kinds, ranks=ranks)["module"]
-            .astype("str")
-            .unique()
-        )
-        names = [str(m) for m in found if pattern.search(str(m))]
+        found = _distinct_modules(trace, kinds, ranks)
+        names = [m for m in found if pattern.search(m)]
     elif modules is not None:
         names = [str(m) for m in modules]
     if ranks is not None and not set(ranks) & set(trace.ranks):
@@ -203,14 +202,84 @@ def _plan(
             f"run {side} ({trace.path}) has no rank {', '.join(map(str, ranks))}: its ranks are "
             f"{', '.join(map(str, trace.ranks))}"
         )
-    frame = trace.query(columns=["step"], modules=names, kinds=kinds, ranks=ranks)
-    frame = frame[in_range(frame["step"])]
-    if frame.empty:
+    counts = _step_counts(trace, names, kinds, ranks, in_range)
+    if counts.empty:
         raise NothingToCompare(
             f"run {side} ({trace.path}) has no records that match the filters (modules, kinds, "
             "ranks, steps): loosen them"
         )
-    return _Plan(frame.groupby("step").size(), names or [])
+    return _Plan(counts, names or [])
+
+
+def _where(
+    names: list[str] | None,
+    kinds: list[str] | None,
+    ranks: list[int] | None,
+    in_range: _StepRanges | None,
+) -> tuple[str, list[Any]]:
+    """A WHERE clause for the filters, and its parameters."""
+    clauses: list[str] = []
+    values: list[Any] = []
+    for column, chosen in (("module", names), ("kind", kinds), ("rank", ranks)):
+        if chosen is not None:
+            clauses.append(f"{column} IN (SELECT unnest(?))")
+            values.append(list(chosen))
+    if in_range is not None and in_range.ranges is not None:
+        spans = []
+        for lo, hi in in_range.ranges:
+            spans.append("step >= ?" if hi == float("inf") else "step BETWEEN ? AND ?")
+            values += [int(lo)] if hi == float("inf") else [int(lo), int(hi)]
+        clauses.append("(" + " OR ".join(spans or ["false"]) + ")")
+    return (" WHERE " + " AND ".join(clauses)) if clauses else "", values
+
+
+def _step_counts(
+    trace: Trace,
+    names: list[str] | None,
+    kinds: list[str] | None,
+    ranks: list[int] | None,
+    in_range: _StepRanges,
+) -> pd.Series:
+    """Records per step, indexed by step, in step order. A window of a few parts is read
+    by hooktrace's reader (the step column of those parts); more, by one DuckDB query."""
+    span: tuple[int, int] | None = None
+    if in_range.ranges:
+        lo, hi = min(r[0] for r in in_range.ranges), max(r[1] for r in in_range.ranges)
+        span = (int(lo), int(min(hi, 2**62)))
+    if span is None or len(trace._parts_holding(*span)) > _FEW_PARTS:
+        where, values = _where(names, kinds, ranks, in_range)
+        try:
+            counts = trace.sql(
+                f"SELECT step, count(*) AS n FROM records{where} GROUP BY step", values
+            )
+            return counts.set_index("step")["n"].astype("int64").sort_index()
+        except TraceError as exc:
+            if not _engine_failed(exc):
+                raise
+        # a part DuckDB cannot decode: hooktrace's reader leaves it out, with a warning
+    frame = trace.query(columns=["step"], modules=names, kinds=kinds, ranks=ranks, steps=span)
+    frame = frame[in_range(frame["step"])]
+    return frame.groupby("step").size()
+
+
+_FEW_PARTS = 4
+
+
+def _distinct_modules(trace: Trace, kinds: list[str] | None, ranks: list[int] | None) -> list[str]:
+    where, values = _where(None, kinds, ranks, None)
+    try:
+        found = trace.sql(f"SELECT DISTINCT module FROM records{where}", values)["module"]
+    except TraceError as exc:
+        if not _engine_failed(exc):
+            raise
+        found = trace.query(columns=["module"], kinds=kinds, ranks=ranks)["module"]
+    return [str(m) for m in found.astype("str").unique()]
+
+
+def _engine_failed(exc: TraceError) -> bool:
+    import duckdb
+
+    return isinstance(exc.__cause__, duckdb.Error)
 
 
 def _chunks(steps: list[int], sizes: Any, budget: int) -> Iterable[list[int]]:
@@ -238,9 +307,25 @@ def _kinds(kinds: Iterable[str] | None) -> list[str] | None:
     return chosen
 
 
-def _step_predicate(spec: StepFilter) -> Callable[[pd.Series], pd.Series]:
+class _StepRanges:
+    """The steps a ``steps`` filter selects: inclusive ranges (``ranges`` None: every step);
+    called on a Series of steps, the mask of those selected."""
+
+    def __init__(self, ranges: list[tuple[float, float]] | None) -> None:
+        self.ranges = ranges
+
+    def __call__(self, steps: pd.Series) -> pd.Series:
+        if self.ranges is None:
+            return steps == steps
+        mask = steps != steps
+        for lo, hi in self.ranges:
+            mask |= (steps >= lo) & (steps <= hi)
+        return mask
+
+
+def _step_predicate(spec: StepFilter) -> _StepRanges:
     if spec is None:
-        return lambda s: s == s
+        return _StepRanges(None)
     ranges: list[tuple[float, float]] = []
     if isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(v, int) for v in spec):
         ranges.append((spec[0], spec[1]))
@@ -257,14 +342,7 @@ def _step_predicate(spec: StepFilter) -> Callable[[pd.Series], pd.Series]:
             ranges.append((lo, hi))
     else:
         ranges.extend((int(s), int(s)) for s in spec)
-
-    def predicate(steps: pd.Series) -> pd.Series:
-        mask = steps != steps
-        for lo, hi in ranges:
-            mask |= (steps >= lo) & (steps <= hi)
-        return mask
-
-    return predicate
+    return _StepRanges(ranges)
 
 
 def _span(counts: pd.Series) -> tuple[int, int]:

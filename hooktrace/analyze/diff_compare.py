@@ -169,23 +169,26 @@ def compare(
     differs = comparable & stats_differ
     code: np.ndarray = np.select([~in_b, ~in_a, changed, differs], [3, 4, 2, 1], default=0)
     rel = np.where(comparable, rel, np.inf)
-    exceeded = np.full(n, "", dtype=object)
-    for name in (*STAT_COLUMNS, "numel", *COUNT_COLUMNS):
-        mark = differs & bad[name]
-        exceeded[mark] = exceeded[mark] + f"{name},"
-    mark = differs & (metrics["mismatch_fraction"] > 0)
-    exceeded[mark] = "tensor," + exceeded[mark]
-    exceeded[changed & shapes_differ] = "shape,"
-    exceeded[changed & dtypes_differ] = exceeded[changed & dtypes_differ] + "dtype,"
-    labels, codes = np.unique(exceeded, return_inverse=True)
+    # what is out of tolerance, as bits (one per name, in the label's order), named once
+    # per distinct combination: strings built per row cost more than the comparison itself
+    names = ["tensor", *STAT_COLUMNS, "numel", *COUNT_COLUMNS, "shape", "dtype"]
+    bits = np.zeros(n, dtype=np.int64)
+    bits[differs & (metrics["mismatch_fraction"] > 0)] |= 1
+    for i, name in enumerate((*STAT_COLUMNS, "numel", *COUNT_COLUMNS), start=1):
+        bits[differs & bad[name]] |= 1 << i
+    bits[changed & shapes_differ] = 1 << (len(names) - 2)
+    bits[changed & dtypes_differ] |= 1 << (len(names) - 1)
+    distinct, codes = np.unique(bits, return_inverse=True)
+    named = [",".join(m for i, m in enumerate(names) if int(b) >> i & 1) for b in distinct]
+    order = np.argsort(np.array(named, dtype=object), kind="stable")  # categories by name
+    labels = [named[i] for i in order]
+    codes = np.argsort(order)[codes]
     table = pd.DataFrame(
         {
             **{k: merged[k] for k in KEYS if k in merged.columns},
             "seq": np.where(in_a, num("seq_a"), num("seq_b")).astype(np.int64),
             "status": pd.Categorical.from_codes(code, categories=pd.Index(STATUSES)),
-            "exceeded": pd.Categorical.from_codes(
-                codes, categories=pd.Index([str(x).rstrip(",") for x in labels])
-            ),
+            "exceeded": pd.Categorical.from_codes(codes, categories=pd.Index(labels)),
             "dtype_a": merged["dtype_a"],
             "dtype_b": merged["dtype_b"],
             "shape_a": merged["shape_a"],

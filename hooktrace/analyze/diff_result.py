@@ -185,9 +185,12 @@ class Accumulator:
             self.changed.setdefault(where, {str(k): v for k, v in row.items()})
         if len(different):
             by_module = different.groupby("module", observed=True)["step"].agg(["min", "size"])
-            for module, (step, size) in by_module.iterrows():
-                self.first_step.setdefault(str(module), int(step))
-                self.count[str(module)] = self.count.get(str(module), 0) + int(size)
+            modules = [str(m) for m in by_module.index]
+            for module, step, size in zip(
+                modules, by_module["min"].tolist(), by_module["size"].tolist(), strict=True
+            ):
+                self.first_step.setdefault(module, int(step))
+                self.count[module] = self.count.get(module, 0) + int(size)
             if self.first is None:
                 order = different.sort_values(["step", "seq", "rank"], kind="stable")
                 self.first = _divergence(order.iloc[0], merged.loc[order.index[0]])

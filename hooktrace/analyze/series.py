@@ -12,8 +12,10 @@ baseline (half the jump in log scale), so a steady 10x-a-step growth starts wher
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,12 +112,14 @@ def is_exploding(episode: Episode, values: np.ndarray, config: Config) -> bool:
     return big and (episode.high > 1 or episode.reaches_end)
 
 
-def gradient_findings(table: pd.DataFrame, config: Config, vanishing_below: float) -> list[Finding]:
-    """exploding_gradient, gradient_spike and vanishing_gradient, per rank and module, from a
-    table of one parameter-gradient norm per (rank, module, step) (columns rank, module, step,
-    value)."""
+def gradient_findings(
+    tables: Iterable[pd.DataFrame], config: Config, vanishing_below: float
+) -> list[Finding]:
+    """exploding_gradient, gradient_spike and vanishing_gradient, per rank and module, from
+    tables of one parameter-gradient norm per (rank, module, step) (columns rank, module,
+    step, value), each holding whole modules, in (rank, module) order."""
     found: list[Finding] = []
-    for rank, module, _, steps, values in _series(table):
+    for rank, module, _, steps, values in (s for table in tables for s in _series(table)):
         spikes: list[Episode] = []
         exploding: list[Episode] = []
         for episode in episodes(values, config):
@@ -155,23 +159,34 @@ def gradient_findings(table: pd.DataFrame, config: Config, vanishing_below: floa
     return found
 
 
-def activation_findings(table: pd.DataFrame, config: Config) -> list[Finding]:
-    """activation_spike per rank and module, from a table of one output norm per (rank,
-    module, step) (columns rank, module, step, value, seq); a series equal to an
-    earlier-recorded module's (a container's output is its last child's) is left out."""
+def activation_findings(tables: Iterable[pd.DataFrame], config: Config) -> list[Finding]:
+    """activation_spike per rank and module, from tables of one output norm per (rank,
+    module, step) (columns rank, module, step, value, seq), each holding whole modules, in
+    (rank, module) order; a series equal to an earlier-recorded module's (a container's
+    output is its last child's) is left out. Only a digest of each series is kept across
+    tables, and the findings."""
+    # (rank, first seq, position, digest, finding or None) per series
+    candidates: list[tuple[int, int, int, bytes, Finding | None]] = []
+    for table in tables:
+        for rank, module, first, steps, values in _series(table):
+            digest = hashlib.blake2b(
+                bytes([rank % 256]) + steps.tobytes() + values.tobytes(), digest_size=16
+            ).digest()
+            spikes = episodes(values, config)
+            finding = (
+                _spike("activation_spike", "output norm", rank, module, steps, values, spikes)
+                if spikes
+                else None
+            )
+            candidates.append((rank, first, len(candidates), digest, finding))
     seen: set[bytes] = set()
     found: list[Finding] = []
-    ordered = sorted(_series(table), key=lambda s: (s[0], s[2]))
-    for rank, module, _, steps, values in ordered:
-        identity = bytes([rank % 256]) + steps.tobytes() + values.tobytes()
-        if identity in seen:
+    for _, _, _, digest, finding in sorted(candidates, key=lambda c: (c[0], c[1], c[2])):
+        if digest in seen:
             continue
-        seen.add(identity)
-        spikes = episodes(values, config)
-        if spikes:
-            found.append(
-                _spike("activation_spike", "output norm", rank, module, steps, values, spikes)
-            )
+        seen.add(digest)
+        if finding is not None:
+            found.append(finding)
     return found
 
 

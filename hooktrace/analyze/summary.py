@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
+from hooktrace.errors import TraceError
+from hooktrace.trace import schema
 from hooktrace.trace.reader import Trace, load
 from hooktrace.trace.schema import NOTE_SKIPPED
 
@@ -52,15 +55,20 @@ class Summary:
 
 
 def summary(run: str | os.PathLike[str] | Trace) -> Summary:
-    """Summarise a run: steps, modules, kinds, sizes and status. Reads only six columns."""
+    """Summarise a run: steps, modules, kinds, sizes and status.
+
+    One DuckDB query counts the records by module, kind and phase (reading three dictionary
+    columns, and the notes and tensor keys, which are nearly all empty); the steps, modules and
+    statuses come from their own small tables. Memory stays bounded whatever the trace's size.
+    """
     trace = run if isinstance(run, Trace) else load(run)
-    rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key", "note"])
+    groups, recorded, skipped = _counted(trace)
     steps_table = trace.steps
     manifest = trace.manifest
     start, end = manifest.get("start_time"), manifest.get("end_time")
     errors = [s.get("error") for s in manifest["ranks"].values() if s.get("error")]
-    counts = rows.groupby(rows["module"].astype(str)).size().rename("records").reset_index()
-    counted, evaluation_only = steps_that_trained(steps_table, rows["step"])
+    counts = groups.groupby("module")["records"].sum().rename("records").reset_index()
+    counted, evaluation_only = steps_that_trained(steps_table, recorded)
     # most records first, ties by name: the same order on every machine and pandas version
     counts = counts.sort_values(["records", "module"], ascending=[False, True], kind="stable")
     return Summary(
@@ -81,21 +89,116 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         # each rank writes its own row for a step: a step counts once, whatever the ranks
         micro_steps=int(steps_table.groupby("step")["micro_steps"].max().sum()),
         skipped_steps=int(steps_table.groupby("step")["skipped"].any().sum()),
-        modules=int(trace.modules["module"].nunique())
-        if not trace.modules.empty
-        else rows["module"].nunique(),
+        modules=int(trace.modules["module"].nunique()) if not trace.modules.empty else len(counts),
         roots=_roots(trace),
-        records=len(rows),
-        kinds=_counts(rows["kind"]),
-        phases=_counts(rows["phase"]),
-        full_tensors=int((rows["tensor_key"] != "").sum()),
+        records=int(groups["records"].sum()),
+        kinds=_counts(groups, "kind", schema.KINDS),
+        phases=_counts(groups, "phase", schema.PHASES),
+        full_tensors=int(groups["full_tensors"].sum()),
         bytes_on_disk={
             name: _size(trace.path / name) for name in ("records", "steps", "modules", "tensors")
         },
         error=errors[0] if errors else None,
         largest=counts.head(10).reset_index(drop=True),
-        not_summarised=not_summarised(rows),
+        not_summarised=skipped,
     )
+
+
+_RECORDED_STEPS = "SELECT DISTINCT step FROM records"
+_NOT_SUMMARISED = f"""
+    SELECT module, kind, substr(note, {len(NOTE_SKIPPED) + 1}) AS reason, count(*) AS records
+    FROM records WHERE starts_with(note, '{NOTE_SKIPPED}')
+    GROUP BY ALL ORDER BY module, kind, reason
+"""
+
+
+def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.Series, pd.DataFrame]:
+    """Records per (module, kind, phase) with their full tensors, the steps recorded, and
+    the records not summarised. Where DuckDB cannot read a part (damaged inside: DuckDB does
+    not check page checksums but fails on what it cannot decode), hooktrace's own reader
+    counts instead, and leaves the damaged parts out with a warning."""
+    import duckdb
+
+    try:
+        groups = trace.sql(_groups_query(trace))
+        recorded = _recorded_steps(trace)
+        if recorded is None:
+            recorded = trace.sql(_RECORDED_STEPS)["step"]
+        skipped = (
+            trace.sql(_NOT_SUMMARISED)
+            if groups["not_summarised"].any()
+            else pd.DataFrame(columns=["module", "kind", "reason", "records"])
+        )
+        groups = groups.drop(columns="not_summarised")
+    except TraceError as exc:
+        if not isinstance(exc.__cause__, duckdb.Error):
+            raise
+        rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key", "note"])
+        keys = [rows[c].astype(str) for c in ("module", "kind", "phase")]
+        full = (rows["tensor_key"] != "").rename("full_tensors")
+        groups = full.groupby(keys).agg(["size", "sum"])
+        groups = groups.set_axis(["records", "full_tensors"], axis=1).reset_index()
+        recorded, skipped = rows["step"], not_summarised(rows)
+    for column in ("module", "kind", "phase"):
+        groups[column] = groups[column].astype(str)
+    skipped = skipped.astype({"module": str, "kind": str, "reason": str, "records": "int64"})
+    return groups, recorded, skipped.reset_index(drop=True)
+
+
+def _groups_query(trace: Trace) -> str:
+    """Records by module, kind and phase, with their full tensors and those not summarised.
+    What the row groups' statistics already answer is not computed: a run of one phase is
+    not grouped by phase, and a run without full tensors (or notes) does not test their
+    column, so DuckDB reads only the columns it must."""
+    phase = trace.value_span("phase")
+    keys = "module, kind, phase"
+    if phase is not None and phase[0] == phase[1]:
+        keys = f"module, kind, '{phase[0]}' AS phase" if _plain(phase[0]) else keys
+    tensor_key = trace.value_span("tensor_key")
+    full = (
+        "count(*) FILTER (WHERE tensor_key <> '')"
+        if tensor_key is None or tensor_key[1] != ""
+        else "0"
+    )
+    note = trace.value_span("note")
+    skipped = (
+        f"count(*) FILTER (WHERE starts_with(note, '{NOTE_SKIPPED}'))"
+        if note is None or (note[0] < NOTE_SKIPPED + "\U0010ffff" and note[1] >= NOTE_SKIPPED)
+        else "0"
+    )
+    return (
+        f"SELECT {keys}, count(*) AS records, {full} AS full_tensors, "
+        f"{skipped} AS not_summarised FROM records GROUP BY ALL"
+    )
+
+
+def _plain(text: object) -> bool:
+    return isinstance(text, str) and text.replace("_", "").isalnum()
+
+
+def _recorded_steps(trace: Trace) -> pd.Series | None:
+    """The steps that have records, from the steps table where it agrees with the parts'
+    footers: every records part's rows are the records its steps' rows count (a flush writes
+    whole steps and their rows together). None where they disagree (a part lost, a steps part
+    damaged): then the records themselves say."""
+    spans = trace.part_spans()
+    table = trace.steps
+    if spans.empty or table.empty or (spans["first"] < 0).any():
+        return None
+    listed = table[table["records"] > 0]
+    found: list[pd.Series] = []
+    for rank, mine in spans.groupby("rank"):
+        mine = mine.sort_values("first")
+        if (mine["first"].to_numpy()[1:] <= mine["last"].to_numpy()[:-1]).any():
+            return None  # parts of one rank overlap: not as the writer writes them
+        steps = listed.loc[listed["rank"] == rank, ["step", "records"]]
+        part = np.searchsorted(mine["first"].to_numpy(), steps["step"].to_numpy(), "right") - 1
+        inside = (part >= 0) & (steps["step"].to_numpy() <= mine["last"].to_numpy()[part])
+        counted = np.bincount(part[inside], steps["records"].to_numpy()[inside], len(mine))
+        if not np.array_equal(counted, mine["records"].to_numpy()):
+            return None
+        found.append(steps.loc[inside, "step"])
+    return pd.concat(found, ignore_index=True) if found else None
 
 
 def steps_that_trained(steps_table: pd.DataFrame, steps: pd.Series) -> tuple[list[int], list[int]]:
@@ -106,12 +209,12 @@ def steps_that_trained(steps_table: pd.DataFrame, steps: pd.Series) -> tuple[lis
     if steps_table.empty:
         return recorded, []
     micro = steps_table.groupby("step")["micro_steps"].max()
-    with_records = set(recorded)
-    trained = sorted(int(s) for s in micro.index[micro > 0] if s in with_records)
+    recorded_set = set(recorded)
+    trained = sorted(int(s) for s in micro.index[micro > 0] if s in recorded_set)
     if not trained:
         return recorded, []
-    done = set(trained)
-    return trained, [s for s in recorded if s not in done]
+    trained_set = set(trained)
+    return trained, [s for s in recorded if s not in trained_set]
 
 
 def not_summarised(rows: pd.DataFrame) -> pd.DataFrame:
@@ -130,9 +233,15 @@ def _roots(trace: Trace) -> list[str]:
     return list(dict.fromkeys(modules.loc[modules["depth"] == 0, "module"]))
 
 
-def _counts(column: pd.Series) -> dict[str, int]:
-    counts = column.astype(str).value_counts()
-    return {str(k): int(v) for k, v in counts.items()}
+def _counts(groups: pd.DataFrame, column: str, order: tuple[str, ...]) -> dict[str, int]:
+    """Records per value of ``column``, most first; ties in the format's order (KINDS, PHASES)."""
+    counts = groups.groupby(column)["records"].sum()
+    rank = {name: i for i, name in enumerate(order)}
+    ordered = sorted(
+        ((str(k), int(v)) for k, v in counts.items()),
+        key=lambda item: (-item[1], rank.get(item[0], len(rank)), item[0]),
+    )
+    return dict(ordered)
 
 
 def _size(path: Path) -> int:

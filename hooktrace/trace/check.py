@@ -1,8 +1,8 @@
 """Is a trace whole, and if not, what was lost? Never imports torch.
 
-``check`` reads every Parquet part in full (so a damaged page anywhere is found, not only in
-the columns an analysis happens to read), compares what is readable with what each rank's
-status says was written, and opens every HDF5 segment a record points to: the per-unit
+``check`` reads every Parquet part in full, a batch at a time (so a damaged page anywhere is
+found, not only in the columns an analysis happens to read, and memory stays bounded whatever
+the trace's size), compares what is readable with what each rank's status says was written, and opens every HDF5 segment a record points to: the per-unit
 activity is read in full, and every full tensor a record points to is read, a block at a time
 (a trace can hold far more of them than memory), and its bytes checked against the CRC-32
 the writer stored with it.
@@ -15,6 +15,7 @@ import math
 import os
 import warnings
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ import h5py
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from hooktrace.errors import TraceWarning
@@ -49,70 +51,162 @@ class CheckReport:
 
 
 def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
-    """Check a run directory. Raises :class:`~hooktrace.errors.TraceError` when unreadable."""
+    """Check a run directory. Raises :class:`~hooktrace.errors.TraceError` when unreadable.
+
+    Memory stays bounded whatever the trace's size: each part is read a batch at a time, and
+    only what the checks compare is kept (per rank its steps, per segment the extent of the
+    activity and the full tensors it must hold, the modules named)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", TraceWarning)  # the report lists what was left out
         trace = run if isinstance(run, Trace) else load(run)
-        _decode_every_part(trace)
-        rows = trace.query(
-            columns=[
-                "rank",
-                "step",
-                "module",
-                "kind",
-                "units",
-                "activity_offset",
-                "segment",
-                "tensor_key",
-                "note",
-            ]
-        )
+        seen = _Seen()
+        for kind_dir, parts in trace._parts.items():
+            for part in list(parts):
+                try:
+                    found = _read_part(part, kind_dir)
+                except (OSError, ValueError, pa.ArrowException) as exc:
+                    trace._drop(kind_dir, part, exc)
+                    continue
+                if found is not None:
+                    seen.merge(found)
         table = trace.steps
         modules = trace.modules
-    n_steps = int(rows[["rank", "step"]].drop_duplicates().shape[0] and rows["step"].nunique())
+    n_steps = len({step for _, step in seen.steps})
     report = CheckReport(path=trace.path, status=trace.status, steps=n_steps)
-    _check_ranks(trace, rows, table, report)
+    _check_ranks(trace, seen, report)
     for skipped in trace.skipped:
         report.problems.append(f"unreadable, left out: {skipped}")
     for leftover in sorted(trace.path.glob("**/.*.tmp")):
         report.problems.append(
             f"interrupted write left {leftover.relative_to(trace.path)}: the steps it held are lost"
         )
-    _note_not_summarised(rows, report)
-    _check_segments(trace, rows, report)
-    _check_tables(rows, table, modules, report)
+    _note_not_summarised(seen, report)
+    _check_segments(trace, seen, report)
+    _check_tables(seen, table, modules, report)
     return report
 
 
-def _decode_every_part(trace: Trace) -> None:
-    """Read each part in full, a batch at a time: damaged ones are left out of the trace."""
-    for kind_dir, parts in trace._parts.items():
-        for part in list(parts):
-            try:
-                for _ in pq.ParquetFile(part, page_checksum_verification=True).iter_batches(
-                    batch_size=1 << 16
-                ):
-                    pass
-            except (OSError, ValueError, pa.ArrowException) as exc:
-                trace._drop(kind_dir, part, exc)
+@dataclass
+class _Segment:
+    """What the records say one segment holds: activity up to ``end`` (from ``start``),
+    and these full tensors."""
+
+    counted: bool = False  # records point into its activity
+    start: int = 0
+    end: int = 0
+    tensor_keys: list[str] = field(default_factory=list)
 
 
-def _note_not_summarised(rows: pd.DataFrame, report: CheckReport) -> None:
+@dataclass
+class _Seen:
+    """What the readable records parts hold, as much as the checks compare."""
+
+    records: Counter[int] = field(default_factory=Counter)  # rank -> records
+    steps: set[tuple[int, int]] = field(default_factory=set)  # (rank, step)
+    modules: set[tuple[int, str]] = field(default_factory=set)  # (rank, module), not watched
+    skipped: Counter[str] = field(default_factory=Counter)  # reason -> records not summarised
+    segments: dict[str, _Segment] = field(default_factory=dict)
+
+    def merge(self, other: _Seen) -> None:
+        self.records.update(other.records)
+        self.steps |= other.steps
+        self.modules |= other.modules
+        self.skipped.update(other.skipped)
+        for name, theirs in other.segments.items():
+            ours = self.segments.get(name)
+            if ours is None:
+                self.segments[name] = theirs
+                continue
+            if theirs.counted:
+                ours.start = min(ours.start, theirs.start) if ours.counted else theirs.start
+                ours.end = max(ours.end, theirs.end) if ours.counted else theirs.end
+                ours.counted = True
+            ours.tensor_keys += theirs.tensor_keys
+
+
+_BATCH_ROWS = 1 << 16
+
+
+def _read_part(part: Path, kind_dir: str) -> _Seen | None:
+    """Read every page of ``part`` (checksums verified), a batch at a time; for a records
+    part, what it holds. Raises what pyarrow raises on damage."""
+    parquet = pq.ParquetFile(part, page_checksum_verification=True)
+    if kind_dir != schema.RECORDS_DIR:
+        for _ in parquet.iter_batches(batch_size=_BATCH_ROWS):
+            pass
+        return None
+    rank = _rank_of(part)
+    seen = _Seen()
+    for batch in parquet.iter_batches(batch_size=_BATCH_ROWS):
+        batch.validate(full=True)  # names that are not UTF-8 would fail later
+        _add_batch(seen, rank, batch)
+    return seen
+
+
+def _add_batch(seen: _Seen, rank: int, batch: pa.RecordBatch) -> None:
+    """Fold one batch of a records part into ``seen``, with pyarrow's kernels (a batch of a
+    large trace is one of thousands)."""
+    names = batch.schema.names
+    seen.records[rank] += batch.num_rows
+    seen.steps.update((rank, int(s)) for s in pc.unique(batch["step"]).to_pylist())
+    kind = _strings(batch["kind"])
+    named = batch["module"]
+    watched = pc.is_in(kind, _WATCHED)
+    if pc.any(watched).as_py():
+        named = named.filter(pc.invert(watched))
+    seen.modules.update((rank, str(m)) for m in pc.unique(_strings(named)).to_pylist())
+    if "note" in names:
+        note = _strings(batch["note"])
+        skipped = note.filter(pc.fill_null(pc.starts_with(note, schema.NOTE_SKIPPED), False))
+        for reason, n in Counter(skipped.to_pylist()).items():
+            seen.skipped[reason.removeprefix(schema.NOTE_SKIPPED)] += n
+    if "segment" not in names:
+        return
+    segment = _strings(batch["segment"])
+    for name in pc.unique(segment.drop_null()).to_pylist():
+        here = pc.fill_null(pc.equal(segment, name), False)
+        found = _Segment()
+        if "units" in names and "activity_offset" in names:
+            units = batch["units"].filter(here)
+            offsets = batch["activity_offset"].filter(here)
+            counted = pc.greater(units, 0)
+            if pc.any(counted).as_py():
+                starts = offsets.filter(counted)
+                ends = pc.add(starts, units.filter(counted).cast(pa.int64()))
+                found.counted = True
+                found.start = int(pc.min(starts).as_py())
+                found.end = int(pc.max(ends).as_py())
+        if "tensor_key" in names:
+            keys = batch["tensor_key"].filter(here)
+            found.tensor_keys = keys.filter(pc.not_equal(keys, "")).to_pylist()
+        seen.merge(_Seen(segments={str(name): found}))
+
+
+_WATCHED = pa.array(["tensor", "grad_tensor"])
+
+
+def _strings(column: pa.Array) -> pa.Array:
+    """A dictionary column as plain strings (the kernels used here take either)."""
+    return column.cast(pa.string()) if pa.types.is_dictionary(column.type) else column
+
+
+def _rank_of(part: Path) -> int:
+    return int(part.parent.name.partition("=")[2])
+
+
+def _note_not_summarised(seen: _Seen, report: CheckReport) -> None:
     """Records without statistics, because hooktrace could not summarise their tensor: not a
     loss (each has its record, with the reason), but worth knowing."""
-    notes = rows["note"].astype(str)
-    skipped = notes[notes.str.startswith(schema.NOTE_SKIPPED)]
-    if skipped.empty:
+    if not seen.skipped:
         return
-    reasons = skipped.str.removeprefix(schema.NOTE_SKIPPED).value_counts()
-    ordered = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))  # the same order always
+    ordered = sorted(
+        seen.skipped.items(), key=lambda item: (-item[1], item[0])
+    )  # the same order always
     listed = "; ".join(f"{reason} ({n:,})" for reason, n in ordered)
-    report.notes.append(f"{len(skipped):,} records hold no statistics: {listed}")
+    report.notes.append(f"{sum(seen.skipped.values()):,} records hold no statistics: {listed}")
 
 
-def _check_ranks(
-    trace: Trace, rows: pd.DataFrame, table: pd.DataFrame, report: CheckReport
-) -> None:
+def _check_ranks(trace: Trace, seen: _Seen, report: CheckReport) -> None:
     world = int(trace.manifest.get("world_size", 1) or 1)
     statuses = trace.manifest["ranks"]
     silent = world - sum(1 for r in statuses if int(r) < world)
@@ -132,8 +226,8 @@ def _check_ranks(
     for key, info in sorted(statuses.items(), key=lambda item: int(item[0])):
         rank = int(key)
         status = info.get("status")
-        mine = rows[rows["rank"] == rank]
-        last = str(int(mine["step"].max())) if len(mine) else "none (no step was flushed)"
+        mine = sorted(step for r, step in seen.steps if r == rank)
+        last = str(mine[-1]) if mine else "none (no step was flushed)"
         if status == schema.STATUS_RECORDING:
             report.problems.append(
                 f"rank {rank} did not finish (still running, or killed): steps after {last} are lost"
@@ -146,20 +240,19 @@ def _check_ranks(
             report.problems.append(
                 f"rank {rank} lost {info['steps_lost']} step(s) the writer could not write"
             )
-        written, readable = info.get("records_written"), len(mine)
+        written, readable = info.get("records_written"), seen.records[rank]
         if isinstance(written, int) and readable < written:
             steps_written = info.get("steps_written")
             report.problems.append(
                 f"rank {rank} wrote {written} records of {steps_written} step(s), but only "
-                f"{readable} of {mine['step'].nunique()} step(s) are readable: files were "
+                f"{readable} of {len(mine)} step(s) are readable: files were "
                 "deleted or damaged"
             )
 
 
-def _check_segments(trace: Trace, rows: pd.DataFrame, report: CheckReport) -> None:
-    located = rows[rows["segment"].notna()]
+def _check_segments(trace: Trace, seen: _Seen, report: CheckReport) -> None:
     root = trace.path.resolve()
-    for segment, group in located.groupby(located["segment"].astype(str), sort=True):
+    for segment, held in sorted(seen.segments.items()):
         path = (trace.path / segment).resolve()
         if not path.is_relative_to(root):
             report.problems.append(
@@ -173,7 +266,7 @@ def _check_segments(trace: Trace, rows: pd.DataFrame, report: CheckReport) -> No
             continue
         unreadable: list[str] = []
         try:
-            damage = _segment_damage(path, group, unreadable)
+            damage = _segment_damage(path, held, unreadable)
         except Exception as exc:  # h5py raises OSError, KeyError, RuntimeError, ...
             damage = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
         if damage:
@@ -185,22 +278,20 @@ def _check_segments(trace: Trace, rows: pd.DataFrame, report: CheckReport) -> No
             )
 
 
-def _segment_damage(path: Path, rows: pd.DataFrame, unreadable: list[str]) -> str | None:
+def _segment_damage(path: Path, held: _Segment, unreadable: list[str]) -> str | None:
     """What makes the whole segment unreadable, if anything; the full tensors that cannot be
     read on their own are added to ``unreadable``."""
     if not path.is_file():
         return "not a regular file"
     with h5py.File(path, "r") as f:
-        with_units = rows[rows["units"] > 0]
-        if len(with_units):
+        if held.counted:
             activity = f["activity"]
             if not isinstance(activity, h5py.Dataset) or activity.dtype.kind not in "iu":
                 return "/activity is not an integer array"
-            size = len(activity[()])
-            ends = with_units["activity_offset"] + with_units["units"]
-            if (with_units["activity_offset"] < 0).any() or int(ends.max()) > size:
+            size = _read_through(activity)
+            if held.start < 0 or held.end > size:
                 return f"records point past the end of /activity ({size} counts)"
-        for key in rows.loc[rows["tensor_key"] != "", "tensor_key"].astype(str):
+        for key in held.tensor_keys:
             dataset = f.get(key)
             if not isinstance(dataset, h5py.Dataset):
                 unreadable.append(f"{key} is missing")
@@ -213,6 +304,14 @@ def _segment_damage(path: Path, rows: pd.DataFrame, unreadable: list[str]) -> st
                 except Exception as exc:  # an HDF5 checksum or decompression error
                     unreadable.append(f"{key}: {type(exc).__name__}")
     return None
+
+
+def _read_through(activity: h5py.Dataset) -> int:
+    """Read the whole activity array, a block at a time (a damaged chunk raises), and return
+    its length."""
+    for _ in _blocks(activity):
+        pass
+    return int(activity.shape[0]) if activity.ndim else 1
 
 
 def _checksum_matches(dataset: h5py.Dataset) -> bool:
@@ -250,26 +349,23 @@ def _listed(items: list[str]) -> str:
 
 
 def _check_tables(
-    rows: pd.DataFrame, table: pd.DataFrame, modules: pd.DataFrame, report: CheckReport
+    seen: _Seen, table: pd.DataFrame, modules: pd.DataFrame, report: CheckReport
 ) -> None:
-    recorded = set(zip(rows["rank"], rows["step"], strict=True))
     listed = set(zip(table["rank"], table["step"], strict=True)) if not table.empty else set()
-    if recorded - listed:
+    if seen.steps - listed:
         report.problems.append(
-            f"{len(recorded - listed)} step(s) have records but no row in the steps table: "
+            f"{len(seen.steps - listed)} step(s) have records but no row in the steps table: "
             "their micro-steps, skipped flag and times are lost"
         )
-    named = rows.loc[~rows["kind"].isin(["tensor", "grad_tensor"]), ["rank", "module"]]
-    seen = set(zip(named["rank"], named["module"].astype(str), strict=True))
     known = (
         set(zip(modules["rank"], modules["module"].astype(str), strict=True))
         if not modules.empty
         else set()
     )
-    if seen - known:
+    if seen.modules - known:
         report.problems.append(
-            f"{len(seen - known)} module(s) have records but no row in the modules table: "
-            "their type, root and parent are lost"
+            f"{len(seen.modules - known)} module(s) have records but no row in the modules "
+            "table: their type, root and parent are lost"
         )
     dropped = int(table["dropped"].sum()) if not table.empty else 0
     if dropped:

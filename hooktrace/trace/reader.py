@@ -32,6 +32,7 @@ from hooktrace.errors import (
     TensorNotRecorded,
     TraceError,
     TraceNotFound,
+    TraceTooLarge,
     TraceWarning,
 )
 from hooktrace.trace import schema
@@ -84,25 +85,38 @@ _PARQUET = ds.ParquetFileFormat(
 )
 
 
-def load(path: str | os.PathLike[str]) -> Trace:
-    """Open the run directory at ``path``.
+MAX_RECORDS = 4_000_000
+"""How many records ``Trace.records`` loads at most, by default: about 1.7 GB at its peak
+(some 400 bytes a record while pyarrow's table and pandas' frame both exist), within the
+2 GB the analyzer keeps to. Past it, ``records`` raises :class:`TraceTooLarge`, which shows the
+filtered ways (:meth:`Trace.query`, :meth:`Trace.sql`)."""
+
+
+def load(path: str | os.PathLike[str], *, max_records: int | None = MAX_RECORDS) -> Trace:
+    """Open the run directory at ``path``; nothing is read but the manifest, the statuses and
+    the Parquet footers. ``max_records`` bounds what ``Trace.records`` loads (None: no bound).
 
     Raises :class:`TraceNotFound` when there is no run there and :class:`TraceError` when the
     manifest cannot be read or was written by a newer format.
     """
-    return Trace(path)
+    return Trace(path, max_records=max_records)
 
 
 class Trace:
     """One recorded run (all ranks), read lazily.
 
     ``records``, ``steps`` and ``modules`` are DataFrames (read on first use and kept);
-    :meth:`query` reads a filtered subset without loading everything; :meth:`tensor` returns a
-    saved full tensor as a numpy array.
+    :meth:`query` reads a filtered subset without loading everything; :meth:`sql` answers a
+    DuckDB query over the tables ``records``, ``steps`` and ``modules``; :meth:`tensor`
+    returns a saved full tensor as a numpy array.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, max_records: int | None = MAX_RECORDS
+    ) -> None:
         self.path = Path(path)
+        self.max_records = max_records
+        """The most records :attr:`records` loads (None: no bound); set it to load more."""
         if not self.path.exists():
             raise TraceNotFound(f"no run at {self.path}: give the directory a recording wrote")
         if not self.path.is_dir():
@@ -117,10 +131,14 @@ class Trace:
         """Files that could not be read and were left out, each with the reason."""
         self._manifest = _read_manifest(manifest_path, self._leave_out)
         self._status = _read_statuses(self.path / schema.STATUS_DIR, self._leave_out)
+        self._metadata: dict[Path, pq.FileMetaData] = {}
         self._parts = {
             name: self._discover(name)
             for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR)
         }
+        self._step_spans: dict[Path, tuple[int, int] | None] = {}
+        self._sql: Any = None  # the DuckDB connection, made on first use
+        self._sql_parts: dict[str, list[Path]] = {}
 
     # -- what the run is ---------------------------------------------------------------------
 
@@ -158,10 +176,67 @@ class Trace:
 
     # -- tables ------------------------------------------------------------------------------
 
+    @property
+    def record_count(self) -> int:
+        """How many records the readable parts hold, from their footers (nothing decoded)."""
+        return sum(self._metadata[p].num_rows for p in self._parts[schema.RECORDS_DIR])
+
     @cached_property
     def records(self) -> pd.DataFrame:
-        """Every record: one row per recorded tensor per call per step (see docs/FORMAT.md)."""
+        """Every record: one row per recorded tensor per call per step (see docs/FORMAT.md).
+
+        Raises :class:`TraceTooLarge` when the trace holds more than :attr:`max_records`:
+        then read a part of it with :meth:`query`, or ask in SQL with :meth:`sql`."""
+        count = self.record_count
+        if self.max_records is not None and count > self.max_records:
+            raise TraceTooLarge(
+                f"{_printable(self.path)} holds {count:,} records, more than trace.records loads "
+                f"into memory (max_records={self.max_records:,}; some 400 bytes a record in "
+                "pandas): read the part you need, e.g. trace.query(steps=(0, 99), "
+                "modules=['encoder.0.fc'], kinds=['grad_param'], columns=['step', 'module', "
+                "'norm']), or ask in SQL: trace.sql(\"SELECT module, max(norm) FROM records "
+                "WHERE kind = 'grad_param' GROUP BY module\"); or load it all anyway with "
+                "hooktrace.load(run, max_records=None)"
+            )
         return self.query()
+
+    def sql(self, query: str, parameters: Sequence[Any] | None = None) -> pd.DataFrame:
+        """The answer of a DuckDB ``query`` over this trace, as a DataFrame.
+
+        The tables are ``records``, ``steps`` and ``modules`` (with ``rank``), as
+        docs/FORMAT.md describes them; DuckDB reads only the columns and row groups the query
+        needs, on every core, spilling to disk past its memory limit::
+
+            trace.sql("SELECT module, max(norm) AS norm FROM records "
+                      "WHERE kind = 'grad_param' GROUP BY module ORDER BY norm DESC")
+
+        ``parameters`` fill the query's ``?`` or ``$1`` placeholders. A query DuckDB refuses
+        (a syntax error, an unknown column) raises :class:`TraceError` with DuckDB's reason.
+        """
+        import duckdb
+
+        try:
+            return self._duckdb().execute(query, parameters).df()
+        except duckdb.Error as exc:
+            raise TraceError(
+                f"the query over {_printable(self.path)} failed: {_one_line(exc)} (tables: "
+                "records, steps, modules; columns as in docs/FORMAT.md)"
+            ) from exc
+
+    def _duckdb(self) -> Any:
+        """The DuckDB connection, its views over the parts readable now."""
+        from hooktrace.trace import sql
+
+        columns = {
+            name: {c for p in parts for c in self._metadata[p].schema.names}
+            for name, parts in self._parts.items()
+        }
+        if self._sql is None:
+            self._sql = sql.connect(self._parts, columns)
+        elif self._sql_parts != self._parts:  # a part found damaged since: left out
+            sql.define_views(self._sql, self._parts, columns)
+        self._sql_parts = {name: list(parts) for name, parts in self._parts.items()}
+        return self._sql
 
     @cached_property
     def steps(self) -> pd.DataFrame:
@@ -199,10 +274,14 @@ class Trace:
             nonlocal expr
             expr = e if expr is None else expr & e
 
+        span: tuple[int, int] | None = None
         if isinstance(steps, tuple) and len(steps) == 2:
             both((pc.field("step") >= steps[0]) & (pc.field("step") <= steps[1]))
+            span = (int(steps[0]), int(steps[1]))
         elif steps is not None:  # value sets typed: an empty one is then no row, not an error
-            both(pc.field("step").isin(pa.array([int(s) for s in steps], pa.int64())))
+            chosen = [int(s) for s in steps]
+            both(pc.field("step").isin(pa.array(chosen, pa.int64())))
+            span = (min(chosen), max(chosen)) if chosen else (1, 0)
         for name, values in (("module", modules), ("kind", kinds), ("phase", phases)):
             if values is not None:
                 value_set = pa.array([str(v) for v in values], pa.string())
@@ -218,12 +297,15 @@ class Trace:
                     f"unknown record column(s) {sorted(unknown)}: choose from "
                     f"{', '.join(['rank', *schema.RECORD_SCHEMA.names])}"
                 )
-        table = self._read(schema.RECORDS_DIR, schema.RECORD_SCHEMA, columns=wanted, filter=expr)
+        table = self._read(
+            schema.RECORDS_DIR, schema.RECORD_SCHEMA, columns=wanted, filter=expr,
+            parts=None if span is None else self._parts_holding(*span),
+        )  # fmt: skip
         frame = table.to_pandas()
         if "note" in frame.columns and frame["note"].hasnans:  # a 1.0 trace has no notes
             frame["note"] = _no_notes(frame["note"])
         order = [c for c in ("rank", "step", "seq") if c in frame.columns]
-        if order:
+        if order and not in_order(frame, order):
             frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
         return frame
 
@@ -315,20 +397,37 @@ class Trace:
 
     def read_activity(self, segment: str, offsets: Sequence[int], units: int) -> list[np.ndarray]:
         """Slices of one segment's activity array: for analyses that read many at once."""
-        merged = self._read_dataset(segment, "activity")
+        merged = self.activity_array(segment)
         return [merged[o : o + units] for o in offsets]
+
+    def activity_array(self, segment: str) -> np.ndarray:
+        """One segment's whole activity array (every record's counts, at its
+        ``activity_offset``)."""
+        return self._read_dataset(segment, "activity")
 
     # -- presentation ------------------------------------------------------------------------
 
     def __repr__(self) -> str:
-        steps = self.query(columns=["step"])["step"]
-        n_steps = steps.nunique()
-        span = f"steps {steps.min()}–{steps.max()} ({n_steps})" if n_steps else "no steps"
-        kinds = self.query(columns=["kind"])["kind"].astype(str).value_counts()
+        # a trace of 10^8 records too: the steps and kinds are counted by DuckDB, reading two
+        # columns, the records from the footers
+        try:
+            steps = self.sql(
+                "SELECT min(step) AS lo, max(step) AS hi, count(DISTINCT step) AS n FROM records"
+            )
+            counted = self.sql("SELECT kind, count(*) AS n FROM records GROUP BY kind")
+            lo, hi, n_steps = (steps[c].iloc[0] for c in ("lo", "hi", "n"))
+            pairs = [(str(k), int(v)) for k, v in zip(counted["kind"], counted["n"], strict=True)]
+        except TraceError:  # a part DuckDB cannot decode: hooktrace's reader leaves it out
+            column = self.query(columns=["step", "kind"])
+            lo, hi, n_steps = column["step"].min(), column["step"].max(), column["step"].nunique()
+            pairs = [(str(k), int(v)) for k, v in column["kind"].astype(str).value_counts().items()]
+        order = {k: i for i, k in enumerate(schema.KINDS)}
+        kinds = dict(sorted(pairs, key=lambda kv: (-kv[1], order.get(kv[0], len(order)), kv[0])))
+        span = f"steps {lo}–{hi} ({n_steps})" if n_steps else "no steps"
         lines = [
             f"Trace('{self.path}')",
             f"  status {self.status}, format {self.format_version}, ranks {self.ranks}",
-            f"  {span}, {len(self.modules)} modules, {len(steps):,} records",
+            f"  {span}, {len(self.modules)} modules, {sum(kinds.values()):,} records",
             "  kinds: " + ", ".join(f"{k} {v:,}" for k, v in kinds.items()),
         ]
         if self.skipped:
@@ -346,12 +445,64 @@ class Trace:
             f"{_printable(self.path)}: left out {name}: {reason}", TraceWarning, stacklevel=4
         )
 
+    def part_spans(self) -> pd.DataFrame:
+        """One row per readable records part, from its footer: ``rank``, ``first`` and
+        ``last`` step (from its row groups' statistics; -1 where they are missing) and
+        ``records``. A part holds whole steps, so this maps steps to files without reading
+        a record."""
+        rows = []
+        for part in self._parts[schema.RECORDS_DIR]:
+            if part not in self._step_spans:
+                self._step_spans[part] = _step_span(self._metadata[part])
+            span = self._step_spans[part] or (-1, -1)
+            rows.append((_rank_of(part), *span, self._metadata[part].num_rows))
+        return pd.DataFrame(rows, columns=["rank", "first", "last", "records"], dtype="int64")
+
+    def value_span(self, column: str) -> tuple[Any, Any] | None:
+        """The smallest and largest value of a records column, from the row groups'
+        statistics (nothing decoded); None where some row group has none. A part of an older
+        minor version without the column counts as ""-valued (``note``) or unknown."""
+        low: Any = None
+        high: Any = None
+        for part in self._parts[schema.RECORDS_DIR]:
+            metadata = self._metadata[part]
+            names = metadata.schema.names
+            if column not in names:
+                if column != "note":
+                    return None
+                spans = [("", "")]
+            else:
+                index = names.index(column)
+                spans = []
+                for i in range(metadata.num_row_groups):
+                    stats = metadata.row_group(i).column(index).statistics
+                    if stats is None or not stats.has_min_max:
+                        return None
+                    spans.append((stats.min, stats.max))
+            for lo, hi in spans:
+                low = lo if low is None else min(low, lo)
+                high = hi if high is None else max(high, hi)
+        return None if low is None else (low, high)
+
+    def _parts_holding(self, first: int, last: int) -> list[Path]:
+        """The records parts that may hold a step in ``first``-``last``, by the step
+        statistics of their row groups: a window of steps opens a few files, not all."""
+        found = []
+        for part in self._parts[schema.RECORDS_DIR]:
+            if part not in self._step_spans:
+                self._step_spans[part] = _step_span(self._metadata[part])
+            span = self._step_spans[part]
+            if span is None or (span[0] <= last and first <= span[1]):
+                found.append(part)
+        return found
+
     def _discover(self, kind_dir: str) -> list[Path]:
         base = self.path / kind_dir
         if not base.is_dir():
             return []
         required = _REQUIRED[kind_dir]
         good: list[Path] = []
+        checked: list[pq.ParquetSchema] = []  # the schemas found right: parts share a few
         for part in sorted(base.glob("rank=*/part-*.parquet")):
             try:
                 _rank_of(part)
@@ -359,15 +510,24 @@ class Trace:
                     raise ValueError("the file name is not valid UTF-8")
                 if not _regular(part):  # a directory, or a pipe that would block a read
                     raise ValueError("not a regular file")
-                missing = required - set(pq.read_schema(part).names)
+                metadata = pq.read_metadata(part)
+                missing = required - set(metadata.schema.names)
                 if missing:
                     raise ValueError(
                         f"not a hooktrace {kind_dir} part (no column {', '.join(sorted(missing))})"
                     )
+                wrong = None
+                if not any(metadata.schema.equals(known) for known in checked):
+                    wrong = _wrong_types(metadata.schema.to_arrow_schema(), _SCHEMAS[kind_dir])
+                    if not wrong:
+                        checked.append(metadata.schema)
+                if wrong:
+                    raise ValueError(f"not a hooktrace {kind_dir} part ({wrong})")
             except (OSError, ValueError, pa.ArrowException) as exc:
                 self._leave_out(part, exc)
                 continue
             good.append(part)
+            self._metadata[part] = metadata
         return good
 
     def _read(
@@ -377,9 +537,10 @@ class Trace:
         *,
         columns: list[str] | None = None,
         filter: Any = None,
+        parts: list[Path] | None = None,
     ) -> pa.Table:
         full_schema = file_schema.append(schema.PARTITIONING.field("rank"))
-        parts = self._parts[kind_dir]
+        parts = self._parts[kind_dir] if parts is None else parts
         empty = full_schema.empty_table()
         empty = empty.select(columns) if columns else empty
         if not parts:
@@ -474,6 +635,64 @@ class Trace:
         return f"it has steps {steps.min()}–{steps.max()} and slots {', '.join(slots)}"
 
 
+def in_order(frame: pd.DataFrame, columns: list[str]) -> bool:
+    """Whether the rows are sorted by ``columns`` already (as a part written in (step, seq)
+    order reads back): sorting them again is most of a window's read."""
+    if len(frame) < 2:
+        return True
+    keys = [frame[c].to_numpy() for c in columns]
+    ahead = np.zeros(len(frame) - 1, dtype=bool)  # decided: this row is before the next
+    for key in keys:
+        before, after = key[:-1], key[1:]
+        if ((before > after) & ~ahead).any():
+            return False
+        ahead |= before < after
+    return True
+
+
+def _wrong_types(found: pa.Schema, expected: pa.Schema) -> str | None:
+    """Which column of a part holds values of another kind than the format says (text where
+    numbers belong, ...), if any: such a part is not read (and ``hooktrace check`` says so)."""
+    for field in expected:
+        if field.name not in found.names:
+            continue  # an older minor version: read as null
+        have, want = found.field(field.name).type, field.type
+        if _family(have) != _family(want):
+            return f"column {field.name} is {have}, not {want}"
+    return None
+
+
+def _family(arrow_type: pa.DataType) -> str:
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    for name, test in (
+        ("integer", pa.types.is_integer),
+        ("float", pa.types.is_floating),
+        ("bool", pa.types.is_boolean),
+        ("string", lambda t: pa.types.is_string(t) or pa.types.is_large_string(t)),
+    ):
+        if test(arrow_type):
+            return name
+    return str(arrow_type)
+
+
+def _step_span(metadata: pq.FileMetaData) -> tuple[int, int] | None:
+    """The smallest and largest step of a records part, from its row groups' statistics;
+    None when a row group has none (then the part is always read)."""
+    try:
+        column = metadata.schema.names.index("step")
+    except ValueError:
+        return None
+    lows, highs = [], []
+    for i in range(metadata.num_row_groups):
+        stats = metadata.row_group(i).column(column).statistics
+        if stats is None or not stats.has_min_max:
+            return None
+        lows.append(int(stats.min))
+        highs.append(int(stats.max))
+    return (min(lows), max(highs)) if lows else (1, 0)
+
+
 # A part without these is not hooktrace's (other columns may be missing from files of an
 # older minor version: they read as null)
 def _no_notes(notes: pd.Series) -> pd.Series:
@@ -484,6 +703,12 @@ def _no_notes(notes: pd.Series) -> pd.Series:
         return notes.fillna("")
     return notes.fillna("")
 
+
+_SCHEMAS = {
+    schema.RECORDS_DIR: schema.RECORD_SCHEMA,
+    schema.STEPS_DIR: schema.STEP_SCHEMA,
+    schema.MODULES_DIR: schema.MODULE_SCHEMA,
+}
 
 _REQUIRED = {
     schema.RECORDS_DIR: {"step", "seq", "module", "kind", "slot"},

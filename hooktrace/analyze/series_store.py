@@ -1,0 +1,91 @@
+"""One value per (rank, module, step), kept out of pandas: what :func:`hooktrace.anomalies`
+collects while it reads a trace, for the series checks it runs at the end. Never imports
+torch.
+
+At 10,000 steps of 2,500 modules that is 25 million values, more than should sit in pandas.
+The chunks go into a DuckDB table instead (in memory up to DuckDB's limit, spilled to disk
+past it), and come back a few modules at a time, in (rank, module) order, each module's
+steps whole and in order: a series check then holds one batch of modules, whatever the
+trace's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pandas as pd
+
+from hooktrace.trace import sql
+
+COLUMNS = ("rank", "module", "step", "value", "seq")
+"""rank, module (an integer id), step, the value, and the module's first seq at that step."""
+
+BATCH_ROWS = 1 << 20
+"""About how many values a batch holds (whole modules: more where one module has more)."""
+
+
+class SeriesStore:
+    """Named series (``grads``, ``outputs``): append chunks of (rank, module, step, value,
+    seq) to one, read it back by module. One DuckDB database holds them all, so they share
+    its memory limit."""
+
+    def __init__(self) -> None:
+        self._con: Any = None
+        self._made: set[str] = set()
+
+    def add(self, series: str, frame: pd.DataFrame) -> None:
+        if frame.empty:
+            return
+        if self._con is None:
+            self._con = sql.open_connection()
+        if series not in self._made:
+            self._con.execute(
+                f'CREATE TABLE "{series}" (rank BIGINT, module BIGINT, step BIGINT, '
+                "value DOUBLE, seq BIGINT)"
+            )
+            self._made.add(series)
+        self._con.register("chunk", frame[list(COLUMNS)])
+        self._con.execute(f'INSERT INTO "{series}" SELECT * FROM chunk')
+        self._con.unregister("chunk")
+
+    def tables(
+        self, series: str, names: list[str], *, rows: int | None = None
+    ) -> Iterator[pd.DataFrame]:
+        """Tables of whole modules, in (rank, module) order, each module's steps in order;
+        ``module`` as a categorical of ``names`` (ids index it). About ``rows`` values a
+        table (:data:`BATCH_ROWS`), more where one module has more."""
+        if series not in self._made:
+            return
+        rows = BATCH_ROWS if rows is None else rows
+        ordered = self._con.sql(f'SELECT * FROM "{series}" ORDER BY rank, module, step')
+        carry: pd.DataFrame | None = None
+        for record_batch in ordered.to_arrow_reader(max(1, rows)):
+            batch = record_batch.to_pandas()
+            if batch.empty:
+                continue
+            if carry is not None:
+                batch = pd.concat([carry, batch], ignore_index=True)
+            # the last (rank, module) may go on in the next batch: hold it back
+            last = (batch["rank"].iloc[-1], batch["module"].iloc[-1])
+            tail = (batch["rank"] == last[0]) & (batch["module"] == last[1])
+            carry = batch[tail]
+            done = batch[~tail]
+            if not done.empty:
+                yield _named(done, names)
+        if carry is not None and not carry.empty:
+            yield _named(carry, names)
+
+    def close(self) -> None:
+        if self._con is not None:
+            self._con.close()
+            self._con = None
+            self._made.clear()
+
+
+def _named(table: pd.DataFrame, names: list[str]) -> pd.DataFrame:
+    table = table.reset_index(drop=True)
+    table["module"] = pd.Categorical.from_codes(
+        table["module"].to_numpy(), categories=pd.Index(names)
+    )
+    return table

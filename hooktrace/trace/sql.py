@@ -1,0 +1,134 @@
+"""SQL over a trace, through DuckDB: the tables ``records``, ``steps`` and ``modules`` as views
+over the run's Parquet parts. Never imports torch.
+
+DuckDB is embedded, reads Parquet where it lies (only the columns and row groups a query
+needs), runs on every core and spills to disk past its memory limit, so a question over a
+trace larger than memory is still one query with a bounded footprint. The views cover the
+parts the reader found whole (``Trace.skipped`` lists the others); ``rank`` comes from the
+hive partition (``records/rank=R/...``), and every column of the format is there whatever
+the minor version of the files (``note`` reads as "" in a 1.0 trace, as ``Trace.query`` has
+it).
+
+Each view lists the run's parts by name, so the same SQL runs on any engine that reads
+Parquet with hive partitioning (docs/SCALING.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from hooktrace.trace import schema
+
+if TYPE_CHECKING:
+    import duckdb
+
+MEMORY_LIMIT = os.environ.get("HOOKTRACE_DUCKDB_MEMORY", "1GB")
+"""DuckDB's memory limit for the analyzer's queries: past it, DuckDB spills to a temporary
+directory, so the analyzer stays within the issue's 2 GB whatever the trace's size."""
+
+TABLES = {
+    schema.RECORDS_DIR: schema.RECORD_SCHEMA,
+    schema.STEPS_DIR: schema.STEP_SCHEMA,
+    schema.MODULES_DIR: schema.MODULE_SCHEMA,
+}
+
+_SQL_TYPES = {
+    pa.int32(): "INTEGER",
+    pa.int64(): "BIGINT",
+    pa.float64(): "DOUBLE",
+    pa.bool_(): "BOOLEAN",
+    pa.string(): "VARCHAR",
+}
+
+
+def connect(
+    parts: dict[str, list[Path]], columns: dict[str, set[str]] | None = None
+) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with a view per table over ``parts`` (the reader's
+    whole parts, by table directory name); ``columns``, where given, are the columns the
+    parts of each table hold between them (else DuckDB reads every footer to learn them)."""
+    con = open_connection()
+    define_views(con, parts, columns)
+    return con
+
+
+def config() -> dict[str, Any]:
+    """The analyzer's DuckDB settings: its memory limit, and where it spills past it (made
+    only when it does). Open connections with :func:`open_connection`."""
+    return {
+        "memory_limit": MEMORY_LIMIT,
+        "temp_directory": str(Path(tempfile.gettempdir()) / "hooktrace-duckdb"),
+    }
+
+
+def open_connection() -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with :func:`config`, and no progress bar on the
+    terminal of a command's user."""
+    import duckdb
+
+    con = duckdb.connect(config=config())
+    with contextlib.suppress(duckdb.Error):  # in Jupyter, DuckDB may refuse to touch it
+        con.execute("SET enable_progress_bar = false")
+    return con
+
+
+def define_views(
+    con: duckdb.DuckDBPyConnection,
+    parts: dict[str, list[Path]],
+    columns: dict[str, set[str]] | None = None,
+) -> None:
+    """(Re)define the ``records``, ``steps`` and ``modules`` views over ``parts``."""
+    for name, file_schema in TABLES.items():
+        present = None if columns is None else columns[name]
+        view = _select(con, file_schema, parts[name], present)
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS {view}")
+
+
+def _select(
+    con: duckdb.DuckDBPyConnection,
+    file_schema: pa.Schema,
+    parts: Sequence[Path],
+    columns_present: set[str] | None,
+) -> str:
+    """``SELECT rank, <every column of the format> FROM read_parquet([...])``: columns the
+    files lack (an older minor version) are NULL of their type; ``note`` is "" there."""
+    if not parts:
+        nulls = ", ".join(f"CAST(NULL AS {_sql_type(f.type)}) AS {f.name}" for f in file_schema)
+        return f"SELECT CAST(NULL AS INTEGER) AS rank, {nulls} WHERE false"
+    files = "[" + ", ".join(_literal(str(p)) for p in parts) + "]"
+    source = (
+        f"read_parquet({files}, hive_partitioning = true, hive_types = {{'rank': INTEGER}}, "
+        "union_by_name = true)"
+    )
+    present = (
+        set(columns_present)
+        if columns_present is not None
+        else {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+    )
+    columns = []
+    for f in file_schema:
+        if f.name not in present:
+            value = "''" if f.name == "note" else f"CAST(NULL AS {_sql_type(f.type)})"
+            columns.append(f"{value} AS {f.name}")
+        elif f.name == "note":
+            columns.append("coalesce(note, '') AS note")
+        else:
+            columns.append(f'"{f.name}"')
+    return f"SELECT rank, {', '.join(columns)} FROM {source}"
+
+
+def _sql_type(arrow_type: Any) -> str:
+    if pa.types.is_dictionary(arrow_type):
+        arrow_type = arrow_type.value_type
+    return _SQL_TYPES[arrow_type]
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"

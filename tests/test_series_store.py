@@ -1,0 +1,45 @@
+"""SeriesStore: chunks of per-step values go in by step, come back whole per module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import hooktrace
+from hooktrace.analyze import series_store
+from hooktrace.analyze.series_store import SeriesStore
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
+
+
+def test_values_come_back_whole_per_module_in_order() -> None:
+    store = SeriesStore()
+    names = [f"m{i}" for i in range(7)]
+    for first in range(0, 30, 4):  # chunks of 4 steps, every module in each
+        steps = np.arange(first, min(first + 4, 30))
+        chunk = pd.DataFrame(
+            [(r, m, s, float(s * 10 + m), m) for s in steps for r in (1, 0) for m in range(7)],
+            columns=["rank", "module", "step", "value", "seq"],
+        )
+        store.add("norms", chunk)
+    tables = list(store.tables("norms", names, rows=5))
+    assert list(store.tables("other", names)) == []
+    store.close()
+    assert len(tables) > 3
+    seen: list[tuple[int, str]] = []
+    for table in tables:
+        for (rank, module), group in table.groupby(["rank", "module"], observed=True, sort=False):
+            seen.append((int(rank), str(module)))
+            assert group["step"].tolist() == list(range(30))
+            assert group["value"].tolist() == [s * 10.0 + int(str(module)[1:]) for s in range(30)]
+    assert seen == [(r, n) for r in (0, 1) for n in names]
+
+
+@pytest.mark.parametrize("run", ["exploding", "nan", "dead", "healthy"])
+def test_findings_do_not_depend_on_the_batch(run: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    whole = hooktrace.anomalies(SAMPLES / run).findings
+    monkeypatch.setattr(series_store, "BATCH_ROWS", 7)  # a module in several batches
+    pd.testing.assert_frame_equal(hooktrace.anomalies(SAMPLES / run).findings, whole)
