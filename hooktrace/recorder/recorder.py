@@ -273,16 +273,7 @@ class Recorder:
             with self._lock:
                 self._active = False
                 self._recording = False
-                for handle in (*self._handles, *self._tensor_handles):
-                    handle.remove()
-                self._handles.clear()
-                self._tensor_handles.clear()
-                self._table.clear()
-                for compiled_call in self._compiled_calls:
-                    compiled_call.restore()
-                self._compiled_calls.clear()
-                while self._restore:
-                    self._restore.pop()()
+                self._detach()
             if _ACTIVE is self:
                 _ACTIVE = None
             if self.error is not None and status == schema.STATUS_COMPLETE:
@@ -419,17 +410,17 @@ class Recorder:
         self._prefixed[root_name] = prefixed
         self._root_names[id(hooked)] = root_name
         self._table.add_root(hooked)
-        self._add_modules(root_name, hooked, prefix="", prefixed=prefixed, compiled=compiled)
+        self._add_modules(root_name, hooked, prefixed=prefixed, compiled=compiled)
         return hooked
 
     def _add_modules(
-        self, root_name: str, scope: nn.Module, *, prefix: str, prefixed: bool, compiled: bool
+        self, root_name: str, root: nn.Module, *, prefixed: bool, compiled: bool
     ) -> None:
-        """Name ``scope`` (the root, or a module at ``prefix`` inside it) and the modules in
-        it not named yet, with their parameters and buffers, and enter the selected ones in
-        the table. A parameter named anew replaces the record of the one it replaced."""
+        """Name ``root``'s modules not named yet (a module shared with an earlier root keeps
+        its first name), with their parameters and buffers, and enter the selected ones in
+        the table."""
         new: dict[str, nn.Module] = {}
-        for qualname, module in scope.named_modules(prefix=prefix):
+        for qualname, module in root.named_modules():
             if id(module) in self._known:
                 continue
             self._known.add(id(module))
@@ -1032,10 +1023,18 @@ class Recorder:
         self._active = False
         self._recording = False
         self._closed = True
-        self._table.clear()
-        for handle in self._handles:  # the child's copies: its modules run without them
+        self._detach()  # the child's copies: its modules run without them
+
+    def _detach(self) -> None:
+        """Remove every hook and patch, and empty the table: torch is as it was."""
+        for handle in (*self._handles, *self._tensor_handles):
             handle.remove()
         self._handles.clear()
+        self._tensor_handles.clear()
+        self._table.clear()
+        for compiled_call in self._compiled_calls:
+            compiled_call.restore()
+        self._compiled_calls.clear()
         while self._restore:
             self._restore.pop()()
 
