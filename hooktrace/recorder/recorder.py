@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from hooktrace.errors import ConfigError, RecordingError
-from hooktrace.recorder import attach
+from hooktrace.recorder import attach, capture
 from hooktrace.recorder.attach import in_backward as _in_backward
 from hooktrace.recorder.attach import in_transform as _in_transform
 from hooktrace.recorder.attach import is_compiling
@@ -148,6 +148,9 @@ class Recorder:
         buffer_mb: float = 256.0,
         strict: bool = False,
         overwrite: bool = False,
+        capture_nonfinite: bool = True,
+        capture_limit: int = capture.DEFAULT_LIMIT,
+        capture_max_mb: float = capture.DEFAULT_MAX_MB,
         command: list[str] | None = None,
     ) -> None:
         global _ACTIVE
@@ -191,7 +194,8 @@ class Recorder:
             "full_every": full_every, "full_steps": _describe(full_steps),
             "full_modules": _describe(full_modules), "max_tensor_mb": max_tensor_mb,
             "max_units": max_units, "compression": compression, "buffer_mb": buffer_mb,
-            "strict": strict,
+            "strict": strict, "capture_nonfinite": capture_nonfinite,
+            "capture_limit": capture_limit, "capture_max_mb": capture_max_mb,
         }  # fmt: skip
         world_size = _world_size()
         manifest = {
@@ -231,6 +235,18 @@ class Recorder:
         self._lock = threading.RLock()
         self._staging_pool = StagingPool()
         self._layouts = Layouts()
+        if capture_limit < 0 or capture_max_mb < 0:
+            raise ConfigError("capture_limit and capture_max_mb must be 0 or more")
+        self._captures = capture.Captures(
+            self.out,
+            self.rank,
+            enabled=capture_nonfinite,
+            limit=capture_limit,
+            max_mb=capture_max_mb,
+            call_spec=self._call_spec,
+            parameters=self._all_parameters,
+            warn=_warn,
+        )
         self._reset_step_state()
         self._root_depth = 0
         self._phase = "train"
@@ -284,9 +300,8 @@ class Recorder:
                     f"an optimizer stepped {self._unrecorded} time(s), but no recorded model "
                     "holds its parameters: nothing was recorded"
                 )
-            problem = self._writer.close(
-                status, error=error or self.error, extra=_route_taken(), warn=False
-            )
+            extra = {**(_route_taken() or {}), **self._captures.status()}
+            problem = self._writer.close(status, error=error or self.error, extra=extra, warn=False)
         if problem is None:
             return
         if self.strict and finishing:
@@ -604,7 +619,7 @@ class Recorder:
         return "train" if torch.is_grad_enabled() and module.training else "eval"
 
     def _grad_hook(
-        self, targets: list[tuple[str, int, str, str]]
+        self, targets: list[tuple[str, int, str, str]], source: weakref.ref[torch.Tensor]
     ) -> Callable[[torch.Tensor], None]:
         """A tensor's gradient hook: records the gradient as each (module, call, kind, slot)
         of ``targets`` (a tensor several modules returned is each one's output)."""
@@ -614,8 +629,11 @@ class Recorder:
                 with self._lock:
                     module = targets[0][0]
                     try:
+                        stats = None
                         for module, call, kind, slot in targets:
-                            self._on_grad(module, call, kind, slot, grad)
+                            stats = self._on_grad(module, call, kind, slot, grad)
+                        if self._captures.armed:
+                            self._after_gradient(targets, grad, stats, source())
                     except Exception as exc:
                         self._fault(exc, f"the backward of {module!r}")
 
@@ -638,9 +656,10 @@ class Recorder:
                 targets.append(target)
                 return
         targets = [target]
-        handle = tensor.register_hook(self._grad_hook(targets))
+        source = weakref.ref(tensor)
+        handle = tensor.register_hook(self._grad_hook(targets, source))
         self._tensor_handles.append(handle)
-        self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, handle.id, targets)
+        self._hooked[id(tensor)] = (source, tensor._version, handle.id, targets)
 
     # -- what hooks do -----------------------------------------------------------------------
 
@@ -666,6 +685,8 @@ class Recorder:
                     self._record_params("buffer")
                 except Exception as exc:
                     self._fault(exc, "the parameters")
+        if self._root_depth == 0:
+            self._captures.new_pass()
         self._root_depth += 1
 
     def _on_forward(
@@ -689,13 +710,52 @@ class Recorder:
         if spec is not None:
             self._pending.specs[len(self._pending.meta)] = spec
         outputs = (("0", output),) if isinstance(output, torch.Tensor) else flatten(output)
+        captures = self._captures
+        armed = captures.armed
+        nonfinite = hooked = False
         for slot, tensor in outputs:
             if channels_first and tensor.dim() == 3:
                 self._channel_shapes.add(tensor.shape)
-            self._observe(name, call, "output", slot, tensor, phase=phase, full=full, units=True)
+            stats = self._observe(
+                name, call, "output", slot, tensor, phase=phase, full=full, units=True
+            )
+            if armed and not nonfinite:
+                nonfinite = self._nonfinite(stats, tensor)
             if phase == "train" and tensor.requires_grad:
+                hooked = True
                 self._grad_hooked.add((name, call))
                 self._hook_grad(tensor, name, call, "grad_output", slot)
+        if not armed:
+            return
+        if hooked:
+            captures.hold((name, call), module, args, kwargs)
+        if nonfinite:
+            where = self._where_now(phase, call)
+            tensors = [("0", output)] if isinstance(output, torch.Tensor) else list(flatten(output))
+            try:
+                captures.after_forward(name, module, args, kwargs, tensors, where, self._queued)
+            except Exception as exc:  # a capture's failure is its own: the recording goes on
+                captures.failure(exc, f"the forward of {name!r}", where)
+
+    def _nonfinite(self, stats: Any, tensor: torch.Tensor) -> bool:
+        """Whether a recorded tensor holds a NaN or Inf, from its statistics where they are at
+        hand (a CPU tensor's), else by a look of its own where that costs no host sync."""
+        known = capture.nonfinite(stats, tensor)
+        if known is not None:
+            return known
+        return tensor.is_cpu and capture.check(tensor)
+
+    def _queued(self, tensor: torch.Tensor) -> bool | None:
+        """A tensor's non-finiteness from statistics already queued for it, if any."""
+        cached = self._lookup(tensor)
+        return capture.nonfinite(cached[0], tensor) if cached is not None else None
+
+    def _where_now(self, phase: str, call: int) -> dict[str, Any]:
+        return {"step": self.current_step, "micro_step": self.micro_step, "phase": phase,
+                "call": call}  # fmt: skip
+
+    def _all_parameters(self) -> list[torch.Tensor]:
+        return [p for root in self.roots.values() for p in root.parameters()]
 
     def _on_recompute(self, name: str, output: Any) -> None:
         """A forward run again by activation checkpointing: record nothing twice.
@@ -713,12 +773,26 @@ class Recorder:
                 self._grad_hooked.add((name, call))
                 self._hook_grad(tensor, name, call, "grad_output", slot)
 
-    def _on_grad(self, module: str, call: int, kind: str, slot: str, grad: torch.Tensor) -> None:
+    def _after_gradient(
+        self,
+        targets: list[tuple[str, int, str, str]],
+        grad: torch.Tensor,
+        stats: Any,
+        source: torch.Tensor | None,
+    ) -> None:
+        where = self._where_now("train", targets[0][1])
+        try:
+            bad = self._nonfinite(stats, grad)
+            self._captures.after_gradient(targets, grad, bad, source, where)
+        except Exception as exc:  # a capture's failure is its own: the recording goes on
+            self._captures.failure(exc, f"the backward of {targets[0][0]!r}", where)
+
+    def _on_grad(self, module: str, call: int, kind: str, slot: str, grad: torch.Tensor) -> Any:
         if not self._backward_active:
             self._backward_active = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         full = self._full_step and self._wants_full(module)
-        self._observe(module, call, kind, slot, grad, phase="train", full=full, units=False)
+        return self._observe(module, call, kind, slot, grad, phase="train", full=full, units=False)
 
     def _backward_done(self) -> None:
         """Queued on the autograd engine: runs once when a backward pass completes."""
@@ -729,6 +803,7 @@ class Recorder:
             self._grad_hooked.clear()
             self._hooked.clear()
             self._recompute_calls.clear()
+            self._captures.backward_done()
 
     def watch(self, tensor: torch.Tensor, name: str) -> None:
         if not self._recording or _in_backward() or _in_transform():
@@ -762,11 +837,13 @@ class Recorder:
         full: bool,
         units: bool,
         note: str = "",
-    ) -> None:
-        """The hot path: queue this tensor's statistics and note where they belong."""
+    ) -> Any:
+        """The hot path: queue this tensor's statistics and note where they belong. Returns
+        them (None for a tensor not summarised): a row on the CPU, a tensor on a device, or
+        where they will be made from a staged copy."""
         if not usual(tensor):
             self._observe_unusual(module, call, kind, slot, tensor, phase=phase, full=full)
-            return
+            return None
         pending = self._pending
         row = len(pending.meta)
         cached = self._lookup(tensor)
@@ -810,6 +887,7 @@ class Recorder:
         pending.stats.append(stats)
         if full:
             self._snapshot(row, tensor)
+        return stats
 
     def _observe_unusual(
         self,
@@ -1017,6 +1095,7 @@ class Recorder:
         self._recent = OrderedDict()
         self._params_phase = None
         self._output_specs = {}
+        self._captures.new_step()
 
     def _orphan(self) -> None:
         """In a forked child: hooks return at once, nothing is written, nothing is closed."""

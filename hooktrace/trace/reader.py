@@ -36,6 +36,7 @@ from hooktrace.errors import (
     TraceWarning,
 )
 from hooktrace.trace import schema
+from hooktrace.trace.captures import capture_paths, capture_table, read_meta, read_tensors
 
 # torch dtypes numpy lacks: stored as unsigned integers of the same width (docs/FORMAT.md)
 _NUMPY_DTYPES = {
@@ -404,6 +405,39 @@ class Trace:
         """One segment's whole activity array (every record's counts, at its
         ``activity_offset``)."""
         return self._read_dataset(segment, "activity")
+
+    # -- non-finite captures -----------------------------------------------------------------
+
+    def nonfinite_captures(self, *, rank: int | None = None) -> pd.DataFrame:
+        """One row per non-finite capture: where the first NaN or Inf of the run was caught
+        (step, module, forward or backward pass), what triggered it, and what running the
+        call again found: the aten operation (``op``), the autograd node in a backward
+        (``node``), the model's source line (``file``, ``line``, ``code``) and whether the
+        value ``reproduces`` standalone; ``explanation`` says it in one sentence. Empty
+        when the run kept none (see the status's ``nonfinite_captures``)."""
+        return capture_table(self.path, rank)
+
+    def capture_info(self, capture: int, *, rank: int = 0) -> dict[str, Any]:
+        """Everything one capture says of itself: the row of :meth:`nonfinite_captures` in
+        full, with the call spec, the statistics of the operation's inputs
+        (``analysis["op_inputs"]``) and the tensors left out (``left_out``)."""
+        return read_meta(self._capture_path(capture, rank))
+
+    def capture_tensors(self, capture: int, *, rank: int = 0) -> dict[str, dict[str, np.ndarray]]:
+        """The tensors of one capture, by group (``inputs``, ``outputs``, ``grad_outputs``,
+        ``state``) and by slot or parameter name, with their exact dtypes."""
+        return read_tensors(self._capture_path(capture, rank))
+
+    def _capture_path(self, capture: int, rank: int) -> Path:
+        for r, index, path in capture_paths(self.path, rank):
+            if index == capture:
+                return path
+        held = [index for _, index, _ in capture_paths(self.path, rank)]
+        have = f"it holds {', '.join(map(str, held))}" if held else "it holds none"
+        raise TensorNotRecorded(
+            f"{self.path} has no non-finite capture {capture} on rank {rank} ({have}); "
+            "`hooktrace replay RUN --nonfinite` lists them"
+        )
 
     # -- presentation ------------------------------------------------------------------------
 

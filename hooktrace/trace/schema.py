@@ -11,6 +11,8 @@ A run directory::
     steps/rank=R/part-NNNNNN.parquet      one row per recorded step
     modules/rank=R/part-NNNNNN.parquet    one row per module, written when first seen
     tensors/rank=R/seg-NNNNNN.h5          per-unit activity and full tensors of one flush
+    captures/rank=R/capture-NNN.h5        since 1.2: a call where a NaN or Inf began, in full
+                                          (hooktrace.trace.captures)
 
 Every file appears under its final name only once it is complete (written under a dot-prefixed
 temporary name, closed, then renamed), and a records part is renamed only after the HDF5
@@ -24,7 +26,7 @@ from typing import Final
 import pyarrow as pa
 
 FORMAT_NAME: Final = "hooktrace"
-FORMAT_VERSION: Final = "1.1"
+FORMAT_VERSION: Final = "1.2"
 """major.minor: a reader reads every minor version of its own major version."""
 
 TENSOR_CHECKSUM: Final = "crc32"

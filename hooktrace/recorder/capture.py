@@ -1,0 +1,413 @@
+"""Catch the first NaN or Inf in the act: capture the call that made it, in full, and name
+the operation and the line.
+
+The recorder asks :class:`Captures` after each recorded call whose output came out
+non-finite, and after each gradient that did; on steps where everything is finite it asks
+nothing (the statistics it queued already say so on the CPU: see ``nonfinite``).
+
+- **Forward origin**: a module's output holds a NaN while none of its inputs does, or an Inf
+  while all its inputs are finite, and the parameters of the model are finite (else the
+  forward only shows what an earlier backward or optimizer step did).
+- **Backward origin**: the gradient reaching a tensor is non-finite, and a recorded module
+  that took that tensor as input had a finite gradient at its output: that module's backward
+  made it.
+
+A capture holds the call's inputs (with the call spec replay needs), its outputs, for a
+backward origin the gradients at its outputs, and the parameters and buffers of the module
+and every module inside it. Right after saving it, the call is run again on a copy of the
+module, under a dispatch mode that names the first aten operation to make a non-finite value
+(:mod:`hooktrace.recorder.first_nonfinite`), with the RNG forked and the process-wide module
+hooks set aside, so the user's run goes on exactly as it would have. The answer is stored in
+the capture (:mod:`hooktrace.trace.captures`), where the analyzer reads it without torch.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.modules.module as module_hooks
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from hooktrace.recorder.first_nonfinite import Finding, for_replay, run_backward, run_forward
+from hooktrace.recorder.flatten import flatten_call
+from hooktrace.recorder.pending import Staged, to_numpy
+from hooktrace.trace import schema
+from hooktrace.trace.captures import CAPTURES_DIR, write_capture
+
+DEFAULT_LIMIT = 3
+"""Captures a run keeps at most, by default: the first origin, and a couple more (a mixed
+precision run may overflow now and then, each time somewhere else)."""
+DEFAULT_MAX_MB = 256.0
+"""The tensors of one capture, at most: past it, the rest are left out (named, with their
+shapes, in the capture); the operation is still named, from the live tensors."""
+
+_EXAMINED = 32  # non-finite outputs or gradients looked into per pass, at most
+_RECENT_GRADS = 64  # finite output gradients kept by reference, for a backward capture
+_NAN, _INF = 6, 7  # columns of a statistics row
+
+
+class Captures:
+    """The captures of one recording: when to take one, what it holds, and its re-run."""
+
+    def __init__(
+        self,
+        out: Path,
+        rank: int,
+        *,
+        enabled: bool,
+        limit: int,
+        max_mb: float,
+        call_spec: Callable[[nn.Module, tuple[Any, ...], Mapping[str, Any]], str],
+        parameters: Callable[[], list[torch.Tensor]],
+        warn: Callable[[str], None],
+    ) -> None:
+        self.directory = out / schema.rank_dir(CAPTURES_DIR, rank)
+        self.rank = rank
+        self.enabled = enabled and limit > 0
+        self.limit = limit
+        self.max_bytes = int(max_mb * (1 << 20))
+        self.taken = 0
+        self.failed = 0
+        self._call_spec = call_spec
+        self._parameters = parameters
+        self._warn = warn
+        self._held: dict[tuple[str, int], tuple[nn.Module, tuple[Any, ...], Mapping[str, Any]]] = {}
+        self._grads: OrderedDict[tuple[str, int], dict[str, torch.Tensor]] = OrderedDict()
+        self._bad_grads: set[tuple[str, int]] = set()
+        self._examined = 0
+        self._params_finite: bool | None = None  # this step's, once asked
+        self._captured_pass = False
+
+    @property
+    def armed(self) -> bool:
+        return self.enabled and self.taken + self.failed < self.limit
+
+    def status(self) -> dict[str, int]:
+        return {"nonfinite_captures": self.taken, "nonfinite_captures_failed": self.failed}
+
+    # -- pass and step boundaries ----------------------------------------------------------
+
+    def new_pass(self) -> None:
+        """A root's forward begins: at most one capture, and ``_EXAMINED`` looks, a pass."""
+        self._examined = 0
+        self._captured_pass = False
+
+    def backward_done(self) -> None:
+        self._held.clear()
+        self._grads.clear()
+        self._bad_grads.clear()
+        self._examined = 0
+        self._captured_pass = False
+
+    def new_step(self) -> None:
+        self.backward_done()
+        self._params_finite = None
+
+    # -- the forward -----------------------------------------------------------------------
+
+    def hold(self, key: tuple[str, int], module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Keep a training call's inputs (by reference) until its backward is over."""
+        self._held[key] = (module, args, kwargs)
+
+    def after_forward(
+        self,
+        name: str,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        outputs: list[tuple[str, torch.Tensor]],
+        where: dict[str, Any],
+        known: Callable[[torch.Tensor], bool | None],
+    ) -> None:
+        """A recorded call whose output is non-finite: capture it if it is where the NaN or
+        Inf began. ``known`` tells a tensor's non-finiteness from statistics already queued
+        (None: not known), so that a run gone NaN costs few extra passes."""
+        if self._captured_pass or self._examined >= _EXAMINED:
+            return
+        self._examined += 1
+        out_nan, out_inf = _flags(t for _, t in outputs)
+        inputs = list(flatten_call(args, kwargs))
+        in_nan, in_inf = _flags((t for _, t in inputs), known)
+        if not ((out_nan and not in_nan) or (out_inf and not (in_nan or in_inf))):
+            return
+        if not self._model_finite():
+            return
+        self._captured_pass = True
+        trigger = _trigger(outputs, "output", in_nan or in_inf)
+        tensors = {
+            "inputs": inputs,
+            "outputs": outputs,
+            "state": _state(module),
+        }
+        spec = self._call_spec(module, args, kwargs)
+
+        def analyse() -> Finding:
+            replica = _replica(module)
+            run_args, run_kwargs = tree_map_only(
+                torch.Tensor, lambda t: for_replay(t, grad=False), (args, dict(kwargs))
+            )
+            with _no_module_hooks():
+                return run_forward(replica, run_args, run_kwargs)
+
+        self._capture("forward", name, module, where, trigger, spec, tensors, analyse)
+
+    # -- the backward ----------------------------------------------------------------------
+
+    def after_gradient(
+        self,
+        targets: list[tuple[str, int, str, str]],
+        grad: torch.Tensor,
+        bad: bool,
+        tensor: torch.Tensor | None,
+        where: dict[str, Any],
+    ) -> None:
+        """A gradient arrived at ``tensor`` (the output of each module of ``targets``)."""
+        if not bad:
+            for name, call, kind, slot in targets:
+                if kind == "grad_output":
+                    key = (name, call)
+                    self._grads.setdefault(key, {})[slot] = grad
+                    self._grads.move_to_end(key)
+            while len(self._grads) > _RECENT_GRADS:
+                self._grads.popitem(last=False)
+            return
+        for name, call, kind, _ in targets:
+            if kind == "grad_output":
+                self._bad_grads.add((name, call))
+        if tensor is None or self._captured_pass or self._examined >= _EXAMINED:
+            return
+        self._examined += 1
+        consumer = self._consumer(tensor)
+        if consumer is None:
+            return
+        key, (module, args, kwargs) = consumer
+        grad_outputs = self._grads[key]
+        self._captured_pass = True
+        producer = ", ".join(f"{m} {kind} {slot}" for m, _, kind, slot in targets)
+        nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
+        trigger = (
+            f"the gradient reaching its input (the {producer}) holds {nan} NaN and {inf} Inf "
+            f"of {grad.numel()}, while every gradient at its output was finite"
+        )
+        inputs = list(flatten_call(args, kwargs))
+        tensors = {
+            "inputs": inputs,
+            "grad_outputs": list(grad_outputs.items()),
+            "state": _state(module),
+        }
+        spec = self._call_spec(module, args, kwargs)
+
+        def analyse() -> Finding:
+            replica = _replica(module)
+            run_args, run_kwargs = tree_map_only(
+                torch.Tensor, lambda t: for_replay(t, grad=True), (args, dict(kwargs))
+            )
+            with _no_module_hooks():
+                return run_backward(replica, run_args, run_kwargs, grad_outputs)
+
+        self._capture("backward", key[0], module, {**where, "call": key[1]}, trigger, spec,
+                      tensors, analyse)  # fmt: skip
+
+    def _consumer(
+        self, tensor: torch.Tensor
+    ) -> tuple[tuple[str, int], tuple[nn.Module, Any, Any]] | None:
+        """The innermost recorded call that took ``tensor`` as input and whose output
+        gradients all came finite."""
+        found = None
+        for key, held in self._held.items():
+            if key in self._bad_grads or key not in self._grads:
+                continue
+            deeper = found is None or key[0].count(".") > found[0][0].count(".")
+            if deeper and any(t is tensor for _, t in flatten_call(held[1], held[2])):
+                found = (key, held)
+        return found
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def _model_finite(self) -> bool:
+        """Whether the recorded models' parameters are all finite (asked once a step)."""
+        if self._params_finite is None:
+            nan, inf = _flags(self._parameters())
+            self._params_finite = not (nan or inf)
+        return self._params_finite
+
+    def _capture(
+        self,
+        pass_: str,
+        name: str,
+        module: nn.Module,
+        where: dict[str, Any],
+        trigger: str,
+        spec: str,
+        tensors: dict[str, list[tuple[str, torch.Tensor]]],
+        analyse: Callable[[], Finding],
+    ) -> None:
+        index = self.taken  # a failed capture writes no file
+        stored, left_out = self._arrays(tensors)
+        try:
+            finding = analyse()
+        except Exception as exc:  # the re-run is ours: its failure is the capture's note
+            finding = Finding("failed", message=f"{type(exc).__name__}: {exc}")
+        meta = {
+            "rank": self.rank,
+            "capture": index,
+            **where,
+            "pass": pass_,
+            "module": name,
+            "module_type": f"{type(module).__module__}.{type(module).__qualname__}",
+            "trigger": trigger,
+            "call_spec": spec,
+            "left_out": left_out,
+            "max_mb": self.max_bytes / (1 << 20),
+            "time": time.time(),
+            "analysis": finding.as_dict(),
+        }
+        write_capture(self.directory, index, meta, stored)
+        self.taken += 1
+
+    def failure(self, exc: BaseException, where: str, at: Mapping[str, Any]) -> None:
+        """A capture that failed: a warning and a count in the trace's status; the recording
+        and the training go on."""
+        self.failed += 1
+        self._captured_pass = True
+        self._warn(
+            f"hooktrace: could not capture the non-finite value in {where} at step "
+            f"{at.get('step')}: {type(exc).__name__}: {exc}; the recording goes on"
+        )
+
+    def _arrays(
+        self, tensors: dict[str, list[tuple[str, torch.Tensor]]]
+    ) -> tuple[dict[str, list[tuple[str, np.ndarray, str]]], list[dict[str, Any]]]:
+        """The tensors as numpy, in group order, until the size limit: the rest are named in
+        ``left_out`` with their shapes and dtypes."""
+        stored: dict[str, list[tuple[str, np.ndarray, str]]] = {}
+        left_out: list[dict[str, Any]] = []
+        budget = self.max_bytes
+        for group, items in tensors.items():
+            kept = stored.setdefault(group, [])
+            for name, tensor in items:
+                nbytes = tensor.numel() * tensor.element_size()
+                entry = {"group": group, "name": name, "shape": list(tensor.shape),
+                         "dtype": str(tensor.dtype)[6:], "bytes": nbytes}  # fmt: skip
+                if nbytes > budget:
+                    left_out.append({**entry, "why": "over the capture's size limit"})
+                    continue
+                try:
+                    array, dtype = to_numpy(_dense_on_host(tensor))
+                except Exception as exc:
+                    left_out.append({**entry, "why": f"not saved ({type(exc).__name__}: {exc})"})
+                    continue
+                budget -= nbytes
+                kept.append((name, array, dtype))
+        return stored, left_out
+
+
+def nonfinite(stats: Any, tensor: torch.Tensor) -> bool | None:
+    """Whether ``tensor`` holds a NaN or Inf, from its queued statistics where they are on the
+    host already (the CPU's: free); None where that would take a look of its own (statistics
+    on a GPU, known only when the writer copies them; a tensor staged for the writer)."""
+    if isinstance(stats, np.ndarray):
+        return bool(stats[_NAN] or stats[_INF])
+    if isinstance(stats, torch.Tensor) and stats.is_cpu:
+        return bool(stats[_NAN] or stats[_INF])
+    if isinstance(stats, Staged):
+        return None
+    return None if tensor.is_floating_point() else False
+
+
+def check(tensor: torch.Tensor) -> bool:
+    """A look of its own: whether a CPU tensor holds a NaN or Inf."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    return not bool(torch.isfinite(tensor).all())
+
+
+def _flags(
+    tensors: Any, known: Callable[[torch.Tensor], bool | None] | None = None
+) -> tuple[bool, bool]:
+    """(holds a NaN, holds an Inf) over ``tensors``; where ``known`` says a tensor is finite,
+    it is not looked at."""
+    nan = inf = False
+    for t in tensors:
+        if t.device.type == "meta" or not (t.is_floating_point() or t.is_complex()):
+            continue
+        if known is not None and known(t) is False:
+            continue
+        nan = nan or bool(torch.isnan(t).any())
+        inf = inf or bool(torch.isinf(t).any())
+    return nan, inf
+
+
+def _trigger(outputs: list[tuple[str, torch.Tensor]], what: str, inputs_infinite: bool) -> str:
+    parts = []
+    for slot, t in outputs:
+        if t.is_floating_point() or t.is_complex():
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            if nan or inf:
+                parts.append(f"{what} {slot} holds {nan} NaN and {inf} Inf of {t.numel()}")
+    inputs = "its inputs hold Inf but no NaN" if inputs_infinite else "every input was finite"
+    return f"{'; '.join(parts)}, while {inputs}"
+
+
+def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    state: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
+    state += [(name, b) for name, b in module.named_buffers() if b is not None]
+    return [(name, t.detach()) for name, t in state]
+
+
+def _dense_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    t = tensor.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return t.cpu()
+
+
+def _replica(module: nn.Module) -> nn.Module:
+    """A deep copy to run again: the user's module is never called twice. Hooks a user hung
+    on the copied modules are dropped (they would see a call the script never made), all but
+    torch's own (weight_norm's computes the weight)."""
+    replica = copy.deepcopy(module)
+    for sub in replica.modules():
+        for hooks in (sub._forward_pre_hooks, sub._forward_hooks, sub._backward_hooks,
+                      sub._backward_pre_hooks):  # fmt: skip
+            for key in [k for k, hook in hooks.items() if not _torch_own(hook)]:
+                del hooks[key]
+    return replica
+
+
+def _torch_own(hook: Any) -> bool:
+    owner = getattr(hook, "__module__", None) or type(hook).__module__
+    return owner.startswith("torch.")
+
+
+_GLOBAL_HOOKS = (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+    "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks",
+)  # fmt: skip
+
+
+@contextmanager
+def _no_module_hooks() -> Iterator[None]:
+    """The process-wide module hooks set aside while the copy runs: the user's would see a
+    call the script never made (hooktrace's own ignore the copy anyway)."""
+    saved = [(name, dict(getattr(module_hooks, name))) for name in _GLOBAL_HOOKS]
+    for name, _ in saved:
+        getattr(module_hooks, name).clear()
+    try:
+        yield
+    finally:
+        for name, hooks in saved:
+            table = getattr(module_hooks, name)
+            added = dict(table)  # registered meanwhile (by another thread): kept, after
+            table.clear()
+            table.update(hooks)
+            table.update(added)
