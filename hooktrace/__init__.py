@@ -104,7 +104,11 @@ def record(models: Models, out: str | os.PathLike[str], **options: Any) -> Recor
     ``inputs`` (also record module inputs), ``params`` (parameters and their gradients,
     default True), ``full_every`` / ``full_steps`` / ``full_modules`` (save full tensors),
     ``max_tensor_mb``, ``max_units``, ``compression`` (``"gzip"``, ``"lzf"``), ``buffer_mb``,
-    ``strict`` (faults raise instead of stopping the recording), ``overwrite``.
+    ``strict`` (faults raise instead of stopping the recording), ``overwrite``,
+    ``capture_nonfinite`` (default True: save in full the call where a NaN or Inf first
+    appears and name the operation and line that made it; ``Trace.nonfinite_captures()``),
+    ``capture_limit`` (captures kept at most, default 3), ``capture_max_mb`` (tensors saved
+    per capture at most, default 256).
 
     Steps advance on every optimizer step; call ``rec.step()`` where there is no optimizer::
 

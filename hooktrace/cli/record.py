@@ -33,6 +33,9 @@ _KEYS = {
     "compression": "compression",
     "strict": "strict",
     "overwrite": "overwrite",
+    "capture_nonfinite": "capture_nonfinite",
+    "capture_limit": "capture_limit",
+    "capture_max_mb": "capture_max_mb",
 }
 
 
@@ -91,6 +94,21 @@ _KEYS = {
     "--compression",
     type=click.Choice(["none", "gzip", "lzf"]),
     help="Compress full tensors, e.g. --compression lzf. [default: none]",
+)
+@click.option(
+    "--capture-nonfinite/--no-capture-nonfinite",
+    default=None,
+    help="Save in full the call where a NaN or Inf first appears, and name the operation and line that made it. [default: yes]",
+)
+@click.option(
+    "--capture-limit",
+    type=click.IntRange(min=0),
+    help="Keep at most this many non-finite captures, e.g. --capture-limit 1. [default: 3]",
+)
+@click.option(
+    "--capture-max-mb",
+    type=click.FloatRange(min=0),
+    help="Save at most this many MB of tensors per capture; the rest are only named. [default: 256]",
 )
 @click.option(
     "--strict",
@@ -213,6 +231,23 @@ def _recorder_options(settings: dict[str, Any]) -> dict[str, Any]:
     return options
 
 
+def _report_captures(trace: Any, out: Path, rank: int) -> None:
+    """The first capture of this rank, in a line, and the command that shows them all."""
+    failed = int(trace.manifest["ranks"].get(str(rank), {}).get("nonfinite_captures_failed", 0))
+    captures = trace.nonfinite_captures(rank=rank)
+    if len(captures):
+        first = captures.iloc[0]
+        more = f" (and {len(captures) - 1} more)" if len(captures) > 1 else ""
+        click.echo(
+            f"hooktrace: a non-finite value began at step {first['step']} in {first['module']} "
+            f"({first['pass']}){more}: {first['explanation']}; see "
+            f"`hooktrace replay {out} --nonfinite`",
+            err=True,
+        )
+    if failed:
+        click.echo(f"hooktrace: {failed} non-finite capture(s) failed (warned above)", err=True)
+
+
 def _default_out(script: Path) -> Path:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
@@ -254,5 +289,6 @@ def _report(out: Path) -> None:
         }
         for route, warmup in sorted(routes)[:1]:  # ranks on one machine agree
             click.echo(f"hooktrace: statistics: {route}, {warmup:.2f} s to load, once", err=True)
+        _report_captures(trace, out, rank)
     except Exception as exc:  # the report is a courtesy; the script's exit code matters
         click.echo(f"hooktrace: wrote {out} ({exc})", err=True)

@@ -190,17 +190,64 @@ class Captures:
         if consumer is None:
             return
         key, (module, args, kwargs) = consumer
-        grad_outputs = self._grads[key]
-        self._captured_pass = True
         producer = ", ".join(f"{m} {kind} {slot}" for m, _, kind, slot in targets)
         nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
         trigger = (
             f"the gradient reaching its input (the {producer}) holds {nan} NaN and {inf} Inf "
             f"of {grad.numel()}, while every gradient at its output was finite"
         )
-        inputs = list(flatten_call(args, kwargs))
+        self._backward_capture(key, module, args, kwargs, trigger, where)
+
+    def after_backward(
+        self, owners: list[str], grads: list[torch.Tensor | None], where: dict[str, Any]
+    ) -> None:
+        """A backward pass is over: a parameter's gradient that came out non-finite while
+        every gradient at its module's output was finite began in that module's backward.
+        ``owners[i]`` is the module of the parameter whose gradient is ``grads[i]``.
+
+        One fused norm a backward finds whether any gradient is non-finite (on the CPU only:
+        on a GPU it would wait for the device, see docs/PERFORMANCE.md)."""
+        if self._captured_pass:
+            return
+        present = [
+            (owner, g)
+            for owner, g in zip(owners, grads, strict=True)
+            if g is not None and g.is_cpu and g.is_floating_point() and g.layout == torch.strided
+        ]
+        if not present:
+            return
+        norms = torch._foreach_norm([g for _, g in present])
+        if bool(torch.stack([n.float() for n in norms]).isfinite().all()):
+            return
+        for (owner, g), norm in zip(present, norms, strict=True):
+            if bool(norm.isfinite()) or not check(g):  # a finite gradient whose norm overflows
+                continue
+            calls = [key for key in self._held if key[0] == owner]
+            key = next((k for k in calls if k not in self._bad_grads and k in self._grads), None)
+            if key is None:
+                continue
+            module, args, kwargs = self._held[key]
+            nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
+            trigger = (
+                f"the gradient of one of its parameters holds {nan} NaN and {inf} Inf of "
+                f"{g.numel()}, while every gradient at its output was finite"
+            )
+            self._backward_capture(key, module, args, kwargs, trigger, where)
+            return
+
+    def _backward_capture(
+        self,
+        key: tuple[str, int],
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        trigger: str,
+        where: dict[str, Any],
+    ) -> None:
+        grad_outputs = self._grads[key]
+        self._captured_pass = True
         tensors = {
-            "inputs": inputs,
+            "inputs": list(flatten_call(args, kwargs)),
             "grad_outputs": list(grad_outputs.items()),
             "state": _state(module),
         }

@@ -44,6 +44,7 @@ from torch import nn
 from hooktrace.errors import ConfigError, RecordingError, TensorNotRecorded
 from hooktrace.recorder.flatten import rebuild_call
 from hooktrace.recorder.recorder import active_recorder, unwrap
+from hooktrace.recorder.replay_capture import CaptureReplay, replay_capture
 from hooktrace.recorder.replay_compare import compare, to_torch
 from hooktrace.trace.reader import Trace, load
 
@@ -93,13 +94,14 @@ def replay_module(
     trace: Trace | str | os.PathLike[str],
     module_name: str,
     *,
-    step: int,
     module: nn.Module,
+    step: int | None = None,
     call: int = 0,
     micro_step: int = 0,
     rank: int = 0,
     phase: str | None = None,
-) -> Replay:
+    capture: int | None = None,
+) -> Replay | CaptureReplay:
     """Run ``module`` (the one recorded as ``module_name``) on its recorded inputs of ``step``.
 
     ``call`` is the n-th call of the module in ``micro_step`` and ``phase`` (default: train
@@ -107,11 +109,25 @@ def replay_module(
     changed. Raises :class:`TensorNotRecorded` saying which recording options would have
     saved what is missing, and :class:`ConfigError` when ``module`` does not match the
     recording (another architecture).
+
+    With ``capture=K`` instead of ``step``, runs non-finite capture K of ``rank`` again (the
+    call where a NaN or Inf began, saved whole however the run was recorded) and names the
+    first aten operation that made a non-finite value: a
+    :class:`~hooktrace.recorder.replay_capture.CaptureReplay`.
     """
     if active_recorder() is not None:
         raise RecordingError(
             "replay_module() inside an active recording would record the replay: call it "
             "after the recording has closed"
+        )
+    if capture is not None:
+        if step is not None:
+            raise ConfigError("give step= (a recorded step) or capture= (a capture), not both")
+        return replay_capture(trace, module_name, module=module, capture=capture, rank=rank)
+    if step is None:
+        raise ConfigError(
+            "give step= (the step whose saved call to run again) or capture= (a non-finite "
+            "capture: `hooktrace replay RUN --nonfinite` lists them)"
         )
     trace = trace if isinstance(trace, Trace) else load(trace)
     found = _Call(trace, module_name, step=int(step), rank=int(rank))
