@@ -98,7 +98,7 @@ _KEYS = {
 @click.option(
     "--capture-nonfinite/--no-capture-nonfinite",
     default=None,
-    help="Save in full the call where a NaN or Inf first appears, and name the operation and line that made it. [default: yes]",
+    help="Save in full the call where a NaN or Inf first appears and name the operation and line that made it, e.g. --no-capture-nonfinite to skip. [default: yes]",
 )
 @click.option(
     "--capture-limit",
@@ -108,7 +108,7 @@ _KEYS = {
 @click.option(
     "--capture-max-mb",
     type=click.FloatRange(min=0),
-    help="Save at most this many MB of tensors per capture; the rest are only named. [default: 256]",
+    help="Save at most this many MB of tensors per capture, e.g. --capture-max-mb 64; the rest are only named. [default: 256]",
 )
 @click.option(
     "--strict",

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map_only
 from hooktrace.recorder.first_nonfinite import Finding, for_replay, run_backward, run_forward
 from hooktrace.recorder.flatten import flatten_call
 from hooktrace.recorder.pending import Staged, to_numpy
+from hooktrace.recorder.stats import usual
 from hooktrace.trace import schema
 from hooktrace.trace.captures import CAPTURES_DIR, write_capture
 
@@ -212,7 +213,7 @@ class Captures:
         present = [
             (owner, g)
             for owner, g in zip(owners, grads, strict=True)
-            if g is not None and g.is_cpu and g.is_floating_point() and g.layout == torch.strided
+            if g is not None and usual(g) and g.is_cpu and g.is_floating_point()
         ]
         if not present:
             return
@@ -372,8 +373,8 @@ def nonfinite(stats: Any, tensor: torch.Tensor) -> bool | None:
 
 
 def check(tensor: torch.Tensor) -> bool:
-    """A look of its own: whether a CPU tensor holds a NaN or Inf."""
-    if not (tensor.is_floating_point() or tensor.is_complex()):
+    """A look of its own: whether a plain tensor holds a NaN or Inf."""
+    if not usual(tensor) or not tensor.is_floating_point():
         return False
     return not bool(torch.isfinite(tensor).all())
 
@@ -385,7 +386,7 @@ def _flags(
     it is not looked at."""
     nan = inf = False
     for t in tensors:
-        if t.device.type == "meta" or not (t.is_floating_point() or t.is_complex()):
+        if not usual(t) or not t.is_floating_point():  # a subclass would see the look
             continue
         if known is not None and known(t) is False:
             continue

@@ -122,7 +122,7 @@ class _Watch(TorchDispatchMode):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if self.found is not None:
+        if self.found is not None or func._schema.name in _UNINITIALISED:
             return func(*args, **kwargs)
         self.operations += 1
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -172,6 +172,13 @@ class _Watch(TorchDispatchMode):
             "changed earlier, another thread)"
         )
         return Finding("not reproduced", message=message, operations=self.operations)
+
+
+_UNINITIALISED = frozenset(
+    {"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+     "aten::new_empty_strided", "aten::empty_permuted", "aten::resize_", "aten::set_"}
+)  # fmt: skip
+"""Operations whose output holds whatever the memory held: a NaN there is no finding."""
 
 
 def op_name(func: Any) -> str:

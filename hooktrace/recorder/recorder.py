@@ -41,6 +41,7 @@ from hooktrace.recorder.pending import (
     Layouts,
     Meta,
     PendingStep,
+    Staged,
     StagedUnits,
     Staging,
     StagingPool,
@@ -743,7 +744,7 @@ class Recorder:
         known = capture.nonfinite(stats, tensor)
         if known is not None:
             return known
-        return tensor.is_cpu and capture.check(tensor)
+        return isinstance(stats, Staged) and capture.check(tensor)
 
     def _queued(self, tensor: torch.Tensor) -> bool | None:
         """A tensor's non-finiteness from statistics already queued for it, if any."""

@@ -1,0 +1,242 @@
+"""Non-finite captures (issue 25): the call where a NaN or Inf began, saved in full, run again,
+and the operation and line named. Each planted fault (tests/planted.py) is known by
+construction: the module, the aten operation and the line marked ``# planted:``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import planted
+import pytest
+import torch
+from torch import nn
+
+import hooktrace
+from hooktrace.errors import ConfigError, TensorNotRecorded
+
+
+def _record(name: str, out: Path, steps: int = 3, **options: object) -> tuple[nn.Module, list]:
+    _, scale, _ = planted.CASES.get(name, (None, 1.0, None))
+    model = planted.make(name)
+    with hooktrace.record(model, out, **options) as rec:
+        losses = planted.train(model, steps, scale=scale)
+    assert rec.error is None
+    return model, losses
+
+
+@pytest.mark.parametrize("name", sorted(planted.CASES))
+def test_each_planted_fault_is_captured_with_its_operation_and_line(name: str, tmp_path: Path):
+    want = planted.CASES[name][2]
+    _record(name, tmp_path / "run")
+    trace = hooktrace.load(tmp_path / "run")
+    captures = trace.nonfinite_captures()
+
+    assert len(captures) == 1  # the first origin; later steps only carry it on
+    row = captures.iloc[0]
+    assert (row["step"], row["micro_step"], row["module"], row["pass"]) == (0, 0, want.module, want.pass_)
+    assert row["op"] == want.op
+    assert row["node"] == want.node
+    assert Path(row["file"]).name == "planted.py"
+    assert row["line"] == want.line
+    assert row["reproduces"] and row["analysis"] == "found"
+    assert f"planted.py:{want.line}" in row["explanation"]
+    assert trace.manifest["ranks"]["0"]["nonfinite_captures"] == 1
+
+    tensors = trace.capture_tensors(0)
+    fresh = planted.make(name).get_submodule(want.module)
+    assert set(tensors["state"]) == {n for n, _ in fresh.named_parameters()} | {
+        n for n, _ in fresh.named_buffers()
+    }
+    assert tensors["inputs"]
+    if want.pass_ == "backward":
+        assert tensors["grad_outputs"] and all(np.isfinite(g).all() for g in tensors["grad_outputs"].values())
+    else:  # the inputs finite, the output not: the forward origin
+        assert all(np.isfinite(np.asarray(t, dtype=np.float64)).all() for t in tensors["inputs"].values())
+        assert not all(np.isfinite(np.asarray(t, dtype=np.float64)).all() for t in tensors["outputs"].values())
+
+    replay = hooktrace.replay_module(tmp_path / "run", want.module, module=fresh, capture=0)
+    assert replay.finding.op == want.op and replay.finding.line == want.line
+    assert replay.finding.reproduces and replay.same
+    assert f"{want.op}" in repr(replay) and "as in the recording" in repr(replay)
+
+
+def test_the_inputs_statistics_explain_the_operation(tmp_path: Path):
+    _record("log", tmp_path / "run")
+    inputs = hooktrace.load(tmp_path / "run").capture_info(0)["analysis"]["op_inputs"]
+    assert len(inputs) == 1
+    assert inputs[0]["zeros"] > 0 and inputs[0]["negatives"] == 0 and inputs[0]["nan"] == 0
+
+
+@pytest.mark.parametrize("name", sorted(planted.CASES))
+def test_training_is_bit_identical_with_a_capture_and_its_replay(name: str, tmp_path: Path):
+    """The capture deep-copies the module and runs it again inside the step, with dropout in
+    the log case: the RNG, the parameters and the losses must not move by a bit."""
+    _, scale, _ = planted.CASES[name]
+    plain = planted.make(name)
+    plain_losses = planted.train(plain, 4, scale=scale)
+    recorded, recorded_losses = _record(name, tmp_path / "run", steps=4)
+
+    assert planted.same_bits(plain_losses, recorded_losses)
+    for (n, a), (_, b) in zip(plain.named_parameters(), recorded.named_parameters(), strict=True):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), n
+    assert torch.equal(torch.get_rng_state(), _rng_after(name))
+
+
+def _rng_after(name: str) -> torch.Tensor:
+    _, scale, _ = planted.CASES[name]
+    model = planted.make(name)
+    planted.train(model, 4, scale=scale)
+    return torch.get_rng_state()
+
+
+def test_a_healthy_run_has_no_capture_and_the_same_trace_as_with_capture_off(tmp_path: Path):
+    _record("healthy", tmp_path / "on", steps=4)
+    _record("healthy", tmp_path / "off", steps=4, capture_nonfinite=False)
+    on, off = hooktrace.load(tmp_path / "on"), hooktrace.load(tmp_path / "off")
+
+    assert on.nonfinite_captures().empty and not (tmp_path / "on" / "captures").exists()
+    pd.testing.assert_frame_equal(on.records, off.records)
+    timeless = ["step", "micro_steps", "skipped", "records", "full_tensors", "dropped"]
+    pd.testing.assert_frame_equal(on.steps[timeless], off.steps[timeless])
+    assert on.manifest["config"]["capture_nonfinite"] is True
+    assert off.manifest["config"]["capture_nonfinite"] is False
+
+
+def test_capture_off_keeps_none(tmp_path: Path):
+    _record("log", tmp_path / "run", capture_nonfinite=False)
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.nonfinite_captures().empty
+    assert trace.manifest["ranks"]["0"]["nonfinite_captures"] == 0
+
+
+def test_captures_stop_at_the_limit(tmp_path: Path):
+    """Evaluation without gradients: every step makes a fresh origin (the parameters stay
+    finite), and only the first ``capture_limit`` are kept."""
+    model = planted.make("log")
+    model.eval()
+    with hooktrace.record(model, tmp_path / "run", capture_limit=2) as rec, torch.no_grad():
+        for step in range(4):
+            model(torch.randn(16, 6))
+            rec.step()
+    captures = hooktrace.load(tmp_path / "run").nonfinite_captures()
+    assert captures["step"].tolist() == [0, 1]
+    assert (captures["phase"] == "eval").all() and (captures["op"] == "aten::log").all()
+
+
+def test_a_capture_over_its_size_limit_names_what_it_left_out(tmp_path: Path):
+    _record("log", tmp_path / "run", capture_max_mb=200 / (1 << 20))  # 200 bytes
+    trace = hooktrace.load(tmp_path / "run")
+    row = trace.nonfinite_captures().iloc[0]
+    assert row["op"] == "aten::log" and row["left_out"] > 0  # named from the live tensors
+    left = trace.capture_info(0)["left_out"]
+    assert {"group", "name", "shape", "dtype", "bytes", "why"} <= set(left[0])
+    with pytest.raises(TensorNotRecorded, match="--capture-max-mb"):
+        hooktrace.replay_module(tmp_path / "run", "log", module=planted.LogFeatures(), capture=0)
+
+
+def test_a_capture_that_fails_is_a_warning_and_a_count_and_the_recording_goes_on(tmp_path: Path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "captures").write_text("in the way")  # the capture cannot make its directory
+    model = planted.make("log")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hooktrace.record(model, out, overwrite=True) as rec:
+            losses = planted.train(model, 3)
+    assert len(losses) == 3 and rec.error is None
+    assert any("could not capture the non-finite value" in str(w.message) for w in caught)
+    trace = hooktrace.load(out)
+    assert trace.status == "complete" and len(trace.steps) == 3
+    assert trace.manifest["ranks"]["0"]["nonfinite_captures_failed"] >= 1
+
+
+def test_the_users_hooks_never_see_the_replay(tmp_path: Path):
+    calls: list[str] = []
+
+    def run(record: bool) -> list[str]:
+        calls.clear()
+        model = planted.make("log")
+        model.log.register_forward_hook(lambda m, a, o: calls.append("module hook"))
+        handle = nn.modules.module.register_module_forward_hook(
+            lambda m, a, o: calls.append(type(m).__name__)
+        )
+        try:
+            if record:
+                with hooktrace.record(model, tmp_path / "run", overwrite=True):
+                    planted.train(model, 2)
+            else:
+                planted.train(model, 2)
+        finally:
+            handle.remove()
+        return list(calls)
+
+    assert run(record=True) == run(record=False)
+    assert hooktrace.load(tmp_path / "run").nonfinite_captures()["module"].tolist() == ["log"]
+
+
+def test_replay_module_checks_what_it_is_given(tmp_path: Path):
+    _record("log", tmp_path / "run")
+    with pytest.raises(ConfigError, match="capture 0 is of 'log', not 'fc'"):
+        hooktrace.replay_module(tmp_path / "run", "fc", module=nn.Linear(6, 8), capture=0)
+    with pytest.raises(ConfigError, match="the module given is a"):
+        hooktrace.replay_module(tmp_path / "run", "log", module=nn.Identity(), capture=0)
+    with pytest.raises(TensorNotRecorded, match="no non-finite capture 4"):
+        hooktrace.replay_module(tmp_path / "run", "log", module=planted.LogFeatures(), capture=4)
+    with pytest.raises(ConfigError, match="not both"):
+        hooktrace.replay_module(
+            tmp_path / "run", "log", module=planted.LogFeatures(), capture=0, step=0
+        )
+
+
+def test_the_capture_file_is_plain_hdf5(tmp_path: Path):
+    """What a notebook reads without hooktrace: h5py, the JSON attribute and the datasets."""
+    import h5py
+
+    _record("sqrt_backward", tmp_path / "run")
+    path = tmp_path / "run" / "captures" / "rank=0" / "capture-000.h5"
+    with h5py.File(path, "r") as f:
+        meta = json.loads(f.attrs["capture"])
+        assert meta["analysis"]["op"] == "aten::div.Tensor"
+        assert set(f) == {"inputs", "outputs", "grad_outputs", "state"}
+        assert f["grad_outputs/0"].attrs["dtype"] == "float32"
+        assert f["inputs/0"].shape == (16, 4)
+
+
+def test_record_command_says_where_the_nan_began_and_takes_the_options(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            import planted
+            planted.train(planted.make("log"), 3)
+            """
+        )
+    )
+    config = tmp_path / "hooktrace.toml"
+    config.write_text("capture_limit = 1\ncapture_max_mb = 16\n")
+    command = [sys.executable, "-m", "hooktrace", "record", "--config", str(config)]
+    done = subprocess.run(
+        [*command, "-o", str(tmp_path / "on"), str(script)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "a non-finite value began at step 0 in log (forward)" in done.stderr
+    assert "aten::log at " in done.stderr and "hooktrace replay" in done.stderr
+    config_seen = hooktrace.load(tmp_path / "on").manifest["config"]
+    assert (config_seen["capture_limit"], config_seen["capture_max_mb"]) == (1, 16)
+
+    done = subprocess.run(
+        [*command, "--no-capture-nonfinite", "-o", str(tmp_path / "off"), str(script)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0 and "non-finite value began" not in done.stderr
+    assert hooktrace.load(tmp_path / "off").nonfinite_captures().empty
