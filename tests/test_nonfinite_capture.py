@@ -40,7 +40,12 @@ def test_each_planted_fault_is_captured_with_its_operation_and_line(name: str, t
 
     assert len(captures) == 1  # the first origin; later steps only carry it on
     row = captures.iloc[0]
-    assert (row["step"], row["micro_step"], row["module"], row["pass"]) == (0, 0, want.module, want.pass_)
+    assert (row["step"], row["micro_step"], row["module"], row["pass"]) == (
+        0,
+        0,
+        want.module,
+        want.pass_,
+    )
     assert row["op"] == want.op
     assert row["node"] == want.node
     assert Path(row["file"]).name == "planted.py"
@@ -56,10 +61,16 @@ def test_each_planted_fault_is_captured_with_its_operation_and_line(name: str, t
     }
     assert tensors["inputs"]
     if want.pass_ == "backward":
-        assert tensors["grad_outputs"] and all(np.isfinite(g).all() for g in tensors["grad_outputs"].values())
+        assert tensors["grad_outputs"] and all(
+            np.isfinite(g).all() for g in tensors["grad_outputs"].values()
+        )
     else:  # the inputs finite, the output not: the forward origin
-        assert all(np.isfinite(np.asarray(t, dtype=np.float64)).all() for t in tensors["inputs"].values())
-        assert not all(np.isfinite(np.asarray(t, dtype=np.float64)).all() for t in tensors["outputs"].values())
+        assert all(
+            np.isfinite(np.asarray(t, dtype=np.float64)).all() for t in tensors["inputs"].values()
+        )
+        assert not all(
+            np.isfinite(np.asarray(t, dtype=np.float64)).all() for t in tensors["outputs"].values()
+        )
 
     replay = hooktrace.replay_module(tmp_path / "run", want.module, module=fresh, capture=0)
     assert replay.finding.op == want.op and replay.finding.line == want.line
@@ -122,7 +133,7 @@ def test_captures_stop_at_the_limit(tmp_path: Path):
     model = planted.make("log")
     model.eval()
     with hooktrace.record(model, tmp_path / "run", capture_limit=2) as rec, torch.no_grad():
-        for step in range(4):
+        for _ in range(4):
             model(torch.randn(16, 6))
             rec.step()
     captures = hooktrace.load(tmp_path / "run").nonfinite_captures()
