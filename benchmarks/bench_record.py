@@ -12,9 +12,12 @@ as any variant):
   floor        one sum() per recorded tensor (outputs and output gradients)
   naive        what hand-written hooks do: torch reductions with .item() per statistic,
                and a synchronous h5py write per tensor
-  stats        hooktrace.record, statistics of every module at every step (the default);
-               the one-time warm-up of its one-pass kernel falls in the untimed warm-up
-               steps and is printed on its own at the end
+  stats        hooktrace.record, statistics of every module at every step (the default,
+               non-finite capture on); the one-time warm-up of its one-pass kernel falls in
+               the untimed warm-up steps and is printed on its own at the end
+  nocapture    stats with capture_nonfinite=False: statistics only. stats / nocapture,
+               paired by repetition, is what watching for a non-finite value costs on steps
+               where everything is finite
   full         hooktrace.record with full tensors of every module at every step
   bystander    hooktrace.record of another model: the process-wide hooks (recorder/attach.py)
                fire for every module call and return at once; what unrecorded modules pay
@@ -124,6 +127,12 @@ def stats(model: nn.Module, out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def nocapture(model: nn.Module, out: Path) -> Iterator[None]:
+    with hooktrace.record(model, out / "run", overwrite=True, capture_nonfinite=False):
+        yield
+
+
+@contextlib.contextmanager
 def full(model: nn.Module, out: Path) -> Iterator[None]:
     with hooktrace.record(model, out / "run", overwrite=True, full_every=1):
         yield
@@ -154,12 +163,13 @@ VARIANTS: dict[str, Variant] = {
     "floor": floor,
     "naive": naive,
     "stats": stats,
+    "nocapture": nocapture,
     "full": full,
     "bystander": bystander,
     "onethread": onethread,
 }
 REFERENCE_MODELS = ["SmallCNN", "TinyTransformer"]  # issue 8's two, in tests/models.py
-DEFAULT = ["plain", "empty", "floor", "naive", "stats", "full", "bystander"]
+DEFAULT = ["plain", "empty", "floor", "naive", "stats", "nocapture", "full", "bystander"]
 
 
 def page_faults() -> int:
@@ -253,9 +263,14 @@ def report(name: str, times: dict[str, list[tuple[float, float]]], seconds: floa
             f"  {label:<10} {median(label) * 1e3:9.2f} {median(label) / base:8.2f} {share:26.2f}"
             f" {median(label, 1):17.0f} {statistics.median(ratios):12.2f} ({q1:.2f} to {q3:.2f})"
         )
-    if "stats" in times and "onethread" in times:  # the same repetition, side by side
-        pairs = [a[0] / b[0] for a, b in zip(times["stats"], times["onethread"], strict=True)]
-        print(f"  stats / onethread, paired by repetition: median {statistics.median(pairs):.3f}")
+    for other in ("onethread", "nocapture"):
+        if "stats" in times and other in times:  # the same repetition, side by side
+            pairs = sorted(a[0] / b[0] for a, b in zip(times["stats"], times[other], strict=True))
+            q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
+            print(
+                f"  stats / {other}, paired by repetition: median "
+                f"{statistics.median(pairs):.3f} ({q1:.3f} to {q3:.3f})"
+            )
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,16 @@ class LogNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.log(self.act(self.fc(x))))
+
+
+class CheckpointedLogNet(LogNet):
+    """LogNet with its log layer under non-reentrant checkpointing: the checkpoint counts the
+    tensors its forward saves, and neither the look at the output nor the capture's re-run
+    may add to them."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.fc(x))
+        return self.head(checkpoint(self.log, h, use_reentrant=False))
 
 
 class PlainNorm(nn.Module):
@@ -164,6 +175,11 @@ class Healthy(nn.Module):
 CASES: dict[str, tuple[Callable[[], nn.Module], float, Planted]] = {
     # name: (model, input scale, what the capture names)
     "log": (LogNet, 1.0, Planted("log", "forward", "aten::log", None, "planted: log of zero")),
+    "log_checkpointed": (
+        CheckpointedLogNet,
+        1.0,
+        Planted("log", "forward", "aten::log", None, "planted: log of zero"),
+    ),
     "norm": (
         NormNet,
         1.0,

@@ -217,6 +217,7 @@ def test_the_capture_file_is_plain_hdf5(tmp_path: Path):
         assert meta["analysis"]["op"] == "aten::div.Tensor"
         assert set(f) == {"inputs", "outputs", "grad_outputs", "state"}
         assert f["grad_outputs/0"].attrs["dtype"] == "float32"
+        assert f["grad_outputs/0"].attrs["name"] == "0"
         assert f["inputs/0"].shape == (16, 4)
 
 
@@ -251,3 +252,13 @@ def test_record_command_says_where_the_nan_began_and_takes_the_options(tmp_path:
     )
     assert done.returncode == 0 and "non-finite value began" not in done.stderr
     assert hooktrace.load(tmp_path / "off").nonfinite_captures().empty
+
+
+@pytest.mark.parametrize(("name", "seen"), [("log", True), ("healthy", False)])
+def test_the_writer_tells_when_a_step_held_a_nonfinite_value(name: str, seen: bool, tmp_path: Path):
+    """What arms the checks that wait for a GPU (docs/PERFORMANCE.md): the writer's copy of
+    the statistics, the first place a device's NaN is known without waiting for it."""
+    model = planted.make(name)
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        planted.train(model, 2)
+    assert rec._writer.nonfinite_seen is seen

@@ -85,6 +85,7 @@ class Captures:
         self._grads: OrderedDict[tuple[str, int], dict[str, torch.Tensor]] = OrderedDict()
         self._bad_grads: set[tuple[str, int]] = set()
         self._examined = 0
+        self.device_checks = False
         self._params_finite: bool | None = None  # this step's, once asked
         self._captured_pass = False
 
@@ -109,9 +110,13 @@ class Captures:
         self._examined = 0
         self._captured_pass = False
 
-    def new_step(self) -> None:
+    def new_step(self, *, device_checks: bool = False) -> None:
+        """``device_checks``: the run has shown a NaN or Inf already (the writer saw one),
+        so from now on a GPU's statistics are read at once, waiting for the device, until
+        the captures are used up (see ``nonfinite``)."""
         self.backward_done()
         self._params_finite = None
+        self.device_checks = device_checks
 
     # -- the forward -----------------------------------------------------------------------
 
@@ -213,7 +218,10 @@ class Captures:
         present = [
             (owner, g)
             for owner, g in zip(owners, grads, strict=True)
-            if g is not None and usual(g) and g.is_cpu and g.is_floating_point()
+            if g is not None
+            and usual(g)
+            and g.is_floating_point()
+            and (g.is_cpu or self.device_checks)
         ]
         if not present:
             return
@@ -359,13 +367,15 @@ class Captures:
         return stored, left_out
 
 
-def nonfinite(stats: Any, tensor: torch.Tensor) -> bool | None:
+def nonfinite(stats: Any, tensor: torch.Tensor, *, on_device: bool = False) -> bool | None:
     """Whether ``tensor`` holds a NaN or Inf, from its queued statistics where they are on the
-    host already (the CPU's: free); None where that would take a look of its own (statistics
-    on a GPU, known only when the writer copies them; a tensor staged for the writer)."""
+    host already (the CPU's: free), or on a device where ``on_device`` allows waiting for it;
+    None where that would take a look of its own (a tensor staged for the writer), or a wait
+    for the device that is not allowed (its statistics are known when the writer copies
+    them, a step or more later: ``TraceWriter.nonfinite_seen``)."""
     if isinstance(stats, np.ndarray):
         return bool(stats[_NAN] or stats[_INF])
-    if isinstance(stats, torch.Tensor) and stats.is_cpu:
+    if isinstance(stats, torch.Tensor) and (stats.is_cpu or on_device):
         return bool(stats[_NAN] or stats[_INF])
     if isinstance(stats, Staged):
         return None
@@ -376,7 +386,9 @@ def check(tensor: torch.Tensor) -> bool:
     """A look of its own: whether a plain tensor holds a NaN or Inf."""
     if not usual(tensor) or not tensor.is_floating_point():
         return False
-    return not bool(torch.isfinite(tensor).all())
+    # detached: isfinite is abs() underneath, which would save the tensor for a backward (a
+    # checkpoint's saved-tensor hooks would count it)
+    return not bool(torch.isfinite(tensor.detach()).all())
 
 
 def _flags(
@@ -390,6 +402,7 @@ def _flags(
             continue
         if known is not None and known(t) is False:
             continue
+        t = t.detach()  # see check()
         nan = nan or bool(torch.isnan(t).any())
         inf = inf or bool(torch.isinf(t).any())
     return nan, inf
@@ -398,6 +411,7 @@ def _flags(
 def _trigger(outputs: list[tuple[str, torch.Tensor]], what: str, inputs_infinite: bool) -> str:
     parts = []
     for slot, t in outputs:
+        t = t.detach()
         if t.is_floating_point() or t.is_complex():
             nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
             if nan or inf:

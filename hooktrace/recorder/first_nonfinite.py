@@ -60,7 +60,7 @@ def run_forward(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
     are, and the RNG of every device forked (the caller's RNG is left as it was)."""
     watch = _Watch()
     try:
-        with _forked_rng(args, kwargs), watch:
+        with _forked_rng(args, kwargs), _own_saved_tensors(), watch:
             output = module(*args, **kwargs)
     except Exception as exc:
         return Finding("failed", message=f"the forward raised {type(exc).__name__}: {exc}")
@@ -79,7 +79,7 @@ def run_backward(
     gradient of an input or a parameter comes out non-finite."""
     watch = _Watch()
     try:
-        with _forked_rng(args, kwargs):
+        with _forked_rng(args, kwargs), _own_saved_tensors():
             with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=False):
                 output = module(*args, **kwargs)
             pairs = [
@@ -194,6 +194,7 @@ def describe(tensor: torch.Tensor) -> dict[str, Any]:
     info: dict[str, Any] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype)[6:]}
     if tensor.device.type == "meta" or tensor.numel() == 0:
         return info
+    tensor = tensor.detach()
     if tensor.is_complex():
         tensor = tensor.abs()
     if not (tensor.is_floating_point() or tensor.dtype == torch.bool or _integer(tensor)):
@@ -229,6 +230,7 @@ def _flags(tensors: Iterable[torch.Tensor]) -> tuple[bool, bool]:
     for t in tensors:
         if t.device.type == "meta" or not (t.is_floating_point() or t.is_complex()):
             continue
+        t = t.detach()
         nan = nan or bool(torch.isnan(t).any())
         inf = inf or bool(torch.isinf(t).any())
     return nan, inf
@@ -271,6 +273,17 @@ def _user_frame_of(formatted: list[str]) -> tuple[str, int, str, str] | None:
             code = match.group("code").strip()
             return file, int(match.group("line")), match.group("function").strip(), code
     return None
+
+
+def _own_saved_tensors() -> Any:
+    """Saved-tensor hooks that keep tensors as they are, over whatever hooks the user's code
+    set (a checkpoint's, which count what its forward saves: the re-run inside a recorded
+    call must not add to them)."""
+    return torch.autograd.graph.saved_tensors_hooks(_same, _same)
+
+
+def _same(tensor: Any) -> Any:
+    return tensor
 
 
 class _forked_rng:

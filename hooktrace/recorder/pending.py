@@ -333,6 +333,7 @@ class PendingStep:
             activity=self._activity(),
             tensors=tensors,
             dropped=self.dropped,
+            nonfinite=bool((stats[:, 6] > 0).any() or (stats[:, 7] > 0).any()),
         )
 
     def _statistics(self) -> np.ndarray:

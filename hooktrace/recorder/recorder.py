@@ -728,7 +728,7 @@ class Recorder:
                 self._hook_grad(tensor, name, call, "grad_output", slot)
         if not armed:
             return
-        if hooked:
+        if hooked and (captures.device_checks or output_on_cpu(output)):
             captures.hold((name, call), module, args, kwargs)
         if nonfinite:
             where = self._where_now(phase, call)
@@ -741,7 +741,7 @@ class Recorder:
     def _nonfinite(self, stats: Any, tensor: torch.Tensor) -> bool:
         """Whether a recorded tensor holds a NaN or Inf, from its statistics where they are at
         hand (a CPU tensor's), else by a look of its own where that costs no host sync."""
-        known = capture.nonfinite(stats, tensor)
+        known = capture.nonfinite(stats, tensor, on_device=self._captures.device_checks)
         if known is not None:
             return known
         return isinstance(stats, Staged) and capture.check(tensor)
@@ -1105,7 +1105,7 @@ class Recorder:
         self._recent = OrderedDict()
         self._params_phase = None
         self._output_specs = {}
-        self._captures.new_step()
+        self._captures.new_step(device_checks=self._writer.nonfinite_seen)
 
     def _orphan(self) -> None:
         """In a forked child: hooks return at once, nothing is written, nothing is closed."""
@@ -1204,6 +1204,14 @@ def _replaced(entries: list[Entry], fresh: list[Entry], names: set[str]) -> list
     stale = tuple(f"{name}." for name in names)
     kept = [e for e in entries if e.module not in names and not e.module.startswith(stale)]
     return kept + fresh
+
+
+def output_on_cpu(output: Any) -> bool:
+    """Whether a call's output lies on the CPU, where its non-finite values are seen at once
+    (a container's first tensor stands for it)."""
+    if isinstance(output, torch.Tensor):
+        return output.is_cpu
+    return next((t.is_cpu for _, t in flatten(output)), True)
 
 
 def _unseen() -> Any:

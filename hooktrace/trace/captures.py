@@ -9,7 +9,8 @@ temporary name first, renamed once whole, as every file of a trace). The file ho
   that called it);
 - groups ``inputs``, ``outputs``, ``grad_outputs`` (a backward capture) and ``state`` (the
   parameters and buffers of the module and every module inside it, by qualified name), one
-  dataset a tensor, with the ``dtype`` and ``crc32`` attributes of a full tensor in a segment.
+  dataset a tensor, named by its position, with the attribute ``name`` (the slot or
+  qualname) and the ``dtype`` and ``crc32`` attributes of a full tensor in a segment.
 
 docs/FORMAT.md describes the same thing for people.
 """
@@ -67,8 +68,8 @@ def write_capture(
             f.attrs["capture"] = json.dumps(dict(meta), default=str)
             for group_name in GROUPS:
                 group = f.create_group(group_name)
-                for name, array, dtype in tensors.get(group_name, ()):
-                    dataset = group.create_dataset(_escape(name), data=array)
+                for i, (name, array, dtype) in enumerate(tensors.get(group_name, ())):
+                    dataset = group.create_dataset(str(i), data=array)  # no user name in a path
                     dataset.attrs["dtype"] = dtype
                     dataset.attrs["name"] = name
                     dataset.attrs[schema.TENSOR_CHECKSUM] = np.uint32(zlib.crc32(array.data))
@@ -181,8 +182,3 @@ def explain(meta: Mapping[str, Any]) -> str:
         return f"{analysis['op']}{where}{line}; {standalone}"
     message = analysis.get("message") or "not analysed"
     return f"{status or 'not analysed'}: {message}"
-
-
-def _escape(name: str) -> str:
-    """An HDF5 dataset name for ``name``: "/" separates groups there."""
-    return name.replace("/", "\\")

@@ -65,6 +65,7 @@ class StepData:
     activity: list[tuple[int, np.ndarray]] = field(default_factory=list)
     tensors: list[tuple[int, np.ndarray, str]] = field(default_factory=list)
     dropped: int = 0
+    nonfinite: bool = False  # a record holds a NaN or Inf
 
     @property
     def rows(self) -> int:
@@ -132,6 +133,10 @@ class TraceWriter:
         self.hold_steps = hold_steps
 
         self.error: BaseException | None = None
+        self.nonfinite_seen = False
+        """Whether a step taken so far holds a NaN or Inf: where statistics stay on a GPU
+        until this thread copies them, the first the recorder can learn of one without
+        waiting for the device."""
         self.steps_written = 0
         self.records_written = 0
         self.tensors_written = 0
@@ -313,6 +318,7 @@ class TraceWriter:
                 continue
             self._buffer.append(data)
             self._buffered_rows += data.rows
+            self.nonfinite_seen = self.nonfinite_seen or data.nonfinite
 
     def _release(self, nbytes: int) -> None:
         with self._space:
