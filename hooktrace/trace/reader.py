@@ -429,7 +429,7 @@ class Trace:
         return read_tensors(self._capture_path(capture, rank))
 
     def _capture_path(self, capture: int, rank: int) -> Path:
-        for r, index, path in capture_paths(self.path, rank):
+        for _rank, index, path in capture_paths(self.path, rank):
             if index == capture:
                 return path
         held = [index for _, index, _ in capture_paths(self.path, rank)]
