@@ -416,7 +416,7 @@ def test_captures_at_other_steps_are_still_pointed_at(tmp_path: Path) -> None:
     found = hooktrace.anomalies(run, steps="1-2")
     file, line = source_line("SQRT_LINE")
     assert of_kind(found, "nonfinite_backward")["capture"].tolist() == [
-        f"not captured at this step; captured at step 0 in fault (backward): aten::div.Tensor "
+        f"not captured in steps 1–2; captured at step 0 in fault (backward): aten::div.Tensor "
         f"in SqrtBackward0 at {file}:{line} (capture 0); hooktrace replay {run} --nonfinite"
     ]
     # no finding to hang it on: a note says the run holds one

@@ -314,6 +314,8 @@ def test_no_capture_is_one_line_saying_why(
         f"{off} holds no non-finite capture: capture was off when it was recorded "
         "(capture_nonfinite=False)"
     )
+    limit = record_run(Log(), tmp_path / "limit", capture_limit=0)
+    assert one_line(limit).endswith("capture was off when it was recorded (capture_limit=0)")
     failed = tmp_path / "failed"
     failed.mkdir()
     (failed / "captures").write_text("a file where the captures' directory goes")

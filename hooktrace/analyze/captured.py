@@ -76,7 +76,8 @@ def why_none(trace: Trace, *, rank: int | None = None) -> str:
             "record it again to capture where a NaN or Inf begins"
         )
     elif not config["capture_nonfinite"] or config.get("capture_limit") == 0:
-        reason = "capture was off when it was recorded (capture_nonfinite=False)"
+        setting = "capture_limit=0" if config["capture_nonfinite"] else "capture_nonfinite=False"
+        reason = f"capture was off when it was recorded ({setting})"
     elif failed:
         reason = (
             f"{_count(failed, 'capture')} failed while it was recorded (the recording's "
@@ -95,7 +96,8 @@ def capture_column(findings: pd.DataFrame, captures: pd.DataFrame, run: Path) ->
 
     A ``nonfinite_forward`` / ``nonfinite_backward`` finding takes a capture of the same pass,
     rank and steps (``step`` to ``last_step``), of its own module where one is; where the run
-    holds captures only at other steps, the finding points at the first of them."""
+    holds captures only at other steps, the finding points at the earliest of them (of its
+    own module where one is)."""
     texts = [""] * len(findings)
     if captures.empty:
         return pd.Series(texts, index=findings.index, dtype=object)
@@ -116,8 +118,9 @@ def capture_column(findings: pd.DataFrame, captures: pd.DataFrame, run: Path) ->
             text += f", and {more} more in these steps)" if more else ")"
         else:
             chosen = _first(on_rank if not on_rank.empty else captures, str(row["module"]))
+            steps = f"step {first}" if first == last else f"steps {first}–{last}"
             text = (
-                f"not captured at this step; captured at step {chosen['step']} in "
+                f"not captured in {steps}; captured at step {chosen['step']} in "
                 f"{chosen['module']} ({chosen['pass']}): {described(chosen)} "
                 f"(capture {chosen['capture']})"
             )
