@@ -16,6 +16,7 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from nonfinite_runs import Log, Sqrt, record_run, source_line
 from torch import nn
 
 import hooktrace
@@ -378,3 +379,67 @@ def test_without_a_steps_table_everything_is_still_read(tmp_path: Path) -> None:
         hooktrace.anomalies(tmp_path / "run", chunk_rows=25).findings, expected
     )
     assert len(hooktrace.dead_relus(tmp_path / "run").layers) == 2
+
+
+# --- 7. what the recorder captured where a NaN or Inf began ---------------------------------
+
+
+def test_a_forward_origin_names_the_captured_operation_and_line(tmp_path: Path) -> None:
+    run = record_run(Log(), tmp_path / "run")
+    found = hooktrace.anomalies(run)
+    file, line = source_line("LOG_LINE")
+    forward = of_kind(found, "nonfinite_forward")
+    assert forward[["module", "step"]].values.tolist() == [["fault", 0]]
+    assert forward["capture"][0] == (
+        f"captured: aten::log at {file}:{line} (capture 0); hooktrace replay {run} --nonfinite"
+    )
+    others = found.findings[found.findings["kind"] != "nonfinite_forward"]
+    assert not others.empty and (others["capture"] == "").all()  # nonfinite_param: its own
+    pd.testing.assert_frame_equal(found.captures, hooktrace.load(run).nonfinite_captures())
+    assert found.notes == []
+
+
+def test_a_backward_origin_over_steps_takes_their_first_capture(tmp_path: Path) -> None:
+    run = record_run(Sqrt(), tmp_path / "run")
+    found = hooktrace.anomalies(run)
+    file, line = source_line("SQRT_LINE")
+    backward = of_kind(found, "nonfinite_backward")
+    assert backward[["module", "step", "last_step"]].values.tolist() == [["fault", 0, 2]]
+    assert backward["capture"][0] == (
+        f"captured: aten::div.Tensor in SqrtBackward0 at {file}:{line} (capture 0, and 2 more "
+        f"in these steps); hooktrace replay {run} --nonfinite"
+    )
+
+
+def test_captures_at_other_steps_are_still_pointed_at(tmp_path: Path) -> None:
+    run = record_run(Sqrt(), tmp_path / "run", capture_limit=1)  # step 0 only
+    found = hooktrace.anomalies(run, steps="1-2")
+    file, line = source_line("SQRT_LINE")
+    assert of_kind(found, "nonfinite_backward")["capture"].tolist() == [
+        f"not captured in steps 1–2; captured at step 0 in fault (backward): aten::div.Tensor "
+        f"in SqrtBackward0 at {file}:{line} (capture 0); hooktrace replay {run} --nonfinite"
+    ]
+    # no finding to hang it on: a note says the run holds one
+    later = record_run(Log(), tmp_path / "log")
+    found = hooktrace.anomalies(later, steps="2-2")
+    assert set(found.findings["kind"]) == {"nonfinite_param"}
+    assert found.notes == [
+        f"the run holds 1 non-finite capture (step(s) 0): hooktrace replay {later} --nonfinite"
+    ]
+
+
+def test_failed_captures_and_traces_without_captures(tmp_path: Path) -> None:
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "captures").write_text("a file where the captures' directory goes")
+    with pytest.warns(RuntimeWarning, match="could not capture"):
+        record_run(Log(), failed)
+    found = hooktrace.anomalies(failed)
+    assert (found.findings["capture"] == "").all()
+    assert found.notes == [
+        "1 non-finite capture(s) failed while the run was recorded (its warnings say why)"
+    ]
+    # a trace from before captures: the findings as they were, with an empty capture column
+    old = hooktrace.anomalies(Path(__file__).parent.parent / "sample_traces" / "nan")
+    assert "nonfinite_forward" in set(old.findings["kind"])
+    assert (old.findings["capture"] == "").all() and old.notes == [] and old.captures.empty

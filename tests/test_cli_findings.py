@@ -4,6 +4,7 @@ both commands in a process where torch cannot be imported."""
 
 from __future__ import annotations
 
+import inspect
 import io
 import json
 import os
@@ -51,8 +52,19 @@ def test_anomalies_table(runs: dict[str, Path]) -> None:
     assert lines[2] == "ERROR   nonfinite_forward (1)"
     assert lines[3].split()[:4] == ["step", "5", "fault", "fault"]
     assert "produced the first NaN of the forward pass" in lines[4]
-    assert lines[6] == "ERROR   nonfinite_param (1)"
-    assert lines[7].split()[:3] == ["step", "6–11", "fc1"]
+    # the recorder captured the call: the operation and the line of NaNForward that made it
+    source = Path(inspect.getsourcefile(NaNForward) or "")
+    line = next(
+        i
+        for i, text in enumerate(source.read_text().splitlines(), 1)
+        if "return torch.sqrt(x - x.mean())" in text
+    )
+    assert lines[5].strip() == (
+        f"captured: aten::sqrt at {source}:{line} (capture 0); "
+        f"hooktrace replay {runs['nan']} --nonfinite"
+    )
+    assert lines[7] == "ERROR   nonfinite_param (1)"
+    assert lines[8].split()[:3] == ["step", "6–11", "fc1"]
 
 
 def test_anomalies_fail_exit_codes(runs: dict[str, Path]) -> None:
@@ -152,7 +164,7 @@ def test_bad_options_are_one_line_and_exit_2(runs: dict[str, Path], args: list[s
 # --- never imports torch ---------------------------------------------------------------------
 
 
-def test_both_commands_work_where_torch_cannot_be_imported(runs: dict[str, Path]) -> None:
+def test_the_commands_work_where_torch_cannot_be_imported(runs: dict[str, Path]) -> None:
     code = textwrap.dedent(
         """
         import sys
@@ -175,6 +187,10 @@ def test_both_commands_work_where_torch_cannot_be_imported(runs: dict[str, Path]
     found = run("anomalies", runs["nan"], "--fail")
     assert found.returncode == 1, found.stderr
     assert "nonfinite_forward" in found.stdout and found.stderr == ""
+    assert "captured: aten::sqrt at " in found.stdout  # read from the capture, without torch
+    captured = run("replay", runs["nan"], "--nonfinite")
+    assert captured.returncode == 0, captured.stderr
+    assert "  operation   aten::sqrt" in captured.stdout.splitlines()
     dead = run("dead-relus", runs["dead"], "--format", "json")
     assert dead.returncode == 0, dead.stderr
     assert json.loads(dead.stdout)[0]["module"] == "relu2"

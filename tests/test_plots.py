@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 import matplotlib.image
@@ -21,12 +22,19 @@ from torch import nn
 
 import hooktrace
 from hooktrace.analyze.plot_tables import (
+    ONE_RUN_ONLY,
     activation_tables,
     diff_table,
     grad_norm_table,
     silent_unit_table,
 )
-from hooktrace.analyze.plots import NAME_WIDTH, plot
+from hooktrace.analyze.plots import (
+    NAME_WIDTH,
+    ONE_RUN_ONLY_COLOUR,
+    cell_layers,
+    diff_figure,
+    plot,
+)
 from hooktrace.cli import cli
 from hooktrace.errors import ConfigError
 
@@ -127,6 +135,87 @@ def test_diff_table_is_zero_until_the_first_divergence() -> None:
     assert (table.loc[:, 13:] > 0).all().all()
     same, again = diff_table(SAMPLES / "healthy", SAMPLES / "healthy")
     assert again.match and (same == 0).all().all()
+
+
+class Fault(nn.Module):
+    """x * 1.0, through ``extra`` at ``detour_at`` (records one run lacks), and log(x) (-inf
+    at the ReLU's zeros) from ``log_from`` on."""
+
+    def __init__(self, *, detour_at: int | None = None, log_from: int | None = None) -> None:
+        super().__init__()
+        self.extra = nn.Identity()
+        self.detour_at, self.log_from, self.step = detour_at, log_from, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.step == self.detour_at:
+            x = self.extra(x)
+        if self.log_from is not None and self.step >= self.log_from:
+            return torch.log(x)
+        return x * 1.0
+
+
+def record_fault(out: Path, fault: Fault, steps: int = 4) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(fc=nn.Linear(4, 4), act=nn.ReLU(), fault=fault))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with hooktrace.record(model, out):
+        for step in range(steps):
+            fault.step = step
+            model(torch.randn(8, 4, generator=generator)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return out
+
+
+def test_diff_tells_non_finite_cells_from_records_in_one_run_only(tmp_path: Path) -> None:
+    a = record_fault(tmp_path / "a", Fault())
+    b = record_fault(tmp_path / "b", Fault(detour_at=1, log_from=2))
+    table, result = diff_table(a, b)
+    assert not result.match
+    assert table.index.tolist() == ["Sequential", "fc", "act", "fault", "fault.extra"]
+    # what each cell must be, from the records themselves: run A is all finite; a cell is
+    # non-finite where a record of B holds a NaN or an Inf, in one run only where B has a
+    # record that A lacks
+    keys = ["module", "step", "micro_step", "phase", "call", "kind", "slot"]
+    records_a, records_b = hooktrace.load(a).records, hooktrace.load(b).records
+    assert (records_a[["nan_count", "inf_count"]] == 0).all().all()
+    bad = records_b[(records_b["nan_count"] + records_b["inf_count"]) > 0]
+    nonfinite = set(zip(bad["module"].astype(str), bad["step"], strict=True))
+    lacking = records_b.merge(records_a[keys], on=keys, how="left", indicator=True)
+    lacking = lacking[lacking["_merge"] == "left_only"]
+    one_run = set(zip(lacking["module"].astype(str), lacking["step"], strict=True))
+    assert one_run == {("fault.extra", 1)}
+    assert ("fault", 2) in nonfinite and not any(step < 2 for _, step in nonfinite)
+    cells = table.stack().dropna()  # NaN: neither run recorded the module at the step
+    assert set(cells[cells == np.inf].index) == nonfinite
+    assert set(cells[cells == ONE_RUN_ONLY].index) == one_run
+    assert (cells[cells.index.map(lambda cell: cell[1] < 2)].drop(("fault.extra", 1)) == 0).all()
+
+    # the picture: a colour and a legend entry each, and no cell in two of them
+    layers = dict(
+        cell_layers(
+            table.where(table > 0),
+            log=True,
+            inf_label="non-finite",
+            marks={
+                "in one run only": (table == ONE_RUN_ONLY, ONE_RUN_ONLY_COLOUR),
+                "equal within tolerance": (table == 0, "#dddddd"),
+            },
+        )
+    )
+    assert list(layers) == ["non-finite", "in one run only", "equal within tolerance"]
+    assert layers["non-finite"][1] != layers["in one run only"][1]
+    rows, columns = list(table.index), list(table.columns)
+
+    def cells_of(mask: np.ndarray) -> set[tuple[str, int]]:
+        return {(rows[i], columns[j]) for i, j in np.argwhere(mask)}
+
+    assert cells_of(layers["in one run only"][0]) == one_run
+    assert cells_of(layers["non-finite"][0]) == nonfinite
+    figure = diff_figure(hooktrace.load(a), hooktrace.load(b), table, result)
+    legend = [text.get_text() for text in figure.axes[0].get_legend().get_texts()]
+    assert legend == ["non-finite", "in one run only", "equal within tolerance"]
 
 
 # --- pictures ------------------------------------------------------------------------------------

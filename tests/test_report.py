@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
+from nonfinite_runs import Log, record_run, source_line
 from test_plots import record_odd_names
 
 from hooktrace.analyze.report import report
@@ -82,6 +83,27 @@ def test_a_run_page_holds_summary_findings_and_pictures(nan_page: str) -> None:
                  "nonfinite_param", "activation_spike", "30 recorded (0–29)"):  # fmt: skip
         assert text in nan_page
     assert len(page.images()) == 3  # gradient norms, activations, dead units
+
+
+def test_a_run_page_names_the_captured_operation_and_line(tmp_path: Path) -> None:
+    run = record_run(Log(), tmp_path / "run")
+    text = report(run)
+    page = Page(text)
+    assert "Non-finite captures" in page.headings
+    file, line = source_line("LOG_LINE")
+    # under the finding it explains, and in the table of captures
+    assert (
+        f"captured: aten::log at {file}:{line} (capture 0); hooktrace replay {run} --nonfinite"
+        in text
+    )
+    for cell in ("aten::log", f"{file}:{line}", "return torch.log(x)  # LOG_LINE", "forward"):
+        assert f'<td class="mono">{cell}</td>' in text
+    assert f"<code>hooktrace replay {run} --nonfinite</code>" in text
+
+
+def test_a_page_without_captures_has_no_such_section(nan_page: str) -> None:
+    assert "Non-finite captures" not in Page(nan_page).headings
+    assert "captured:" not in nan_page and "--nonfinite" not in nan_page
 
 
 def test_a_page_stands_alone(nan_page: str, pair_page: Path) -> None:

@@ -18,7 +18,10 @@ The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``
   finite gradient), and the record where the value first shows is in the evidence. Steps in a
   row with the same origin are one finding. A backward origin whose module's forward was
   already non-finite in that micro-step (its saved values were) follows from the forward and
-  is not reported. value: NaN + Inf count of the origin record; count: steps.
+  is not reported. value: NaN + Inf count of the origin record; count: steps. Where the
+  recorder captured the call that made the value (:mod:`hooktrace.analyze.captured`), the
+  finding's ``capture`` names the aten operation and the source line, with the command that
+  shows the capture.
 - ``nonfinite_param`` (error): parameters already non-finite when a step began (an update
   wrote them); the forward origins that those parameters explain are not reported again.
 - ``exploding_gradient`` (error), ``gradient_spike`` (warning): each module's parameter
@@ -57,6 +60,12 @@ import numpy as np
 import pandas as pd
 
 from hooktrace.analyze import series
+from hooktrace.analyze.captured import (
+    capture_column,
+    failed_captures,
+    read_captures,
+    unmatched_note,
+)
 from hooktrace.analyze.findings import (
     Finding,
     StepsSpec,
@@ -82,13 +91,16 @@ _COLUMNS = ["rank", "step", "micro_step", "phase", "seq", "module", "kind", "slo
 @dataclass
 class Anomalies:
     """The result of :func:`anomalies`: ``findings`` (worst first, see
-    :data:`hooktrace.analyze.findings.COLUMNS`), what was read, and notes on checks that could
-    not run (e.g. no parameter gradients recorded)."""
+    :data:`hooktrace.analyze.findings.COLUMNS`, then ``capture``: the non-finite capture
+    that explains a NaN/Inf origin, in words, else ""), what was read, notes on checks that
+    could not run (e.g. no parameter gradients recorded), and the run's non-finite
+    ``captures`` (the table of :meth:`Trace.nonfinite_captures`)."""
 
     findings: pd.DataFrame
     steps: int
     modules: int
     notes: list[str] = field(default_factory=list)
+    captures: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     def __len__(self) -> int:
         return len(self.findings)
@@ -149,7 +161,18 @@ def anomalies(
         notes.append("the trace holds no records in the steps read")
     elif not scan.per_slot:
         notes.append("no parameter gradients recorded (params=False?): gradient checks skipped")
-    return Anomalies(findings_frame(found), scan.steps, len(scan.names), notes)
+    frame = findings_frame(found)
+    captures = read_captures(trace, notes)
+    frame["capture"] = capture_column(frame, captures, trace.path).astype(str)  # as the others
+    note = unmatched_note(frame, captures, trace.path)
+    notes += [note] if note else []
+    failed = failed_captures(trace)
+    if failed:
+        notes.append(
+            f"{failed} non-finite capture(s) failed while the run was recorded (its warnings "
+            "say why)"
+        )
+    return Anomalies(frame, scan.steps, len(scan.names), notes, captures)
 
 
 class _Scan:

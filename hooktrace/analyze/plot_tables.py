@@ -2,7 +2,8 @@
 
 Each is a DataFrame of modules (rows, in the model's order) by recorded steps (columns),
 for notebooks that draw their own. Where the recorded values held a NaN or an Inf, a cell is
-inf; where nothing was recorded, NaN.
+inf; where nothing was recorded, NaN; in the diff table, where a record is in one run only,
+-inf (:data:`ONE_RUN_ONLY`).
 """
 
 from __future__ import annotations
@@ -130,6 +131,11 @@ def silent_unit_table(
     return table.loc[keys].sort_index(axis=1)
 
 
+ONE_RUN_ONLY = -np.inf
+"""A cell of :func:`diff_table` where a record is in one run only (or changed its shape or
+dtype): nothing to compare it with."""
+
+
 def diff_table(
     run_a: Run,
     run_b: Run,
@@ -139,18 +145,35 @@ def diff_table(
     **options: Any,
 ) -> tuple[pd.DataFrame, Any]:
     """Per module and step: the largest ``rel_diff`` of :func:`hooktrace.diff` over the
-    module's records (inf where a record is in one run only; 0 where all are equal), and the
-    :class:`DiffResult`. ``options`` go to :func:`hooktrace.diff` (rtol, atol, kinds, ...)."""
+    module's records (0 where all are equal), inf where a record's values are non-finite in
+    one run and not alike in the other, :data:`ONE_RUN_ONLY` (-inf) where a record is in one
+    run only or changed its shape or dtype (a non-finite record in the same cell wins), NaN
+    where neither run recorded anything; and the :class:`DiffResult`. ``options`` go to
+    :func:`hooktrace.diff` (rtol, atol, kinds, ...)."""
     from hooktrace.analyze.diff import diff
 
-    parts: list[pd.Series] = []
+    parts: list[pd.DataFrame] = []
 
     def collect(chunk: pd.DataFrame) -> None:
-        largest = chunk["rel_diff"].where(chunk["status"].astype(str) != "equal", 0.0)
+        status = chunk["status"].astype(str)
+        one_run = status.isin(["only_a", "only_b", "changed"]).to_numpy()
+        rel = chunk["rel_diff"].where(status != "equal", 0.0).to_numpy(dtype=np.float64)
+        # paired records compare to inf only where a value is NaN or Inf in one run
+        nonfinite = ~one_run & np.isinf(rel)
         frame = pd.DataFrame(
-            {"module": chunk["module"].astype(str), "step": chunk["step"], "rel": largest}
+            {
+                "module": chunk["module"].astype(str).to_numpy(),
+                "step": chunk["step"].to_numpy(),
+                "rel": np.where(one_run | nonfinite, np.nan, rel),
+                "one_run": one_run,
+                "nonfinite": nonfinite,
+            }
         )
-        parts.append(frame.groupby(["module", "step"])["rel"].max())
+        parts.append(
+            frame.groupby(["module", "step"]).agg(
+                rel=("rel", "max"), one_run=("one_run", "any"), nonfinite=("nonfinite", "any")
+            )
+        )
 
     result = diff(
         run_a,
@@ -163,8 +186,13 @@ def diff_table(
     )
     if not parts:
         return pd.DataFrame(), result
-    table = pd.concat(parts).groupby(level=[0, 1]).max().unstack("step")
-    return _ordered(trace_of(run_a), table), result
+    cells = (
+        pd.concat(parts)
+        .groupby(level=[0, 1])
+        .agg({"rel": "max", "one_run": "any", "nonfinite": "any"})
+    )
+    value = cells["rel"].where(~cells["one_run"], ONE_RUN_ONLY).where(~cells["nonfinite"], np.inf)
+    return _ordered(trace_of(run_a), value.unstack("step")), result
 
 
 def trace_of(run: Run) -> Trace:

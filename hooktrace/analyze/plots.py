@@ -11,7 +11,8 @@ notebook can draw its own:
   ``threshold`` of their values) at each step, and beside it what :func:`dead_relus` calls
   dead at the end;
 - ``diff``: for two runs, the largest relative difference (``rel_diff`` of
-  :func:`hooktrace.diff`) of each module's records per step, the first divergence marked.
+  :func:`hooktrace.diff`) of each module's records per step, the first divergence marked;
+  cells where a record is in one run only are told apart from non-finite ones.
 
 Cells with a NaN or Inf are red; cells where nothing was recorded stay white. Long module
 names are shortened from the left (``…locks.1.attn.out_proj``), and with more modules than
@@ -33,6 +34,7 @@ import pandas as pd
 from hooktrace.analyze.dead_units import dead_relus
 from hooktrace.analyze.findings import StepsSpec
 from hooktrace.analyze.plot_tables import (
+    ONE_RUN_ONLY,
     Run,
     activation_tables,
     diff_table,
@@ -56,6 +58,11 @@ WHAT = ("grad-norms", "activations", "dead-units", "diff")
 DPI = 110
 NAME_WIDTH = 36
 """Module names longer than this many characters are shortened from the left."""
+
+NONFINITE_COLOUR = "#e74c3c"
+ONE_RUN_ONLY_COLOUR = "#16a085"  # far from the plasma and magma colour maps, and from red
+ZERO_COLOUR = "#9e9e9e"
+MARK_COLOUR = "#dddddd"
 
 
 Progress = Callable[[int, int, str], None]
@@ -245,8 +252,11 @@ def diff_figure(
         label="largest relative difference (log10)",
         log=True,
         cmap="plasma",
-        inf_label="in one run only",
-        marks={"equal within tolerance": table == 0},
+        inf_label="non-finite",
+        marks={
+            "in one run only": (table == ONE_RUN_ONLY, ONE_RUN_ONLY_COLOUR),
+            "equal within tolerance": (table == 0, MARK_COLOUR),
+        },
         empty="no records to compare",
     )
     verdict = "match" if result.match else "differ"
@@ -281,10 +291,10 @@ def _heatmap(
     empty: str,
     vmax: float | None = None,
     inf_label: str = "NaN or Inf",
-    marks: dict[str, pd.DataFrame] | None = None,
+    marks: dict[str, tuple[pd.DataFrame, str]] | None = None,
 ) -> None:
-    """``table`` (modules x steps) as an image: inf cells red, zeros (on a log scale) and
-    ``marks`` (boolean tables) grey, NaN (nothing recorded) white."""
+    """``table`` (modules x steps) as an image, with the layers of :func:`cell_layers` over
+    it and in the legend; NaN (nothing recorded) white."""
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
@@ -298,21 +308,15 @@ def _heatmap(
     if shown.count():
         image = ax.imshow(shown, aspect="auto", interpolation="nearest", cmap=cmap, vmax=vmax)
         figure.colorbar(image, ax=ax, label=label, fraction=0.05, pad=0.02)
-    layers = {inf_label: (np.isinf(raw), "#e74c3c")}
-    if log:
-        layers["zero"] = (raw == 0, "#9e9e9e")
-    for name, mask in (marks or {}).items():
-        layers[name] = (mask.to_numpy(dtype=bool), "#dddddd")
     handles = []
-    for name, (mask, colour) in layers.items():
-        if mask.any():
-            ax.imshow(
-                np.ma.masked_where(~mask, np.ones_like(raw)),
-                aspect="auto",
-                interpolation="nearest",
-                cmap=ListedColormap([colour]),
-            )
-            handles.append(Patch(color=colour, label=name))
+    for name, (mask, colour) in cell_layers(table, log=log, inf_label=inf_label, marks=marks):
+        ax.imshow(
+            np.ma.masked_where(~mask, np.ones_like(raw)),
+            aspect="auto",
+            interpolation="nearest",
+            cmap=ListedColormap([colour]),
+        )
+        handles.append(Patch(color=colour, label=name))
     if handles:
         ax.legend(
             handles=handles,
@@ -323,6 +327,33 @@ def _heatmap(
             frameon=False,
         )
     _axes(ax, table)
+
+
+def cell_layers(
+    table: pd.DataFrame,
+    *,
+    log: bool,
+    inf_label: str = "NaN or Inf",
+    marks: dict[str, tuple[pd.DataFrame, str]] | None = None,
+) -> list[tuple[str, tuple[np.ndarray, str]]]:
+    """The cells of ``table`` drawn in one colour over the image, each layer with its legend
+    label, mask and colour, in drawing order: +inf (``inf_label``) red, zeros (on a log
+    scale) grey, then each of ``marks`` (a boolean table and a colour); only layers with a
+    cell. A cell is in one layer at most: the first that takes it."""
+    raw = table.to_numpy(dtype=np.float64)
+    layers = [(inf_label, (raw == np.inf, NONFINITE_COLOUR))]
+    if log:
+        layers.append(("zero", (raw == 0, ZERO_COLOUR)))
+    for name, (mask, colour) in (marks or {}).items():
+        layers.append((name, (mask.to_numpy(dtype=bool), colour)))
+    taken = np.zeros(raw.shape, dtype=bool)
+    found = []
+    for name, (mask, colour) in layers:
+        mine = mask & ~taken
+        taken |= mine
+        if mine.any():
+            found.append((name, (mine, colour)))
+    return found
 
 
 def _axes(ax: Axes, table: pd.DataFrame) -> None:

@@ -1,7 +1,7 @@
 """One self-contained HTML page about a run, or two: :func:`report`. Never imports torch.
 
 The page holds the summary of each run, its findings (:func:`anomalies` and
-:func:`dead_relus`), the diff of the two runs when there are two, and the pictures of
+:func:`dead_relus`), the calls where a NaN or Inf began as the recorder captured them, the diff of the two runs when there are two, and the pictures of
 :mod:`hooktrace.analyze.plots` as inline PNGs (``data:`` URIs). It needs no server, no
 script and nothing from the network: open it from disk, attach it to an issue. Every name
 that comes from a trace (modules, paths, commands, error messages) is HTML-escaped.
@@ -22,6 +22,7 @@ import pandas as pd
 from hooktrace import __version__
 from hooktrace.analyze import plots
 from hooktrace.analyze.anomalies import anomalies
+from hooktrace.analyze.captured import described, replay_command
 from hooktrace.analyze.dead_units import dead_relus
 from hooktrace.analyze.findings import KIND_ORDER, SEVERITIES
 from hooktrace.analyze.plot_tables import (
@@ -161,6 +162,7 @@ def _run_section(
     dead = dead_relus(trace)
     findings = _worst_first(pd.concat([found.findings, dead.findings()], ignore_index=True))
     out += _findings(findings, [*found.notes, *dead.notes])
+    out += _captures(found.captures, trace.path)
     if not dead.layers.empty:
         out.append("<h3>ReLU layers</h3>")
         layers = dead.layers.assign(
@@ -259,10 +261,37 @@ def _findings(findings: pd.DataFrame, notes: Iterable[str]) -> list[str]:
                 f'<tr><td><span class="badge {badge}">{_e(severity)}</span></td>'
                 f'<td>{_e(row["kind"])}</td><td class="mono">{_e(row["module"])}</td>'
                 f'<td class="num">{_e(steps)}</td><td>{_e(row["evidence"])}'
-                f'<div class="why">{_e(row["explanation"])}</div></td></tr>'
+                f'<div class="why">{_e(row["explanation"])}</div>{_captured(row)}</td></tr>'
             )
         out.append("</table>")
     return out + [f'<p class="note">{_e(note)}</p>' for note in notes]
+
+
+def _captured(finding: dict[Any, Any]) -> str:
+    """The capture that explains a non-finite finding, under its explanation ("" if none)."""
+    text = finding.get("capture")
+    return f'<div class="why">{_e(text)}</div>' if isinstance(text, str) and text else ""
+
+
+def _captures(captures: pd.DataFrame, run: Path) -> list[str]:
+    """The calls where a NaN or Inf began, as captured: nothing for a run without any."""
+    if captures.empty:
+        return []
+    rows = captures.assign(
+        operation=[described({**row, "file": None}) for row in captures.to_dict("records")],
+        source=[
+            f"{row['file']}:{row['line']}" if isinstance(row["file"], str) else "-"
+            for row in captures.to_dict("records")
+        ],
+        reproduces=captures["reproduces"].map({True: "yes", False: "no"}),
+    )
+    columns = ["capture", "rank", "step", "pass", "module", "operation", "source", "code"]
+    return [
+        "<h3>Non-finite captures</h3>",
+        *_table(rows, [*columns, "reproduces"], numeric={"capture", "rank", "step"}),
+        f'<p class="note">The calls where a NaN or Inf began, saved by the recorder and run '
+        f"again to name the operation. Each in full: <code>{_e(replay_command(run))}</code></p>",
+    ]
 
 
 def _worst_first(findings: pd.DataFrame) -> pd.DataFrame:

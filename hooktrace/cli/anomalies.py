@@ -89,7 +89,9 @@ def anomalies(
     """NaN/Inf origins, exploding, vanishing and spiking gradients, and more, in RUN.
 
     Findings come worst first (error, warning, info), grouped by kind, each with its module,
-    step, evidence and a one-line explanation. Statistics-only traces are enough.
+    step, evidence and a one-line explanation. Statistics-only traces are enough. Where the
+    recorder captured the call that made a NaN or Inf, its finding names the aten operation
+    and the source line, and `hooktrace replay RUN --nonfinite` shows the capture.
 
     \b
     Example:
@@ -137,7 +139,10 @@ def _finding_lines(row: dict[Any, Any], width: int, ranks: bool) -> str:
         f"{row['step']}" if row["last_step"] == row["step"] else f"{row['step']}–{row['last_step']}"
     )
     where = f"step {step}" + (f" rank {row['rank']}" if ranks else "")
-    return (
+    lines = (
         f"  {where:<14} {row['module']:<{width}}  {row['evidence']}\n"
         f"  {'':<14} {'':<{width}}  {row['explanation']}"
     )
+    if row.get("capture"):  # the call that made a NaN/Inf, caught by the recorder
+        lines += f"\n  {'':<14} {'':<{width}}  {row['capture']}"
+    return lines

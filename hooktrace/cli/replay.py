@@ -1,8 +1,10 @@
-"""``hooktrace replay RUN --step N``: one recorded step, event by event, in execution order."""
+"""``hooktrace replay RUN --step N``: one recorded step, event by event, in execution order;
+``hooktrace replay RUN --nonfinite``: the calls where a NaN or Inf began, as captured."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,9 +27,18 @@ _SECTIONS = {"params": "parameters and buffers", "forward": "forward", "backward
 
 @click.command()
 @run_argument()
-@click.option("--step", type=int, required=True, help="The step to show.")
+@click.option(
+    "--step", type=int, help="The step to show (required, but with --nonfinite: its captures)."
+)
+@click.option(
+    "--nonfinite",
+    is_flag=True,
+    help="Show the calls where a NaN or Inf began, as the recorder captured them.",
+)
 @click.option("--micro-step", type=int, help="Only this micro-step (backward pass) of the step.")
-@click.option("--rank", type=int, default=0, show_default=True, help="The rank to show.")
+@click.option(
+    "--rank", type=int, help="The rank to show (default 0; with --nonfinite: every rank)."
+)
 @click.option("--modules", help="Only events of modules whose name matches this regex.")
 @click.option(
     "--depth",
@@ -51,9 +62,10 @@ _SECTIONS = {"params": "parameters and buffers", "forward": "forward", "backward
 @library_errors
 def replay(
     run: Path,
-    step: int,
+    step: int | None,
+    nonfinite: bool,
     micro_step: int | None,
-    rank: int,
+    rank: int | None,
     modules: str | None,
     depth: int | None,
     show_params: bool,
@@ -71,12 +83,31 @@ def replay(
     timeline table instead (the same as `hooktrace.load(RUN).timeline(STEP)`). To run a
     module again on its recorded inputs, see hooktrace.replay_module() in Python.
 
+    With --nonfinite: each call where a NaN or Inf began, as the recorder captured it (the
+    step, pass and module, what triggered it, the aten operation and the source line that
+    made it, whether it reproduces on the captured tensors alone, the statistics of the
+    operation's inputs, the tensors left out, and how to run it again in Python), or why the
+    run holds none. --format writes the captures table instead (the same as
+    `hooktrace.load(RUN).nonfinite_captures()`).
+
     \b
     Example:
       hooktrace replay runs/mlp --step 7
       hooktrace replay runs/mlp --step 7 --modules 'blocks\\.0' --depth 2
+      hooktrace replay runs/mlp --nonfinite
     """
+    if nonfinite:
+        _step_view_only(micro_step=micro_step, modules=modules, depth=depth, params=show_params)
+        _captures(run, step=step, rank=rank, fmt=fmt, output=output)
+        return
+    if step is None:
+        context = click.get_current_context()
+        param = next(p for p in context.command.params if p.name == "step")
+        raise click.MissingParameter(ctx=context, param=param)
+    rank = 0 if rank is None else rank
     from hooktrace.analyze.timeline import largest_jumps, timeline
+    from hooktrace.cli.replay_nonfinite import step_lines
+    from hooktrace.trace.reader import load
 
     pattern = _compile(modules)
     frame = timeline(run, step, micro_step=micro_step, rank=rank)
@@ -89,7 +120,56 @@ def replay(
         emit_frame(shown.reset_index(drop=True), fmt, output)
         return
     marked = largest_jumps(frame, top=jumps) if jumps else frame.iloc[:0]
-    text = render(frame, shown, marked, run=run, step=step, rank=rank, show_params=show_params)
+    captured = step_lines(load(run), run, step=step, rank=rank)
+    text = render(
+        frame,
+        shown,
+        marked,
+        run=run,
+        step=step,
+        rank=rank,
+        show_params=show_params,
+        captured=captured,
+    )
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        output.write_text(text)
+
+
+def _step_view_only(**given: Any) -> None:
+    """--nonfinite lists captures: the options that cut the step view do not apply to it."""
+    for name, value in given.items():
+        if value is not None and value is not False:  # --micro-step 0 is given too
+            option = "--" + name.replace("_", "-")
+            raise CommandError(
+                f"{option} cuts the step view and does not go with --nonfinite: leave one out"
+            )
+    jumps = click.get_current_context().get_parameter_source("jumps")
+    if jumps is click.core.ParameterSource.COMMANDLINE:
+        raise CommandError(
+            "--jumps cuts the step view and does not go with --nonfinite: leave one out"
+        )
+
+
+def _captures(
+    run: Path, *, step: int | None, rank: int | None, fmt: str, output: Path | None
+) -> None:
+    from hooktrace.cli.replay_nonfinite import render_captures
+    from hooktrace.trace.reader import load
+
+    trace = load(run)
+    if rank is not None and rank not in trace.ranks:
+        raise CommandError(
+            f"{run} has no rank {rank} (ranks: {', '.join(map(str, trace.ranks)) or 'none'})"
+        )
+    captures = trace.nonfinite_captures(rank=rank)
+    if step is not None:
+        captures = captures[captures["step"] == step].reset_index(drop=True)
+    if fmt != "table":
+        emit_frame(captures, fmt, output)
+        return
+    text = render_captures(trace, captures, rank=rank, step=step)
     if output is None:
         click.echo(text, nl=False)
     else:
@@ -105,8 +185,10 @@ def render(
     step: int,
     rank: int,
     show_params: bool,
+    captured: Sequence[str] = (),
 ) -> str:
-    """The timeline as text: ``frame`` is the whole step, ``shown`` the rows to list."""
+    """The timeline as text: ``frame`` is the whole step, ``shown`` the rows to list;
+    ``captured``: a line per non-finite capture of the step."""
     micro = sorted(int(m) for m in frame["micro_step"].unique())
     phases = ", ".join(sorted(frame["phase"].unique()))
     lines = [
@@ -140,7 +222,7 @@ def render(
         lines.append(line + ("   " + notes if notes else ""))
     if shown.empty:
         lines += ["", "no events match --modules/--depth"]
-    lines += ["", _first_nonfinite(frame)]
+    lines += ["", _first_nonfinite(frame), *captured]
     if not jumps.empty:
         lines.append("largest jumps: " + "; ".join(_jump(row) for _, row in _rows(jumps)))
     return "\n".join(lines) + "\n"
