@@ -262,3 +262,28 @@ def test_the_writer_tells_when_a_step_held_a_nonfinite_value(name: str, seen: bo
     with hooktrace.record(model, tmp_path / "run") as rec:
         planted.train(model, 2)
     assert rec._writer.nonfinite_seen is seen
+
+
+class _HandLogSoftmax(nn.Module):
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.softmax(logits, dim=-1))  # underflows to log(0) for an outlier
+
+
+def test_what_follows_the_first_origin_is_not_captured(tmp_path: Path):
+    """nll_loss's gradient stays finite when the log-probabilities are not: each later step's
+    backward meets a finite gradient at the output of a module whose forward was already
+    non-finite (or whose inputs were). Those carry the NaN on: only the origin is kept."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), _HandLogSoftmax())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run"):
+        for step in range(5):
+            x = torch.randn(8, 6) * (1000.0 if step == 1 else 1.0)
+            loss = nn.functional.nll_loss(model(x), torch.zeros(8, dtype=torch.long))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    captures = hooktrace.load(tmp_path / "run").nonfinite_captures()
+    assert captures[["step", "pass", "module", "op"]].values.tolist() == [
+        [1, "forward", "1", "aten::log"]
+    ]

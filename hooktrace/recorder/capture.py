@@ -84,6 +84,7 @@ class Captures:
         self._held: dict[tuple[str, int], tuple[nn.Module, tuple[Any, ...], Mapping[str, Any]]] = {}
         self._grads: OrderedDict[tuple[str, int], dict[str, torch.Tensor]] = OrderedDict()
         self._bad_grads: set[tuple[str, int]] = set()
+        self._bad_outputs: set[tuple[str, int]] = set()  # calls whose forward was non-finite
         self._examined = 0
         self.device_checks = False
         self._params_finite: bool | None = None  # this step's, once asked
@@ -107,6 +108,7 @@ class Captures:
         self._held.clear()
         self._grads.clear()
         self._bad_grads.clear()
+        self._bad_outputs.clear()
         self._examined = 0
         self._captured_pass = False
 
@@ -137,6 +139,7 @@ class Captures:
         """A recorded call whose output is non-finite: capture it if it is where the NaN or
         Inf began. ``known`` tells a tensor's non-finiteness from statistics already queued
         (None: not known), so that a run gone NaN costs few extra passes."""
+        self._bad_outputs.add((name, where["call"]))  # its backward only carries it on
         if self._captured_pass or self._examined >= _EXAMINED:
             return
         self._examined += 1
@@ -231,8 +234,8 @@ class Captures:
         for (owner, g), norm in zip(present, norms, strict=True):
             if bool(norm.isfinite()) or not check(g):  # a finite gradient whose norm overflows
                 continue
-            calls = [key for key in self._held if key[0] == owner]
-            key = next((k for k in calls if k not in self._bad_grads and k in self._grads), None)
+            calls = [key for key in self._held if key[0] == owner and self._clean(key)]
+            key = next(iter(calls), None)
             if key is None:
                 continue
             module, args, kwargs = self._held[key]
@@ -253,10 +256,13 @@ class Captures:
         trigger: str,
         where: dict[str, Any],
     ) -> None:
+        inputs = list(flatten_call(args, kwargs))
+        if any(_flags(t for _, t in inputs)) or not self._model_finite():
+            return  # its forward took a NaN or Inf in: the backward only carries it on
         grad_outputs = self._grads[key]
         self._captured_pass = True
         tensors = {
-            "inputs": list(flatten_call(args, kwargs)),
+            "inputs": inputs,
             "grad_outputs": list(grad_outputs.items()),
             "state": _state(module),
         }
@@ -280,12 +286,16 @@ class Captures:
         gradients all came finite."""
         found = None
         for key, held in self._held.items():
-            if key in self._bad_grads or key not in self._grads:
+            if not self._clean(key):
                 continue
             deeper = found is None or key[0].count(".") > found[0][0].count(".")
             if deeper and any(t is tensor for _, t in flatten_call(held[1], held[2])):
                 found = (key, held)
         return found
+
+    def _clean(self, key: tuple[str, int]) -> bool:
+        """Whether a held call's forward output and every gradient at it were finite."""
+        return key in self._grads and key not in self._bad_grads and key not in self._bad_outputs
 
     # -- saving ----------------------------------------------------------------------------
 

@@ -257,8 +257,18 @@ def _ours(filename: str) -> bool:
 def _user_frame(stack: traceback.StackSummary) -> tuple[str, int, str, str] | None:
     for frame in reversed(stack):
         if not _ours(str(Path(frame.filename).resolve())):
-            return frame.filename, int(frame.lineno or 0), frame.name, (frame.line or "").strip()
+            code = (frame.line or "").strip()
+            return _shown(frame.filename), int(frame.lineno or 0), frame.name, code
     return None
+
+
+def _shown(filename: str) -> str:
+    """A source file as a person would name it: relative to the working directory where it
+    lies below it (the script and its modules), else as Python has it."""
+    try:
+        return str(Path(filename).resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return filename
 
 
 def _user_frame_of(formatted: list[str]) -> tuple[str, int, str, str] | None:
@@ -271,7 +281,7 @@ def _user_frame_of(formatted: list[str]) -> tuple[str, int, str, str] | None:
         file = match.group("file")
         if not _ours(str(Path(file).resolve())):
             code = match.group("code").strip()
-            return file, int(match.group("line")), match.group("function").strip(), code
+            return _shown(file), int(match.group("line")), match.group("function").strip(), code
     return None
 
 
