@@ -72,4 +72,14 @@ def record_run(
 def source_line(marker: str) -> tuple[str, int]:
     """This file and the line of it marked ``# MARKER``: where a capture must point."""
     lines = Path(__file__).read_text().splitlines()
-    return __file__, next(i for i, line in enumerate(lines, 1) if line.endswith(f"# {marker}"))
+    line = next(i for i, text in enumerate(lines, 1) if text.endswith(f"# {marker}"))
+    return shown(Path(__file__)), line
+
+
+def shown(path: Path) -> str:
+    """A source file as a capture names it: relative to the working directory (where the
+    tests run from the repository's root), else whole."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)

@@ -7,6 +7,8 @@ come from plain torch in the training loop, not from hooktrace.
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -440,6 +442,25 @@ def test_failed_captures_and_traces_without_captures(tmp_path: Path) -> None:
         "1 non-finite capture(s) failed while the run was recorded (its warnings say why)"
     ]
     # a trace from before captures: the findings as they were, with an empty capture column
-    old = hooktrace.anomalies(Path(__file__).parent.parent / "sample_traces" / "nan")
+    old = _before_captures(Path(__file__).parent.parent / "sample_traces" / "nan", tmp_path)
     assert "nonfinite_forward" in set(old.findings["kind"])
     assert (old.findings["capture"] == "").all() and old.notes == [] and old.captures.empty
+
+
+def _before_captures(run: Path, tmp_path: Path) -> Any:
+    """The anomalies of a copy of ``run`` as a recorder before format 1.2 wrote it: no
+    captures, no capture settings, no capture counts."""
+    old = tmp_path / "before-captures"
+    shutil.copytree(run, old)
+    shutil.rmtree(old / "captures", ignore_errors=True)
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["format_version"] = "1.1"
+    for key in ("capture_nonfinite", "capture_limit", "capture_max_mb"):
+        manifest["config"].pop(key, None)
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    for status_file in (old / "status").glob("*.json"):
+        status = json.loads(status_file.read_text())
+        status.pop("nonfinite_captures", None)
+        status.pop("nonfinite_captures_failed", None)
+        status_file.write_text(json.dumps(status))
+    return hooktrace.anomalies(old)

@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner, Result
+from nonfinite_runs import shown
 from test_anomalies import MLP, NaNForward, train
 
 import hooktrace
@@ -60,7 +61,7 @@ def test_anomalies_table(runs: dict[str, Path]) -> None:
         if "return torch.sqrt(x - x.mean())" in text
     )
     assert lines[5].strip() == (
-        f"captured: aten::sqrt at {source}:{line} (capture 0); "
+        f"captured: aten::sqrt at {shown(source)}:{line} (capture 0); "
         f"hooktrace replay {runs['nan']} --nonfinite"
     )
     assert lines[7] == "ERROR   nonfinite_param (1)"

@@ -101,9 +101,15 @@ def test_a_run_page_names_the_captured_operation_and_line(tmp_path: Path) -> Non
     assert f"<code>hooktrace replay {run} --nonfinite</code>" in text
 
 
-def test_a_page_without_captures_has_no_such_section(nan_page: str) -> None:
-    assert "Non-finite captures" not in Page(nan_page).headings
-    assert "captured:" not in nan_page and "--nonfinite" not in nan_page
+def test_the_nan_samples_page_shows_its_capture(nan_page: str) -> None:
+    assert "Non-finite captures" in Page(nan_page).headings
+    assert "aten::log at sample_traces/make_samples.py:38" in nan_page
+
+
+def test_a_page_without_captures_has_no_such_section(pair_page: Path) -> None:
+    text = pair_page.read_text()
+    assert "Non-finite captures" not in Page(text).headings
+    assert "captured:" not in text and "--nonfinite" not in text
 
 
 def test_a_page_stands_alone(nan_page: str, pair_page: Path) -> None:
