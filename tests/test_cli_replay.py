@@ -351,3 +351,12 @@ def test_nonfinite_errors_are_one_line_with_exit_2(
     assert code == 2, out
     assert message in out and out.startswith("hooktrace: error: ")
     assert len(out.strip().splitlines()) == 1 and "Traceback" not in out
+
+
+def test_without_step_a_missing_run_is_told_first(tmp_path: Path) -> None:
+    """--step is optional for --nonfinite only: a missing run must still be the error a
+    user sees, not the missing option."""
+    code, out = _replay(str(tmp_path / "nowhere"))
+    assert code == 2 and "no run at" in out
+    code, out = _replay("sample_traces/nan")
+    assert code == 2 and "Missing option '--step'" in out

@@ -101,6 +101,9 @@ def replay(
         _captures(run, step=step, rank=rank, fmt=fmt, output=output)
         return
     if step is None:
+        from hooktrace.trace.reader import load
+
+        load(run)  # a run that is not there is told first
         context = click.get_current_context()
         param = next(p for p in context.command.params if p.name == "step")
         raise click.MissingParameter(ctx=context, param=param)

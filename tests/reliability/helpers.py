@@ -113,6 +113,8 @@ def argv_for(
         if len(runs) >= 2
         else [command, os.fsdecode(run)]
     )
+    if command == "replay":  # --step is required unless --nonfinite is given
+        argv += ["--step", "0"]
     for option in cmd.params:
         if not (isinstance(option, click.Option) and option.required):
             continue
