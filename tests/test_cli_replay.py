@@ -358,5 +358,5 @@ def test_without_step_a_missing_run_is_told_first(tmp_path: Path) -> None:
     user sees, not the missing option."""
     code, out = _replay(str(tmp_path / "nowhere"))
     assert code == 2 and "no run at" in out
-    code, out = _replay("sample_traces/nan")
+    code, out = _replay(str(ROOT / "sample_traces" / "nan"))
     assert code == 2 and "Missing option '--step'" in out

@@ -287,3 +287,27 @@ def test_what_follows_the_first_origin_is_not_captured(tmp_path: Path):
     assert captures[["step", "pass", "module", "op"]].values.tolist() == [
         [1, "forward", "1", "aten::log"]
     ]
+
+
+def test_check_reads_every_capture_against_its_checksums(tmp_path: Path):
+    import h5py
+
+    _record("log", tmp_path / "run")
+    report = hooktrace.check(tmp_path / "run")
+    assert report.whole and any("1 non-finite capture(s), each whole" in n for n in report.notes)
+
+    path = tmp_path / "run" / "captures" / "rank=0" / "capture-000.h5"
+    with h5py.File(path, "r+") as f:  # a changed value, its stored CRC-32 left as it was
+        f["inputs/0"][0, 0] += 1.0
+    report = hooktrace.check(tmp_path / "run")
+    assert not report.whole
+    assert report.problems == [
+        "capture captures/rank=0/capture-000.h5: 1 tensor(s) no longer match their checksum "
+        "(inputs/0): it cannot be replayed"
+    ]
+
+    path.unlink()
+    report = hooktrace.check(tmp_path / "run")
+    assert report.problems == [
+        "rank 0: 1 non-finite capture(s) written, 0 readable: the others are lost"
+    ]

@@ -27,8 +27,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from hooktrace.errors import TraceWarning
+from hooktrace.errors import TraceError, TraceWarning
 from hooktrace.trace import schema
+from hooktrace.trace.captures import GROUPS, capture_paths, read_meta
 from hooktrace.trace.reader import Trace, load
 
 _MAX_LISTED = 5  # ranks named one by one before "and N more"
@@ -82,6 +83,7 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
         )
     _note_not_summarised(seen, report)
     _check_segments(trace, seen, report)
+    _check_captures(trace, report)
     _check_tables(seen, table, modules, report)
     return report
 
@@ -304,6 +306,46 @@ def _segment_damage(path: Path, held: _Segment, unreadable: list[str]) -> str | 
                 except Exception as exc:  # an HDF5 checksum or decompression error
                     unreadable.append(f"{key}: {type(exc).__name__}")
     return None
+
+
+def _check_captures(trace: Trace, report: CheckReport) -> None:
+    """Each non-finite capture opens, holds its description, and every tensor of it has the
+    CRC-32 stored with it; as many are there as each rank's status says were written."""
+    found: dict[int, int] = {}
+    for rank, _, path in capture_paths(trace.path):
+        where = path.relative_to(trace.path)
+        try:
+            read_meta(path)
+            with h5py.File(path, "r") as f:
+                bad = [
+                    f"{group}/{name}"
+                    for group in GROUPS
+                    if group in f
+                    for name, dataset in f[group].items()
+                    if not _checksum_matches(dataset)
+                ]
+        except (OSError, TraceError) as exc:
+            report.problems.append(f"capture {where} is damaged ({exc}): it is lost")
+            continue
+        if bad:
+            report.problems.append(
+                f"capture {where}: {len(bad)} tensor(s) no longer match their checksum "
+                f"({_listed(bad)}): it cannot be replayed"
+            )
+        found[rank] = found.get(rank, 0) + 1
+    for rank, status in sorted(trace.manifest["ranks"].items()):
+        written = status.get("nonfinite_captures")
+        if isinstance(written, int) and written > found.get(int(rank), 0):
+            report.problems.append(
+                f"rank {rank}: {written} non-finite capture(s) written, "
+                f"{found.get(int(rank), 0)} readable: the others are lost"
+            )
+    if found:
+        total = sum(found.values())
+        report.notes.append(
+            f"{total} non-finite capture(s), each whole: `hooktrace replay {trace.path} "
+            "--nonfinite` shows them"
+        )
 
 
 def _read_through(activity: h5py.Dataset) -> int:
