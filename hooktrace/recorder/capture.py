@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import copy
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,14 @@ import torch.nn.modules.module as module_hooks
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from hooktrace.recorder.first_nonfinite import Finding, for_replay, run_backward, run_forward
-from hooktrace.recorder.flatten import flatten_call
+from hooktrace.recorder.first_nonfinite import (
+    Finding,
+    for_replay,
+    own_saved_tensors,
+    run_backward,
+    run_forward,
+)
+from hooktrace.recorder.flatten import flatten, flatten_call
 from hooktrace.recorder.pending import Staged, to_numpy
 from hooktrace.recorder.stats import usual
 from hooktrace.trace import schema
@@ -52,7 +58,6 @@ DEFAULT_MAX_MB = 256.0
 shapes, in the capture); the operation is still named, from the live tensors."""
 
 _EXAMINED = 32  # non-finite outputs or gradients looked into per pass, at most
-_RECENT_GRADS = 64  # finite output gradients kept by reference, for a backward capture
 _NAN, _INF = 6, 7  # columns of a statistics row
 
 
@@ -69,6 +74,7 @@ class Captures:
         max_mb: float,
         call_spec: Callable[[nn.Module, tuple[Any, ...], Mapping[str, Any]], str],
         parameters: Callable[[], list[torch.Tensor]],
+        locate: Callable[[str], tuple[nn.Module, str] | None],
         warn: Callable[[str], None],
     ) -> None:
         self.directory = out / schema.rank_dir(CAPTURES_DIR, rank)
@@ -80,11 +86,17 @@ class Captures:
         self.failed = 0
         self._call_spec = call_spec
         self._parameters = parameters
+        self._locate = locate
         self._warn = warn
-        self._held: dict[tuple[str, int], tuple[nn.Module, tuple[Any, ...], Mapping[str, Any]]] = {}
-        self._grads: OrderedDict[tuple[str, int], dict[str, torch.Tensor]] = OrderedDict()
-        self._bad_grads: set[tuple[str, int]] = set()
+        self._roots: list[_RootCall] = []  # this backward's training forwards, by root call
+        self._position: dict[tuple[str, int], tuple[int, int]] = {}  # call -> (root call, nth)
+        self._nth: dict[str, int] = {}  # calls of each module in the current root call
+        self._root_keys: dict[tuple[str, int], int] = {}  # a root's own call -> root call
+        self._root_grads: dict[int, dict[str, torch.Tensor]] = {}  # at each root call's output
+        self._finite_grads: set[tuple[str, int]] = set()  # calls whose output gradients came
+        self._bad_grads: set[tuple[str, int]] = set()  # finite; and non-finite
         self._bad_outputs: set[tuple[str, int]] = set()  # calls whose forward was non-finite
+        self._grad_outputs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # recomputed
         self._examined = 0
         self.device_checks = False
         self._params_finite: bool | None = None  # this step's, once asked
@@ -105,10 +117,15 @@ class Captures:
         self._captured_pass = False
 
     def backward_done(self) -> None:
-        self._held.clear()
-        self._grads.clear()
+        self._roots.clear()
+        self._position.clear()
+        self._nth.clear()
+        self._root_keys.clear()
+        self._root_grads.clear()
+        self._finite_grads.clear()
         self._bad_grads.clear()
         self._bad_outputs.clear()
+        self._grad_outputs = {}
         self._examined = 0
         self._captured_pass = False
 
@@ -122,9 +139,23 @@ class Captures:
 
     # -- the forward -----------------------------------------------------------------------
 
-    def hold(self, key: tuple[str, int], module: nn.Module, args: Any, kwargs: Any) -> None:
-        """Keep a training call's inputs (by reference) until its backward is over."""
-        self._held[key] = (module, args, kwargs)
+    def enter_root(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
+        """A training forward of a root begins: keep what runs it again (its inputs, by
+        reference, and the RNG, grad and autocast state), for a backward capture to recompute
+        a module's inputs from. Only the model's inputs are held, never its activations."""
+        self._roots.append(_RootCall.now(module, args, kwargs))
+        self._nth = {}
+
+    def note_call(self, key: tuple[str, int], module: nn.Module) -> None:
+        """A recorded training call: which root call it ran in, and which of its calls there."""
+        if self._roots:
+            nth = self._nth.get(key[0], 0)
+            self._nth[key[0]] = nth + 1
+            self._position[key] = (len(self._roots) - 1, nth)
+            if module is self._roots[-1].module:
+                self._root_keys[key] = len(self._roots) - 1
 
     def after_forward(
         self,
@@ -176,33 +207,33 @@ class Captures:
         targets: list[tuple[str, int, str, str]],
         grad: torch.Tensor,
         bad: bool,
-        tensor: torch.Tensor | None,
         where: dict[str, Any],
     ) -> None:
-        """A gradient arrived at ``tensor`` (the output of each module of ``targets``)."""
+        """A gradient arrived at the output of each module call of ``targets``."""
         if not bad:
             for name, call, kind, slot in targets:
                 if kind == "grad_output":
                     key = (name, call)
-                    self._grads.setdefault(key, {})[slot] = grad
-                    self._grads.move_to_end(key)
-            while len(self._grads) > _RECENT_GRADS:
-                self._grads.popitem(last=False)
+                    self._finite_grads.add(key)
+                    root = self._root_keys.get(key)
+                    if root is not None:  # held: what a re-run's backward starts from
+                        self._root_grads.setdefault(root, {})[slot] = grad
             return
         for name, call, kind, _ in targets:
             if kind == "grad_output":
                 self._bad_grads.add((name, call))
-        if tensor is None or self._captured_pass or self._examined >= _EXAMINED:
+        producer = next(((m, c, s) for m, c, k, s in targets if k == "grad_output"), None)
+        if producer is None or self._captured_pass or self._examined >= _EXAMINED:
             return
         self._examined += 1
-        consumer = self._consumer(tensor)
-        if consumer is None:
+        found = self._consumer(producer)
+        if found is None:
             return
-        key, (module, args, kwargs) = consumer
-        producer = ", ".join(f"{m} {kind} {slot}" for m, _, kind, slot in targets)
+        key, module, args, kwargs = found
+        what = ", ".join(f"{m} {kind} {slot}" for m, _, kind, slot in targets)
         nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
         trigger = (
-            f"the gradient reaching its input (the {producer}) holds {nan} NaN and {inf} Inf "
+            f"the gradient reaching its input (the {what}) holds {nan} NaN and {inf} Inf "
             f"of {grad.numel()}, while every gradient at its output was finite"
         )
         self._backward_capture(key, module, args, kwargs, trigger, where)
@@ -234,17 +265,23 @@ class Captures:
         for (owner, g), norm in zip(present, norms, strict=True):
             if bool(norm.isfinite()) or not check(g):  # a finite gradient whose norm overflows
                 continue
-            calls = [key for key in self._held if key[0] == owner and self._clean(key)]
-            key = next(iter(calls), None)
-            if key is None:
+            key = next((k for k in self._position if k[0] == owner and self._clean(k)), None)
+            located = self._locate(owner) if key is not None else None
+            if key is None or located is None:
                 continue
-            module, args, kwargs = self._held[key]
+            root, qualname = self._position[key][0], located[1]
+            seen = self._recompute(root)
+            nth = self._position[key][1]
+            calls = seen.get(qualname, [])
+            if nth >= len(calls):
+                continue
+            args, kwargs, _, _ = calls[nth]
             nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
             trigger = (
                 f"the gradient of one of its parameters holds {nan} NaN and {inf} Inf of "
                 f"{g.numel()}, while every gradient at its output was finite"
             )
-            self._backward_capture(key, module, args, kwargs, trigger, where)
+            self._backward_capture(key, located[0], args, kwargs, trigger, where)
             return
 
     def _backward_capture(
@@ -259,7 +296,9 @@ class Captures:
         inputs = list(flatten_call(args, kwargs))
         if any(_flags(t for _, t in inputs)) or not self._model_finite():
             return  # its forward took a NaN or Inf in: the backward only carries it on
-        grad_outputs = self._grads[key]
+        grad_outputs = self._grad_outputs.get(key)
+        if not grad_outputs:
+            return  # the re-run's backward did not reach it
         self._captured_pass = True
         tensors = {
             "inputs": inputs,
@@ -280,22 +319,103 @@ class Captures:
                       tensors, analyse)  # fmt: skip
 
     def _consumer(
-        self, tensor: torch.Tensor
-    ) -> tuple[tuple[str, int], tuple[nn.Module, Any, Any]] | None:
-        """The innermost recorded call that took ``tensor`` as input and whose output
-        gradients all came finite."""
+        self, producer: tuple[str, int, str]
+    ) -> tuple[tuple[str, int], nn.Module, tuple[Any, ...], dict[str, Any]] | None:
+        """The innermost recorded call that took the producer's output as input and whose
+        output gradients all came finite, with its inputs: the producer's root call is run
+        again (:meth:`_recompute`), and the tensor it returns is followed by identity."""
+        name, call, slot = producer
+        position = self._position.get((name, call))
+        located = self._locate(name)
+        if position is None or located is None:
+            return None
+        root, nth = position
+        seen = self._recompute(root)
+        made = seen.get(located[1], [])
+        if nth >= len(made):
+            return None
+        output = made[nth][2]
+        tensor = output if isinstance(output, torch.Tensor) else dict(flatten(output)).get(slot)
+        if tensor is None:
+            return None
+        by_qualname = {}
+        for key, (r, n) in self._position.items():
+            where = self._locate(key[0])
+            if r == root and where is not None:
+                by_qualname[(where[1], n)] = (key, where[0])
         found = None
-        for key, held in self._held.items():
-            if not self._clean(key):
-                continue
-            deeper = found is None or key[0].count(".") > found[0][0].count(".")
-            if deeper and any(t is tensor for _, t in flatten_call(held[1], held[2])):
-                found = (key, held)
+        for qualname, calls in seen.items():
+            for n, (args, kwargs, _, _) in enumerate(calls):
+                known = by_qualname.get((qualname, n))
+                if known is None or not self._clean(known[0]):
+                    continue
+                deeper = found is None or known[0][0].count(".") > found[0][0].count(".")
+                if deeper and any(t is tensor for _, t in flatten_call(args, kwargs)):
+                    found = (known[0], known[1], args, kwargs)
         return found
+
+    def _recompute(self, root: int) -> dict[str, list[list[Any]]]:
+        """Run root call ``root`` again on a copy of its model, as it ran (its inputs, RNG,
+        grad mode and autocast; the parameters are unchanged until the optimizer steps), then
+        its backward from the gradients its outputs received, and return what each module of
+        the copy was called with, returned and received as output gradients (by slot), by
+        qualified name, call after call. What a backward capture needs is made again here,
+        rather than held through every step: only the model's inputs and the gradients at
+        its outputs are held. The gradients at a module's output are also kept, by trace
+        name and call, in ``_grad_outputs``."""
+        call = self._roots[root]
+        replica = _replica(call.module)
+        seen: dict[str, list[list[Any]]] = {}
+
+        def pre(qualname: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+                seen.setdefault(qualname, []).append([args, kwargs, None, {}])
+
+            return hook
+
+        def grad_of(grads: dict[str, torch.Tensor], slot: str) -> Callable[..., None]:
+            def hook(grad: torch.Tensor) -> None:
+                grads[slot] = grad
+
+            return hook
+
+        def post(qualname: str) -> Callable[..., None]:
+            def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+                entry = seen[qualname][-1]
+                entry[2] = output
+                for slot, tensor in flatten(output):
+                    if tensor.requires_grad:
+                        tensor.register_hook(grad_of(entry[3], slot))
+
+            return hook
+
+        for qualname, sub in replica.named_modules():
+            sub.register_forward_pre_hook(pre(qualname), with_kwargs=True)
+            sub.register_forward_hook(post(qualname), with_kwargs=True)
+        args, kwargs = tree_map_only(
+            torch.Tensor, lambda t: t.detach().clone(), (call.args, dict(call.kwargs))
+        )
+        grads = self._root_grads.get(root, {})
+        with _no_module_hooks(), call.restored():
+            output = replica(*args, **kwargs)
+            pairs = [(t, grads[slot]) for slot, t in flatten(output) if slot in grads]
+            pairs = [(t, g) for t, g in pairs if t.requires_grad]
+            if pairs:
+                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        self._grad_outputs = {}
+        for key, (r, n) in self._position.items():
+            located = self._locate(key[0])
+            if r == root and located is not None and n < len(seen.get(located[1], [])):
+                self._grad_outputs[key] = seen[located[1]][n][3]
+        return seen
 
     def _clean(self, key: tuple[str, int]) -> bool:
         """Whether a held call's forward output and every gradient at it were finite."""
-        return key in self._grads and key not in self._bad_grads and key not in self._bad_outputs
+        return (
+            key in self._finite_grads
+            and key not in self._bad_grads
+            and key not in self._bad_outputs
+        )
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -375,6 +495,52 @@ class Captures:
                 budget -= nbytes
                 kept.append((name, array, dtype))
         return stored, left_out
+
+
+@dataclass
+class _RootCall:
+    """A root's training forward, as much of it as runs it again: its inputs (references to
+    the caller's tensors), the RNG of the CPU and of each GPU, grad mode and autocast."""
+
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    cpu_rng: torch.Tensor
+    cuda_rng: list[torch.Tensor]
+    grad_enabled: bool
+    autocast: list[tuple[str, torch.dtype]]
+
+    @classmethod
+    def now(cls, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> _RootCall:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return cls(
+            module=module,
+            args=args,
+            kwargs=kwargs,
+            cpu_rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if cuda else [],
+            grad_enabled=torch.is_grad_enabled(),
+            autocast=[
+                (device, torch.get_autocast_dtype(device))
+                for device in ("cpu", "cuda")
+                if torch.is_autocast_enabled(device)
+            ],
+        )
+
+    @contextmanager
+    def restored(self) -> Iterator[None]:
+        """The state the call ran in, for the length of a re-run; the caller's is left as it
+        was (the RNG is forked)."""
+        with ExitStack() as stack:
+            stack.enter_context(torch.random.fork_rng(devices=range(len(self.cuda_rng))))
+            torch.set_rng_state(self.cpu_rng)
+            if self.cuda_rng:
+                torch.cuda.set_rng_state_all(self.cuda_rng)
+            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+            for device, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            stack.enter_context(own_saved_tensors())
+            yield
 
 
 def nonfinite(stats: Any, tensor: torch.Tensor, *, on_device: bool = False) -> bool | None:

@@ -60,7 +60,7 @@ def run_forward(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
     are, and the RNG of every device forked (the caller's RNG is left as it was)."""
     watch = _Watch()
     try:
-        with _forked_rng(args, kwargs), _own_saved_tensors(), watch:
+        with _forked_rng(args, kwargs), own_saved_tensors(), watch:
             output = module(*args, **kwargs)
     except Exception as exc:
         return Finding("failed", message=f"the forward raised {type(exc).__name__}: {exc}")
@@ -79,7 +79,7 @@ def run_backward(
     gradient of an input or a parameter comes out non-finite."""
     watch = _Watch()
     try:
-        with _forked_rng(args, kwargs), _own_saved_tensors():
+        with _forked_rng(args, kwargs), own_saved_tensors():
             with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=False):
                 output = module(*args, **kwargs)
             pairs = [
@@ -285,7 +285,7 @@ def _user_frame_of(formatted: list[str]) -> tuple[str, int, str, str] | None:
     return None
 
 
-def _own_saved_tensors() -> Any:
+def own_saved_tensors() -> Any:
     """Saved-tensor hooks that keep tensors as they are, over whatever hooks the user's code
     set (a checkpoint's, which count what its forward saves: the re-run inside a recorded
     call must not add to them)."""

@@ -246,6 +246,7 @@ class Recorder:
             max_mb=capture_max_mb,
             call_spec=self._call_spec,
             parameters=self._all_parameters,
+            locate=self._locate,
             warn=_warn,
         )
         self._reset_step_state()
@@ -545,7 +546,7 @@ class Recorder:
             return
         with self._lock:
             if entry.root:
-                self._enter_root(module)
+                self._enter_root(module, args)
             if entry.name is not None and self.inputs and self._recording:
                 try:
                     if kwargs is None:
@@ -620,7 +621,7 @@ class Recorder:
         return "train" if torch.is_grad_enabled() and module.training else "eval"
 
     def _grad_hook(
-        self, targets: list[tuple[str, int, str, str]], source: weakref.ref[torch.Tensor]
+        self, targets: list[tuple[str, int, str, str]]
     ) -> Callable[[torch.Tensor], None]:
         """A tensor's gradient hook: records the gradient as each (module, call, kind, slot)
         of ``targets`` (a tensor several modules returned is each one's output)."""
@@ -634,7 +635,7 @@ class Recorder:
                         for module, call, kind, slot in targets:
                             stats = self._on_grad(module, call, kind, slot, grad)
                         if self._captures.armed:
-                            self._after_gradient(targets, grad, stats, source())
+                            self._after_gradient(targets, grad, stats)
                     except Exception as exc:
                         self._fault(exc, f"the backward of {module!r}")
 
@@ -657,14 +658,13 @@ class Recorder:
                 targets.append(target)
                 return
         targets = [target]
-        source = weakref.ref(tensor)
-        handle = tensor.register_hook(self._grad_hook(targets, source))
+        handle = tensor.register_hook(self._grad_hook(targets))
         self._tensor_handles.append(handle)
-        self._hooked[id(tensor)] = (source, tensor._version, handle.id, targets)
+        self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, handle.id, targets)
 
     # -- what hooks do -----------------------------------------------------------------------
 
-    def _enter_root(self, module: nn.Module) -> None:
+    def _enter_root(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if self._root_depth == 0:
             if self._backward_active:  # the last backward raised before it finished
                 self._backward_active = False
@@ -688,6 +688,12 @@ class Recorder:
                     self._fault(exc, "the parameters")
         if self._root_depth == 0:
             self._captures.new_pass()
+            if self._captures.armed and self._recording and self._phase == "train":
+                try:
+                    self._captures.enter_root(module, args, attach.call_kwargs())
+                except Exception as exc:  # a capture's failure is its own
+                    where = self._where_now("train", 0)
+                    self._captures.failure(exc, f"the forward of {type(module).__name__}", where)
         self._root_depth += 1
 
     def _on_forward(
@@ -728,8 +734,8 @@ class Recorder:
                 self._hook_grad(tensor, name, call, "grad_output", slot)
         if not armed:
             return
-        if hooked and (captures.device_checks or output_on_cpu(output)):
-            captures.hold((name, call), module, args, kwargs)
+        if hooked:
+            captures.note_call((name, call), module)
         if nonfinite:
             where = self._where_now(phase, call)
             tensors = [("0", output)] if isinstance(output, torch.Tensor) else list(flatten(output))
@@ -755,6 +761,12 @@ class Recorder:
         return {"step": self.current_step, "micro_step": self.micro_step, "phase": phase,
                 "call": call}  # fmt: skip
 
+    def _locate(self, name: str) -> tuple[nn.Module, str] | None:
+        """A recorded module by its trace name, and its qualified name inside its root."""
+        module = self._modules.get(name)
+        where = self._where.get(id(module)) if module is not None else None
+        return (module, where[1]) if module is not None and where is not None else None
+
     def _all_parameters(self) -> list[torch.Tensor]:
         return [p for root in self.roots.values() for p in root.parameters()]
 
@@ -779,12 +791,11 @@ class Recorder:
         targets: list[tuple[str, int, str, str]],
         grad: torch.Tensor,
         stats: Any,
-        source: torch.Tensor | None,
     ) -> None:
         where = self._where_now("train", targets[0][1])
         try:
             bad = self._nonfinite(stats, grad)
-            self._captures.after_gradient(targets, grad, bad, source, where)
+            self._captures.after_gradient(targets, grad, bad, where)
         except Exception as exc:  # a capture's failure is its own: the recording goes on
             self._captures.failure(exc, f"the backward of {targets[0][0]!r}", where)
 
@@ -1204,14 +1215,6 @@ def _replaced(entries: list[Entry], fresh: list[Entry], names: set[str]) -> list
     stale = tuple(f"{name}." for name in names)
     kept = [e for e in entries if e.module not in names and not e.module.startswith(stale)]
     return kept + fresh
-
-
-def output_on_cpu(output: Any) -> bool:
-    """Whether a call's output lies on the CPU, where its non-finite values are seen at once
-    (a container's first tensor stands for it)."""
-    if isinstance(output, torch.Tensor):
-        return output.is_cpu
-    return next((t.is_cpu for _, t in flatten(output)), True)
 
 
 def _unseen() -> Any:
