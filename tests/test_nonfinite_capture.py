@@ -311,3 +311,21 @@ def test_check_reads_every_capture_against_its_checksums(tmp_path: Path):
     assert report.problems == [
         "rank 0: 1 non-finite capture(s) written, 0 readable: the others are lost"
     ]
+
+
+def test_a_backward_capture_recomputes_the_inputs_the_call_had(tmp_path: Path):
+    """The recorder holds no activation through a step: the inputs of the module whose
+    backward made the NaN are made again from the model's inputs. They must be the very
+    values the call had: fc's output on step 0's batch, bit for bit."""
+    _record("sqrt_backward", tmp_path / "run")
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.capture_info(0)["recomputed"] is True
+    inputs = trace.capture_tensors(0)["inputs"]
+
+    model = planted.make("sqrt_backward")
+    x = torch.randn(16, 6, generator=torch.Generator().manual_seed(1))  # planted.train's first
+    with torch.no_grad():
+        expected = model.fc(x).numpy()
+    assert np.array_equal(inputs["0"], expected) and np.array_equal(inputs["1"], expected)
+    grads = trace.capture_tensors(0)["grad_outputs"]["0"]
+    assert grads.shape == (16, 1) and np.isfinite(grads).all()

@@ -315,8 +315,8 @@ class Captures:
             with _no_module_hooks():
                 return run_backward(replica, run_args, run_kwargs, grad_outputs)
 
-        self._capture("backward", key[0], module, {**where, "call": key[1]}, trigger, spec,
-                      tensors, analyse)  # fmt: skip
+        where = {**where, "call": key[1], "recomputed": True}
+        self._capture("backward", key[0], module, where, trigger, spec, tensors, analyse)
 
     def _consumer(
         self, producer: tuple[str, int, str]
