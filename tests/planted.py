@@ -31,9 +31,9 @@ class Planted:
         return line_of(self.marker)
 
 
-def line_of(marker: str) -> int:
-    """The line of this file that carries ``marker`` (a planted fault's comment)."""
-    for number, text in enumerate(Path(__file__).read_text().splitlines(), start=1):
+def line_of(marker: str, path: Path = Path(__file__)) -> int:
+    """The line of ``path`` (this file) that carries ``marker`` (a planted fault's comment)."""
+    for number, text in enumerate(path.read_text().splitlines(), start=1):
         if marker in text and "marker=" not in text:
             return number
     raise AssertionError(f"no line marked {marker!r}")
@@ -139,6 +139,52 @@ class DistanceNet(nn.Module):
         return self.head(self.dist(h, h.detach()))  # a - b is exactly zero
 
 
+class ViewDistanceNet(DistanceNet):
+    """DistanceNet with a view between fc and dist: the tensor dist takes is not the one fc
+    returned, so the origin is found by the gradients of the re-run, not by identity."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x).view(-1, 4)
+        return self.head(self.dist(h, h.detach()))
+
+
+class InlineSqrtNet(nn.Module):
+    """The fault in the root's own forward, between two recorded modules: the root is the
+    innermost recorded call whose backward made it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h = torch.sqrt(h - h.detach())  # planted: sqrt in the root's own forward
+        return self.head(h)
+
+
+class AbsGain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt((self.w * x).abs())  # planted: sqrt of |w x| at zero
+
+
+class TwiceGainNet(nn.Module):
+    """One module called twice; only the second call's backward makes w's gradient
+    non-finite (its input is zero), and the two calls' gradients of w are summed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = AbsGain()
+        self.head = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.gain(x.abs() + 3) + self.gain(x * 0))
+
+
 class SqrtGain(nn.Module):
     """x * sqrt(w) with a gain of exactly zero: only the parameter's gradient is infinite."""
 
@@ -194,6 +240,27 @@ CASES: dict[str, tuple[Callable[[], nn.Module], float, Planted]] = {
         DistanceNet,
         1.0,
         Planted("dist", "backward", "aten::div.Tensor", "SqrtBackward0", "planted: sqrt at zero"),
+    ),
+    "sqrt_view": (
+        ViewDistanceNet,
+        1.0,
+        Planted("dist", "backward", "aten::div.Tensor", "SqrtBackward0", "planted: sqrt at zero"),
+    ),
+    "sqrt_inline": (
+        InlineSqrtNet,
+        1.0,
+        Planted(
+            "InlineSqrtNet",
+            "backward",
+            "aten::div.Tensor",
+            "SqrtBackward0",
+            "planted: sqrt in the root",
+        ),
+    ),
+    "sqrt_second_call": (
+        TwiceGainNet,
+        1.0,
+        Planted("gain", "backward", "aten::div.Tensor", "SqrtBackward0", "planted: sqrt of |w x|"),
     ),
     "sqrt_param": (
         GainNet,

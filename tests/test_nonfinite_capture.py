@@ -55,7 +55,8 @@ def test_each_planted_fault_is_captured_with_its_operation_and_line(name: str, t
     assert trace.manifest["ranks"]["0"]["nonfinite_captures"] == 1
 
     tensors = trace.capture_tensors(0)
-    fresh = planted.make(name).get_submodule(want.module)
+    model = planted.make(name)
+    fresh = model if want.module == type(model).__name__ else model.get_submodule(want.module)
     assert set(tensors["state"]) == {n for n, _ in fresh.named_parameters()} | {
         n for n, _ in fresh.named_buffers()
     }
@@ -329,3 +330,147 @@ def test_a_backward_capture_recomputes_the_inputs_the_call_had(tmp_path: Path):
     assert np.array_equal(inputs["0"], expected) and np.array_equal(inputs["1"], expected)
     grads = trace.capture_tensors(0)["grad_outputs"]["0"]
     assert grads.shape == (16, 1) and np.isfinite(grads).all()
+
+
+# --- what a capture must get right beyond a leaf module fed its neighbour's output ---------
+
+
+def test_the_call_of_a_module_called_twice_is_the_one_whose_backward_made_it(tmp_path: Path):
+    _record("sqrt_second_call", tmp_path / "run")
+    row = hooktrace.load(tmp_path / "run").nonfinite_captures().iloc[0]
+    assert (row["module"], row["call"], row["reproduces"]) == ("gain", 1, True)
+
+
+def test_gradient_accumulation_captures_the_micro_step_that_made_it_only(tmp_path: Path):
+    """w's gradient accumulates over three micro-steps: non-finite from the first on, made
+    by the first only. The later backwards add to it but made nothing."""
+    model = planted.make("sqrt_param")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with hooktrace.record(model, tmp_path / "run"):
+        for _ in range(2):
+            for _ in range(3):
+                model(torch.randn(8, 6)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    captures = hooktrace.load(tmp_path / "run").nonfinite_captures()
+    assert captures[["step", "micro_step", "module"]].values.tolist() == [[0, 0, "gain"]]
+
+
+class _Monitor:
+    """A user's hook bound to an object that cannot be copied."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        self.calls = 0
+
+    def hook(self, module: nn.Module, args: object, output: object) -> None:
+        with self.lock:
+            self.calls += 1
+
+
+def test_a_users_hook_object_is_neither_copied_nor_called_by_the_rerun(tmp_path: Path):
+    model = planted.make("log")
+    monitor = _Monitor()
+    model.log.register_forward_hook(monitor.hook)
+    with hooktrace.record(model, tmp_path / "run"):
+        planted.train(model, 2)
+    row = hooktrace.load(tmp_path / "run").nonfinite_captures().iloc[0]
+    assert row["analysis"] == "found" and row["op"] == "aten::log"
+    assert monitor.calls == 2  # the two training forwards, not the capture's re-run
+
+
+def test_an_overflow_made_outside_the_model_is_not_captured(tmp_path: Path):
+    """A GradScaler whose scale overflows float16 where the loss meets the model's output:
+    no module made it, and the re-run is not even tried."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+    with hooktrace.record(model, tmp_path / "run"):
+        for _ in range(3):
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(8, 16)).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.nonfinite_captures().empty
+    assert trace.manifest["ranks"]["0"]["nonfinite_captures_failed"] == 0
+
+
+class _LogAfterLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(torch.relu(self.fc(x)))  # zeros under autocast too
+
+
+def test_a_capture_under_autocast_replays_under_it(tmp_path: Path):
+    torch.manual_seed(0)
+    model = nn.Sequential(_LogAfterLinear(), nn.Linear(6, 1))
+    with hooktrace.record(model, tmp_path / "run") as rec, torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randn(8, 6))
+        rec.step()
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.capture_info(0)["autocast"] == [["cpu", "bfloat16"]]
+    fresh = _LogAfterLinear()
+    replay = hooktrace.replay_module(tmp_path / "run", "0", module=fresh, capture=0)
+    assert replay.finding.op == "aten::log" and replay.finding.reproduces and replay.same
+
+
+class _EMACentre(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(0.5 * x.mean(0))
+        return x - self.mean
+
+
+def test_a_recomputed_capture_names_the_buffers_its_forward_changed(tmp_path: Path):
+    """A buffer the forward updates (an EMA's) is past its value when the step runs again:
+    the capture says which, as the inputs it holds may differ from the call's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), _EMACentre())
+    model.add_module("dist", planted.Distance())
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = model
+            self.head = nn.Linear(1, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.body[1](self.body[0](x))
+            return self.head(self.body.dist(h, h.detach()))
+
+    net = Net()
+    with hooktrace.record(net, tmp_path / "run"):
+        net(torch.randn(8, 6)).pow(2).mean().backward()
+    info = hooktrace.load(tmp_path / "run").capture_info(0)
+    assert info["module"] == "body.dist" and info["buffers_changed"] == ["body.1.mean"]
+
+
+class _DivideInPlace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.div_(x.std(0) * 0)  # planted: in place, by zero
+
+
+def test_a_module_that_changes_its_input_in_place_is_captured_around_it(tmp_path: Path):
+    """Its post-hook sees the input already changed: the module around it is the innermost
+    call whose inputs were finite, and its re-run still names the operation and the line."""
+    model = nn.Sequential(nn.Linear(6, 6), _DivideInPlace())
+    with hooktrace.record(model, tmp_path / "run") as rec, torch.no_grad():
+        model(torch.randn(8, 6))
+        rec.step()
+    row = hooktrace.load(tmp_path / "run").nonfinite_captures().iloc[0]
+    assert row["module"] == "Sequential" and row["op"] == "aten::div_.Tensor"
+    assert row["line"] == planted.line_of("planted: in place, by zero", Path(__file__))

@@ -8,13 +8,17 @@ nothing (the statistics it queued already say so on the CPU: see ``nonfinite``).
 - **Forward origin**: a module's output holds a NaN while none of its inputs does, or an Inf
   while all its inputs are finite, and the parameters of the model are finite (else the
   forward only shows what an earlier backward or optimizer step did).
-- **Backward origin**: the gradient reaching a tensor is non-finite, and a recorded module
-  that took that tensor as input had a finite gradient at its output: that module's backward
-  made it.
+- **Backward origin**: a gradient came out non-finite in a backward (one at a recorded
+  module's output, or a parameter's that was finite after the backward before). The step's
+  forward and backward then run once more on a copy of the model
+  (:meth:`hooktrace.recorder.rerun.RootCall.rerun`), and the origin is the innermost recorded
+  call there whose inputs, outputs and output gradients are finite while a gradient at one
+  of its inputs, or of one of its parameters, is not: its backward made it.
 
 A capture holds the call's inputs (with the call spec replay needs), its outputs, for a
-backward origin the gradients at its outputs, and the parameters and buffers of the module
-and every module inside it. Right after saving it, the call is run again on a copy of the
+backward origin the gradients at its outputs (both as the copy made them again: the recorder
+holds no activation through a step), and the parameters and buffers of the module and every
+module inside it. Right after saving it, the call is run again on a copy of the
 module, under a dispatch mode that names the first aten operation to make a non-finite value
 (:mod:`hooktrace.recorder.first_nonfinite`), with the RNG forked and the process-wide module
 hooks set aside, so the user's run goes on exactly as it would have. The answer is stored in
@@ -23,29 +27,26 @@ the capture (:mod:`hooktrace.trace.captures`), where the analyzer reads it witho
 
 from __future__ import annotations
 
-import copy
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.modules.module as module_hooks
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from hooktrace.recorder.first_nonfinite import (
     Finding,
     for_replay,
-    own_saved_tensors,
+    nonfinite_flags,
     run_backward,
     run_forward,
 )
-from hooktrace.recorder.flatten import flatten, flatten_call
+from hooktrace.recorder.flatten import flatten_call
 from hooktrace.recorder.pending import Staged, to_numpy
+from hooktrace.recorder.rerun import Call, RootCall, no_module_hooks, replica
 from hooktrace.recorder.stats import usual
 from hooktrace.trace import schema
 from hooktrace.trace.captures import CAPTURES_DIR, write_capture
@@ -57,7 +58,7 @@ DEFAULT_MAX_MB = 256.0
 """The tensors of one capture, at most: past it, the rest are left out (named, with their
 shapes, in the capture); the operation is still named, from the live tensors."""
 
-_EXAMINED = 32  # non-finite outputs or gradients looked into per pass, at most
+_EXAMINED = 32  # non-finite outputs looked into per forward pass, at most
 _NAN, _INF = 6, 7  # columns of a statistics row
 
 
@@ -88,15 +89,14 @@ class Captures:
         self._parameters = parameters
         self._locate = locate
         self._warn = warn
-        self._roots: list[_RootCall] = []  # this backward's training forwards, by root call
+        self._roots: list[RootCall] = []  # this backward's training forwards, by root call
         self._position: dict[tuple[str, int], tuple[int, int]] = {}  # call -> (root call, nth)
         self._nth: dict[str, int] = {}  # calls of each module in the current root call
         self._root_keys: dict[tuple[str, int], int] = {}  # a root's own call -> root call
         self._root_grads: dict[int, dict[str, torch.Tensor]] = {}  # at each root call's output
-        self._finite_grads: set[tuple[str, int]] = set()  # calls whose output gradients came
-        self._bad_grads: set[tuple[str, int]] = set()  # finite; and non-finite
-        self._bad_outputs: set[tuple[str, int]] = set()  # calls whose forward was non-finite
-        self._grad_outputs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # recomputed
+        self._bad_params: set[int] = set()  # parameters whose gradient is non-finite this step
+        self._rerun_done = False  # this backward pass ran the step again already
+        self._gone = False  # the parameters were found non-finite
         self._examined = 0
         self.device_checks = False
         self._params_finite: bool | None = None  # this step's, once asked
@@ -122,10 +122,7 @@ class Captures:
         self._nth.clear()
         self._root_keys.clear()
         self._root_grads.clear()
-        self._finite_grads.clear()
-        self._bad_grads.clear()
-        self._bad_outputs.clear()
-        self._grad_outputs = {}
+        self._rerun_done = False
         self._examined = 0
         self._captured_pass = False
 
@@ -134,8 +131,12 @@ class Captures:
         so from now on a GPU's statistics are read at once, waiting for the device, until
         the captures are used up (see ``nonfinite``)."""
         self.backward_done()
+        # a step that began with non-finite parameters: the run has gone NaN for good, and
+        # checks that wait for a GPU would buy nothing from now on
+        self._gone = self._gone or self._params_finite is False
         self._params_finite = None
-        self.device_checks = device_checks
+        self._bad_params.clear()
+        self.device_checks = device_checks and not self._gone
 
     # -- the forward -----------------------------------------------------------------------
 
@@ -145,7 +146,7 @@ class Captures:
         """A training forward of a root begins: keep what runs it again (its inputs, by
         reference, and the RNG, grad and autocast state), for a backward capture to recompute
         a module's inputs from. Only the model's inputs are held, never its activations."""
-        self._roots.append(_RootCall.now(module, args, kwargs))
+        self._roots.append(RootCall.now(module, args, kwargs))
         self._nth = {}
 
     def note_call(self, key: tuple[str, int], module: nn.Module) -> None:
@@ -170,7 +171,6 @@ class Captures:
         """A recorded call whose output is non-finite: capture it if it is where the NaN or
         Inf began. ``known`` tells a tensor's non-finiteness from statistics already queued
         (None: not known), so that a run gone NaN costs few extra passes."""
-        self._bad_outputs.add((name, where["call"]))  # its backward only carries it on
         if self._captured_pass or self._examined >= _EXAMINED:
             return
         self._examined += 1
@@ -191,13 +191,13 @@ class Captures:
         spec = self._call_spec(module, args, kwargs)
 
         def analyse() -> Finding:
-            replica = _replica(module)
             run_args, run_kwargs = tree_map_only(
                 torch.Tensor, lambda t: for_replay(t, grad=False), (args, dict(kwargs))
             )
-            with _no_module_hooks():
-                return run_forward(replica, run_args, run_kwargs)
+            with no_module_hooks():
+                return run_forward(replica(module), run_args, run_kwargs)
 
+        where = {**where, "autocast": autocast_now()}
         self._capture("forward", name, module, where, trigger, spec, tensors, analyse)
 
     # -- the backward ----------------------------------------------------------------------
@@ -209,49 +209,31 @@ class Captures:
         bad: bool,
         where: dict[str, Any],
     ) -> None:
-        """A gradient arrived at the output of each module call of ``targets``."""
+        """A gradient arrived at the output of each module call of ``targets``. The ones at
+        a root's own output are held: a re-run's backward starts from them."""
         if not bad:
             for name, call, kind, slot in targets:
-                if kind == "grad_output":
-                    key = (name, call)
-                    self._finite_grads.add(key)
-                    root = self._root_keys.get(key)
-                    if root is not None:  # held: what a re-run's backward starts from
-                        self._root_grads.setdefault(root, {})[slot] = grad
+                root = self._root_keys.get((name, call)) if kind == "grad_output" else None
+                if root is not None:
+                    self._root_grads.setdefault(root, {})[slot] = grad
             return
-        for name, call, kind, _ in targets:
-            if kind == "grad_output":
-                self._bad_grads.add((name, call))
-        producer = next(((m, c, s) for m, c, k, s in targets if k == "grad_output"), None)
-        if producer is None or self._captured_pass or self._examined >= _EXAMINED:
+        if self._captured_pass or self._rerun_done:
             return
-        self._examined += 1
-        found = self._consumer(producer)
-        if found is None:
-            return
-        key, module, args, kwargs = found
-        what = ", ".join(f"{m} {kind} {slot}" for m, _, kind, slot in targets)
-        nan, inf = int(torch.isnan(grad).sum()), int(torch.isinf(grad).sum())
-        trigger = (
-            f"the gradient reaching its input (the {what}) holds {nan} NaN and {inf} Inf "
-            f"of {grad.numel()}, while every gradient at its output was finite"
-        )
-        self._backward_capture(key, module, args, kwargs, trigger, where)
+        if any((name, call) in self._root_keys for name, call, _, _ in targets):
+            return  # non-finite where the model's output meets the loss: made outside it
+        position = self._position.get((targets[0][0], targets[0][1]))
+        roots = [position[0]] if position is not None else self._latest_roots()
+        self._backward_origin(roots, where)
 
-    def after_backward(
-        self, owners: list[str], grads: list[torch.Tensor | None], where: dict[str, Any]
-    ) -> None:
-        """A backward pass is over: a parameter's gradient that came out non-finite while
-        every gradient at its module's output was finite began in that module's backward.
-        ``owners[i]`` is the module of the parameter whose gradient is ``grads[i]``.
+    def after_backward(self, grads: list[torch.Tensor | None], where: dict[str, Any]) -> None:
+        """A backward pass is over: a parameter's gradient that turned non-finite in it (its
+        gradient accumulated over earlier micro-steps was finite) came from this backward.
 
-        One fused norm a backward finds whether any gradient is non-finite (on the CPU only:
+        One fused norm a backward tells whether any gradient is non-finite (on the CPU only:
         on a GPU it would wait for the device, see docs/PERFORMANCE.md)."""
-        if self._captured_pass:
-            return
         present = [
-            (owner, g)
-            for owner, g in zip(owners, grads, strict=True)
+            (i, g)
+            for i, g in enumerate(grads)
             if g is not None
             and usual(g)
             and g.is_floating_point()
@@ -262,160 +244,98 @@ class Captures:
         norms = torch._foreach_norm([g for _, g in present])
         if bool(torch.stack([n.float() for n in norms]).isfinite().all()):
             return
-        for (owner, g), norm in zip(present, norms, strict=True):
-            if bool(norm.isfinite()) or not check(g):  # a finite gradient whose norm overflows
-                continue
-            key = next((k for k in self._position if k[0] == owner and self._clean(k)), None)
-            located = self._locate(owner) if key is not None else None
-            if key is None or located is None:
-                continue
-            root, qualname = self._position[key][0], located[1]
-            seen = self._recompute(root)
-            nth = self._position[key][1]
-            calls = seen.get(qualname, [])
-            if nth >= len(calls):
-                continue
-            args, kwargs, _, _ = calls[nth]
-            nan, inf = int(torch.isnan(g).sum()), int(torch.isinf(g).sum())
-            trigger = (
-                f"the gradient of one of its parameters holds {nan} NaN and {inf} Inf of "
-                f"{g.numel()}, while every gradient at its output was finite"
-            )
-            self._backward_capture(key, located[0], args, kwargs, trigger, where)
-            return
+        bad = {i for (i, g), norm in zip(present, norms, strict=True)
+               if not bool(norm.isfinite()) and check(g)}  # fmt: skip
+        new = bad - self._bad_params
+        self._bad_params |= bad
+        if new and not (self._captured_pass or self._rerun_done):
+            self._backward_origin(self._latest_roots(), where)
 
-    def _backward_capture(
+    def _latest_roots(self) -> list[int]:
+        return list(reversed(range(len(self._roots))))
+
+    def _backward_origin(self, roots: list[int], where: dict[str, Any]) -> None:
+        """Run the step's forward and backward again (once a backward pass) and capture the
+        origin the re-run shows, if any."""
+        self._rerun_done = True
+        if not self._model_finite():
+            return  # a step that began with non-finite parameters carries them on
+        for root in roots:
+            root_call = self._roots[root]
+            model, calls = root_call.rerun(self._root_grads.get(root, {}))
+            if self._capture_origin(root, root_call, model, calls, where):
+                return
+
+    def _capture_origin(
         self,
-        key: tuple[str, int],
-        module: nn.Module,
-        args: tuple[Any, ...],
-        kwargs: Mapping[str, Any],
-        trigger: str,
+        root: int,
+        root_call: RootCall,
+        model: nn.Module,
+        calls: dict[str, list[Call]],
         where: dict[str, Any],
-    ) -> None:
-        inputs = list(flatten_call(args, kwargs))
-        if any(_flags(t for _, t in inputs)) or not self._model_finite():
-            return  # its forward took a NaN or Inf in: the backward only carries it on
-        grad_outputs = self._grad_outputs.get(key)
-        if not grad_outputs:
-            return  # the re-run's backward did not reach it
-        self._captured_pass = True
-        tensors = {
-            "inputs": inputs,
-            "grad_outputs": list(grad_outputs.items()),
-            "state": _state(module),
-        }
-        spec = self._call_spec(module, args, kwargs)
-
-        def analyse() -> Finding:
-            replica = _replica(module)
-            run_args, run_kwargs = tree_map_only(
-                torch.Tensor, lambda t: for_replay(t, grad=True), (args, dict(kwargs))
-            )
-            with _no_module_hooks():
-                return run_backward(replica, run_args, run_kwargs, grad_outputs)
-
-        where = {**where, "call": key[1], "recomputed": True}
-        self._capture("backward", key[0], module, where, trigger, spec, tensors, analyse)
-
-    def _consumer(
-        self, producer: tuple[str, int, str]
-    ) -> tuple[tuple[str, int], nn.Module, tuple[Any, ...], dict[str, Any]] | None:
-        """The innermost recorded call that took the producer's output as input and whose
-        output gradients all came finite, with its inputs: the producer's root call is run
-        again (:meth:`_recompute`), and the tensor it returns is followed by identity."""
-        name, call, slot = producer
-        position = self._position.get((name, call))
-        located = self._locate(name)
-        if position is None or located is None:
-            return None
-        root, nth = position
-        seen = self._recompute(root)
-        made = seen.get(located[1], [])
-        if nth >= len(made):
-            return None
-        output = made[nth][2]
-        tensor = output if isinstance(output, torch.Tensor) else dict(flatten(output)).get(slot)
-        if tensor is None:
-            return None
-        by_qualname = {}
-        for key, (r, n) in self._position.items():
-            where = self._locate(key[0])
-            if r == root and where is not None:
-                by_qualname[(where[1], n)] = (key, where[0])
-        found = None
-        for qualname, calls in seen.items():
-            for n, (args, kwargs, _, _) in enumerate(calls):
-                known = by_qualname.get((qualname, n))
-                if known is None or not self._clean(known[0]):
-                    continue
-                deeper = found is None or known[0][0].count(".") > found[0][0].count(".")
-                if deeper and any(t is tensor for _, t in flatten_call(args, kwargs)):
-                    found = (known[0], known[1], args, kwargs)
-        return found
-
-    def _recompute(self, root: int) -> dict[str, list[list[Any]]]:
-        """Run root call ``root`` again on a copy of its model, as it ran (its inputs, RNG,
-        grad mode and autocast; the parameters are unchanged until the optimizer steps), then
-        its backward from the gradients its outputs received, and return what each module of
-        the copy was called with, returned and received as output gradients (by slot), by
-        qualified name, call after call. What a backward capture needs is made again here,
-        rather than held through every step: only the model's inputs and the gradients at
-        its outputs are held. The gradients at a module's output are also kept, by trace
-        name and call, in ``_grad_outputs``."""
-        call = self._roots[root]
-        replica = _replica(call.module)
-        seen: dict[str, list[list[Any]]] = {}
-
-        def pre(qualname: str) -> Callable[..., None]:
-            def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
-                seen.setdefault(qualname, []).append([args, kwargs, None, {}])
-
-            return hook
-
-        def grad_of(grads: dict[str, torch.Tensor], slot: str) -> Callable[..., None]:
-            def hook(grad: torch.Tensor) -> None:
-                grads[slot] = grad
-
-            return hook
-
-        def post(qualname: str) -> Callable[..., None]:
-            def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-                entry = seen[qualname][-1]
-                entry[2] = output
-                for slot, tensor in flatten(output):
-                    if tensor.requires_grad:
-                        tensor.register_hook(grad_of(entry[3], slot))
-
-            return hook
-
-        for qualname, sub in replica.named_modules():
-            sub.register_forward_pre_hook(pre(qualname), with_kwargs=True)
-            sub.register_forward_hook(post(qualname), with_kwargs=True)
-        args, kwargs = tree_map_only(
-            torch.Tensor, lambda t: t.detach().clone(), (call.args, dict(call.kwargs))
-        )
-        grads = self._root_grads.get(root, {})
-        with _no_module_hooks(), call.restored():
-            output = replica(*args, **kwargs)
-            pairs = [(t, grads[slot]) for slot, t in flatten(output) if slot in grads]
-            pairs = [(t, g) for t, g in pairs if t.requires_grad]
-            if pairs:
-                torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        self._grad_outputs = {}
+    ) -> bool:
+        """Capture the innermost recorded call of the re-run whose inputs, outputs and
+        output gradients are finite while a gradient at an input or of a parameter is not.
+        Where several calls of that depth qualify (one module called twice, its parameters'
+        gradients summed over both), the first whose own backward reproduces it."""
+        recorded = {}
         for key, (r, n) in self._position.items():
             located = self._locate(key[0])
-            if r == root and located is not None and n < len(seen.get(located[1], [])):
-                self._grad_outputs[key] = seen[located[1]][n][3]
-        return seen
-
-    def _clean(self, key: tuple[str, int]) -> bool:
-        """Whether a held call's forward output and every gradient at it were finite."""
-        return (
-            key in self._finite_grads
-            and key not in self._bad_grads
-            and key not in self._bad_outputs
+            if r == root and located is not None:
+                recorded[(located[1], n)] = key
+        modules = dict(model.named_modules())
+        found: list[tuple[int, tuple[str, int], Call, str]] = []
+        for qualname, made in calls.items():
+            for n, call in enumerate(made):
+                if (qualname, n) not in recorded or not call.grad_outputs:
+                    continue
+                key = recorded[(qualname, n)]
+                if _any_nonfinite(call.grad_outputs.values()) or _any_nonfinite(
+                    t for _, t in (*call.inputs(), *call.outputs())
+                ):
+                    continue
+                trigger = _backward_trigger(call, modules[qualname])
+                if trigger:
+                    depth = qualname.count(".") + 1 if qualname else 0  # the root's is ""
+                    found.append((depth, key, call, trigger))
+        if not found:
+            return False
+        depth = max(d for d, *_ in found)
+        innermost = [item for item in found if item[0] == depth]
+        findings = []
+        for _, key, call, trigger in innermost:
+            module = self._locate(key[0])[0]  # type: ignore[index]
+            finding = self._rerun_backward(root_call, module, call)
+            findings.append((key, module, call, trigger, finding))
+            if finding.reproduces:
+                break
+        key, module, call, trigger, finding = next(
+            (f for f in findings if f[4].reproduces), findings[0]
         )
+        changed = root_call.buffers_changed()
+        meta = {**where, "call": key[1], "recomputed": True, "buffers_changed": changed,
+                "autocast": [[d, str(t)[6:]] for d, t in root_call.autocast]}  # fmt: skip
+        tensors = {
+            "inputs": call.inputs(),
+            "grad_outputs": list(call.grad_outputs.items()),
+            "state": _state(module),
+        }
+        spec = self._call_spec(module, call.args, call.kwargs)
+        self._captured_pass = True
+        self._capture("backward", key[0], module, meta, trigger, spec, tensors, lambda: finding)
+        return True
+
+    def _rerun_backward(self, root_call: RootCall, module: nn.Module, call: Call) -> Finding:
+        """One call's backward, on a replica of the module, from the re-run's tensors, under
+        the forward's grad mode and autocast."""
+        try:
+            args, kwargs = tree_map_only(
+                torch.Tensor, lambda t: for_replay(t, grad=True), (call.args, dict(call.kwargs))
+            )
+            with no_module_hooks(), root_call.modes():
+                return run_backward(replica(module), args, kwargs, call.grad_outputs)
+        except Exception as exc:  # the re-run is ours: its failure is the capture's note
+            return Finding("failed", message=f"{type(exc).__name__}: {exc}")
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -497,52 +417,6 @@ class Captures:
         return stored, left_out
 
 
-@dataclass
-class _RootCall:
-    """A root's training forward, as much of it as runs it again: its inputs (references to
-    the caller's tensors), the RNG of the CPU and of each GPU, grad mode and autocast."""
-
-    module: nn.Module
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any]
-    cpu_rng: torch.Tensor
-    cuda_rng: list[torch.Tensor]
-    grad_enabled: bool
-    autocast: list[tuple[str, torch.dtype]]
-
-    @classmethod
-    def now(cls, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> _RootCall:
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        return cls(
-            module=module,
-            args=args,
-            kwargs=kwargs,
-            cpu_rng=torch.get_rng_state(),
-            cuda_rng=torch.cuda.get_rng_state_all() if cuda else [],
-            grad_enabled=torch.is_grad_enabled(),
-            autocast=[
-                (device, torch.get_autocast_dtype(device))
-                for device in ("cpu", "cuda")
-                if torch.is_autocast_enabled(device)
-            ],
-        )
-
-    @contextmanager
-    def restored(self) -> Iterator[None]:
-        """The state the call ran in, for the length of a re-run; the caller's is left as it
-        was (the RNG is forked)."""
-        with ExitStack() as stack:
-            stack.enter_context(torch.random.fork_rng(devices=range(len(self.cuda_rng))))
-            torch.set_rng_state(self.cpu_rng)
-            if self.cuda_rng:
-                torch.cuda.set_rng_state_all(self.cuda_rng)
-            stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
-            for device, dtype in self.autocast:
-                stack.enter_context(torch.autocast(device, dtype=dtype))
-            stack.enter_context(own_saved_tensors())
-            yield
-
-
 def nonfinite(stats: Any, tensor: torch.Tensor, *, on_device: bool = False) -> bool | None:
     """Whether ``tensor`` holds a NaN or Inf, from its queued statistics where they are on the
     host already (the CPU's: free), or on a device where ``on_device`` allows waiting for it;
@@ -568,20 +442,43 @@ def check(tensor: torch.Tensor) -> bool:
 
 
 def _flags(
-    tensors: Any, known: Callable[[torch.Tensor], bool | None] | None = None
+    tensors: Iterable[torch.Tensor], known: Callable[[torch.Tensor], bool | None] | None = None
 ) -> tuple[bool, bool]:
-    """(holds a NaN, holds an Inf) over ``tensors``; where ``known`` says a tensor is finite,
-    it is not looked at."""
-    nan = inf = False
-    for t in tensors:
-        if not usual(t) or not t.is_floating_point():  # a subclass would see the look
-            continue
-        if known is not None and known(t) is False:
-            continue
-        t = t.detach()  # see check()
-        nan = nan or bool(torch.isnan(t).any())
-        inf = inf or bool(torch.isinf(t).any())
-    return nan, inf
+    """:func:`nonfinite_flags` of the plain tensors among ``tensors`` (a subclass would see
+    the look) that ``known`` does not say are finite already."""
+    looked = (t for t in tensors if usual(t) and (known is None or known(t) is not False))
+    return nonfinite_flags(looked)
+
+
+def _any_nonfinite(tensors: Iterable[torch.Tensor]) -> bool:
+    nan, inf = _flags(tensors)
+    return nan or inf
+
+
+def _counts(tensor: torch.Tensor) -> str:
+    t = tensor.detach()
+    return f"{int(torch.isnan(t).sum())} NaN and {int(torch.isinf(t).sum())} Inf of {t.numel()}"
+
+
+def _backward_trigger(call: Call, module: nn.Module) -> str:
+    """Why a re-run call is a backward origin, or "" if it is none."""
+    finite = "while its inputs, outputs and the gradients at its outputs were finite"
+    for slot, grad in call.grad_inputs.items():
+        if _any_nonfinite([grad]):
+            return f"the gradient at its input {slot} holds {_counts(grad)}, {finite}"
+    for name, parameter in module.named_parameters():
+        if parameter.grad is not None and _any_nonfinite([parameter.grad]):
+            return f"the gradient of its parameter {name} holds {_counts(parameter.grad)}, {finite}"
+    return ""
+
+
+def autocast_now() -> list[list[str]]:
+    """The autocast in force, as a capture stores it: [device, dtype] pairs."""
+    return [
+        [device, str(torch.get_autocast_dtype(device))[6:]]
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
+    ]
 
 
 def _trigger(outputs: list[tuple[str, torch.Tensor]], what: str, inputs_infinite: bool) -> str:
@@ -607,45 +504,3 @@ def _dense_on_host(tensor: torch.Tensor) -> torch.Tensor:
     if t.layout != torch.strided:
         t = t.to_dense()
     return t.cpu()
-
-
-def _replica(module: nn.Module) -> nn.Module:
-    """A deep copy to run again: the user's module is never called twice. Hooks a user hung
-    on the copied modules are dropped (they would see a call the script never made), all but
-    torch's own (weight_norm's computes the weight)."""
-    replica = copy.deepcopy(module)
-    for sub in replica.modules():
-        for hooks in (sub._forward_pre_hooks, sub._forward_hooks, sub._backward_hooks,
-                      sub._backward_pre_hooks):  # fmt: skip
-            for key in [k for k, hook in hooks.items() if not _torch_own(hook)]:
-                del hooks[key]
-    return replica
-
-
-def _torch_own(hook: Any) -> bool:
-    owner = getattr(hook, "__module__", None) or type(hook).__module__
-    return owner.startswith("torch.")
-
-
-_GLOBAL_HOOKS = (
-    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
-    "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks",
-)  # fmt: skip
-
-
-@contextmanager
-def _no_module_hooks() -> Iterator[None]:
-    """The process-wide module hooks set aside while the copy runs: the user's would see a
-    call the script never made (hooktrace's own ignore the copy anyway)."""
-    saved = [(name, dict(getattr(module_hooks, name))) for name in _GLOBAL_HOOKS]
-    for name, _ in saved:
-        getattr(module_hooks, name).clear()
-    try:
-        yield
-    finally:
-        for name, hooks in saved:
-            table = getattr(module_hooks, name)
-            added = dict(table)  # registered meanwhile (by another thread): kept, after
-            table.clear()
-            table.update(hooks)
-            table.update(added)

@@ -126,11 +126,11 @@ class _Watch(TorchDispatchMode):
             return func(*args, **kwargs)
         self.operations += 1
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        had_nan, had_inf = _flags(inputs)
+        had_nan, had_inf = nonfinite_flags(inputs)
         mutates = func._schema.is_mutable
         before = [describe(t) for t in inputs] if mutates else None
         output = func(*args, **kwargs)
-        nan, inf = _flags(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
+        nan, inf = nonfinite_flags(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
         if (nan and not had_nan) or (inf and not (had_nan or had_inf)):
             self.found = self._finding(func, before or [describe(t) for t in inputs])
         return output
@@ -225,7 +225,8 @@ def _number(value: torch.Tensor) -> float:
     return number if math.isfinite(number) else float("nan")
 
 
-def _flags(tensors: Iterable[torch.Tensor]) -> tuple[bool, bool]:
+def nonfinite_flags(tensors: Iterable[torch.Tensor]) -> tuple[bool, bool]:
+    """(holds a NaN, holds an Inf) over the floating tensors among ``tensors``."""
     nan = inf = False
     for t in tensors:
         if t.device.type == "meta" or not (t.is_floating_point() or t.is_complex()):
@@ -237,7 +238,7 @@ def _flags(tensors: Iterable[torch.Tensor]) -> tuple[bool, bool]:
 
 
 def _has_nonfinite(tensors: Iterable[torch.Tensor]) -> bool:
-    nan, inf = _flags(tensors)
+    nan, inf = nonfinite_flags(tensors)
     return nan or inf
 
 

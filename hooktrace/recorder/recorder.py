@@ -816,12 +816,11 @@ class Recorder:
             self._hooked.clear()
             self._recompute_calls.clear()
             if self._captures.armed and self._recording and self._param_entries:
-                owners = [entry[0] for entry in self._param_entries]
                 where = self._where_now("train", 0)
                 where["micro_step"] -= 1  # the pass just counted
                 try:
                     grads = values_of(self._param_entries, "grad_param")
-                    self._captures.after_backward(owners, grads, where)
+                    self._captures.after_backward(grads, where)
                 except Exception as exc:  # a capture's failure is its own
                     self._captures.failure(exc, "the parameters' gradients", where)
             self._captures.backward_done()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,7 +101,7 @@ def replay_capture(
     except (KeyError, ValueError) as exc:
         raise TensorNotRecorded(f"cannot rebuild the call of capture {capture}: {exc}") from exc
     target.train(bool(spec.get("training", True)))
-    with torch.set_grad_enabled(bool(spec.get("grad_enabled", True))):
+    with torch.set_grad_enabled(bool(spec.get("grad_enabled", True))), _autocast(info):
         if backward:
             grads = {slot: _torch(a).to(device) for slot, a in tensors["grad_outputs"].items()}
             finding = run_backward(target, tuple(args), kwargs, grads)
@@ -122,6 +123,14 @@ def replay_capture(
         args=args,
         kwargs=kwargs,
     )
+
+
+def _autocast(info: dict[str, Any]) -> ExitStack:
+    """The autocast the call ran under (a capture says: [device, dtype] pairs)."""
+    stack = ExitStack()
+    for device, dtype in info.get("autocast") or []:
+        stack.enter_context(torch.autocast(str(device), dtype=getattr(torch, str(dtype))))
+    return stack
 
 
 def _torch(array: np.ndarray) -> torch.Tensor:
