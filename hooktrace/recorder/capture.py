@@ -28,7 +28,7 @@ the capture (:mod:`hooktrace.trace.captures`), where the analyzer reads it witho
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +37,22 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from hooktrace.recorder.finite import (
+    any_nonfinite,
+    autocast_now,
+    backward_trigger,
+    check,
+    flags,
+    forward_trigger,
+)
 from hooktrace.recorder.first_nonfinite import (
     Finding,
     for_replay,
-    nonfinite_flags,
     run_backward,
     run_forward,
 )
 from hooktrace.recorder.flatten import flatten_call
-from hooktrace.recorder.pending import Staged, to_numpy
+from hooktrace.recorder.pending import to_numpy
 from hooktrace.recorder.rerun import Call, RootCall, no_module_hooks, replica
 from hooktrace.recorder.stats import usual
 from hooktrace.trace import schema
@@ -59,7 +66,6 @@ DEFAULT_MAX_MB = 256.0
 shapes, in the capture); the operation is still named, from the live tensors."""
 
 _EXAMINED = 32  # non-finite outputs looked into per forward pass, at most
-_NAN, _INF = 6, 7  # columns of a statistics row
 
 
 class Captures:
@@ -174,15 +180,15 @@ class Captures:
         if self._captured_pass or self._examined >= _EXAMINED:
             return
         self._examined += 1
-        out_nan, out_inf = _flags(t for _, t in outputs)
+        out_nan, out_inf = flags(t for _, t in outputs)
         inputs = list(flatten_call(args, kwargs))
-        in_nan, in_inf = _flags((t for _, t in inputs), known)
+        in_nan, in_inf = flags((t for _, t in inputs), known)
         if not ((out_nan and not in_nan) or (out_inf and not (in_nan or in_inf))):
             return
         if not self._model_finite():
             return
         self._captured_pass = True
-        trigger = _trigger(outputs, "output", in_nan or in_inf)
+        trigger = forward_trigger(outputs, "output", in_nan or in_inf)
         tensors = {
             "inputs": inputs,
             "outputs": outputs,
@@ -290,11 +296,11 @@ class Captures:
                 if (qualname, n) not in recorded or not call.grad_outputs:
                     continue
                 key = recorded[(qualname, n)]
-                if _any_nonfinite(call.grad_outputs.values()) or _any_nonfinite(
+                if any_nonfinite(call.grad_outputs.values()) or any_nonfinite(
                     t for _, t in (*call.inputs(), *call.outputs())
                 ):
                     continue
-                trigger = _backward_trigger(call, modules[qualname])
+                trigger = backward_trigger(call, modules[qualname])
                 if trigger:
                     depth = qualname.count(".") + 1 if qualname else 0  # the root's is ""
                     found.append((depth, key, call, trigger))
@@ -342,7 +348,7 @@ class Captures:
     def _model_finite(self) -> bool:
         """Whether the recorded models' parameters are all finite (asked once a step)."""
         if self._params_finite is None:
-            nan, inf = _flags(self._parameters())
+            nan, inf = flags(self._parameters())
             self._params_finite = not (nan or inf)
         return self._params_finite
 
@@ -415,82 +421,6 @@ class Captures:
                 budget -= nbytes
                 kept.append((name, array, dtype))
         return stored, left_out
-
-
-def nonfinite(stats: Any, tensor: torch.Tensor, *, on_device: bool = False) -> bool | None:
-    """Whether ``tensor`` holds a NaN or Inf, from its queued statistics where they are on the
-    host already (the CPU's: free), or on a device where ``on_device`` allows waiting for it;
-    None where that would take a look of its own (a tensor staged for the writer), or a wait
-    for the device that is not allowed (its statistics are known when the writer copies
-    them, a step or more later: ``TraceWriter.nonfinite_seen``)."""
-    if isinstance(stats, np.ndarray):
-        return bool(stats[_NAN] or stats[_INF])
-    if isinstance(stats, torch.Tensor) and (stats.is_cpu or on_device):
-        return bool(stats[_NAN] or stats[_INF])
-    if isinstance(stats, Staged):
-        return None
-    return None if tensor.is_floating_point() else False
-
-
-def check(tensor: torch.Tensor) -> bool:
-    """A look of its own: whether a plain tensor holds a NaN or Inf."""
-    if not usual(tensor) or not tensor.is_floating_point():
-        return False
-    # detached: isfinite is abs() underneath, which would save the tensor for a backward (a
-    # checkpoint's saved-tensor hooks would count it)
-    return not bool(torch.isfinite(tensor.detach()).all())
-
-
-def _flags(
-    tensors: Iterable[torch.Tensor], known: Callable[[torch.Tensor], bool | None] | None = None
-) -> tuple[bool, bool]:
-    """:func:`nonfinite_flags` of the plain tensors among ``tensors`` (a subclass would see
-    the look) that ``known`` does not say are finite already."""
-    looked = (t for t in tensors if usual(t) and (known is None or known(t) is not False))
-    return nonfinite_flags(looked)
-
-
-def _any_nonfinite(tensors: Iterable[torch.Tensor]) -> bool:
-    nan, inf = _flags(tensors)
-    return nan or inf
-
-
-def _counts(tensor: torch.Tensor) -> str:
-    t = tensor.detach()
-    return f"{int(torch.isnan(t).sum())} NaN and {int(torch.isinf(t).sum())} Inf of {t.numel()}"
-
-
-def _backward_trigger(call: Call, module: nn.Module) -> str:
-    """Why a re-run call is a backward origin, or "" if it is none."""
-    finite = "while its inputs, outputs and the gradients at its outputs were finite"
-    for slot, grad in call.grad_inputs.items():
-        if _any_nonfinite([grad]):
-            return f"the gradient at its input {slot} holds {_counts(grad)}, {finite}"
-    for name, parameter in module.named_parameters():
-        if parameter.grad is not None and _any_nonfinite([parameter.grad]):
-            return f"the gradient of its parameter {name} holds {_counts(parameter.grad)}, {finite}"
-    return ""
-
-
-def autocast_now() -> list[list[str]]:
-    """The autocast in force, as a capture stores it: [device, dtype] pairs."""
-    return [
-        [device, str(torch.get_autocast_dtype(device))[6:]]
-        for device in ("cpu", "cuda")
-        if torch.is_autocast_enabled(device)
-    ]
-
-
-def _trigger(outputs: list[tuple[str, torch.Tensor]], what: str, inputs_infinite: bool) -> str:
-    parts = []
-    for slot, t in outputs:
-        t = t.detach()
-        if t.is_floating_point() or t.is_complex():
-            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-            if nan or inf:
-                parts.append(f"{what} {slot} holds {nan} NaN and {inf} Inf of {t.numel()}")
-    inputs = "its inputs hold Inf but no NaN" if inputs_infinite else "every input was finite"
-    return f"{'; '.join(parts)}, while {inputs}"
 
 
 def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -31,7 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.hooks import RemovableHandle
 
 from hooktrace.errors import ConfigError, RecordingError
-from hooktrace.recorder import attach, capture
+from hooktrace.recorder import attach, capture, finite
 from hooktrace.recorder.attach import in_backward as _in_backward
 from hooktrace.recorder.attach import in_transform as _in_transform
 from hooktrace.recorder.attach import is_compiling
@@ -747,15 +747,15 @@ class Recorder:
     def _nonfinite(self, stats: Any, tensor: torch.Tensor) -> bool:
         """Whether a recorded tensor holds a NaN or Inf, from its statistics where they are at
         hand (a CPU tensor's), else by a look of its own where that costs no host sync."""
-        known = capture.nonfinite(stats, tensor, on_device=self._captures.device_checks)
+        known = finite.nonfinite(stats, tensor, on_device=self._captures.device_checks)
         if known is not None:
             return known
-        return isinstance(stats, Staged) and capture.check(tensor)
+        return isinstance(stats, Staged) and finite.check(tensor)
 
     def _queued(self, tensor: torch.Tensor) -> bool | None:
         """A tensor's non-finiteness from statistics already queued for it, if any."""
         cached = self._lookup(tensor)
-        return capture.nonfinite(cached[0], tensor) if cached is not None else None
+        return finite.nonfinite(cached[0], tensor) if cached is not None else None
 
     def _where_now(self, phase: str, call: int) -> dict[str, Any]:
         return {"step": self.current_step, "micro_step": self.micro_step, "phase": phase,
