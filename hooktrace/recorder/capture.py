@@ -28,7 +28,7 @@ the capture (:mod:`hooktrace.trace.captures`), where the analyzer reads it witho
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +54,15 @@ from hooktrace.recorder.first_nonfinite import (
 from hooktrace.recorder.flatten import flatten_call
 from hooktrace.recorder.pending import to_numpy
 from hooktrace.recorder.rerun import Call, RootCall, no_module_hooks, replica
-from hooktrace.recorder.stats import usual
 from hooktrace.trace import schema
 from hooktrace.trace.captures import CAPTURES_DIR, write_capture
+
+_CHECKED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def _one_dtype(tensors: Sequence[torch.Tensor]) -> bool:
+    return len({t.dtype for t in tensors}) == 1
+
 
 DEFAULT_LIMIT = 3
 """Captures a run keeps at most, by default: the first origin, and a couple more (a mixed
@@ -103,6 +109,7 @@ class Captures:
         self._bad_params: set[int] = set()  # parameters whose gradient is non-finite this step
         self._rerun_done = False  # this backward pass ran the step again already
         self._gone = False  # the parameters were found non-finite
+        self._named_buffers: dict[int, list[tuple[str, torch.Tensor]]] = {}  # by root id
         self._examined = 0
         self.device_checks = False
         self._params_finite: bool | None = None  # this step's, once asked
@@ -146,13 +153,21 @@ class Captures:
 
     # -- the forward -----------------------------------------------------------------------
 
+    def _buffers(self, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """A root's buffers, named once (a buffer registered after its first training
+        forward is not watched for ``buffers_changed``)."""
+        named = self._named_buffers.get(id(module))
+        if named is None:
+            named = self._named_buffers[id(module)] = list(module.named_buffers())
+        return named
+
     def enter_root(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> None:
         """A training forward of a root begins: keep what runs it again (its inputs, by
         reference, and the RNG, grad and autocast state), for a backward capture to recompute
         a module's inputs from. Only the model's inputs are held, never its activations."""
-        self._roots.append(RootCall.now(module, args, kwargs))
+        self._roots.append(RootCall.now(module, args, kwargs, self._buffers(module)))
         self._nth = {}
 
     def note_call(self, key: tuple[str, int], module: nn.Module) -> None:
@@ -241,14 +256,17 @@ class Captures:
             (i, g)
             for i, g in enumerate(grads)
             if g is not None
-            and usual(g)
-            and g.is_floating_point()
+            and type(g) is torch.Tensor
+            and g.dtype in _CHECKED
             and (g.is_cpu or self.device_checks)
         ]
         if not present:
             return
         norms = torch._foreach_norm([g for _, g in present])
-        if bool(torch.stack([n.float() for n in norms]).isfinite().all()):
+        with torch.no_grad():
+            same = _one_dtype(norms)
+            total = torch.stack(norms if same else [n.float() for n in norms]).sum()
+        if bool(torch.isfinite(total)):  # a finite sum of norms: every gradient is finite
             return
         bad = {i for (i, g), norm in zip(present, norms, strict=True)
                if not bool(norm.isfinite()) and check(g)}  # fmt: skip

@@ -792,11 +792,12 @@ class Recorder:
         grad: torch.Tensor,
         stats: Any,
     ) -> None:
-        where = self._where_now("train", targets[0][1])
         try:
             bad = self._nonfinite(stats, grad)
+            where = self._where_now("train", targets[0][1]) if bad else {}
             self._captures.after_gradient(targets, grad, bad, where)
         except Exception as exc:  # a capture's failure is its own: the recording goes on
+            where = self._where_now("train", targets[0][1])
             self._captures.failure(exc, f"the backward of {targets[0][0]!r}", where)
 
     def _on_grad(self, module: str, call: int, kind: str, slot: str, grad: torch.Tensor) -> Any:

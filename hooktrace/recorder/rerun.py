@@ -63,7 +63,13 @@ class RootCall:
     buffer_versions: list[tuple[str, torch.Tensor, int]]
 
     @classmethod
-    def now(cls, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> RootCall:
+    def now(
+        cls,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        buffers: list[tuple[str, torch.Tensor]],
+    ) -> RootCall:
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         return cls(
             module=module,
@@ -77,7 +83,7 @@ class RootCall:
                 for device in ("cpu", "cuda")
                 if torch.is_autocast_enabled(device)
             ],
-            buffer_versions=[(n, b, b._version) for n, b in module.named_buffers()],
+            buffer_versions=[(n, b, b._version) for n, b in buffers],
         )
 
     def buffers_changed(self) -> list[str]:
