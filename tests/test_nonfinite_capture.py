@@ -341,9 +341,11 @@ def test_the_call_of_a_module_called_twice_is_the_one_whose_backward_made_it(tmp
     assert (row["module"], row["call"], row["reproduces"]) == ("gain", 1, True)
 
 
-def test_gradient_accumulation_captures_the_micro_step_that_made_it_only(tmp_path: Path):
-    """w's gradient accumulates over three micro-steps: non-finite from the first on, made
-    by the first only. The later backwards add to it but made nothing."""
+def test_gradient_accumulation_captures_once_from_the_last_micro_step(tmp_path: Path):
+    """A parameter's gradient is looked at once a step, at the optimizer's step, before its
+    update (the records the step keeps anyway say it): w's gradient, accumulated over three
+    micro-steps, is non-finite, and the last micro-step's forward and backward run again.
+    Each micro-step makes it here, so the last one reproduces it."""
     model = planted.make("sqrt_param")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with hooktrace.record(model, tmp_path / "run"):
@@ -353,7 +355,9 @@ def test_gradient_accumulation_captures_the_micro_step_that_made_it_only(tmp_pat
             opt.step()
             opt.zero_grad()
     captures = hooktrace.load(tmp_path / "run").nonfinite_captures()
-    assert captures[["step", "micro_step", "module"]].values.tolist() == [[0, 0, "gain"]]
+    assert captures[["step", "micro_step", "module", "reproduces"]].values.tolist() == [
+        [0, 2, "gain", True]
+    ]
 
 
 class _Monitor:

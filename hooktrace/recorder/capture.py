@@ -28,7 +28,7 @@ the capture (:mod:`hooktrace.trace.captures`), where the analyzer reads it witho
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ from hooktrace.recorder.finite import (
     any_nonfinite,
     autocast_now,
     backward_trigger,
-    check,
     flags,
     forward_trigger,
 )
@@ -56,13 +55,6 @@ from hooktrace.recorder.pending import to_numpy
 from hooktrace.recorder.rerun import Call, RootCall, no_module_hooks, replica
 from hooktrace.trace import schema
 from hooktrace.trace.captures import CAPTURES_DIR, write_capture
-
-_CHECKED = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-
-def _one_dtype(tensors: Sequence[torch.Tensor]) -> bool:
-    return len({t.dtype for t in tensors}) == 1
-
 
 DEFAULT_LIMIT = 3
 """Captures a run keeps at most, by default: the first origin, and a couple more (a mixed
@@ -106,8 +98,10 @@ class Captures:
         self._nth: dict[str, int] = {}  # calls of each module in the current root call
         self._root_keys: dict[tuple[str, int], int] = {}  # a root's own call -> root call
         self._root_grads: dict[int, dict[str, torch.Tensor]] = {}  # at each root call's output
-        self._bad_params: set[int] = set()  # parameters whose gradient is non-finite this step
         self._rerun_done = False  # this backward pass ran the step again already
+        self._rerun_step = False  # and this step
+        self._captured_step = False  # a capture was made in this step
+        self._stale = False  # a backward ended since the last training forward began
         self._gone = False  # the parameters were found non-finite
         self._named_buffers: dict[int, list[tuple[str, torch.Tensor]]] = {}  # by root id
         self._examined = 0
@@ -130,25 +124,32 @@ class Captures:
         self._captured_pass = False
 
     def backward_done(self) -> None:
+        """What the step's forward was is kept until the optimizer's step (a parameter's
+        gradient is looked at there), or until the next training forward."""
+        self._stale = True
+        self._rerun_done = False
+        self._examined = 0
+        self._captured_pass = False
+
+    def _forget_forwards(self) -> None:
         self._roots.clear()
         self._position.clear()
         self._nth.clear()
         self._root_keys.clear()
         self._root_grads.clear()
-        self._rerun_done = False
-        self._examined = 0
-        self._captured_pass = False
+        self._stale = False
 
     def new_step(self, *, device_checks: bool = False) -> None:
         """``device_checks``: the run has shown a NaN or Inf already (the writer saw one),
         so from now on a GPU's statistics are read at once, waiting for the device, until
         the captures are used up (see ``nonfinite``)."""
         self.backward_done()
+        self._forget_forwards()
+        self._rerun_step = self._captured_step = False
         # a step that began with non-finite parameters: the run has gone NaN for good, and
         # checks that wait for a GPU would buy nothing from now on
         self._gone = self._gone or self._params_finite is False
         self._params_finite = None
-        self._bad_params.clear()
         self.device_checks = device_checks and not self._gone
 
     # -- the forward -----------------------------------------------------------------------
@@ -167,6 +168,8 @@ class Captures:
         """A training forward of a root begins: keep what runs it again (its inputs, by
         reference, and the RNG, grad and autocast state), for a backward capture to recompute
         a module's inputs from. Only the model's inputs are held, never its activations."""
+        if self._stale:  # the last micro-step's forward: its backward is over
+            self._forget_forwards()
         self._roots.append(RootCall.now(module, args, kwargs, self._buffers(module)))
         self._nth = {}
 
@@ -246,33 +249,11 @@ class Captures:
         roots = [position[0]] if position is not None else self._latest_roots()
         self._backward_origin(roots, where)
 
-    def after_backward(self, grads: list[torch.Tensor | None], where: dict[str, Any]) -> None:
-        """A backward pass is over: a parameter's gradient that turned non-finite in it (its
-        gradient accumulated over earlier micro-steps was finite) came from this backward.
-
-        One fused norm a backward tells whether any gradient is non-finite (on the CPU only:
-        on a GPU it would wait for the device, see docs/PERFORMANCE.md)."""
-        present = [
-            (i, g)
-            for i, g in enumerate(grads)
-            if g is not None
-            and type(g) is torch.Tensor
-            and g.dtype in _CHECKED
-            and (g.is_cpu or self.device_checks)
-        ]
-        if not present:
-            return
-        norms = torch._foreach_norm([g for _, g in present])
-        with torch.no_grad():
-            same = _one_dtype(norms)
-            total = torch.stack(norms if same else [n.float() for n in norms]).sum()
-        if bool(torch.isfinite(total)):  # a finite sum of norms: every gradient is finite
-            return
-        bad = {i for (i, g), norm in zip(present, norms, strict=True)
-               if not bool(norm.isfinite()) and check(g)}  # fmt: skip
-        new = bad - self._bad_params
-        self._bad_params |= bad
-        if new and not (self._captured_pass or self._rerun_done):
+    def after_gradients(self, where: dict[str, Any]) -> None:
+        """At the optimizer's step, before its update: a parameter's gradient is non-finite.
+        Unless this step was captured or run again already (a gradient at a module's output
+        was non-finite too, and led there), its last forward and backward run again."""
+        if not (self._captured_step or self._rerun_step):
             self._backward_origin(self._latest_roots(), where)
 
     def _latest_roots(self) -> list[int]:
@@ -281,7 +262,7 @@ class Captures:
     def _backward_origin(self, roots: list[int], where: dict[str, Any]) -> None:
         """Run the step's forward and backward again (once a backward pass) and capture the
         origin the re-run shows, if any."""
-        self._rerun_done = True
+        self._rerun_done = self._rerun_step = True
         if not self._model_finite():
             return  # a step that began with non-finite parameters carries them on
         for root in roots:
@@ -382,6 +363,7 @@ class Captures:
         analyse: Callable[[], Finding],
     ) -> None:
         index = self.taken  # a failed capture writes no file
+        self._captured_step = True
         stored, left_out = self._arrays(tensors)
         try:
             finding = analyse()

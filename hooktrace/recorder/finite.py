@@ -22,7 +22,9 @@ from hooktrace.recorder.stats import usual
 _NAN, _INF = 6, 7  # columns of a statistics row
 
 
-def nonfinite(stats: Any, tensor: torch.Tensor, *, on_device: bool = False) -> bool | None:
+def nonfinite(
+    stats: Any, tensor: torch.Tensor | None = None, *, on_device: bool = False
+) -> bool | None:
     """Whether ``tensor`` holds a NaN or Inf, from its queued statistics where they are on the
     host already (the CPU's: free), or on a device where ``on_device`` allows waiting for it;
     None where that would take a look of its own (a tensor staged for the writer), or a wait
@@ -34,7 +36,7 @@ def nonfinite(stats: Any, tensor: torch.Tensor, *, on_device: bool = False) -> b
         return bool(stats[_NAN] or stats[_INF])
     if isinstance(stats, Staged):
         return None
-    return None if tensor.is_floating_point() else False
+    return None if tensor is None or tensor.is_floating_point() else False
 
 
 def check(tensor: torch.Tensor) -> bool:

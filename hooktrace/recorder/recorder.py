@@ -27,7 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 from torch.utils.hooks import RemovableHandle
 
 from hooktrace.errors import ConfigError, RecordingError
@@ -128,6 +131,7 @@ class Recorder:
     _recent: OrderedDict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]]  # by id(tensor)
     _params_phase: str | None  # the phase whose forward recorded the step's parameters
     _output_specs: dict[tuple[str, int], str]  # call specs of calls with no tensor input
+    _grads_recorded: bool  # the gradients' records made before the optimizer's update
 
     def __init__(
         self,
@@ -337,6 +341,7 @@ class Recorder:
     # -- installing hooks --------------------------------------------------------------------
 
     def _install(self) -> None:
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_stepping))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
         self._handles.extend(attach.install(pre=self._pre, post=self._post, exit=self._exit))
         self._patch(nn.Module, "compile", self._wrap_module_compile)
@@ -816,14 +821,6 @@ class Recorder:
             self._grad_hooked.clear()
             self._hooked.clear()
             self._recompute_calls.clear()
-            if self._captures.armed and self._recording and self._param_entries:
-                where = self._where_now("train", 0)
-                where["micro_step"] -= 1  # the pass just counted
-                try:
-                    grads = values_of(self._param_entries, "grad_param")
-                    self._captures.after_backward(grads, where)
-                except Exception as exc:  # a capture's failure is its own
-                    self._captures.failure(exc, "the parameters' gradients", where)
             self._captures.backward_done()
 
     def watch(self, tensor: torch.Tensor, name: str) -> None:
@@ -1031,7 +1028,8 @@ class Recorder:
 
     # -- steps -------------------------------------------------------------------------------
 
-    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _owned(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer holds a parameter of a recorded model (asked once)."""
         owned = self._optimizer_owned.get(id(optimizer))
         if owned is None:
             owned = any(
@@ -1040,6 +1038,55 @@ class Recorder:
                 for p in group["params"]
             )
             self._optimizer_owned[id(optimizer)] = owned
+        return owned
+
+    def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before the update, while capture is armed: the gradients' records now (the step's
+        end keeps them), whose NaN and Inf counts say, for free, whether a parameter's
+        gradient is non-finite while the parameters are still those the backward used."""
+        captures = self._captures
+        if not (captures.armed and self._recording and self.params and self._owned(optimizer)):
+            return
+        with self._lock:
+            if self._grads_recorded:
+                return
+            pending = self._pending
+            first = len(pending.meta)
+            try:
+                self._record_params("grad_param")
+            except Exception as exc:
+                self._fault(exc, f"the gradients at step {self.current_step}")
+                return
+            self._grads_recorded = True
+            where = self._where_now("train", 0)
+            where["micro_step"] = max(self.micro_step - 1, 0)  # the last backward's
+            try:
+                if self._nonfinite_rows(first):
+                    captures.after_gradients(where)
+            except Exception as exc:  # a capture's failure is its own
+                captures.failure(exc, "the parameters' gradients", where)
+
+    def _nonfinite_rows(self, first: int) -> bool:
+        """Whether a record of the step from row ``first`` on holds a NaN or Inf: from its
+        row where that is on the host (the kernel summarised it in place), else from its
+        staged copy (no numba, or a half precision value)."""
+        pending = self._pending
+        bounds = values = None
+        for stats in pending.stats[first:]:
+            if stats is None:
+                continue
+            if isinstance(stats, Staged):
+                if bounds is None:
+                    bounds, values = pending.staging.bounds(), pending.staging.values()
+                lo, hi = bounds[stats.position], bounds[stats.position + 1]
+                if not np.isfinite(values[lo:hi]).all():  # type: ignore[index]
+                    return True
+            elif finite.nonfinite(stats, on_device=self._captures.device_checks):
+                return True
+        return False
+
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        owned = self._owned(optimizer)
         if owned:
             with self._lock:
                 self._outside_forwards()
@@ -1052,7 +1099,7 @@ class Recorder:
             raise RecordingError("step() after close(): the recording has ended")
         if self._recording:
             try:
-                if self.params:
+                if self.params and not self._grads_recorded:
                     self._record_params("grad_param")
                 self._pending.skipped = skipped
                 self._submit()
@@ -1116,6 +1163,7 @@ class Recorder:
         self._recent = OrderedDict()
         self._params_phase = None
         self._output_specs = {}
+        self._grads_recorded = False
         self._captures.new_step(device_checks=self._writer.nonfinite_seen)
 
     def _orphan(self) -> None:
