@@ -119,6 +119,11 @@ class ModuleTable:
                 return replica[1]
         return None
 
+    def is_replica(self, module: nn.Module) -> bool:
+        """Whether ``module`` is an nn.DataParallel replica (held weakly, gone after its
+        forward)."""
+        return id(module) in self._replicas
+
     def replica(self, replica: nn.Module, of: nn.Module) -> None:
         """``replica`` (made by ``nn.DataParallel`` on each forward) stands for ``of``; held
         weakly, it lives for its forward only."""

@@ -195,8 +195,8 @@ class Captures:
         """A recorded call whose output is non-finite: capture it if it is where the NaN or
         Inf began. ``known`` tells a tensor's non-finiteness from statistics already queued
         (None: not known), so that a run gone NaN costs few extra passes."""
-        if self._captured_pass or self._examined >= _EXAMINED:
-            return
+        if self._captured_pass or self._examined >= _EXAMINED or self._params_finite is False:
+            return  # (a step whose parameters are non-finite only carries them on)
         self._examined += 1
         out_nan, out_inf = flags(t for _, t in outputs)
         inputs = list(flatten_call(args, kwargs))

@@ -693,7 +693,12 @@ class Recorder:
                     self._fault(exc, "the parameters")
         if self._root_depth == 0:
             self._captures.new_pass()
-            if self._captures.armed and self._recording and self._phase == "train":
+            if (
+                self._captures.armed
+                and self._recording
+                and self._phase == "train"
+                and not self._table.is_replica(module)  # held weakly: a re-run would keep it
+            ):
                 try:
                     self._captures.enter_root(module, args, attach.call_kwargs())
                 except Exception as exc:  # a capture's failure is its own
