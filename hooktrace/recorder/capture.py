@@ -213,16 +213,9 @@ class Captures:
             "state": _state(module),
         }
         spec = self._call_spec(module, args, kwargs)
-
-        def analyse() -> Finding:
-            run_args, run_kwargs = tree_map_only(
-                torch.Tensor, lambda t: for_replay(t, grad=False), (args, dict(kwargs))
-            )
-            with no_module_hooks():
-                return run_forward(replica(module), run_args, run_kwargs)
-
+        finding = _on_replica(module, args, kwargs, grad=False, run=run_forward)
         where = {**where, "autocast": autocast_now()}
-        self._capture("forward", name, module, where, trigger, spec, tensors, analyse)
+        self._capture("forward", name, module, where, trigger, spec, tensors, finding)
 
     # -- the backward ----------------------------------------------------------------------
 
@@ -327,20 +320,18 @@ class Captures:
         }
         spec = self._call_spec(module, call.args, call.kwargs)
         self._captured_pass = True
-        self._capture("backward", key[0], module, meta, trigger, spec, tensors, lambda: finding)
+        self._capture("backward", key[0], module, meta, trigger, spec, tensors, finding)
         return True
 
     def _rerun_backward(self, root_call: RootCall, module: nn.Module, call: Call) -> Finding:
         """One call's backward, on a replica of the module, from the re-run's tensors, under
         the forward's grad mode and autocast."""
-        try:
-            args, kwargs = tree_map_only(
-                torch.Tensor, lambda t: for_replay(t, grad=True), (call.args, dict(call.kwargs))
-            )
-            with no_module_hooks(), root_call.modes():
-                return run_backward(replica(module), args, kwargs, call.grad_outputs)
-        except Exception as exc:  # the re-run is ours: its failure is the capture's note
-            return Finding("failed", message=f"{type(exc).__name__}: {exc}")
+
+        def run(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Finding:
+            return run_backward(model, args, kwargs, call.grad_outputs)
+
+        with root_call.modes():
+            return _on_replica(module, call.args, call.kwargs, grad=True, run=run)
 
     # -- saving ----------------------------------------------------------------------------
 
@@ -360,15 +351,11 @@ class Captures:
         trigger: str,
         spec: str,
         tensors: dict[str, list[tuple[str, torch.Tensor]]],
-        analyse: Callable[[], Finding],
+        finding: Finding,
     ) -> None:
         index = self.taken  # a failed capture writes no file
         self._captured_step = True
         stored, left_out = self._arrays(tensors)
-        try:
-            finding = analyse()
-        except Exception as exc:  # the re-run is ours: its failure is the capture's note
-            finding = Finding("failed", message=f"{type(exc).__name__}: {exc}")
         meta = {
             "rank": self.rank,
             "capture": index,
@@ -421,6 +408,26 @@ class Captures:
                 budget -= nbytes
                 kept.append((name, array, dtype))
         return stored, left_out
+
+
+def _on_replica(
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    *,
+    grad: bool,
+    run: Callable[[nn.Module, tuple[Any, ...], Mapping[str, Any]], Finding],
+) -> Finding:
+    """``run`` on a replica of ``module`` and copies of the call's tensors, the process-wide
+    module hooks set aside. The re-run is hooktrace's: its failure is the capture's note."""
+    try:
+        run_args, run_kwargs = tree_map_only(
+            torch.Tensor, lambda t: for_replay(t, grad=grad), (tuple(args), dict(kwargs))
+        )
+        with no_module_hooks():
+            return run(replica(module), run_args, run_kwargs)
+    except Exception as exc:
+        return Finding("failed", message=f"{type(exc).__name__}: {exc}")
 
 
 def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

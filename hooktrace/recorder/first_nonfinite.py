@@ -297,17 +297,7 @@ def _same(tensor: Any) -> Any:
     return tensor
 
 
-class _forked_rng:
+def _forked_rng(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """``torch.random.fork_rng`` over the devices the call's tensors live on."""
-
-    def __init__(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        devices = {
-            t.device.index or 0 for _, t in _tensors(args, kwargs) if t.device.type == "cuda"
-        }
-        self._fork: Any = torch.random.fork_rng(devices=sorted(devices))
-
-    def __enter__(self) -> None:
-        self._fork.__enter__()
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._fork.__exit__(*exc_info)
+    devices = {t.device.index or 0 for _, t in _tensors(args, kwargs) if t.device.type == "cuda"}
+    return torch.random.fork_rng(devices=sorted(devices))
