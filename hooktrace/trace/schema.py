@@ -13,6 +13,8 @@ A run directory::
     tensors/rank=R/seg-NNNNNN.h5          per-unit activity and full tensors of one flush
     captures/rank=R/capture-NNN.h5        since 1.2: a call where a NaN or Inf began, in full
                                           (hooktrace.trace.captures)
+    histograms/rank=R/part-NNNNNN.parquet since 1.3: fixed-bin histograms of chosen records
+                                          (hooktrace.trace.histograms)
 
 Every file appears under its final name only once it is complete (written under a dot-prefixed
 temporary name, closed, then renamed), and a records part is renamed only after the HDF5
@@ -26,7 +28,7 @@ from typing import Final
 import pyarrow as pa
 
 FORMAT_NAME: Final = "hooktrace"
-FORMAT_VERSION: Final = "1.2"
+FORMAT_VERSION: Final = "1.3"
 """major.minor: a reader reads every minor version of its own major version."""
 
 TENSOR_CHECKSUM: Final = "crc32"

@@ -1,0 +1,119 @@
+"""Histograms with fixed bins: one per binary exponent of |x|, the same for every tensor.
+
+Bins that do not depend on the data compare bin for bin across steps, modules and runs, and
+answer numerics questions exactly: how much of a gradient lies below float16's smallest
+subnormal (2^-24), or at or beyond its largest power of two (2^16).
+
+A value ``x`` falls in one of these bins (docs/FORMAT.md, "histograms"):
+
+* ``zero``, ``nan``, ``pos_inf``, ``neg_inf``;
+* otherwise by its sign into ``pos`` or ``neg``, and there by ``e = floor(log2(|x|))``, the
+  exponent of its binary representation: bin ``e - EXPONENT_MIN + 1`` holds
+  ``2^e <= |x| < 2^(e+1)``, for ``EXPONENT_MIN <= e <= EXPONENT_MAX``; bin 0 holds the
+  values below ``2^EXPONENT_MIN`` and the last bin those at or above ``2^(EXPONENT_MAX+1)``.
+
+The range is float32's whole one, subnormals included (2^-149 up to 2^128), so every value of
+a float32, float16 or bfloat16 tensor has a bin of its own exponent; only float64 values
+(and integers beyond 2^128) reach the two end bins.
+
+Nothing here imports torch: the analyzer reads these, and the recorder's computation
+(:mod:`hooktrace.recorder.histogram`) is tested against :func:`reference`.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import pyarrow as pa
+
+EXPONENT_MIN: Final = -149
+"""float32's smallest subnormal is 2^-149."""
+EXPONENT_MAX: Final = 127
+"""float32's largest finite values lie in [2^127, 2^128)."""
+MAGNITUDE_BINS: Final = EXPONENT_MAX - EXPONENT_MIN + 3
+"""Bins of each sign: below 2^EXPONENT_MIN, one per exponent, at or above 2^(EXPONENT_MAX+1)."""
+
+ZERO, NAN, POS_INF, NEG_INF = 0, 1, 2, 3
+POS: Final = 4
+"""Where the positive magnitude bins start in a flat histogram vector."""
+NEG: Final = POS + MAGNITUDE_BINS
+WIDTH: Final = NEG + MAGNITUDE_BINS
+"""A flat histogram vector, as the recorder hands it to the writer: zero, nan, pos_inf,
+neg_inf, then ``MAGNITUDE_BINS`` positive and ``MAGNITUDE_BINS`` negative counts."""
+
+HISTOGRAMS_DIR: Final = "histograms"
+
+COUNT_FIELDS: Final = ("zero", "nan", "pos_inf", "neg_inf")
+
+_dict_str = pa.dictionary(pa.int32(), pa.string())
+
+# One row per histogrammed record; joins the records on (rank, step, seq). ``module``,
+# ``kind`` and ``slot`` repeat the record's, so that a query by module or kind needs no join.
+HISTOGRAM_SCHEMA: Final = pa.schema(
+    [
+        pa.field("step", pa.int64(), nullable=False),
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("module", _dict_str, nullable=False),
+        pa.field("kind", _dict_str, nullable=False),
+        pa.field("slot", _dict_str, nullable=False),
+        pa.field("numel", pa.int64(), nullable=False),
+        pa.field("zero", pa.int64(), nullable=False),
+        pa.field("nan", pa.int64(), nullable=False),
+        pa.field("pos_inf", pa.int64(), nullable=False),
+        pa.field("neg_inf", pa.int64(), nullable=False),
+        pa.field("pos", pa.list_(pa.int64()), nullable=False),
+        pa.field("neg", pa.list_(pa.int64()), nullable=False),
+    ]
+)
+
+
+def exponents() -> np.ndarray:
+    """The exponent ``e`` of each magnitude bin, bin ``k`` holding ``2^e <= |x| < 2^(e+1)``;
+    the two end bins are given the exponent just outside the range (EXPONENT_MIN - 1 and
+    EXPONENT_MAX + 1), which is where their values begin or end."""
+    return np.arange(EXPONENT_MIN - 1, EXPONENT_MAX + 2, dtype=np.int64)
+
+
+def bin_of_exponent(e: int) -> int:
+    """The magnitude bin that holds values with ``floor(log2|x|) == e``."""
+    return int(np.clip(e - EXPONENT_MIN + 1, 0, MAGNITUDE_BINS - 1))
+
+
+def reference(values: np.ndarray) -> np.ndarray:
+    """The flat histogram (``WIDTH`` int64 counts) of ``values``, computed the plain way with
+    numpy's ``frexp`` in float64: the definition that faster routes are tested against.
+    ``values`` must be exactly representable in float64 (every float dtype is; integers up to
+    2^53)."""
+    x = np.asarray(values, dtype=np.float64).reshape(-1)
+    counts = np.zeros(WIDTH, dtype=np.int64)
+    counts[ZERO] = np.count_nonzero(x == 0)
+    counts[NAN] = np.count_nonzero(np.isnan(x))
+    counts[POS_INF] = np.count_nonzero(x == np.inf)
+    counts[NEG_INF] = np.count_nonzero(x == -np.inf)
+    finite = x[np.isfinite(x) & (x != 0)]
+    _, e = np.frexp(finite)  # |x| = m * 2^e with 0.5 <= m < 1: floor(log2|x|) = e - 1
+    bins = np.clip(e.astype(np.int64) - 1 - EXPONENT_MIN + 1, 0, MAGNITUDE_BINS - 1)
+    counts[POS : POS + MAGNITUDE_BINS] = np.bincount(bins[finite > 0], minlength=MAGNITUDE_BINS)
+    counts[NEG : NEG + MAGNITUDE_BINS] = np.bincount(bins[finite < 0], minlength=MAGNITUDE_BINS)
+    return counts
+
+
+def columns(flat: np.ndarray) -> dict[str, pa.Array | np.ndarray]:
+    """The histogram table's count columns of ``flat`` (rows of ``WIDTH`` counts)."""
+    flat = np.ascontiguousarray(flat, dtype=np.int64).reshape(-1, WIDTH)
+    n = len(flat)
+
+    def lists(start: int) -> pa.Array:
+        values = pa.array(np.ascontiguousarray(flat[:, start : start + MAGNITUDE_BINS]).ravel())
+        offsets = pa.array(np.arange(n + 1, dtype=np.int32) * MAGNITUDE_BINS)
+        return pa.ListArray.from_arrays(offsets, values)
+
+    return {
+        "zero": flat[:, ZERO].copy(),
+        "nan": flat[:, NAN].copy(),
+        "pos_inf": flat[:, POS_INF].copy(),
+        "neg_inf": flat[:, NEG_INF].copy(),
+        "pos": lists(POS),
+        "neg": lists(NEG),
+    }
