@@ -22,6 +22,7 @@ COMMANDS = {
     "record": "hooktrace.cli.record:record",
     "summary": "hooktrace.cli.summary:summary",
     "check": "hooktrace.cli.check:check",
+    "hist": "hooktrace.cli.hist:hist",
     "diff": "hooktrace.cli.diff:diff",
     "replay": "hooktrace.cli.replay:replay",
     "dead-relus": "hooktrace.cli.dead_relus:dead_relus",

@@ -1,0 +1,290 @@
+"""``hooktrace hist RUN``: distributions over steps, as rows of block characters."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from hooktrace.cli.anomalies import steps_option
+from hooktrace.cli.common import (
+    CommandError,
+    emit_frame,
+    library_errors,
+    output_options,
+    run_argument,
+)
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+MAX_STEPS = 40
+"""Steps shown per record in the table view unless --max-steps says otherwise."""
+
+# hooktrace.analyze.histograms' float16 limits, repeated so that `hooktrace --help` needs no
+# pandas
+FP16_SUBNORMAL, FP16_NORMAL, FP16_OVERFLOW = -24, -14, 16
+
+BARS = " ▁▂▃▄▅▆▇█"
+MAX_COLUMNS = 64
+COLUMN_WIDTHS = (1, 2, 5, 10)
+"""Powers of two per column: divisors of 10, so that float16's limits (2^-24, 2^-14, 2^16) fall
+between columns whatever the width."""
+
+
+@click.command()
+@run_argument()
+@click.option("--modules", metavar="REGEX", help="Only modules whose name matches this regex.")
+@click.option(
+    "--kinds", metavar="KINDS", help="Only these kinds, comma-separated: param,grad_param,..."
+)
+@steps_option
+@click.option("--ranks", metavar="RANKS", help="Only these ranks, comma-separated.")
+@click.option(
+    "--max-steps",
+    type=click.IntRange(min=1),
+    help=f"Show at most N steps per record, evenly spaced with the first and the last. "
+    f"[default: {MAX_STEPS} in the table, every step in csv/json/parquet]",
+)
+@output_options
+@library_errors
+def hist(
+    run: Path,
+    modules: str | None,
+    kinds: str | None,
+    steps: str | None,
+    ranks: str | None,
+    max_steps: int | None,
+    fmt: str,
+    output: Path | None,
+) -> None:
+    """The distribution of each histogrammed record of RUN over steps.
+
+    A block per record (module, kind, slot), a row per step: one column per power of two
+    of |x| over the range the record's values take, the bar the share of values in it (each
+    row scaled to its largest column; blank means no value at all). Beside it the zeros, NaNs
+    and Infs counted, the share of negative values, and what float16 would do to them: lose
+    (below 2^-24), keep with fewer bits (below 2^-14, subnormal) or overflow (2^16 and up).
+    With one step (--steps N), a row per record in one block, on one scale.
+
+    Histograms are recorded with `hooktrace record --histograms param,grad_param`. csv, json
+    and parquet hold one row per non-empty bin (the table of hooktrace.hist()).
+
+    \b
+    Example:
+      hooktrace hist runs/mlp --modules 'fc1$' --kinds grad_param
+      hooktrace hist runs/mlp --steps 500
+      hooktrace hist runs/mlp --format csv -o hist.csv
+    """
+    from hooktrace.analyze.histograms import hist as histograms
+
+    if fmt == "parquet" and output is None:
+        raise CommandError("--format parquet writes a binary file: give --output FILE.parquet")
+    frame = histograms(
+        run,
+        modules=modules,
+        kinds=kinds,
+        steps=steps,
+        ranks=_ints(ranks, "--ranks"),
+        max_steps=max_steps if max_steps is not None or fmt != "table" else MAX_STEPS,
+    )
+    emit_frame(frame, fmt, output, table_text=render(run, frame) if fmt == "table" else "")
+
+
+def _ints(text: str | None, option: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise CommandError(f"{option} takes numbers, comma-separated (got {text!r})") from None
+
+
+# --- the text view ------------------------------------------------------------------------
+
+
+def render(run: object, frame: pd.DataFrame) -> str:
+    """The text view of :func:`hooktrace.hist`'s ``frame``."""
+    from hooktrace.analyze.histograms import per_step
+
+    rows = per_step(frame)
+    bins = _magnitudes(frame)
+    records = rows.groupby(["rank", "module", "kind", "slot"], sort=False).ngroups
+    steps = sorted(set(rows["step"].tolist()))
+    matched = int(frame.attrs.get("steps", len(steps)))
+    span = f"{steps[0]}" if steps[0] == steps[-1] else f"{steps[0]}–{steps[-1]}"
+    shown = (
+        "each shown"
+        if matched == len(steps)
+        else f"{len(steps)} shown, evenly spaced from the first to the last (--max-steps)"
+    )
+    lines = [
+        f"{run}: {records} record{'s' if records != 1 else ''} histogrammed, "
+        f"{matched} step{'s' if matched != 1 else ''} ({span}), {shown}",
+        "columns: |x| by powers of two, 2^e <= |x| < 2^(e+1); bars: the share of values in a "
+        "column, scaled to the row's largest; blank: none",
+        "fp16 row: x lost in float16 (below 2^-24), s subnormal (below 2^-14), . normal, "
+        "! overflow (2^16 and up); <2^-24, <2^-14 and >=2^16: shares of all values",
+    ]
+    ranks = rows["rank"].nunique() > 1
+    if len(steps) == 1 and records > 1:
+        labels = [_record_label(r, ranks) for r in rows.to_dict("records")]
+        lines += ["", f"step {steps[0]}"]
+        lines += _block(rows, bins, labels, "record")
+    else:
+        order = _block_order(rows)
+        for key in order:
+            mine = rows[
+                (rows["rank"] == key[0])
+                & (rows["module"] == key[1])
+                & (rows["kind"] == key[2])
+                & (rows["slot"] == key[3])
+            ]
+            lines += ["", _title(mine, ranks)]
+            lines += _block(mine, bins, [str(s) for s in mine["step"]], "step")
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _magnitudes(frame: pd.DataFrame) -> dict[tuple[Any, ...], dict[int, int]]:
+    """(rank, step, module, kind, slot) -> {exponent: count of both signs}."""
+    signed = frame[frame["bin"].isin(["pos", "neg"])]
+    counts: dict[tuple[Any, ...], dict[int, int]] = {}
+    columns = zip(
+        signed["rank"],
+        signed["step"],
+        signed["module"],
+        signed["kind"],
+        signed["slot"],
+        signed["exponent"],
+        signed["count"],
+        strict=True,
+    )
+    for rank, step, module, kind, slot, exponent, count in columns:
+        mine = counts.setdefault((rank, step, module, kind, slot), {})
+        mine[int(exponent)] = mine.get(int(exponent), 0) + int(count)
+    return counts
+
+
+def _block_order(rows: pd.DataFrame) -> list[tuple[Any, ...]]:
+    """Records by rank, then module as first met, then kind and slot as first met: a
+    module's parameter and its gradient side by side."""
+    from hooktrace.trace.schema import KINDS
+
+    first: dict[Any, int] = {}
+    for i, module in enumerate(rows["module"]):
+        first.setdefault(module, i)
+    keys = list(dict.fromkeys(zip(rows["rank"], rows["module"], rows["kind"], rows["slot"])))
+    kind_order = {k: i for i, k in enumerate(KINDS)}
+    return sorted(
+        keys, key=lambda k: (k[0], first[k[1]], kind_order.get(k[2], len(KINDS)), keys.index(k))
+    )
+
+
+def _title(rows: pd.DataFrame, ranks: bool) -> str:
+    row = rows.iloc[0]
+    numel = rows["numel"]
+    size = f"{numel.iloc[0]:,}" if numel.nunique() == 1 else f"{numel.min():,}–{numel.max():,}"
+    where = f"rank {row['rank']}: " if ranks else ""
+    return f"{where}{row['module']} {row['kind']} {row['slot']}: {size} values"
+
+
+def _record_label(row: dict[str, Any], ranks: bool) -> str:
+    where = f"rank {row['rank']} " if ranks else ""
+    return f"{where}{row['module']} {row['kind']} {row['slot']}"
+
+
+def _block(
+    rows: pd.DataFrame,
+    bins: dict[tuple[Any, ...], dict[int, int]],
+    labels: Sequence[str],
+    label_header: str,
+) -> list[str]:
+    """A header, the fp16 ruler and a row per entry of ``rows`` (per_step rows)."""
+    records = rows.to_dict("records")
+    counts = [
+        bins.get((r["rank"], r["step"], r["module"], r["kind"], r["slot"]), {}) for r in records
+    ]
+    occupied = [e for c in counts for e in c]
+    numbers = [_numbers(r) for r in records]
+    names = ("zero", "NaN", "Inf", "neg", "<2^-24", "<2^-14", ">=2^16")
+    widths = [max(len(n), *(len(row[i]) for row in numbers)) for i, n in enumerate(names)]
+    label_width = max(len(label_header), len("fp16"), *(len(label) for label in labels))
+
+    if occupied:
+        first, per, cells = _columns(min(occupied), max(occupied))
+        left, right = f"2^{first}", f"2^{first + per * cells}"
+        width = max(cells, len(left) + 1 + len(right))
+        axis = left + " " * (width - len(left) - len(right)) + right
+        ruler = "".join(_zone(first + i * per, per) for i in range(cells))
+        bars = [_bars(c, first, per, cells) for c in counts]
+    else:
+        axis = "no nonzero finite value"
+        width, ruler, bars = len(axis), "", ["" for _ in counts]
+    head = "  ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
+    out = [f"  {label_header:<{label_width}}  {axis:<{width}}  {head}"]
+    if occupied:
+        out.append(f"  {'fp16':<{label_width}}  {ruler}")
+    for label, bar, row in zip(labels, bars, numbers, strict=True):
+        cells_text = "  ".join(f"{v:>{w}}" for v, w in zip(row, widths, strict=True))
+        aligned = f"{label:>{label_width}}" if label_header == "step" else f"{label:<{label_width}}"
+        out.append(f"  {aligned}  {bar:<{width}}  {cells_text}")
+    return out
+
+
+def _columns(lowest: int, highest: int) -> tuple[int, int, int]:
+    """The first exponent, powers of two per column, and columns, to show lowest..highest in
+    at most MAX_COLUMNS columns whose edges fall on float16's limits."""
+    for per in COLUMN_WIDTHS:
+        first = lowest - (lowest - FP16_SUBNORMAL) % per
+        cells = math.ceil((highest + 1 - first) / per)
+        if cells <= MAX_COLUMNS:
+            return first, per, cells
+    raise AssertionError("279 bins fit in 28 columns of 10")
+
+
+def _zone(first: int, per: int) -> str:
+    """The fp16 ruler's character for a column of exponents first .. first + per - 1."""
+    if first >= FP16_OVERFLOW:
+        return "!"
+    if first < FP16_SUBNORMAL:
+        return "x"
+    if first < FP16_NORMAL:
+        return "s"
+    return "."
+
+
+def _bars(counts: dict[int, int], first: int, per: int, cells: int) -> str:
+    columns = [0] * cells
+    for exponent, count in counts.items():
+        columns[(exponent - first) // per] += count
+    top = max(columns)
+    if top == 0:
+        return ""
+    return "".join(BARS[min(8, math.ceil(8 * c / top))] if c else " " for c in columns)
+
+
+def _numbers(row: dict[str, Any]) -> tuple[str, ...]:
+    return (
+        f"{row['zero']:,}",
+        f"{row['nan']:,}",
+        f"{row['inf']:,}",
+        _share(row["neg"]),
+        _share(row["fp16_lost"]),
+        _share(row["fp16_subnormal"]),
+        _share(row["fp16_overflow"]),
+    )
+
+
+def _share(value: float) -> str:
+    if value != value:  # no values at all
+        return "-"
+    if value == 0:
+        return "-"
+    if value < 0.0005:
+        return "<0.1%"
+    if value > 0.9995 and value < 1:
+        return ">99.9%"
+    return f"{value:.1%}"
