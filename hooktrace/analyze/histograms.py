@@ -110,13 +110,24 @@ def hist(
 
 
 def require_histograms(trace: Trace) -> None:
-    """TraceError, saying how to record them, unless ``trace`` holds histograms."""
-    if not trace.has_histograms:
-        raise TraceError(
-            f"{trace.path} holds no histograms: they are recorded with `hooktrace record "
-            "--histograms param,grad_param ...` (or hooktrace.record(..., "
-            "histograms=('param', 'grad_param'))), by hooktrace 0.2 and later"
+    """TraceError, saying why and how to record them, unless ``trace`` holds histograms."""
+    if trace.has_histograms:
+        return
+    config = trace.manifest.get("config", {})
+    asked = config.get("histograms")
+    again = "record the run again with `hooktrace record --histograms param,grad_param`"
+    if asked is None:
+        why = f"it was recorded before histograms were (format {trace.format_version}, before 1.3)"
+        again += " (the default now)"
+    elif not asked:
+        why = "it was recorded with histograms off (--histograms none)"
+    else:
+        every = config.get("histogram_every", 1)
+        why = (
+            f"none were written, though {', '.join(asked)} were asked for every {every} "
+            "step(s) (did a histogrammed step run?)"
         )
+    raise TraceError(f"{trace.path} holds no histograms: {why}; {again}")
 
 
 def describe(trace: Trace) -> str:

@@ -130,12 +130,15 @@ def render(run: object, frame: pd.DataFrame) -> str:
         "! overflow (2^16 and up); <2^-24, <2^-14 and >=2^16: shares of all values",
     ]
     ranks = rows["rank"].nunique() > 1
+    order = _block_order(rows)
     if len(steps) == 1 and records > 1:
+        place = {key: i for i, key in enumerate(order)}
+        keys = zip(rows["rank"], rows["module"], rows["kind"], rows["slot"], strict=True)
+        rows = rows.iloc[sorted(range(len(rows)), key=[place[k] for k in keys].__getitem__)]
         labels = [_record_label(r, ranks) for r in rows.to_dict("records")]
         lines += ["", f"step {steps[0]}"]
         lines += _block(rows, bins, labels, "record")
     else:
-        order = _block_order(rows)
         for key in order:
             mine = rows[
                 (rows["rank"] == key[0])
