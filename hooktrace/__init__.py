@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from hooktrace.analyze.anomalies import anomalies
     from hooktrace.analyze.dead_units import dead_relus
     from hooktrace.analyze.diff import diff
+    from hooktrace.analyze.histograms import hist
     from hooktrace.analyze.plots import plot
     from hooktrace.analyze.report import report
     from hooktrace.analyze.summary import summary
@@ -50,6 +51,7 @@ _LAZY = {
     "diff": "hooktrace.analyze.diff",
     "dead_relus": "hooktrace.analyze.dead_units",
     "anomalies": "hooktrace.analyze.anomalies",
+    "hist": "hooktrace.analyze.histograms",
     "plot": "hooktrace.analyze.plots",
     "report": "hooktrace.analyze.report",
     "replay_module": "hooktrace.recorder.replay",
@@ -85,6 +87,7 @@ __all__ = [
     "check",
     "dead_relus",
     "diff",
+    "hist",
     "load",
     "plot",
     "record",

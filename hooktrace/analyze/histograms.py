@@ -109,6 +109,50 @@ def hist(
     return frame
 
 
+def histogrammed(
+    run: Run,
+    *,
+    modules: ModulesSpec = None,
+    kinds: Sequence[str] | str | None = None,
+    steps: StepsSpec = None,
+    ranks: Sequence[int] | None = None,
+) -> pd.DataFrame:
+    """The records that have histograms, filtered as :func:`hist` filters (no bins read):
+    one row per (rank, module, kind, slot), in :func:`in_order`'s order, with ``steps``
+    (how many were histogrammed), ``first_step`` and ``last_step``."""
+    trace = run if isinstance(run, Trace) else load(run)
+    require_histograms(trace)
+    where = _Where(trace, modules=modules, kinds=_kinds(kinds), steps=steps, ranks=ranks)
+    found = trace.sql(
+        "SELECT rank, module, kind, slot, count(DISTINCT step) AS steps, min(step) AS "
+        f"first_step, max(step) AS last_step, min(seq) AS seq FROM histograms{where.sql()} "
+        "GROUP BY rank, module, kind, slot ORDER BY rank, seq",
+        where.values,
+    )
+    for name in ("module", "kind", "slot"):
+        found[name] = found[name].astype(str)
+    return in_order(found).drop(columns="seq").reset_index(drop=True)
+
+
+def in_order(frame: pd.DataFrame) -> pd.DataFrame:
+    """The rows of ``frame`` (with rank, module, kind, slot) by rank, then module as first
+    met, then kind (parameters before their gradients) and slot as first met: a module's
+    records together."""
+    first: dict[Any, int] = {}
+    for i, module in enumerate(frame["module"]):
+        first.setdefault(module, i)
+    kind_order = {k: i for i, k in enumerate(schema.KINDS)}
+    order = pd.DataFrame(
+        {
+            "rank": frame["rank"].to_numpy(),
+            "module": frame["module"].map(first).to_numpy(),
+            "kind": frame["kind"].map(kind_order).fillna(len(kind_order)).to_numpy(),
+            "at": np.arange(len(frame)),
+        }
+    )
+    return frame.iloc[order.sort_values(["rank", "module", "kind", "at"]).index.to_numpy()]
+
+
 def require_histograms(trace: Trace) -> None:
     """TraceError, saying why and how to record them, unless ``trace`` holds histograms."""
     if trace.has_histograms:
@@ -139,12 +183,15 @@ def describe(trace: Trace) -> str:
     if held.empty:
         return "the trace holds no histograms"
     parts = [
-        f"{row.kind} of {row.modules} module{'s' if row.modules != 1 else ''} at "
-        f"{row.steps} step{'s' if row.steps != 1 else ''} ({_span(row.first, row.last)})"
-        for row in held.itertuples()
+        f"{row['kind']} of {row['modules']} module{'s' if row['modules'] != 1 else ''} at "
+        f"{row['steps']} step{'s' if row['steps'] != 1 else ''} "
+        f"({_span(int(row['first']), int(row['last']))})"
+        for row in held.to_dict("records")
     ]
     every = trace.manifest.get("config", {}).get("histogram_every")
-    tail = f", every {every} steps (histogram_every)" if isinstance(every, int) and every > 1 else ""
+    tail = (
+        f", every {every} steps (histogram_every)" if isinstance(every, int) and every > 1 else ""
+    )
     return "the trace holds histograms of " + "; ".join(parts) + tail
 
 

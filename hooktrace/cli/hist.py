@@ -108,7 +108,7 @@ def _ints(text: str | None, option: str) -> list[int] | None:
 
 def render(run: object, frame: pd.DataFrame) -> str:
     """The text view of :func:`hooktrace.hist`'s ``frame``."""
-    from hooktrace.analyze.histograms import per_step
+    from hooktrace.analyze.histograms import in_order, per_step
 
     rows = per_step(frame)
     bins = _magnitudes(frame)
@@ -130,22 +130,13 @@ def render(run: object, frame: pd.DataFrame) -> str:
         "! overflow (2^16 and up); <2^-24, <2^-14 and >=2^16: shares of all values",
     ]
     ranks = rows["rank"].nunique() > 1
-    order = _block_order(rows)
+    rows = in_order(rows)
     if len(steps) == 1 and records > 1:
-        place = {key: i for i, key in enumerate(order)}
-        keys = zip(rows["rank"], rows["module"], rows["kind"], rows["slot"], strict=True)
-        rows = rows.iloc[sorted(range(len(rows)), key=[place[k] for k in keys].__getitem__)]
         labels = [_record_label(r, ranks) for r in rows.to_dict("records")]
         lines += ["", f"step {steps[0]}"]
         lines += _block(rows, bins, labels, "record")
     else:
-        for key in order:
-            mine = rows[
-                (rows["rank"] == key[0])
-                & (rows["module"] == key[1])
-                & (rows["kind"] == key[2])
-                & (rows["slot"] == key[3])
-            ]
+        for _, mine in rows.groupby(["rank", "module", "kind", "slot"], sort=False):
             lines += ["", _title(mine, ranks)]
             lines += _block(mine, bins, [str(s) for s in mine["step"]], "step")
     return "\n".join(line.rstrip() for line in lines) + "\n"
@@ -171,21 +162,6 @@ def _magnitudes(frame: pd.DataFrame) -> dict[tuple[Any, ...], dict[int, int]]:
     return counts
 
 
-def _block_order(rows: pd.DataFrame) -> list[tuple[Any, ...]]:
-    """Records by rank, then module as first met, then kind and slot as first met: a
-    module's parameter and its gradient side by side."""
-    from hooktrace.trace.schema import KINDS
-
-    first: dict[Any, int] = {}
-    for i, module in enumerate(rows["module"]):
-        first.setdefault(module, i)
-    keys = list(dict.fromkeys(zip(rows["rank"], rows["module"], rows["kind"], rows["slot"])))
-    kind_order = {k: i for i, k in enumerate(KINDS)}
-    return sorted(
-        keys, key=lambda k: (k[0], first[k[1]], kind_order.get(k[2], len(KINDS)), keys.index(k))
-    )
-
-
 def _title(rows: pd.DataFrame, ranks: bool) -> str:
     row = rows.iloc[0]
     numel = rows["numel"]
@@ -194,7 +170,7 @@ def _title(rows: pd.DataFrame, ranks: bool) -> str:
     return f"{where}{row['module']} {row['kind']} {row['slot']}: {size} values"
 
 
-def _record_label(row: dict[str, Any], ranks: bool) -> str:
+def _record_label(row: dict[Any, Any], ranks: bool) -> str:
     where = f"rank {row['rank']} " if ranks else ""
     return f"{where}{row['module']} {row['kind']} {row['slot']}"
 
@@ -269,7 +245,7 @@ def _bars(counts: dict[int, int], first: int, per: int, cells: int) -> str:
     return "".join(BARS[min(8, math.ceil(8 * c / top))] if c else " " for c in columns)
 
 
-def _numbers(row: dict[str, Any]) -> tuple[str, ...]:
+def _numbers(row: dict[Any, Any]) -> tuple[str, ...]:
     return (
         f"{row['zero']:,}",
         f"{row['nan']:,}",
