@@ -195,6 +195,29 @@ def diff_table(
     return _ordered(trace_of(run_a), value.unstack("step")), result
 
 
+def histogram_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """For one record of :func:`hooktrace.hist`'s ``frame``: per exponent ``e`` of ``|x|``
+    (rows, ascending) and step (columns), the share of the step's values in
+    ``[2^e, 2^(e+1))``, both signs together; 0 where none. The rows run from the lowest
+    exponent occupied to the highest, and over float16's subnormal range (2^-24 to 2^-14)
+    whatever the values, so that a picture always shows where float16 stops."""
+    from hooktrace.analyze.histograms import FP16_NORMAL, FP16_SUBNORMAL, exponent_bins
+
+    bins = exponent_bins(frame)
+    steps = sorted(set(frame["step"].tolist()))
+    if bins.empty:
+        lowest, highest = FP16_SUBNORMAL, FP16_NORMAL - 1
+    else:
+        lowest = min(int(bins["exponent"].min()), FP16_SUBNORMAL)
+        highest = max(int(bins["exponent"].max()), FP16_NORMAL - 1)
+    table = bins.pivot_table(
+        index="exponent", columns="step", values="fraction", aggfunc="sum", fill_value=0.0
+    )
+    table = table.reindex(index=range(lowest, highest + 1), columns=steps, fill_value=0.0)
+    table.index.name, table.columns.name = "exponent", "step"
+    return table.astype("float64")
+
+
 def trace_of(run: Run) -> Trace:
     return run if isinstance(run, Trace) else load(run)
 

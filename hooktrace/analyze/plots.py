@@ -10,6 +10,11 @@ notebook can draw its own:
 - ``dead-units``: per ReLU-family layer, the share of its units silent (positive in under
   ``threshold`` of their values) at each step, and beside it what :func:`dead_relus` calls
   dead at the end;
+- ``histograms``: for a few histogrammed records (a parameter, a gradient), the distribution
+  of ``|x|`` by binary exponent (rows) over steps (columns), as the share of values in each
+  power of two in a log colour scale, with the exact zeros below and NaN/Inf above, and
+  float16's limits drawn across (2^-24, 2^-14, 2^16): TensorBoard's histograms, on bins that
+  are the same for every step;
 - ``diff``: for two runs, the largest relative difference (``rel_diff`` of
   :func:`hooktrace.diff`) of each module's records per step, the first divergence marked;
   cells where a record is in one run only are told apart from non-finite ones.
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,12 +38,23 @@ import pandas as pd
 
 from hooktrace.analyze.dead_units import dead_relus
 from hooktrace.analyze.findings import StepsSpec
+from hooktrace.analyze.histograms import (
+    FP16_NORMAL,
+    FP16_OVERFLOW,
+    FP16_SUBNORMAL,
+    RECORD,
+    hist,
+    histogrammed,
+    in_order,
+    per_step,
+)
 from hooktrace.analyze.plot_tables import (
     ONE_RUN_ONLY,
     Run,
     activation_tables,
     diff_table,
     grad_norm_table,
+    histogram_table,
     layer_name,
     silent_unit_table,
     trace_of,
@@ -52,8 +68,11 @@ if TYPE_CHECKING:
 
     from hooktrace.analyze.diff_result import DiffResult
 
-WHAT = ("grad-norms", "activations", "dead-units", "diff")
+WHAT = ("grad-norms", "activations", "dead-units", "histograms", "diff")
 """The pictures :func:`plot` draws."""
+
+HISTOGRAM_PANELS = 8
+"""Records the histograms picture draws at most (fewer with ``max_modules``)."""
 
 DPI = 110
 NAME_WIDTH = 36
@@ -80,6 +99,7 @@ def plot(
     against: Run | None = None,
     steps: StepsSpec = None,
     modules: str | None = None,
+    kinds: Sequence[str] | str | None = None,
     rank: int = 0,
     max_modules: int = 40,
     output: str | os.PathLike[str] | None = None,
@@ -87,11 +107,14 @@ def plot(
 ) -> Figure:
     """Draw ``what`` (one of :data:`WHAT`) for ``run``; ``diff`` compares it ``against``
     another run. ``modules`` is a regex searched in module names; ``steps`` limits the steps
-    (``"0-100"``, ``(first, last)`` or step numbers). With ``output``, the picture is also
-    written there, in the format its suffix names (``.png``, ``.svg``, ``.pdf``).
-    ``progress(done, total, what)`` is called before reading, drawing and writing.
+    (``"0-100"``, ``(first, last)`` or step numbers); ``kinds`` (``param``, ``grad_param``,
+    ...) chooses the records of the histograms picture, which draws at most
+    :data:`HISTOGRAM_PANELS` of them. With ``output``, the picture is also written there, in
+    the format its suffix names (``.png``, ``.svg``, ``.pdf``). ``progress(done, total,
+    what)`` is called before reading, drawing and writing.
 
-    Raises :class:`PlotUnavailable` without matplotlib, ``ConfigError`` on bad options.
+    Raises :class:`PlotUnavailable` without matplotlib, ``ConfigError`` on bad options,
+    ``TraceError`` for the histograms picture of a trace that holds none.
     """
     if what not in WHAT:
         raise ConfigError(f"unknown picture {what!r}: choose from {', '.join(WHAT)}")
@@ -99,6 +122,8 @@ def plot(
         raise ConfigError(
             "the diff picture compares two runs: give against=RUN_B (and only for what='diff')"
         )
+    if kinds is not None and what != "histograms":
+        raise ConfigError(f"kinds choose the records of the histograms picture, not of {what}")
     if max_modules < 1:
         raise ConfigError(f"max_modules must be 1 or more (got {max_modules})")
     _matplotlib()  # fail before reading anything
@@ -118,6 +143,10 @@ def plot(
     elif what == "dead-units":
         found = dead_relus(trace, steps=steps)
         data, draw = (silent_unit_table(trace, **options), found.layers), dead_units_figure
+    elif what == "histograms":
+        limit = min(max_modules, HISTOGRAM_PANELS)
+        data = chosen_histograms(trace, kinds=kinds, max_records=limit, **options)
+        draw = histograms_figure
     else:
         assert against is not None
         other = trace_of(against)
@@ -152,6 +181,34 @@ def check_format(output: str | os.PathLike[str]) -> str:
             f"ending in one of {', '.join('.' + f for f in sorted(formats))}"
         )
     return suffix
+
+
+def chosen_histograms(
+    trace: Trace,
+    *,
+    steps: StepsSpec = None,
+    modules: str | None = None,
+    kinds: Sequence[str] | str | None = None,
+    rank: int = 0,
+    max_records: int = HISTOGRAM_PANELS,
+) -> tuple[pd.DataFrame, int]:
+    """:func:`hooktrace.hist` of the first ``max_records`` records that match, in the model's
+    order, and how many matched."""
+    records = histogrammed(trace, modules=modules, kinds=kinds, steps=steps, ranks=[rank])
+    chosen = records.head(max_records)
+    if chosen.empty:  # hist says what the trace holds
+        return hist(trace, modules=modules, kinds=kinds, steps=steps, ranks=[rank]), 0
+    frame = hist(
+        trace,
+        modules=sorted(set(chosen["module"])),
+        kinds=sorted(set(chosen["kind"])),
+        steps=steps,
+        ranks=[rank],
+    )
+    wanted = set(zip(chosen["module"], chosen["kind"], chosen["slot"], strict=True))
+    keys = zip(frame["module"], frame["kind"], frame["slot"], strict=True)
+    mine = np.fromiter((k in wanted for k in keys), dtype=bool, count=len(frame))
+    return frame[mine].reset_index(drop=True), len(records)
 
 
 # --- drawing -----------------------------------------------------------------------------------
@@ -237,6 +294,111 @@ def dead_units_figure(
     bars.set_yticks([])
     bars.set_xlabel("dead at the end (red: flagged)")
     return figure
+
+
+def histograms_figure(
+    trace: Trace, frame: pd.DataFrame, matched: int | None = None, *, max_modules: int = 40
+) -> Figure:
+    """The histograms picture of :func:`hooktrace.hist`'s ``frame``: a panel per record (at
+    most ``max_modules``), ``matched`` the records there were to choose from."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.colors import ListedColormap, LogNorm
+    from matplotlib.figure import Figure
+
+    _matplotlib()
+    rows = in_order(per_step(frame))
+    groups = list(rows.groupby(RECORD, sort=False))[:max_modules]
+    note = "" if matched is None or matched <= len(groups) else (
+        f" ({len(groups)} of {matched} records shown: choose with modules/kinds)"
+    )  # fmt: skip
+    tables = []
+    for key, stats in groups:
+        mine = frame[(frame[RECORD] == pd.Series(key, index=RECORD)).all(axis=1)]
+        table = histogram_table(mine)
+        stats = stats.set_index("step").reindex(table.columns)
+        numel = stats["numel"].where(stats["numel"] > 0).astype("float64")
+        below = (stats["zero"] / numel).to_numpy()
+        above = ((stats["nan"] + stats["inf"]) / numel).to_numpy()
+        tables.append((key, table, np.vstack([below, table.to_numpy(), above])))
+    heights = [len(cells) for _, _, cells in tables] or [1]
+    height = min(1.2 + sum(0.09 * h + 0.7 for h in heights), 40.0)
+    figure = Figure(figsize=(10.0, height), layout="constrained")
+    FigureCanvasAgg(figure)
+    title = f"{_name(trace)}: distribution of |x| over steps{note}"
+    if not tables:
+        ax = figure.subplots()
+        ax.text(0.5, 0.5, "no histograms to draw", ha="center", va="center")
+        ax.set_axis_off()
+        ax.set_title(_plain(title), loc="left")
+        return figure
+    axes = figure.subplots(len(tables), 1, squeeze=False, height_ratios=heights)[:, 0]
+    shares = np.concatenate([cells[np.isfinite(cells) & (cells > 0)] for _, _, cells in tables])
+    norm = LogNorm(vmin=max(float(shares.min()) if shares.size else 1e-6, 1e-12), vmax=1.0)
+    image = None
+    for ax, (key, table, cells) in zip(axes, tables, strict=True):
+        shown = np.ma.masked_where(~(cells > 0), cells)
+        shown[-1] = np.ma.masked  # NaN/Inf: red, below
+        image = ax.imshow(
+            shown, origin="lower", aspect="auto", interpolation="nearest", cmap="viridis", norm=norm
+        )
+        nonfinite = np.zeros_like(cells, dtype=bool)
+        nonfinite[-1] = cells[-1] > 0
+        if nonfinite.any():
+            ax.imshow(
+                np.ma.masked_where(~nonfinite, np.ones_like(cells)),
+                origin="lower",
+                aspect="auto",
+                interpolation="nearest",
+                cmap=ListedColormap([NONFINITE_COLOUR]),
+            )
+        _exponent_axis(ax, [int(e) for e in table.index])
+        steps = [int(s) for s in table.columns]
+        every = max(1, math.ceil(len(steps) / 12))
+        ticks = list(range(0, len(steps), every))
+        ax.set_xticks(ticks, [str(steps[i]) for i in ticks], fontsize=8)
+        _, module, kind, slot = key
+        ax.set_title(_plain(f"{_short(str(module))} {kind} {slot}"), loc="left", fontsize=9)
+    axes[-1].set_xlabel("step")
+    figure.suptitle(_plain(title), x=0.0, ha="left")
+    assert image is not None
+    figure.colorbar(
+        image, ax=list(axes), label="share of the step's values (log scale)", fraction=0.04
+    )
+    return figure
+
+
+_FP16_LINES = (
+    (FP16_SUBNORMAL, "fp16 lost below"),
+    (FP16_NORMAL, "fp16 subnormal below"),
+    (FP16_OVERFLOW, "fp16 overflows from"),
+)
+
+
+def _exponent_axis(ax: Axes, exponents: list[int]) -> None:
+    """Rows: exact zeros (0), then one per exponent, then NaN/Inf; float16's limits as lines
+    at the bottom edge of their row, labelled on the right."""
+    last = len(exponents) + 1
+    # ticks on float16's limits: every 1, 2, 5, 10, ... powers of two counted from 2^-24
+    every = next(n for n in (1, 2, 5, 10, 20, 50, 100) if len(exponents) / n <= 10)
+    labelled = [(i + 1, e) for i, e in enumerate(exponents) if (e - FP16_SUBNORMAL) % every == 0]
+    ticks = [0, *(y for y, _ in labelled), last]
+    labels = ["0", *(f"$2^{{{e}}}$" for _, e in labelled), "NaN/Inf"]
+    ax.set_yticks(ticks, labels, fontsize=7)
+    for edge in (0.5, last - 0.5):
+        ax.axhline(edge, color=MARK_COLOUR, linewidth=0.8)
+    for exponent, text in _FP16_LINES:
+        if exponents[0] <= exponent <= exponents[-1] + 1:
+            y = exponent - exponents[0] + 0.5
+            ax.axhline(y, color="#e67e22", linewidth=1.0, linestyle="--")
+            ax.text(
+                1.005,
+                y,
+                f"{text} $2^{{{exponent}}}$",
+                transform=ax.get_yaxis_transform(),
+                fontsize=7,
+                va="center",
+                color="#e67e22",
+            )
 
 
 def diff_figure(

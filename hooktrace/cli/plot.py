@@ -11,7 +11,7 @@ from hooktrace.cli.common import CommandError, library_errors, run_argument
 from hooktrace.cli.progress import ProgressBar
 
 # hooktrace.analyze.plots.WHAT, repeated so that `hooktrace --help` needs no pandas
-WHAT = ("grad-norms", "activations", "dead-units", "diff")
+WHAT = ("grad-norms", "activations", "dead-units", "histograms", "diff")
 
 
 @click.command()
@@ -36,6 +36,11 @@ WHAT = ("grad-norms", "activations", "dead-units", "diff")
 )
 @steps_option
 @click.option("--modules", metavar="REGEX", help="Only modules whose name matches this regex.")
+@click.option(
+    "--kinds",
+    metavar="KINDS",
+    help="--what histograms: only these kinds, comma-separated: param,grad_param,...",
+)
 @click.option("--rank", type=int, default=0, show_default=True, help="The rank to draw.")
 @click.option(
     "--max-modules",
@@ -53,6 +58,7 @@ def plot(
     output: Path,
     steps: str | None,
     modules: str | None,
+    kinds: str | None,
     rank: int,
     max_modules: int,
     quiet: bool,
@@ -63,6 +69,9 @@ def plot(
     --what grad-norms    each module's parameter gradient norm (log scale)
     --what activations   RMS and fraction of zeros of each module's outputs
     --what dead-units    share of silent units per ReLU layer, and dead at the end
+    --what histograms    distribution of |x| by power of two over steps, for up to 8
+                         histogrammed records (choose with --modules/--kinds),
+                         float16's limits drawn across
     --against RUN_B      largest relative difference per module and step, the
                          first divergence circled (the same as --what diff)
 
@@ -73,12 +82,15 @@ def plot(
     Example:
       hooktrace plot runs/mlp --what grad-norms -o grads.png
       hooktrace plot runs/before --against runs/after -o diff.png
+      hooktrace plot runs/mlp --what histograms --modules 'fc1$' -o hist.png
     """
     from hooktrace.analyze.plots import plot as draw
 
     what = what or ("diff" if against is not None else "grad-norms")
     if what == "diff" and against is None:
         raise CommandError("--what diff compares two runs: give --against RUN_B")
+    if kinds is not None and what != "histograms":
+        raise CommandError(f"--kinds chooses the records of --what histograms, not of {what}")
     if against is not None and what != "diff":
         raise CommandError(f"--against draws the diff picture, not {what}: leave out --what")
     with ProgressBar(f"drawing {what}", quiet=quiet) as progress:
@@ -88,6 +100,7 @@ def plot(
             against=against,
             steps=steps,
             modules=modules,
+            kinds=kinds,
             rank=rank,
             max_modules=max_modules,
             output=output,
