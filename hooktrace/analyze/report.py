@@ -1,8 +1,10 @@
 """One self-contained HTML page about a run, or two: :func:`report`. Never imports torch.
 
 The page holds the summary of each run, its findings (:func:`anomalies` and
-:func:`dead_relus`), the calls where a NaN or Inf began as the recorder captured them, the diff of the two runs when there are two, and the pictures of
-:mod:`hooktrace.analyze.plots` as inline PNGs (``data:`` URIs). It needs no server, no
+:func:`dead_relus`), the calls where a NaN or Inf began as the recorder captured them, the
+distributions of the flagged modules' histogrammed records (:func:`hooktrace.hist`), the diff
+of the two runs when there are two, and the pictures of :mod:`hooktrace.analyze.plots` as
+inline PNGs (``data:`` URIs). It needs no server, no
 script and nothing from the network: open it from disk, attach it to an issue. Every name
 that comes from a trace (modules, paths, commands, error messages) is HTML-escaped.
 """
@@ -25,6 +27,7 @@ from hooktrace.analyze.anomalies import anomalies
 from hooktrace.analyze.captured import described, replay_command
 from hooktrace.analyze.dead_units import dead_relus
 from hooktrace.analyze.findings import KIND_ORDER, SEVERITIES
+from hooktrace.analyze.histograms import hist, histogrammed, in_order, per_step
 from hooktrace.analyze.plot_tables import (
     activation_tables,
     diff_table,
@@ -81,7 +84,7 @@ def report(
     if run_b is not None:
         traces.append(run_b if isinstance(run_b, Trace) else load(run_b))
     no_pictures = _why_no_pictures()
-    work = len(traces) * (3 + (0 if no_pictures else 2)) + (1 if run_b is not None else 0)
+    work = len(traces) * (4 + (0 if no_pictures else 2)) + (1 if run_b is not None else 0)
     done = 0
 
     def step(what: str) -> None:
@@ -163,6 +166,8 @@ def _run_section(
     findings = _worst_first(pd.concat([found.findings, dead.findings()], ignore_index=True))
     out += _findings(findings, [*found.notes, *dead.notes])
     out += _captures(found.captures, trace.path)
+    step(f"distributions of {trace.path.name}")
+    out += _distributions(trace, findings, no_pictures)
     if not dead.layers.empty:
         out.append("<h3>ReLU layers</h3>")
         layers = dead.layers.assign(
@@ -201,6 +206,122 @@ def _run_section(
                 )
             )
     return out
+
+
+DISTRIBUTION_STEPS = 200
+"""Steps the distribution picture samples at most, evenly, from the first to the last."""
+
+
+def _distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None) -> list[str]:
+    """For the flagged modules (worst finding first), a table of their histogrammed records
+    at the step of that finding, and their distribution over steps; a note where the trace
+    holds none."""
+    worst: dict[str, tuple[str, int]] = {}
+    for module, kind, step in zip(
+        findings["module"], findings["kind"], findings["step"], strict=True
+    ):
+        worst.setdefault(str(module), (str(kind), int(step)))
+    if not worst:
+        return []
+    out = ["<h3>Distributions of the flagged modules</h3>"]
+    if not trace.has_histograms:
+        return [
+            *out,
+            '<p class="note">No histograms in this trace, so no distributions: record them '
+            "with <code>hooktrace record --histograms param,grad_param</code> (the default "
+            "since format 1.3).</p>",
+        ]
+    try:
+        records = histogrammed(trace, modules=list(worst))
+        chosen = _about_the_findings(records, worst).head(plots.HISTOGRAM_PANELS)
+        frame = (
+            hist(
+                trace,
+                modules=sorted(set(chosen["module"])),
+                kinds=sorted(set(chosen["kind"])),
+                max_steps=DISTRIBUTION_STEPS,
+            )
+            if not chosen.empty
+            else None
+        )
+    except HooktraceError as exc:  # the rest of the page holds
+        return [*out, f'<p class="note">not drawn: {_e(exc)}</p>']
+    notes = []
+    without = [m for m in worst if m not in set(records["module"])]
+    if without:
+        kinds = trace.manifest.get("config", {}).get("histograms") or []
+        notes.append(
+            f"No histograms of {', '.join(without)}: the trace histograms "
+            f"{', '.join(kinds) or 'nothing'}, of the modules that hold them."
+        )
+    if frame is None:
+        return [*out, *(f'<p class="note">{_e(n)}</p>' for n in notes)]
+    if len(chosen) < len(records):
+        notes.append(
+            f"{len(chosen)} of the {len(records)} histogrammed records of these modules shown: "
+            f"`hooktrace hist {trace.path} --modules REGEX` shows any."
+        )
+    wanted = set(zip(chosen["module"], chosen["kind"], chosen["slot"], strict=True))
+    keys = zip(frame["module"], frame["kind"], frame["slot"], strict=True)
+    frame = frame[[k in wanted for k in keys]]
+    rows = in_order(per_step(frame))
+    at = []
+    for _, mine in rows.groupby(["rank", "module", "kind", "slot"], sort=False):
+        when = worst[str(mine["module"].iloc[0])][1]
+        before = mine[mine["step"] <= when]
+        at.append(before.iloc[-1] if not before.empty else mine.iloc[0])
+    table = pd.DataFrame(at)
+    table["range of |x|"] = [
+        _exponent_range(lo, hi) for lo, hi in zip(table["lowest"], table["highest"], strict=True)
+    ]
+    shares = {
+        "neg": "negative",
+        "fp16_lost": "below 2^-24 (fp16: lost)",
+        "fp16_subnormal": "below 2^-14 (fp16: subnormal)",
+        "fp16_overflow": "2^16 and up (fp16: overflow)",
+    }
+    for name, title in shares.items():
+        table[title] = table[name].map(_share)
+    table = table.rename(columns={"numel": "values", "nan": "NaN", "inf": "Inf"})
+    columns = ["module", "kind", "slot", "step", "values", "range of |x|", "zero", "NaN", "Inf"]
+    out.append(
+        "<p>Each record at the step of its module's worst finding (or the histogrammed step "
+        "before it), and what float16 would make of its values.</p>"
+    )
+    out += _table(
+        table,
+        [*columns, *shares.values()],
+        numeric={"step", "values", "zero", "NaN", "Inf", *shares.values()},
+    )
+    out += [f'<p class="note">{_e(n)}</p>' for n in notes]
+    if no_pictures is None:
+        figure = plots.histograms_figure(trace, frame)
+        out.append(
+            _figure(figure, "distribution of |x| by power of two over steps (share of values)")
+        )
+    return out
+
+
+def _about_the_findings(records: pd.DataFrame, worst: dict[str, tuple[str, int]]) -> pd.DataFrame:
+    """The records a module's worst finding is about, modules in the findings' order: its
+    parameters for a non-finite parameter, else its parameters' gradients (what the other
+    findings on parameters watch); all of its records where it has none of those."""
+    chosen = []
+    for module, (kind, _) in worst.items():
+        mine = records[records["module"] == module]
+        about = mine[mine["kind"] == ("param" if kind == "nonfinite_param" else "grad_param")]
+        chosen.append(about if not about.empty else mine)
+    return pd.concat(chosen, ignore_index=True) if chosen else records.head(0)
+
+
+def _exponent_range(lowest: Any, highest: Any) -> str:
+    if pd.isna(lowest):
+        return "-"
+    return f"2^{lowest} to 2^{int(highest) + 1}"
+
+
+def _share(value: float) -> str:
+    return "-" if value != value or value == 0 else f"{value:.2%}"
 
 
 def _diff_section(
