@@ -26,6 +26,7 @@ from hooktrace.analyze.plot_tables import (
     activation_tables,
     diff_table,
     grad_norm_table,
+    histogram_table,
     silent_unit_table,
 )
 from hooktrace.analyze.plots import (
@@ -403,3 +404,58 @@ def test_help_needs_neither_pandas_nor_matplotlib() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout.strip().endswith("[]"), done.stdout + done.stderr
+
+
+# --- distributions (histograms) -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def known_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_hist import record_known
+
+    return record_known(tmp_path_factory.mktemp("known") / "run")
+
+
+def test_histogram_table_holds_each_powers_share(known_run: Path) -> None:
+    frame = hooktrace.hist(known_run, kinds="param", modules="Linear")
+    weight = histogram_table(frame[frame["slot"] == "weight"])
+    assert weight.index.tolist() == list(range(-30, 21))  # float16's -24..-15 inside anyway
+    assert weight.columns.tolist() == [0, 1, 2, 3]
+    # 2^-30, -2^-26, 2^-20, -2^-16, 2^-10, 1, -3, 2^10, 2^17, -2^20: one of 12 values each
+    occupied = weight.index[weight[0] > 0].tolist()
+    assert occupied == [-30, -26, -20, -16, -10, 0, 1, 10, 17, 20]
+    np.testing.assert_allclose(weight.loc[occupied, 0], 1 / 12)
+    np.testing.assert_allclose(weight.sum(), 10 / 12)  # the two zeros are not in a power
+    bias = histogram_table(frame[frame["slot"] == "bias"])  # 0.5 and -0.25
+    assert bias.index.tolist() == list(range(-24, 0))  # the subnormal band, up to 2^-2
+    assert bias.loc[[-2, -1], 2].tolist() == [0.5, 0.5]
+
+
+def test_histograms_picture_is_drawn(known_run: Path, tmp_path: Path) -> None:
+    figure = plot(known_run, what="histograms", output=tmp_path / "h.png")
+    decode_png(tmp_path / "h.png")
+    panels = [ax.get_title(loc="left") for ax in figure.axes if ax.get_title(loc="left")]
+    assert panels == [
+        "Linear param weight", "Linear param bias",
+        "Linear grad_param weight", "Linear grad_param bias",
+    ]  # fmt: skip
+    labels = [t.get_text() for ax in figure.axes for t in ax.texts]
+    assert "fp16 lost below $2^{-24}$" in labels and "fp16 overflows from $2^{16}$" in labels
+    one = plot(known_run, what="histograms", kinds=["grad_param"], modules="Lin", max_modules=1)
+    assert one.get_suptitle().endswith("(1 of 2 records shown: choose with modules/kinds)")
+
+
+def test_histograms_command_and_a_trace_without_them(known_run: Path, tmp_path: Path) -> None:
+    done = invoke("plot", known_run, "--what", "histograms", "--kinds", "grad_param", "-q",
+                  "-o", tmp_path / "h.svg")  # fmt: skip
+    assert done.exit_code == 0 and done.output == ""
+    assert (tmp_path / "h.svg").read_text().lstrip().startswith("<?xml")
+    none = invoke("plot", SAMPLES / "healthy", "--what", "histograms", "-o", tmp_path / "x.png")
+    assert none.exit_code == 2 and len(none.output.strip().splitlines()) == 1
+    assert "holds no histograms" in none.output and "--histograms param,grad_param" in none.output
+    assert not (tmp_path / "x.png").exists()
+    kinds = invoke("plot", known_run, "--kinds", "param", "-o", tmp_path / "x.png")
+    assert kinds.exit_code == 2
+    assert "--kinds chooses the records of --what histograms, not of grad-norms" in kinds.output
+    with pytest.raises(ConfigError, match="kinds choose the records of the histograms picture"):
+        plot(known_run, what="activations", kinds="param")

@@ -196,3 +196,40 @@ def test_progress_bar_only_on_a_terminal_and_not_when_quiet() -> None:
         with ProgressBar("analysing", quiet=quiet, file=file) as progress:
             progress(0, 3, "summary")
         assert file.getvalue() == ""
+
+
+@pytest.fixture(scope="module")
+def vanishing_page(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A run whose gradients vanish (the loss scaled by 1e-9): flagged, and histogrammed."""
+    from test_anomalies import MLP, train
+
+    run = tmp_path_factory.mktemp("vanishing") / "run"
+    train(MLP(), run, steps=5, loss_scale=1e-9)
+    return report(run)
+
+
+def test_flagged_modules_show_their_distributions(vanishing_page: str) -> None:
+    page = Page(vanishing_page)
+    assert "Distributions of the flagged modules" in page.headings
+    section = vanishing_page.partition("Distributions of the flagged modules")[2]
+    section = section.partition("<h3>")[0]
+    rows = section.split("<tr>")[2:]  # after the header
+    cells = [[c.partition(">")[2] for c in r.split("</td>")[:-1]] for r in rows]
+    # the gradients the findings are about, fc1 to fc3, each at step 0
+    assert [c[:4] for c in cells] == [
+        [m, "grad_param", s, "0"] for m in ("fc1", "fc2", "fc3") for s in ("weight", "bias")
+    ]
+    # a gradient 1e-9 of its usual size (2^-30): float16 loses most of it, all of some
+    lost = [float(c[10].rstrip("%")) for c in cells]
+    assert min(lost) > 80 and max(lost) == 100
+    assert len(page.images()) == 3 + 1  # the run's pictures, and the distributions
+
+
+def test_a_trace_without_histograms_gets_a_note_not_a_failure(nan_page: str) -> None:
+    assert "Distributions of the flagged modules" in Page(nan_page).headings
+    assert "No histograms in this trace, so no distributions" in nan_page
+    assert "--histograms param,grad_param" in nan_page
+
+
+def test_a_page_with_nothing_flagged_has_no_distributions(pair_page: Path) -> None:
+    assert "Distributions of the flagged modules" not in Page(pair_page.read_text()).headings
