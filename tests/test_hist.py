@@ -342,9 +342,14 @@ def test_a_trace_without_histograms_says_how_to_record_them(tmp_path: Path) -> N
 
 # --- the command -------------------------------------------------------------------------------
 
+# golden file -> the command, run where the run is (the hand-set Linear: "run"; the samples:
+# the repository root)
 GOLDEN_COMMANDS = {
     "hist_known": "hist run",
     "hist_known_step3": "hist run --steps 3",
+    "hist_underflow": "hist sample_traces/underflow --modules embed --kinds grad_param "
+    "--max-steps 10",
+    "hist_underflow_step29": "hist sample_traces/underflow --steps 29",
 }
 
 
@@ -353,8 +358,8 @@ def test_text_view_matches_golden(
     known: Path, golden: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """HOOKTRACE_UPDATE_GOLDEN=1 rewrites the golden files (then read the diff)."""
-    monkeypatch.chdir(known.parent)
     command = GOLDEN_COMMANDS[golden]
+    monkeypatch.chdir(ROOT if "sample_traces/" in command else known.parent)
     result = invoke(*command.split())
     assert result.exit_code == 0 and result.stderr == "", result.output
     text = f"$ hooktrace {command}\n{result.stdout}"
