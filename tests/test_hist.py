@@ -326,13 +326,28 @@ def test_bad_options_say_what_the_trace_holds(
     assert message in str(caught.value)
 
 
+def without_histograms(out: Path, *, older: bool) -> Path:
+    """A real recording with no histograms: recorded with histograms off, or made to look as
+    a trace written before format 1.3 (no histograms/, no such configuration)."""
+    record_known(out, steps=1, histograms=None)
+    if older:
+        manifest = json.loads((out / "manifest.json").read_text())
+        for key in ("histograms", "histogram_every"):
+            manifest["config"].pop(key)
+        manifest["format_version"] = "1.2"
+        (out / "manifest.json").write_text(json.dumps(manifest))
+    assert not (out / "histograms").exists()
+    return out
+
+
 def test_a_trace_without_histograms_says_how_to_record_them(tmp_path: Path) -> None:
-    with pytest.raises(TraceError, match=r"before histograms were \(format 1.0"):
-        hist(SAMPLES / "healthy")
-    record_known(tmp_path / "off", steps=1, histograms=None)
+    older = without_histograms(tmp_path / "older", older=True)
+    with pytest.raises(TraceError, match=r"before histograms were \(format 1.2, before 1.3\)"):
+        hist(older)
+    off = without_histograms(tmp_path / "off", older=False)
     with pytest.raises(TraceError, match=r"histograms off \(--histograms none\)"):
-        hist(tmp_path / "off")
-    for run in (SAMPLES / "healthy", tmp_path / "off"):
+        hist(off)
+    for run in (older, off):
         result = invoke("hist", run)
         assert result.exit_code == 2 and result.stdout == ""
         assert result.stderr.startswith(f"hooktrace: error: {run} holds no histograms")

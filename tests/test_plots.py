@@ -450,10 +450,14 @@ def test_histograms_command_and_a_trace_without_them(known_run: Path, tmp_path: 
                   "-o", tmp_path / "h.svg")  # fmt: skip
     assert done.exit_code == 0 and done.output == ""
     assert (tmp_path / "h.svg").read_text().lstrip().startswith("<?xml")
-    none = invoke("plot", SAMPLES / "healthy", "--what", "histograms", "-o", tmp_path / "x.png")
+    from test_hist import without_histograms
+
+    off = without_histograms(tmp_path / "off", older=False)
+    none = invoke("plot", off, "--what", "histograms", "-o", tmp_path / "x.png")
     assert none.exit_code == 2 and len(none.output.strip().splitlines()) == 1
     assert "holds no histograms" in none.output and "--histograms param,grad_param" in none.output
     assert not (tmp_path / "x.png").exists()
+    assert invoke("plot", off, "-q", "-o", tmp_path / "grads.png").exit_code == 0  # the others
     kinds = invoke("plot", known_run, "--kinds", "param", "-o", tmp_path / "x.png")
     assert kinds.exit_code == 2
     assert "--kinds chooses the records of --what histograms, not of grad-norms" in kinds.output

@@ -82,7 +82,8 @@ def test_a_run_page_holds_summary_findings_and_pictures(nan_page: str) -> None:
     for text in ("nonfinite_forward", "log_probs", "produced the first Inf of the forward pass",
                  "nonfinite_param", "activation_spike", "30 recorded (0–29)"):  # fmt: skip
         assert text in nan_page
-    assert len(page.images()) == 3  # gradient norms, activations, dead units
+    # gradient norms, activations, dead units; the flagged modules' distributions
+    assert len(page.images()) == 3 + 1
 
 
 def test_a_run_page_names_the_captured_operation_and_line(tmp_path: Path) -> None:
@@ -225,10 +226,23 @@ def test_flagged_modules_show_their_distributions(vanishing_page: str) -> None:
     assert len(page.images()) == 3 + 1  # the run's pictures, and the distributions
 
 
-def test_a_trace_without_histograms_gets_a_note_not_a_failure(nan_page: str) -> None:
-    assert "Distributions of the flagged modules" in Page(nan_page).headings
-    assert "No histograms in this trace, so no distributions" in nan_page
-    assert "--histograms param,grad_param" in nan_page
+def test_the_nan_samples_page_shows_the_flagged_parameters_non_finite(nan_page: str) -> None:
+    section = nan_page.partition("Distributions of the flagged modules")[2].partition("<h3>")[0]
+    # embed's parameters are NaN from step 16 (nonfinite_param), 512 + 32 of them
+    assert '<td class="mono">embed</td><td class="mono">param</td>' in section
+    assert '<td class="num">16</td><td class="num">512</td><td class="mono">-</td>' in section
+    assert "Not histogrammed: log_probs" in section
+
+
+def test_a_trace_without_histograms_gets_a_note_not_a_failure(tmp_path: Path) -> None:
+    run = tmp_path / "nan"
+    shutil.copytree(SAMPLES / "nan", run)
+    shutil.rmtree(run / "histograms")  # none written
+    page = report(run)
+    assert "Distributions of the flagged modules" in Page(page).headings
+    assert "No histograms in this trace, so no distributions" in page
+    assert "--histograms param,grad_param" in page
+    assert len(Page(page).images()) == 3
 
 
 def test_a_page_with_nothing_flagged_has_no_distributions(pair_page: Path) -> None:

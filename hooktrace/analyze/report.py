@@ -251,8 +251,8 @@ def _distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None
     if without:
         kinds = trace.manifest.get("config", {}).get("histograms") or []
         notes.append(
-            f"No histograms of {', '.join(without)}: the trace histograms "
-            f"{', '.join(kinds) or 'nothing'}, of the modules that hold them."
+            f"Not histogrammed: {', '.join(without)} (the trace histograms "
+            f"{', '.join(kinds) or 'nothing'}; these modules record none of those)."
         )
     if frame is None:
         return [*out, *(f'<p class="note">{_e(n)}</p>' for n in notes)]
