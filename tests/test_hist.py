@@ -20,11 +20,9 @@ from click.testing import CliRunner, Result
 from torch import nn
 
 import hooktrace
+from hooktrace.analyze import histograms
 from hooktrace.analyze.histograms import (
     COLUMNS,
-    _bins_by_reader,
-    _typed,
-    _Where,
     hist,
     histogrammed,
     per_step,
@@ -233,19 +231,38 @@ def test_a_trained_model_matches_numpy_on_its_own_tensors(mlp: tuple[Path, Value
     assert rows["fp16_lost"].max() > 0  # the small gradients reach below float16
 
 
-def test_the_reader_route_gives_the_same_table(mlp: tuple[Path, Values]) -> None:
+def test_the_reader_route_gives_the_same_table(
+    mlp: tuple[Path, Values], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where DuckDB cannot decode a part, hooktrace's reader answers instead: the same rows."""
-    trace = hooktrace.load(mlp[0])
-    for options in ({}, {"modules": "fc2", "kinds": ["grad_param"], "steps": "2-4"}):
-        where = _Where(
-            trace,
-            modules=options.get("modules"),
-            kinds=options.get("kinds"),  # type: ignore[arg-type]
-            steps=options.get("steps"),  # type: ignore[arg-type]
-            ranks=None,
-        )
-        by_reader = _typed(_bins_by_reader(trace, where, None))
-        pd.testing.assert_frame_equal(hist(trace, **options), by_reader)  # type: ignore[arg-type]
+    import duckdb
+
+    options: list[dict[str, object]] = [
+        {}, {"modules": "fc2", "kinds": ["grad_param"], "steps": "2-4"}, {"max_steps": 2},
+    ]  # fmt: skip
+    expected = [hist(mlp[0], **o) for o in options]  # type: ignore[arg-type]
+    sql = hooktrace.Trace.sql
+
+    def failing(self: hooktrace.Trace, query: str, parameters: object = None) -> pd.DataFrame:
+        if "pos, neg" in query:
+            raise TraceError("the engine failed") from duckdb.IOException("a bad page")
+        return sql(self, query, parameters)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hooktrace.Trace, "sql", failing)
+    for o, frame in zip(options, expected, strict=True):
+        pd.testing.assert_frame_equal(hist(mlp[0], **o), frame)  # type: ignore[arg-type]
+
+
+def test_chunks_of_steps_and_a_sink_give_the_same_rows(
+    mlp: tuple[Path, Values], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = hist(mlp[0])
+    monkeypatch.setattr(histograms, "CHUNK_RECORDS", 10)  # 8 histograms a step: one at a time
+    chunks: list[pd.DataFrame] = []
+    assert hist(mlp[0], sink=chunks.append).empty
+    assert [sorted(set(c["step"])) for c in chunks] == [[s] for s in range(6)]
+    pd.testing.assert_frame_equal(pd.concat(chunks, ignore_index=True), whole)
+    pd.testing.assert_frame_equal(hist(mlp[0]), whole)
 
 
 def test_a_parameter_recorded_twice_in_a_step_counts_once_and_calls_add_up(

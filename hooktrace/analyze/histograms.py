@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -27,7 +26,7 @@ import pandas as pd
 from hooktrace.analyze.findings import StepsSpec, step_filter
 from hooktrace.errors import ConfigError, TraceError
 from hooktrace.trace import schema
-from hooktrace.trace.histograms import EXPONENT_MIN, MAGNITUDE_BINS
+from hooktrace.trace.histograms import EXPONENT_MIN
 from hooktrace.trace.reader import Trace, load
 
 Run = str | os.PathLike[str] | Trace
@@ -69,6 +68,7 @@ def hist(
     steps: StepsSpec = None,
     ranks: Sequence[int] | None = None,
     max_steps: int | None = None,
+    sink: Callable[[pd.DataFrame], None] | None = None,
 ) -> pd.DataFrame:
     """The distribution of each histogrammed record (module, kind, slot) at each step.
 
@@ -85,7 +85,10 @@ def hist(
     (``param``, ``grad_param``, ...), ``steps`` (``"0-100"``, ``(first, last)`` or step
     numbers) and ``ranks`` filter; ``max_steps`` keeps at most that many of the steps
     histogrammed, evenly spaced with the first and the last. ``frame.attrs["steps"]`` holds
-    how many steps matched before that.
+    how many steps matched before that. The trace is read a few steps at a time (about
+    :data:`CHUNK_RECORDS` histograms); with ``sink``, each chunk's rows are handed to it as
+    they are made, whole steps in order, and the frame returned is empty: memory stays
+    bounded however long the run.
 
     Raises :class:`TraceError` when the trace holds no histograms (recorded without them, or
     before format 1.3), and :class:`ConfigError` on bad options or when nothing matches them.
@@ -100,13 +103,25 @@ def hist(
     if max_steps is not None and max_steps < 1:
         raise ConfigError(f"max_steps must be 1 or more (got {max_steps})")
     where = _Where(trace, modules=modules, kinds=_kinds(kinds), steps=steps, ranks=ranks)
-    matched = where.steps()
-    if not matched:
+    per_step_rows = where.rows_per_step()
+    if per_step_rows.empty:
         raise ConfigError(f"no histograms match {where.asked()}: {describe(trace)}")
+    matched = [int(s) for s in per_step_rows.index]
     chosen = sample_steps(matched, max_steps)
-    frame = _bins(trace, where, None if len(chosen) == len(matched) else chosen)
-    frame.attrs["steps"] = len(matched)
-    return frame
+    parts = []
+    for chunk in _chunks(per_step_rows.loc[chosen], CHUNK_RECORDS):
+        frame = _tidy(_read(trace, where, chunk, sampled=len(chosen) < len(matched)))
+        if sink is not None:
+            sink(frame)
+        else:
+            parts.append(frame)
+    out = pd.concat(parts, ignore_index=True) if len(parts) > 1 else (parts or [_empty()])[0]
+    out.attrs["steps"] = len(matched)
+    return out if sink is None else _empty(attrs={"steps": len(matched)})
+
+
+CHUNK_RECORDS: Final = 20_000
+"""Histograms (of some 4.5 KB each, as read) that :func:`hist` reads at a time."""
 
 
 def histogrammed(
@@ -343,11 +358,13 @@ class _Where:
         clauses = [*self.clauses, *extra]
         return (" WHERE " + " AND ".join(clauses)) if clauses else ""
 
-    def steps(self) -> list[int]:
+    def rows_per_step(self) -> pd.Series:
+        """Histograms per step, indexed by step, in step order (no bins read)."""
         found = self.trace.sql(
-            f"SELECT DISTINCT step FROM histograms{self.sql()} ORDER BY step", self.values
+            f"SELECT step, count(*) AS n FROM histograms{self.sql()} GROUP BY step ORDER BY step",
+            self.values,
         )
-        return [int(s) for s in found["step"]]
+        return found.set_index("step")["n"].astype("int64")
 
     def asked(self) -> str:
         parts = []
@@ -362,113 +379,108 @@ class _Where:
         return ", ".join(parts) or "the trace"
 
 
-# One row per record and step (a parameter recorded twice in a step, eval then train, keeps
-# its last record); then its bins unnested, the empty ones dropped, summed over the records of
-# the step. DuckDB's lists count from 1: list index i holds bin i - 1, exponent i - 1 - 150.
-_QUERY = """
-WITH chosen AS (
-    SELECT rank, step, seq, module, kind, slot, numel, zero, nan, pos_inf, neg_inf, pos, neg
-    FROM histograms{where}
-    QUALIFY kind <> 'param' OR seq = max(seq) OVER (PARTITION BY rank, step, module, kind, slot)
-),
-per_step AS (
-    SELECT rank, step, module, kind, slot, sum(numel) AS numel, min(seq) AS seq
-    FROM chosen GROUP BY rank, step, module, kind, slot
-),
-unnested AS (
-    SELECT rank, step, module, kind, slot,
-           generate_subscripts(pos, 1) - 1 + {lowest} AS exponent,
-           unnest(pos) AS pos, unnest(neg) AS neg
-    FROM chosen
-),
-bins AS (
-    SELECT rank, step, module, kind, slot, 'pos' AS bin, exponent, pos AS count
-    FROM unnested WHERE pos > 0
-    UNION ALL
-    SELECT rank, step, module, kind, slot, 'neg', exponent, neg FROM unnested WHERE neg > 0
-    UNION ALL
-    SELECT rank, step, module, kind, slot, 'zero', NULL, zero FROM chosen WHERE zero > 0
-    UNION ALL
-    SELECT rank, step, module, kind, slot, 'nan', NULL, nan FROM chosen WHERE nan > 0
-    UNION ALL
-    SELECT rank, step, module, kind, slot, 'pos_inf', NULL, pos_inf FROM chosen WHERE pos_inf > 0
-    UNION ALL
-    SELECT rank, step, module, kind, slot, 'neg_inf', NULL, neg_inf FROM chosen WHERE neg_inf > 0
+def _chunks(per_step: pd.Series, rows: int) -> list[list[int]]:
+    """The steps of ``per_step`` (histograms per step) in runs of about ``rows`` histograms,
+    whole steps each."""
+    chunks: list[list[int]] = [[]]
+    total = 0
+    for step, n in zip(per_step.index.tolist(), per_step.tolist(), strict=True):
+        if chunks[-1] and total + int(n) > rows:
+            chunks.append([])
+            total = 0
+        chunks[-1].append(int(step))
+        total += int(n)
+    return chunks
+
+
+_RAW = (
+    "SELECT rank, step, seq, module, kind, slot, numel, zero, nan, pos_inf, neg_inf, pos, neg "
+    "FROM histograms{where} ORDER BY rank, step, seq"
 )
-SELECT r.rank, r.step, r.module, r.kind, r.slot, r.numel, b.bin, b.exponent,
-       sum(b.count)::BIGINT AS count
-FROM bins b JOIN per_step r USING (rank, step, module, kind, slot)
-GROUP BY r.rank, r.step, r.seq, r.module, r.kind, r.slot, r.numel, b.bin, b.exponent
-ORDER BY r.rank, r.step, r.seq, r.kind, r.slot,
-         list_position(['zero', 'nan', 'pos_inf', 'neg_inf', 'neg', 'pos'], b.bin), b.exponent
-"""
 
 
-def _bins(trace: Trace, where: _Where, chosen: list[int] | None) -> pd.DataFrame:
-    extra, values = [], list(where.values)
-    if chosen is not None:
+def _read(trace: Trace, where: _Where, steps: list[int], *, sampled: bool) -> pd.DataFrame:
+    """The histograms of ``steps`` that ``where`` matches, as the format holds them; by DuckDB
+    (the step range lets it skip the row groups outside), or where DuckDB fails on a part,
+    by hooktrace's reader, which leaves a damaged part out with a warning."""
+    extra = ["step BETWEEN ? AND ?"]
+    values = [*where.values, steps[0], steps[-1]]
+    if sampled:
         extra.append("list_contains(?, step)")
-        values.append(chosen)
-    query = _QUERY.format(where=where.sql(*extra), lowest=EXPONENT_MIN - 1)
+        values.append(steps)
     try:
-        frame = trace.sql(query, values)
+        return trace.sql(_RAW.format(where=where.sql(*extra)), values)
     except TraceError as exc:
         if not _engine_failed(exc):
             raise
-        frame = _bins_by_reader(trace, where, chosen)  # a part DuckDB cannot decode
-    return _typed(frame)
+    return trace.histograms(steps=steps, modules=where.names, kinds=where.kinds, ranks=where.ranks)
 
 
-def _bins_by_reader(trace: Trace, where: _Where, chosen: list[int] | None) -> pd.DataFrame:
-    """The same table from hooktrace's reader, which leaves a damaged part out (with a
-    warning) where DuckDB fails on it."""
-    span = step_filter(where.step_spec)
-    steps: Any = chosen if chosen is not None else span
-    frame = trace.histograms(steps=steps, modules=where.names, kinds=where.kinds, ranks=where.ranks)
-    if frame.empty:
-        return pd.DataFrame(columns=list(COLUMNS[:-1]))
-    for name in ("module", "kind", "slot"):
-        frame[name] = frame[name].astype(str)
+def _tidy(raw: pd.DataFrame) -> pd.DataFrame:
+    """:func:`hist`'s rows of ``raw`` histograms (in rank, step, seq order): a parameter
+    recorded twice in a step keeps its last record, the records of a step are summed, and each
+    non-empty bin is a row."""
+    if raw.empty:
+        return _empty()
     key = ["rank", "step", "module", "kind", "slot"]
-    is_param = frame["kind"] == "param"
-    last = frame.groupby(key)["seq"].transform("max")
-    frame = frame[~is_param | (frame["seq"] == last)]
-    records = frame.groupby(key, sort=False).agg(numel=("numel", "sum"), seq=("seq", "min"))
-    pieces = []
-    for name in ("zero", "nan", "pos_inf", "neg_inf"):
-        pieces.append(frame[key].assign(bin=name, exponent=np.nan, count=frame[name].to_numpy()))
-    for name in ("neg", "pos"):
-        counts = np.stack(frame[name].to_list()) if len(frame) else np.zeros((0, MAGNITUDE_BINS))
-        row, at = np.nonzero(counts)
-        part = frame[key].iloc[row].reset_index(drop=True)
-        pieces.append(part.assign(bin=name, exponent=at + EXPONENT_MIN - 1, count=counts[row, at]))
-    bins = pd.concat(pieces, ignore_index=True)
-    bins = bins[bins["count"] > 0]
-    summed = bins.groupby([*key, "bin", "exponent"], dropna=False, sort=False)["count"].sum()
-    out = summed.reset_index().join(records, on=key)
-    out["order"] = out["bin"].map({b: i for i, b in enumerate(BINS)})
-    out = out.sort_values(["rank", "step", "seq", "kind", "slot", "order", "exponent"])
-    return out[list(COLUMNS[:-1])]
+    raw = raw.assign(**{name: raw[name].astype(str) for name in ("module", "kind", "slot")})
+    last = raw.groupby(key, sort=False)["seq"].transform("max")
+    raw = raw[(raw["kind"] != "param") | (raw["seq"] == last)]
+    group = raw.groupby(key, sort=False).ngroup().to_numpy()  # first met, first numbered
+    records = raw.groupby(key, sort=False).agg(numel=("numel", "sum")).reset_index()
+    order = np.argsort(group, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(group[order]) != 0])
 
+    def summed(values: np.ndarray) -> np.ndarray:  # per record and step, in group order
+        return np.add.reduceat(values[order], starts, axis=0)
 
-def _typed(frame: pd.DataFrame) -> pd.DataFrame:
+    pieces = []  # (record and step, which of BINS, exponent, count) of each non-empty bin
+    for i, name in enumerate(BINS):
+        if name in ("neg", "pos"):
+            matrix = summed(np.stack(raw[name].tolist()).astype(np.int64, copy=False))
+            at, k = np.nonzero(matrix)
+            pieces.append((at, np.full(len(at), i), k + EXPONENT_MIN - 1, matrix[at, k]))
+        else:
+            counts = summed(raw[name].to_numpy(dtype=np.int64))
+            at = np.flatnonzero(counts)
+            pieces.append((at, np.full(len(at), i), np.zeros(len(at), np.int64), counts[at]))
+    at, which, exponent, count = (np.concatenate(p) for p in zip(*pieces, strict=True))
+    sort = np.lexsort((exponent, which, at))
+    at, which, exponent, count = at[sort], which[sort], exponent[sort], count[sort]
+    rows = records.iloc[at].reset_index(drop=True)
     out = pd.DataFrame(
         {
-            "rank": frame["rank"].astype("int64"),
-            "step": frame["step"].astype("int64"),
-            "module": frame["module"].astype(str),
-            "kind": frame["kind"].astype(str),
-            "slot": frame["slot"].astype(str),
-            "numel": frame["numel"].astype("int64"),
-            "bin": frame["bin"].astype(str),
-            "exponent": frame["exponent"].astype("Int64"),
-            "count": frame["count"].astype("int64"),
+            "rank": rows["rank"].astype("int64"),
+            "step": rows["step"].astype("int64"),
+            "module": rows["module"],
+            "kind": rows["kind"],
+            "slot": rows["slot"],
+            "numel": rows["numel"].astype("int64"),
+            "bin": np.asarray(BINS, dtype=object)[which],
+            "exponent": pd.arrays.IntegerArray(
+                exponent.astype(np.int64), which < BINS.index("neg")
+            ),
+            "count": count.astype(np.int64),
         }
     )
-    with warnings.catch_warnings():  # a record of no values has no bins: never 0/0 here
-        warnings.simplefilter("ignore", RuntimeWarning)
-        out["fraction"] = out["count"] / out["numel"]
-    return out.reset_index(drop=True)
+    out["fraction"] = out["count"] / out["numel"]  # never 0/0: a record of no values has no bins
+    return out
+
+
+def _empty(attrs: dict[str, Any] | None = None) -> pd.DataFrame:
+    frame = pd.DataFrame(
+        {
+            **{c: pd.Series(dtype="int64") for c in ("rank", "step")},
+            **{c: pd.Series(dtype=str) for c in ("module", "kind", "slot")},
+            "numel": pd.Series(dtype="int64"),
+            "bin": pd.Series(dtype=str),
+            "exponent": pd.Series(dtype="Int64"),
+            "count": pd.Series(dtype="int64"),
+            "fraction": pd.Series(dtype="float64"),
+        }
+    )
+    frame.attrs.update(attrs or {})
+    return frame
 
 
 def _engine_failed(exc: TraceError) -> bool:

@@ -116,3 +116,52 @@ def emit_frame(
         click.echo(text, nl=False)
     else:
         output.write_text(text)
+
+
+class FrameWriter:
+    """Writes a table chunk by chunk in ``--format`` csv, json (an array, a record a line) or
+    parquet, so that memory stays bounded however many rows there are; ``close()`` ends it.
+    The first chunk sets the columns and their types (a table with no chunk is empty)."""
+
+    def __init__(self, fmt: str, output: Path | None) -> None:
+        if fmt == "parquet" and output is None:
+            raise CommandError("--format parquet writes a binary file: give --output FILE.parquet")
+        self.fmt = fmt
+        self.output = output
+        self.stream: Any = None
+        self.parquet: Any = None
+        self.chunks = 0
+
+    def write(self, frame: pd.DataFrame) -> None:
+        if self.fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            table = pa.Table.from_pandas(frame, preserve_index=False)
+            if self.parquet is None:
+                self.parquet = pq.ParquetWriter(self.output, table.schema)
+            self.parquet.write_table(table.cast(self.parquet.schema))
+        elif self.fmt == "csv":
+            self._text(frame.to_csv(index=False, header=self.chunks == 0))
+        elif len(frame):
+            records = frame.to_json(orient="records", lines=True).strip().replace("\n", ",\n")
+            self._text(("[\n" if self.chunks == 0 else ",\n") + records)
+        else:
+            return
+        self.chunks += 1
+
+    def close(self) -> None:
+        if self.fmt == "json":
+            self._text("\n]\n" if self.chunks else "[]\n")
+        if self.parquet is not None:
+            self.parquet.close()
+        if self.stream is not None:
+            self.stream.close()
+
+    def _text(self, text: str) -> None:
+        if self.output is None:
+            click.echo(text, nl=False)
+            return
+        if self.stream is None:
+            self.stream = self.output.open("w")
+        self.stream.write(text)

@@ -12,6 +12,7 @@ import click
 from hooktrace.cli.anomalies import steps_option
 from hooktrace.cli.common import (
     CommandError,
+    FrameWriter,
     emit_frame,
     library_errors,
     output_options,
@@ -81,17 +82,21 @@ def hist(
     """
     from hooktrace.analyze.histograms import hist as histograms
 
-    if fmt == "parquet" and output is None:
-        raise CommandError("--format parquet writes a binary file: give --output FILE.parquet")
-    frame = histograms(
-        run,
-        modules=modules,
-        kinds=kinds,
-        steps=steps,
-        ranks=_ints(ranks, "--ranks"),
-        max_steps=max_steps if max_steps is not None or fmt != "table" else MAX_STEPS,
-    )
-    emit_frame(frame, fmt, output, table_text=render(run, frame) if fmt == "table" else "")
+    options: dict[str, Any] = {
+        "modules": modules,
+        "kinds": kinds,
+        "steps": steps,
+        "ranks": _ints(ranks, "--ranks"),
+    }
+    if fmt == "table":
+        frame = histograms(run, **options, max_steps=max_steps or MAX_STEPS)
+        emit_frame(frame, fmt, output, table_text=render(run, frame))
+        return
+    writer = FrameWriter(fmt, output)  # chunk by chunk: every step of a long run fits
+    try:
+        histograms(run, **options, max_steps=max_steps, sink=writer.write)
+    finally:
+        writer.close()
 
 
 def _ints(text: str | None, option: str) -> list[int] | None:
