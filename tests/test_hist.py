@@ -417,8 +417,15 @@ def test_text_view_is_what_the_numbers_say(known: Path) -> None:
 def test_bars_are_scaled_to_the_rows_largest_and_blank_only_where_empty() -> None:
     from hooktrace.cli.hist import _bars, _columns
 
-    assert _bars({0: 800, 1: 1, 2: 400, 4: 100}, 0, 1, 6) == "█▁▄ ▁ "
-    assert _bars({-30: 5, -21: 5}, -30, 2, 5) == "█   █"  # -30/-29, ..., -22/-21
+    def counts(by_exponent: dict[int, int]) -> np.ndarray:  # by bin: exponent e is e + 150
+        row = np.zeros(279, dtype=np.int64)
+        for e, n in by_exponent.items():
+            row[e + 150] = n
+        return row
+
+    assert _bars(counts({0: 800, 1: 1, 2: 400, 4: 100}), 0, 1, 6) == "█▁▄ ▁ "
+    assert _bars(counts({-30: 5, -21: 5}), -30, 2, 5) == "█   █"  # -30/-29, ..., -22/-21
+    assert _bars(counts({-150: 1, 128: 2}), -154, 5, 57) == "▄" + " " * 55 + "█"  # both ends
     assert _columns(-30, 20) == (-30, 1, 51)
     assert _columns(-150, 128) == (-154, 5, 57)  # float16's limits between columns: -24 + 5k
     assert _columns(-40, 40) == (-40, 2, 41)

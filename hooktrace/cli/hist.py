@@ -115,9 +115,10 @@ def render(run: object, frame: pd.DataFrame) -> str:
     """The text view of :func:`hooktrace.hist`'s ``frame``."""
     from hooktrace.analyze.histograms import in_order, per_step
 
-    rows = per_step(frame)
-    bins = _magnitudes(frame)
-    records = rows.groupby(["rank", "module", "kind", "slot"], sort=False).ngroups
+    rows = in_order(per_step(frame)).reset_index(drop=True)
+    counts = _magnitudes(frame, rows)
+    keys = ["rank", "module", "kind", "slot"]
+    records = rows.groupby(keys, sort=False).ngroups
     steps = sorted(set(rows["step"].tolist()))
     matched = int(frame.attrs.get("steps", len(steps)))
     span = f"{steps[0]}" if steps[0] == steps[-1] else f"{steps[0]}–{steps[-1]}"
@@ -135,35 +136,35 @@ def render(run: object, frame: pd.DataFrame) -> str:
         "! overflow (2^16 and up); <2^-24, <2^-14 and >=2^16: shares of all values",
     ]
     ranks = rows["rank"].nunique() > 1
-    rows = in_order(rows)
     if len(steps) == 1 and records > 1:
-        labels = [_record_label(r, ranks) for r in rows.to_dict("records")]
+        labels = [
+            f"rank {r} {m} {k} {s}" if ranks else f"{m} {k} {s}"
+            for r, m, k, s in zip(*(rows[c] for c in keys), strict=True)
+        ]
         lines += ["", f"step {steps[0]}"]
-        lines += _block(rows, bins, labels, "record")
+        lines += _block(rows, counts, labels, "record")
     else:
-        for _, mine in rows.groupby(["rank", "module", "kind", "slot"], sort=False):
+        for _, mine in rows.groupby(keys, sort=False):
             lines += ["", _title(mine, ranks)]
-            lines += _block(mine, bins, [str(s) for s in mine["step"]], "step")
+            at = mine.index.to_numpy()
+            lines += _block(mine, counts[at], [str(s) for s in mine["step"]], "step")
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
-def _magnitudes(frame: pd.DataFrame) -> dict[tuple[Any, ...], dict[int, int]]:
-    """(rank, step, module, kind, slot) -> {exponent: count of both signs}."""
+def _magnitudes(frame: pd.DataFrame, rows: pd.DataFrame) -> Any:
+    """Counts of both signs by magnitude bin (columns: exponents from the lowest bin's up), a
+    row per row of ``rows`` (per_step's)."""
+    import numpy as np
+    import pandas as pd
+
+    from hooktrace.trace.histograms import EXPONENT_MIN, MAGNITUDE_BINS
+
+    keys = ["rank", "step", "module", "kind", "slot"]
     signed = frame[frame["bin"].isin(["pos", "neg"])]
-    counts: dict[tuple[Any, ...], dict[int, int]] = {}
-    columns = zip(
-        signed["rank"],
-        signed["step"],
-        signed["module"],
-        signed["kind"],
-        signed["slot"],
-        signed["exponent"],
-        signed["count"],
-        strict=True,
-    )
-    for rank, step, module, kind, slot, exponent, count in columns:
-        mine = counts.setdefault((rank, step, module, kind, slot), {})
-        mine[int(exponent)] = mine.get(int(exponent), 0) + int(count)
+    at = pd.MultiIndex.from_frame(rows[keys]).get_indexer(pd.MultiIndex.from_frame(signed[keys]))
+    counts = np.zeros((len(rows), MAGNITUDE_BINS), dtype=np.int64)
+    bins = signed["exponent"].to_numpy(dtype=np.int64) - (EXPONENT_MIN - 1)
+    np.add.at(counts, (at, bins), signed["count"].to_numpy(dtype=np.int64))
     return counts
 
 
@@ -175,41 +176,30 @@ def _title(rows: pd.DataFrame, ranks: bool) -> str:
     return f"{where}{row['module']} {row['kind']} {row['slot']}: {size} values"
 
 
-def _record_label(row: dict[Any, Any], ranks: bool) -> str:
-    where = f"rank {row['rank']} " if ranks else ""
-    return f"{where}{row['module']} {row['kind']} {row['slot']}"
+def _block(rows: pd.DataFrame, counts: Any, labels: Sequence[str], label_header: str) -> list[str]:
+    """A header, the fp16 ruler and a row per row of ``rows`` (per_step's), ``counts`` their
+    magnitude bins (:func:`_magnitudes`)."""
+    from hooktrace.trace.histograms import EXPONENT_MIN
 
-
-def _block(
-    rows: pd.DataFrame,
-    bins: dict[tuple[Any, ...], dict[int, int]],
-    labels: Sequence[str],
-    label_header: str,
-) -> list[str]:
-    """A header, the fp16 ruler and a row per entry of ``rows`` (per_step rows)."""
-    records = rows.to_dict("records")
-    counts = [
-        bins.get((r["rank"], r["step"], r["module"], r["kind"], r["slot"]), {}) for r in records
-    ]
-    occupied = [e for c in counts for e in c]
-    numbers = [_numbers(r) for r in records]
+    numbers = _numbers(rows)
     names = ("zero", "NaN", "Inf", "neg", "<2^-24", "<2^-14", ">=2^16")
     widths = [max(len(n), *(len(row[i]) for row in numbers)) for i, n in enumerate(names)]
     label_width = max(len(label_header), len("fp16"), *(len(label) for label in labels))
 
-    if occupied:
-        first, per, cells = _columns(min(occupied), max(occupied))
+    occupied = counts.any(axis=0).nonzero()[0] + (EXPONENT_MIN - 1)
+    if len(occupied):
+        first, per, cells = _columns(int(occupied[0]), int(occupied[-1]))
         left, right = f"2^{first}", f"2^{first + per * cells}"
         width = max(cells, len(left) + 1 + len(right))
         axis = left + " " * (width - len(left) - len(right)) + right
         ruler = "".join(_zone(first + i * per, per) for i in range(cells))
-        bars = [_bars(c, first, per, cells) for c in counts]
+        bars = [_bars(row, first, per, cells) for row in counts]
     else:
         axis = "no nonzero finite value"
-        width, ruler, bars = len(axis), "", ["" for _ in counts]
+        width, ruler, bars = len(axis), "", ["" for _ in labels]
     head = "  ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
     out = [f"  {label_header:<{label_width}}  {axis:<{width}}  {head}"]
-    if occupied:
+    if ruler:
         out.append(f"  {'fp16':<{label_width}}  {ruler}")
     for label, bar, row in zip(labels, bars, numbers, strict=True):
         cells_text = "  ".join(f"{v:>{w}}" for v, w in zip(row, widths, strict=True))
@@ -240,26 +230,39 @@ def _zone(first: int, per: int) -> str:
     return "."
 
 
-def _bars(counts: dict[int, int], first: int, per: int, cells: int) -> str:
-    columns = [0] * cells
-    for exponent, count in counts.items():
-        columns[(exponent - first) // per] += count
-    top = max(columns)
+def _bars(counts: Any, first: int, per: int, cells: int) -> str:
+    """One row's bars: ``counts`` by magnitude bin (as :func:`_magnitudes`), in ``cells``
+    columns of ``per`` exponents from ``first``."""
+    import numpy as np
+
+    from hooktrace.trace.histograms import EXPONENT_MIN
+
+    lowest = EXPONENT_MIN - 1  # the exponent of bin 0
+    padded = np.zeros(cells * per, dtype=np.int64)
+    lo, hi = max(first, lowest), min(first + cells * per, lowest + len(counts))
+    padded[lo - first : hi - first] = counts[lo - lowest : hi - lowest]
+    columns = padded.reshape(cells, per).sum(axis=1)
+    top = int(columns.max())
     if top == 0:
         return ""
-    return "".join(BARS[min(8, math.ceil(8 * c / top))] if c else " " for c in columns)
+    return "".join(BARS[min(8, math.ceil(8 * int(c) / top))] if c else " " for c in columns)
 
 
-def _numbers(row: dict[Any, Any]) -> tuple[str, ...]:
-    return (
-        f"{row['zero']:,}",
-        f"{row['nan']:,}",
-        f"{row['inf']:,}",
-        _share(row["neg"]),
-        _share(row["fp16_lost"]),
-        _share(row["fp16_subnormal"]),
-        _share(row["fp16_overflow"]),
-    )
+def _numbers(rows: pd.DataFrame) -> list[tuple[str, ...]]:
+    """The numbers beside the bars, formatted, a tuple per row of ``rows`` (per_step's)."""
+    return [
+        (f"{zero:,}", f"{nan:,}", f"{inf:,}", *(_share(v) for v in shares))
+        for zero, nan, inf, *shares in zip(
+            rows["zero"],
+            rows["nan"],
+            rows["inf"],
+            rows["neg"],
+            rows["fp16_lost"],
+            rows["fp16_subnormal"],
+            rows["fp16_overflow"],
+            strict=True,
+        )
+    ]
 
 
 def _share(value: float) -> str:
