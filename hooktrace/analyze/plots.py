@@ -73,6 +73,8 @@ WHAT = ("grad-norms", "activations", "dead-units", "histograms", "diff")
 
 HISTOGRAM_PANELS = 8
 """Records the histograms picture draws at most (fewer with ``max_modules``)."""
+HISTOGRAM_STEPS = 500
+"""Steps the histograms picture draws at most, evenly spaced from the first to the last."""
 
 DPI = 110
 NAME_WIDTH = 36
@@ -193,7 +195,7 @@ def chosen_histograms(
     max_records: int = HISTOGRAM_PANELS,
 ) -> tuple[pd.DataFrame, int]:
     """:func:`hooktrace.hist` of the first ``max_records`` records that match, in the model's
-    order, and how many matched."""
+    order (at most :data:`HISTOGRAM_STEPS` steps), and how many matched."""
     records = histogrammed(trace, modules=modules, kinds=kinds, steps=steps, ranks=[rank])
     chosen = records.head(max_records)
     if chosen.empty:  # hist says what the trace holds
@@ -204,6 +206,7 @@ def chosen_histograms(
         kinds=sorted(set(chosen["kind"])),
         steps=steps,
         ranks=[rank],
+        max_steps=HISTOGRAM_STEPS,
     )
     wanted = set(zip(chosen["module"], chosen["kind"], chosen["slot"], strict=True))
     keys = zip(frame["module"], frame["kind"], frame["slot"], strict=True)
@@ -308,9 +311,13 @@ def histograms_figure(
     _matplotlib()
     rows = in_order(per_step(frame))
     groups = list(rows.groupby(RECORD, sort=False))[:max_modules]
-    note = "" if matched is None or matched <= len(groups) else (
-        f" ({len(groups)} of {matched} records shown: choose with modules/kinds)"
-    )  # fmt: skip
+    notes = []
+    if matched is not None and matched > len(groups):
+        notes.append(f"{len(groups)} of {matched} records shown: choose with modules/kinds")
+    drawn, histogrammed_steps = frame["step"].nunique(), frame.attrs.get("steps")
+    if isinstance(histogrammed_steps, int) and histogrammed_steps > drawn:
+        notes.append(f"{drawn} of {histogrammed_steps} steps, evenly spaced")
+    note = f" ({'; '.join(notes)})" if notes else ""
     tables = []
     for key, stats in groups:
         mine = frame[(frame[RECORD] == pd.Series(key, index=RECORD)).all(axis=1)]
