@@ -509,3 +509,32 @@ def test_without_torch(known: Path, tmp_path: Path) -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.stdout.split() == [str(len(hist(known))), "exit", "0"], done.stderr
+
+
+def test_ranks_are_told_apart(known: Path, tmp_path: Path) -> None:
+    """Two ranks (the known run's shard, copied as rank 1's): blocks and labels name them."""
+    import shutil
+
+    run = tmp_path / "ranks"
+    shutil.copytree(known, run)
+    for table in ("records", "steps", "modules", "histograms"):
+        shutil.copytree(run / table / "rank=0", run / table / "rank=1")
+    shutil.copy(run / "status" / "rank=0.json", run / "status" / "rank=1.json")
+    frame = hist(run, kinds="param")
+    assert sorted(set(frame["rank"])) == [0, 1]
+    assert set(hist(run, ranks=[1])["rank"]) == {1}
+    text = invoke("hist", run, "--kinds", "param", "--steps", "0-1").stdout
+    assert "rank 0: Linear param weight: 12 values" in text
+    assert "rank 1: Linear param bias: 2 values" in text
+    one_step = invoke("hist", run, "--kinds", "param", "--steps", "2").stdout
+    assert one_step.count("  rank 1 Linear param ") == 2
+
+
+def test_help_needs_neither_pandas_nor_torch() -> None:
+    code = (
+        "import sys\nfrom hooktrace.cli import cli\n"
+        "try:\n    cli.main(['hist', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('pandas', 'numpy', 'torch') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert "Example:" in done.stdout and done.stdout.strip().endswith("[]"), done.stderr
