@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from hooktrace.analyze.dead_units import dead_relus
     from hooktrace.analyze.diff import diff
     from hooktrace.analyze.plots import plot
+    from hooktrace.analyze.precision import precision
     from hooktrace.analyze.report import report
     from hooktrace.analyze.summary import summary
     from hooktrace.recorder.recorder import Models, Recorder
@@ -51,6 +52,7 @@ _LAZY = {
     "dead_relus": "hooktrace.analyze.dead_units",
     "anomalies": "hooktrace.analyze.anomalies",
     "plot": "hooktrace.analyze.plots",
+    "precision": "hooktrace.analyze.precision",
     "report": "hooktrace.analyze.report",
     "replay_module": "hooktrace.recorder.replay",
 }
@@ -87,6 +89,7 @@ __all__ = [
     "diff",
     "load",
     "plot",
+    "precision",
     "record",
     "replay_module",
     "report",
