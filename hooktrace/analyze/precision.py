@@ -78,6 +78,12 @@ COLUMNS: Final = (
     *FRACTIONS, "worst_step", "worst_fraction",
 )  # fmt: skip
 
+NO_HISTOGRAMS: Final = (
+    "no histograms recorded, so no low-precision check was made: record with --histograms "
+    "param,grad_param to see what float16 would flush to zero or make Inf"
+)
+"""The note of :func:`hooktrace.anomalies` on a trace without histograms."""
+
 GRADIENT_KINDS: Final = ("grad_output", "grad_param", "grad_tensor")
 """The kinds whose float16 underflow is a finding: a gradient lost is a weight not trained."""
 WARN_UNDERFLOW: Final = 0.1
@@ -144,10 +150,7 @@ def findings(
         if not 0 <= bound < 1:
             raise ConfigError(f"{name} is a fraction of values: need 0 <= it < 1 (got {bound})")
     if not trace.has_histograms:
-        return [], [
-            "no histograms recorded, so no low-precision check was made: record with "
-            "--histograms param,grad_param to see what float16 would flush to zero or make Inf"
-        ]
+        return [], [NO_HISTOGRAMS]
     bounds = {"underflow": underflow_above, "overflow": overflow_above}
     table = _query(trace, ("rank", "module", "kind"), steps, None, None, bounds)
     if table.empty:
@@ -158,9 +161,8 @@ def findings(
         if (table["underflow_steps"] + table["overflow_steps"]).any()
         else {}
     )
-    for row in table.to_dict("records"):
-        gradient = row["kind"] in GRADIENT_KINDS
-        if gradient and row["underflow_steps"] > 0:
+    for row in table.sort_values(["rank", "seq"], kind="stable").to_dict("records"):
+        if row["kind"] in GRADIENT_KINDS and row["underflow_steps"] > 0:
             found.append(_underflow(row, slots, underflow_above))
         if row["overflow_steps"] > 0:
             found.append(_overflow(row, slots, overflow_above))
@@ -271,7 +273,8 @@ def _query(
     kinds: Iterable[str] | None,
     bounds: dict[str, float] | None = None,
 ) -> pd.DataFrame:
-    """One row per group ``by``: the pooled fractions, the worst step of float16, and, with
+    """One row per group ``by``: its first ``seq`` (where it comes in execution order), the
+    pooled fractions, the worst step of float16, and, with
     ``bounds``, per float16 measure: the steps above its bound (``<measure>_steps``, first,
     last) and the worst of them (``<measure>_worst``, ``<measure>_worst_step``). A step's
     counts are the sums over the group's histograms at that step (slots, calls, micro-steps)."""
@@ -298,13 +301,14 @@ def _query(
         )
     sql = f"""
         WITH per_step AS (
-            SELECT {keys}, step, sum(numel) AS numel,
+            SELECT {keys}, step, min(seq) AS seq, sum(numel) AS numel,
                 sum(numel - zero - nan - pos_inf - neg_inf) AS nonzero,
                 {counts}
             FROM histograms {where}
             GROUP BY {keys}, step
         )
-        SELECT {keys}, count(*) AS steps, min(step) AS first_step, max(step) AS last_step,
+        SELECT {keys}, min(seq) AS seq, count(*) AS steps, min(step) AS first_step,
+            max(step) AS last_step,
             CAST(sum(numel) AS BIGINT) AS numel, CAST(sum(nonzero) AS BIGINT) AS nonzero,
             {pooled},
             CASE WHEN max({trouble}) > 0 THEN arg_max(step, ({trouble}, -step)) END
