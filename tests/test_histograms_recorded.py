@@ -309,3 +309,22 @@ def test_overwrite_leaves_nothing_of_the_earlier_trace(tmp_path: Path) -> None:
     trace = hooktrace.load(tmp_path / "run")
     assert len(trace.nonfinite_captures()) == 0
     assert not trace.has_histograms  # the first recording's are gone too
+
+
+def test_check_verifies_that_each_histogram_counts_its_tensor(tmp_path: Path) -> None:
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    layer = nn.Linear(3, 2)
+    with hooktrace.record(layer, tmp_path / "run") as rec:
+        layer(torch.randn(2, 3)).sum().backward()
+        rec.step()
+    assert hooktrace.check(tmp_path / "run").whole
+    (part,) = (tmp_path / "run" / "histograms").glob("rank=0/part-*.parquet")
+    table = pq.read_table(part)
+    column = table.schema.get_field_index("zero")
+    table = table.set_column(column, "zero", pc.add(table["zero"], 1))  # one value too many
+    pq.write_table(table, part)
+    report = hooktrace.check(tmp_path / "run")
+    assert not report.whole
+    assert any("4 histogram row(s) do not count" in p for p in report.problems)
