@@ -304,8 +304,12 @@ def test_anomalies_command_shows_the_finding(tiny: tuple[Path, Any]) -> None:
     assert invoke("anomalies", run, "--fail").exit_code == 1
 
 
-def test_without_histograms_anomalies_says_so_once(healthy: tuple[Path, Any]) -> None:
-    sample = ROOT / "sample_traces" / "healthy"  # recorded before histograms
+def test_without_histograms_anomalies_says_so_once(tmp_path: Path) -> None:
+    sample = tmp_path / "run"
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with hooktrace.record(model, sample, histograms=None) as rec:
+        model(torch.randn(2, 4)).sum().backward()
+        rec.step()
     result = invoke("anomalies", sample, "--fail")
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[1:] == [f"note: {NO_HISTOGRAMS}"]

@@ -200,7 +200,7 @@ def test_the_documented_findings() -> None:
     assert origin[["module", "step"]].values.tolist() == [["log_probs", 15]]
 
     exploding = hooktrace.anomalies(SAMPLES / "exploding").findings
-    assert set(exploding["kind"]) == {"exploding_gradient"}
+    assert set(exploding["kind"]) == {"exploding_gradient", "fp16_overflow"}
     assert exploding["step"].min() == 20
     assert len(hooktrace.anomalies(SAMPLES / "healthy")) == 0
 

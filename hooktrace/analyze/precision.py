@@ -114,7 +114,7 @@ def precision(
             "param,grad_param` (or hooktrace.record(..., histograms=('param', 'grad_param')))"
         )
     names = _module_names(trace, modules) if isinstance(modules, str) else modules
-    table = _query(trace, ("rank", "module", "kind", "slot"), steps, names, kinds)
+    (table,) = _query(trace, [SLOT_KEYS], steps, names, kinds)
     trouble = table["fp16_underflow"] + table["fp16_overflow"]
     order = table.assign(_t=-trouble).sort_values(
         ["rank", "_t", "module", "kind", "slot"], kind="stable"
@@ -152,15 +152,11 @@ def findings(
     if not trace.has_histograms:
         return [], [NO_HISTOGRAMS]
     bounds = {"underflow": underflow_above, "overflow": overflow_above}
-    table = _query(trace, ("rank", "module", "kind"), steps, None, None, bounds)
+    table, per_slot = _query(trace, [MODULE_KEYS, SLOT_KEYS], steps, None, None, bounds)
     if table.empty:
         return [], ["no histograms in the steps read: no low-precision check was made"]
     found: list[Finding] = []
-    slots = (
-        _slots(trace, steps, bounds)
-        if (table["underflow_steps"] + table["overflow_steps"]).any()
-        else {}
-    )
+    slots = _slots(per_slot, bounds)
     for row in table.sort_values(["rank", "seq"], kind="stable").to_dict("records"):
         if row["kind"] in GRADIENT_KINDS and row["underflow_steps"] > 0:
             found.append(_underflow(row, slots, underflow_above))
@@ -192,7 +188,7 @@ def _underflow(
         int(row["underflow_first"]), rank=int(row["rank"]), slot=where,
         last_step=int(row["underflow_last"]), value=float(worst), reference=bound, count=int(n),
         evidence=f"{row['kind']} {where}: {percent(worst)} of the nonzero values below 2^-24 "
-        f"at step {at}, the worst; over {percent(bound)} at {n} of {row['steps']} step(s); "
+        f"at step {at}, the worst; {_above(bound)} at {n} of {row['steps']} step(s); "
         f"{percent(row['fp16_underflow'])} over all {row['steps']}; below bfloat16's 2^-133: "
         f"{percent(bf16)}",
         explanation="float16 flushes values below 2^-24 to zero: in float16 (autocast) these "
@@ -217,17 +213,14 @@ def _overflow(
         rank=int(row["rank"]), slot=where, last_step=int(row["overflow_last"]), value=float(worst),
         reference=bound, count=int(n),
         evidence=f"{row['kind']} {where}: {percent(worst)} of the nonzero values 2^16 or more "
-        f"at step {at}, the worst; over {percent(bound)} at {n} of {row['steps']} step(s)",
+        f"at step {at}, the worst; {_above(bound)} at {n} of {row['steps']} step(s)",
         explanation="float16's largest value is 65504: in float16 these values would be Inf, "
         f"and what is computed from them Inf or NaN; {remedy}",
     )  # fmt: skip
 
 
-def _slots(
-    trace: Trace, steps: StepsSpec, bounds: dict[str, float]
-) -> dict[tuple[Any, ...], list[str]]:
-    """(rank, module, kind, measure) -> the slots with a step above the bound, in order."""
-    table = _query(trace, ("rank", "module", "kind", "slot"), steps, None, None, bounds)
+def _slots(table: pd.DataFrame, bounds: dict[str, float]) -> dict[tuple[Any, ...], list[str]]:
+    """(rank, module, kind, measure) -> the slots with a step above the bound, by name."""
     found: dict[tuple[Any, ...], list[str]] = {}
     for row in table.sort_values("slot").to_dict("records"):
         for measure in bounds:
@@ -244,6 +237,10 @@ def _slots_text(row: dict[Any, Any], slots: dict[tuple[Any, ...], list[str]], me
     return ", ".join(chosen) if chosen else "all slots"
 
 
+def _above(bound: float) -> str:
+    return f"over {percent(bound)}" if bound else "some"
+
+
 def percent(fraction: float) -> str:
     """0%, <0.01%, 1.23%, 37.5%, 100%: three digits, and never 0% or 100% when not exact."""
     value = fraction * 100
@@ -256,73 +253,100 @@ def percent(fraction: float) -> str:
 
 # --- the query --------------------------------------------------------------------------------
 
+SLOT_KEYS: Final = ("rank", "module", "kind", "slot")
+MODULE_KEYS: Final = ("rank", "module", "kind")
+
 
 def _count(fmt: Format, measure: str) -> str:
-    """SQL: how many of a histogram's nonzero finite values ``measure`` counts in ``fmt``
-    (DuckDB lists count from 1, and a slice includes both ends)."""
+    """SQL: how many of a histogram's nonzero finite values ``measure`` counts in ``fmt``, as
+    the inner product of its counts (``p``, ``n``: as DOUBLE, exact below 2^53) with a mask of
+    the bins. Two to three times faster in DuckDB than summing list slices, which copy."""
     first, end = fmt.bins(measure)
-    part = f"[{first + 1}:{end}]"
-    return f"coalesce(list_sum(pos{part}), 0) + coalesce(list_sum(neg{part}), 0)"
+    mask = ", ".join("1" if first <= k < end else "0" for k in range(MAGNITUDE_BINS))
+    mask = f"[{mask}]::DOUBLE[]"
+    return f"CAST(list_inner_product(p, {mask}) + list_inner_product(n, {mask}) AS BIGINT)"
 
 
 def _query(
     trace: Trace,
-    by: Sequence[str],
+    groupings: Sequence[Sequence[str]],
     steps: StepsSpec,
     modules: Iterable[str] | None,
     kinds: Iterable[str] | None,
     bounds: dict[str, float] | None = None,
-) -> pd.DataFrame:
-    """One row per group ``by``: its first ``seq`` (where it comes in execution order), the
-    pooled fractions, the worst step of float16, and, with
-    ``bounds``, per float16 measure: the steps above its bound (``<measure>_steps``, first,
-    last) and the worst of them (``<measure>_worst``, ``<measure>_worst_step``). A step's
-    counts are the sums over the group's histograms at that step (slots, calls, micro-steps)."""
+) -> list[pd.DataFrame]:
+    """For each of ``groupings`` (:data:`SLOT_KEYS` or :data:`MODULE_KEYS`), one row per
+    group: its first ``seq`` (where it comes in execution order), the pooled fractions, the
+    worst step of float16, and, with ``bounds``, per float16 measure: the steps above its
+    bound (``<measure>_steps``, first, last) and the worst of them (``<measure>_worst``,
+    ``<measure>_worst_step``). A step's counts are the sums over the group's histograms at
+    that step (slots, calls, micro-steps). One scan of the histograms, whatever the
+    groupings: their bins are summed per tensor and step once, and grouped from there."""
     where, parameters = _where(steps, modules, kinds)
-    keys = ", ".join(by)
-    counts = ",\n".join(
-        f"sum(CAST({_count(f, m)} AS BIGINT)) AS {f.name}_{m}" for f in FORMATS for m in MEASURES
-    )
-    pooled = ",\n".join(
+    measures = [f"{f.name}_{m}" for f in FORMATS for m in MEASURES]
+    counts = ", ".join(f"sum({_count(f, m)}) AS {f.name}_{m}" for f in FORMATS for m in MEASURES)
+    slot_steps = f"""
+        per_slot_step AS MATERIALIZED (
+            SELECT rank, module, kind, slot, step, min(seq) AS seq, sum(numel) AS numel,
+                sum(numel - zero - nan - pos_inf - neg_inf) AS nonzero, {counts}
+            FROM (
+                SELECT rank, module, kind, slot, step, seq, numel, zero, nan, pos_inf, neg_inf,
+                    CAST(pos AS DOUBLE[]) AS p, CAST(neg AS DOUBLE[]) AS n
+                FROM histograms {where}
+            )
+            GROUP BY rank, module, kind, slot, step
+        )"""
+    selects = []
+    for i, by in enumerate(groupings):
+        keys = ", ".join(by)
+        source = "per_slot_step"
+        if "slot" not in by:
+            sums = ", ".join(f"sum({c}) AS {c}" for c in ["numel", "nonzero", *measures])
+            source = (
+                f"(SELECT {keys}, step, min(seq) AS seq, {sums} FROM per_slot_step "
+                f"GROUP BY {keys}, step)"
+            )
+        slot = "slot" if "slot" in by else "CAST(NULL AS VARCHAR) AS slot"
+        selects.append(
+            f"SELECT {i} AS grouping, rank, module, kind, {slot}, {_aggregates(bounds)} "
+            f"FROM {source} GROUP BY {keys}"
+        )
+    sql = f"WITH {slot_steps}\n" + "\nUNION ALL\n".join(selects) + "\nORDER BY ALL"
+    frame = trace.sql(sql, parameters)
+    frame["worst_step"] = frame["worst_step"].astype("Int64")
+    for name in ("module", "kind", "slot"):
+        frame[name] = frame[name].astype(str)
+    return [
+        frame[frame["grouping"] == i].drop(columns="grouping").reset_index(drop=True)
+        for i in range(len(groupings))
+    ]
+
+
+def _aggregates(bounds: dict[str, float] | None) -> str:
+    """SQL: what :func:`_query` gives of a group, from its rows, one a step."""
+    pooled = ", ".join(
         f"coalesce(sum({c}) / nullif(sum(nonzero), 0), 0.0) AS {c}" for c in FRACTIONS
     )
     trouble = "coalesce((fp16_underflow + fp16_overflow) / nullif(nonzero, 0), 0.0)"
-    extra = ""
+    found = [
+        "min(seq) AS seq, count(*) AS steps, min(step) AS first_step, max(step) AS last_step",
+        "CAST(sum(numel) AS BIGINT) AS numel, CAST(sum(nonzero) AS BIGINT) AS nonzero",
+        pooled,
+        f"CASE WHEN max({trouble}) > 0 THEN arg_max(step, ({trouble}, -step)) END AS worst_step",
+        f"max({trouble}) AS worst_fraction",
+    ]
     for measure, bound in (bounds or {}).items():
         column = f"fp16_{measure}"
         fraction = f"coalesce({column} / nullif(nonzero, 0), 0.0)"
         hit = f"{column} > {float(bound)!r} * nonzero"
-        extra += (
-            f",\ncount(*) FILTER (WHERE {hit}) AS {measure}_steps"
-            f",\nmin(step) FILTER (WHERE {hit}) AS {measure}_first"
-            f",\nmax(step) FILTER (WHERE {hit}) AS {measure}_last"
-            f",\nmax({fraction}) AS {measure}_worst"
-            f",\narg_max(step, ({fraction}, -step)) AS {measure}_worst_step"
-        )
-    sql = f"""
-        WITH per_step AS (
-            SELECT {keys}, step, min(seq) AS seq, sum(numel) AS numel,
-                sum(numel - zero - nan - pos_inf - neg_inf) AS nonzero,
-                {counts}
-            FROM histograms {where}
-            GROUP BY {keys}, step
-        )
-        SELECT {keys}, min(seq) AS seq, count(*) AS steps, min(step) AS first_step,
-            max(step) AS last_step,
-            CAST(sum(numel) AS BIGINT) AS numel, CAST(sum(nonzero) AS BIGINT) AS nonzero,
-            {pooled},
-            CASE WHEN max({trouble}) > 0 THEN arg_max(step, ({trouble}, -step)) END
-                AS worst_step,
-            max({trouble}) AS worst_fraction
-            {extra}
-        FROM per_step GROUP BY {keys} ORDER BY {keys}
-    """
-    frame = trace.sql(sql, parameters)
-    frame["worst_step"] = frame["worst_step"].astype("Int64")
-    for name in ("module", "kind", "slot"):
-        if name in frame.columns:
-            frame[name] = frame[name].astype(str)
-    return frame
+        found += [
+            f"count(*) FILTER (WHERE {hit}) AS {measure}_steps",
+            f"min(step) FILTER (WHERE {hit}) AS {measure}_first",
+            f"max(step) FILTER (WHERE {hit}) AS {measure}_last",
+            f"max({fraction}) AS {measure}_worst",
+            f"arg_max(step, ({fraction}, -step)) AS {measure}_worst_step",
+        ]
+    return ", ".join(found)
 
 
 def _where(
