@@ -7,24 +7,21 @@ below is a power of two and so a bin boundary, and the counts are exact, not est
 fraction is of a tensor's nonzero finite values (a zero is held exactly by every format; NaN
 and Inf are already the non-finite checks' business):
 
-==========  =================  ===================  ==================
-format      underflow          subnormal            overflow
-==========  =================  ===================  ==================
-float16     |x| < 2^-24        2^-24 <= |x| < 2^-14 |x| >= 2^16
-bfloat16    |x| < 2^-133       2^-133 <= |x| < 2^-126 |x| >= 2^128
-==========  =================  ===================  ==================
+    format     underflow        subnormal                overflow
+    float16    |x| < 2^-24      2^-24 <= |x| < 2^-14     |x| >= 2^16
+    bfloat16   |x| < 2^-133     2^-133 <= |x| < 2^-126   |x| >= 2^128
 
 - underflow: below the format's smallest subnormal. Cast to the format, such a value becomes
-  zero (below half of it: 2^-25 in float16) or that smallest subnormal itself: nothing of it
-  survives. NVIDIA's mixed-precision guide draws the line at 2^-24 too. Gradients there are
-  what loss scaling (``torch.amp.GradScaler``) saves.
-- subnormal: kept, with fewer significant bits (float16: 10 at 2^-15, 1 at 2^-24): the value
-  survives, its precision does not.
-- overflow: at or above the format's largest power of two's successor, so Inf once cast.
-  float16's largest finite value is 65504, and values from 65520 up round to Inf too, which
-  the bins (counting from 65536) cannot tell apart; likewise float32 values within 2^-8 of
-  float32's largest round to Inf in bfloat16. bfloat16 shares float32's exponent range, so
-  only float64 values reach its overflow bin, and only float32 subnormals its underflow.
+  zero (at or below half of it: 2^-25 in float16) or that smallest subnormal itself: nothing
+  of it survives. NVIDIA's mixed-precision guide draws the line at 2^-24 too. Gradients
+  there are what loss scaling (``torch.amp.GradScaler``) saves.
+- subnormal: kept, with fewer significant bits (float16: 10 at 2^-15, 1 at 2^-24, against 11
+  for its normal values): the value survives, its precision does not.
+- overflow: past the format's largest binade, so Inf once cast. float16's largest finite
+  value is 65504, and values from 65520 up round to Inf too, which the bins (counting from
+  65536) cannot tell apart; likewise float32 values from (2 - 2^-8) * 2^127 up round to
+  Inf in bfloat16. bfloat16 shares float32's exponent range, so only float64 values reach
+  its overflow, and only float32 subnormals (or float64 values) its underflow.
 
 Everything is computed in DuckDB over the ``histograms`` view of :meth:`Trace.sql`, grouped
 there: what comes back is one row per tensor (module, kind, slot) or per module and kind, so
@@ -42,7 +39,7 @@ from typing import Any, Final
 import pandas as pd
 
 from hooktrace.analyze.findings import Finding, StepsSpec, step_filter
-from hooktrace.errors import ConfigError, TensorNotRecorded
+from hooktrace.errors import ConfigError, TraceError
 from hooktrace.trace.histograms import MAGNITUDE_BINS, bin_of_exponent
 from hooktrace.trace.reader import Trace, load
 
@@ -52,7 +49,6 @@ class Format:
     """A floating-point format by the powers of two that bound it."""
 
     name: str  # the prefix of its columns: fp16, bf16
-    dtype: str  # torch's name
     smallest_subnormal: int  # 2^this is the smallest value above zero
     smallest_normal: int
     overflow: int  # 2^this and above is beyond its largest finite value: Inf
@@ -66,8 +62,8 @@ class Format:
         return bin_of_exponent(self.overflow), MAGNITUDE_BINS
 
 
-FP16: Final = Format("fp16", "float16", -24, -14, 16)
-BF16: Final = Format("bf16", "bfloat16", -133, -126, 128)
+FP16: Final = Format("fp16", -24, -14, 16)
+BF16: Final = Format("bf16", -133, -126, 128)
 FORMATS: Final = (FP16, BF16)
 MEASURES: Final = ("underflow", "subnormal", "overflow")
 FRACTIONS: Final = tuple(f"{f.name}_{m}" for f in FORMATS for m in MEASURES)
@@ -106,10 +102,10 @@ def precision(
 
     ``steps`` is ``"0-100"``, ``(first, last)`` or step numbers; ``modules`` a regex
     searched in module names or a list of exact names; ``kinds`` names. Raises
-    :class:`TensorNotRecorded` when the run has no histograms."""
+    :class:`TraceError` when the run has no histograms, as :meth:`Trace.histograms` does."""
     trace = run if isinstance(run, Trace) else load(run)
     if not trace.has_histograms:
-        raise TensorNotRecorded(
+        raise TraceError(
             f"{trace.path} holds no histograms: record with `hooktrace record --histograms "
             "param,grad_param` (or hooktrace.record(..., histograms=('param', 'grad_param')))"
         )
