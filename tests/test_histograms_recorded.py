@@ -361,3 +361,20 @@ def test_the_formats_queries_agree_with_the_whole_rows() -> None:
     assert len(expected) == 30 and expected.min() > 0.2
     np.testing.assert_array_equal(view["lost"].to_numpy(), expected)
     np.testing.assert_array_equal(files["lost"].to_numpy(), expected)
+
+
+def test_summary_says_what_was_histogrammed(tmp_path: Path) -> None:
+    from hooktrace.cli.summary import render
+
+    layer = nn.Linear(3, 2)
+    for name, options in (("on", {"histogram_every": 2}), ("off", {"histograms": "none"})):
+        with hooktrace.record(layer, tmp_path / name, **options) as rec:
+            for _ in range(3):
+                layer(torch.randn(2, 3)).sum().backward()
+                rec.step()
+    on = hooktrace.summary(tmp_path / "on")
+    assert on.histograms == len(hooktrace.load(tmp_path / "on").histograms()) == 2 * 2 * 2
+    assert "histogram 8 records of grad_param, param, every 2 steps" in render(on)
+    assert on.bytes_on_disk["histograms"] > 0
+    off = render(hooktrace.summary(tmp_path / "off"))
+    assert "histogram none (recorded with histograms off)" in off

@@ -300,6 +300,11 @@ class Trace:
         """Whether the trace holds histograms (recorded with ``histograms=`` kinds, since 1.3)."""
         return bool(self._parts[histograms.HISTOGRAMS_DIR])
 
+    @property
+    def histogram_count(self) -> int:
+        """Histogram rows in the readable parts (from their footers: nothing is read)."""
+        return sum(self._metadata[p].num_rows for p in self._parts[histograms.HISTOGRAMS_DIR])
+
     def histograms(
         self,
         *,
