@@ -126,6 +126,7 @@ FORMAT_1_0 = Path(__file__).resolve().parent / "fixtures" / "healthy_1_0"
         "check {run}",
         "diff {run} {run}",
         "anomalies {run}",
+        "precision {run}",
         "dead-relus {run}",
         "replay {run} --step 3",
         "replay {run} --nonfinite",

@@ -314,12 +314,14 @@ def test_without_histograms_anomalies_says_so_once(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert result.output.splitlines()[1:] == [f"note: {NO_HISTOGRAMS}"]
     assert "--histograms param,grad_param" in NO_HISTOGRAMS
+    # precision answers, in a line, that there is nothing to measure; the library says so
     missing = invoke("precision", sample)
-    assert missing.exit_code == 2
-    assert (
-        missing.output.startswith("hooktrace: error: ") and "holds no histograms" in missing.output
-    )
-    assert len(missing.output.strip().splitlines()) == 1
+    assert missing.exit_code == 0, missing.output
+    assert missing.output.startswith(f"no histograms in {sample}: recorded with histograms off")
+    assert len(missing.output.splitlines()) == 1
+    assert json.loads(invoke("precision", sample, "--format", "json").output) == []
+    with pytest.raises(hooktrace.TraceError, match="holds no histograms: record with"):
+        hooktrace.precision(sample)
 
 
 @pytest.mark.parametrize(

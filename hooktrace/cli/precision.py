@@ -35,24 +35,39 @@ def precision(
     each format would flush to zero (underflow: below 2^-24 in float16, 2^-133 in bfloat16),
     keep only as subnormals (fewer significant bits: below 2^-14, 2^-126) and make Inf
     (overflow: 2^16 and above, 2^128), and the step at which float16 would lose the most of
-    it. Worst first. The run needs histograms (`hooktrace record --histograms
-    param,grad_param`); `hooktrace anomalies` flags what passes its bounds.
+    it. Worst first. `hooktrace anomalies` flags what passes its bounds. A run without
+    histograms (recorded with them off, or before format 1.3) gets a line saying so.
 
     \b
     Example:
       hooktrace precision runs/mlp --kinds grad_param,grad_output
       hooktrace precision runs/mlp --steps 100- --format csv -o precision.csv
     """
-    from hooktrace.analyze.precision import precision as measure
+    import pandas as pd
 
+    from hooktrace.analyze.precision import COLUMNS
+    from hooktrace.analyze.precision import precision as measure
+    from hooktrace.trace.reader import load
+
+    trace = load(run)
+    if not trace.has_histograms:  # an answer, not an error: the run holds none to measure
+        text = f"no histograms in {run}: {NO_HISTOGRAMS}\n"
+        emit_frame(pd.DataFrame(columns=list(COLUMNS)), fmt, output, table_text=text)
+        return
     chosen = [k.strip() for k in kinds.split(",") if k.strip()] if kinds is not None else None
-    table = measure(run, steps=steps, modules=modules, kinds=chosen)
+    table = measure(trace, steps=steps, modules=modules, kinds=chosen)
     emit_frame(table, fmt, output, table_text=render(run, table))
+
+
+NO_HISTOGRAMS = (
+    "recorded with histograms off, or before format 1.3; record with `hooktrace record "
+    "--histograms param,grad_param`"
+)
 
 
 def render(run: Path, table: pd.DataFrame) -> str:
     if table.empty:
-        return f"no histograms in {run} match\n"
+        return f"no histograms in {run} match the filters\n"
     steps = f"{table['first_step'].min()}–{table['last_step'].max()}"
     lines = [
         f"{len(table)} tensors with histograms in {run} (steps {steps}): of their nonzero "
