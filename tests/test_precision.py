@@ -222,6 +222,21 @@ def test_a_healthy_run_has_no_such_finding(healthy: tuple[Path, Any]) -> None:
     assert grads["fp16_underflow"].max() <= 0.01
 
 
+def test_the_same_gradient_under_two_modules_is_reported_once() -> None:
+    """In the underflow sample, a block's output gradient reaches its ReLU unchanged (the
+    skip connection adds), and ``blocks`` returns ``blocks.1``'s output: one finding each."""
+    run = ROOT / "sample_traces" / "underflow"
+    table = hooktrace.precision(run, kinds=["grad_output"]).set_index("module")
+    same = ["blocks.1", "blocks", "blocks.1.act"]
+    assert table.loc[same, "fp16_underflow"].nunique() == 1
+    assert table.loc[same, "nonzero"].nunique() == 1
+    found = underflow_findings(run)
+    outputs = set(found.loc[found["record_kind"] == "grad_output", "module"])
+    assert len(outputs & set(same)) == 1
+    assert len(outputs & {"blocks.0", "blocks.0.act"}) == 1
+    assert {"blocks.1.fc", "blocks.0.fc", "head", "embed"} <= outputs
+
+
 # --- values known by hand --------------------------------------------------------------------
 
 

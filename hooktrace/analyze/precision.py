@@ -137,6 +137,9 @@ def findings(
 ) -> tuple[list[Finding], list[str]]:
     """``fp16_underflow`` findings for gradients and ``fp16_overflow`` findings for every kind,
     per rank, module and kind (its slots together), with notes on what could not be checked.
+    An activation or activation gradient with the same counts at every step as one recorded
+    before it is the same tensor (a container's output, a skip connection's gradient), and
+    is reported once, as ``activation_spike`` does.
 
     A step counts when more than ``underflow_above`` (``overflow_above``) of the module's
     nonzero values of that kind underflow (overflow) in float16 at that step. value: the
@@ -153,7 +156,15 @@ def findings(
         return [], ["no histograms in the steps read: no low-precision check was made"]
     found: list[Finding] = []
     slots = _slots(per_slot, bounds)
+    seen: set[tuple[Any, ...]] = set()
     for row in table.sort_values(["rank", "seq"], kind="stable").to_dict("records"):
+        if row["kind"] not in ("param", "grad_param"):
+            # an activation or its gradient equal to one recorded before it (a container's
+            # output is its last child's; a skip connection passes its gradient on as it is)
+            key = (row["rank"], row["kind"], row["digest"])
+            if key in seen:
+                continue
+            seen.add(key)
         if row["kind"] in GRADIENT_KINDS and row["underflow_steps"] > 0:
             found.append(_underflow(row, slots, underflow_above))
         if row["overflow_steps"] > 0:
@@ -326,6 +337,8 @@ def _aggregates(bounds: dict[str, float] | None) -> str:
     trouble = "coalesce((fp16_underflow + fp16_overflow) / nullif(nonzero, 0), 0.0)"
     found = [
         "min(seq) AS seq, count(*) AS steps, min(step) AS first_step, max(step) AS last_step",
+        # the same counts at the same steps: the same tensor, recorded under two modules
+        "bit_xor(hash(step, nonzero, fp16_underflow, fp16_subnormal, fp16_overflow)) AS digest",
         "CAST(sum(numel) AS BIGINT) AS numel, CAST(sum(nonzero) AS BIGINT) AS nonzero",
         pooled,
         f"CASE WHEN max({trouble}) > 0 THEN arg_max(step, ({trouble}, -step)) END AS worst_step",
