@@ -88,25 +88,27 @@ def train(out: Path, *, tiny_steps: range | None, histogram_every: int = 1) -> d
 
     handles = [m.register_forward_hook(keep(name or "Net")) for name, m in model.named_modules()]
     reference: dict[Key, Any] = defaultdict(dict)
-    with hooktrace.record(model, out, histograms=HISTOGRAMS, histogram_every=histogram_every):
-        for step in range(STEPS):
-            x = torch.randn(32, 16, generator=generator)
-            y = (x @ teacher).argmax(dim=1)
-            scale = TINY if tiny_steps is not None and step in tiny_steps else 1.0
-            loss = F.cross_entropy(model(x), y) * scale
-            loss.backward()
-            if step % histogram_every == 0:
-                for name, output in outputs.items():
-                    assert output.grad is not None
-                    reference[(name, "grad_output", "0")][step] = counts(output.grad)
-                for name, module in model.named_children():
-                    for slot, p in module.named_parameters():
-                        assert p.grad is not None
-                        reference[(name, "grad_param", slot)][step] = counts(p.grad)
-            opt.step()
-            opt.zero_grad()
-    for handle in handles:
-        handle.remove()
+    try:
+        with hooktrace.record(model, out, histograms=HISTOGRAMS, histogram_every=histogram_every):
+            for step in range(STEPS):
+                x = torch.randn(32, 16, generator=generator)
+                y = (x @ teacher).argmax(dim=1)
+                scale = TINY if tiny_steps is not None and step in tiny_steps else 1.0
+                loss = F.cross_entropy(model(x), y) * scale
+                loss.backward()
+                if step % histogram_every == 0:
+                    for name, output in outputs.items():
+                        assert output.grad is not None
+                        reference[(name, "grad_output", "0")][step] = counts(output.grad)
+                    for name, module in model.named_children():
+                        for slot, p in module.named_parameters():
+                            assert p.grad is not None
+                            reference[(name, "grad_param", slot)][step] = counts(p.grad)
+                opt.step()
+                opt.zero_grad()
+    finally:
+        for handle in handles:
+            handle.remove()
     return dict(reference)
 
 

@@ -150,6 +150,7 @@ def anomalies(
             "need vanishing_below >= 0, exploding_above > 0 and 0 < saturation <= 1 "
             f"(got {vanishing_below}, {exploding_above}, {saturation})"
         )
+    precision.check_bounds(underflow_above, overflow_above)
     trace = run if isinstance(run, Trace) else load(run)
     scan = _Scan(trace, saturation)
     for chunk in step_chunks(trace, step_filter(steps), chunk_rows):

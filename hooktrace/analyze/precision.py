@@ -145,9 +145,7 @@ def findings(
     nonzero values of that kind underflow (overflow) in float16 at that step. value: the
     fraction at the worst such step; reference: the bound; step, last_step: the first and
     last step that counted; count: the steps that counted."""
-    for name, bound in (("underflow_above", underflow_above), ("overflow_above", overflow_above)):
-        if not 0 <= bound < 1:
-            raise ConfigError(f"{name} is a fraction of values: need 0 <= it < 1 (got {bound})")
+    check_bounds(underflow_above, overflow_above)
     if not trace.has_histograms:
         return [], [NO_HISTOGRAMS]
     bounds = {"underflow": underflow_above, "overflow": overflow_above}
@@ -177,6 +175,13 @@ def findings(
             "(record with --histograms grad_param)"
         )
     return found, notes
+
+
+def check_bounds(underflow_above: float, overflow_above: float) -> None:
+    """Raise ConfigError unless both bounds are fractions, 0 <= bound < 1."""
+    for name, bound in (("underflow_above", underflow_above), ("overflow_above", overflow_above)):
+        if not 0 <= bound < 1:
+            raise ConfigError(f"{name} is a fraction of values: need 0 <= it < 1 (got {bound})")
 
 
 def _underflow(
