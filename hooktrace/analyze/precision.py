@@ -23,8 +23,8 @@ and Inf are already the non-finite checks' business):
   Inf in bfloat16. bfloat16 shares float32's exponent range, so only float64 values reach
   its overflow, and only float32 subnormals (or float64 values) its underflow.
 
-Everything is computed in DuckDB over the ``histograms`` view of :meth:`Trace.sql`, grouped
-there: what comes back is one row per tensor (module, kind, slot) or per module and kind, so
+Everything is computed in DuckDB over the ``histogram_spans`` view of :meth:`Trace.sql` (the
+spans as stored), grouped there: what comes back is one row per tensor (module, kind, slot) or per module and kind, so
 memory stays bounded whatever the trace's size.
 """
 
@@ -270,13 +270,11 @@ MODULE_KEYS: Final = ("rank", "module", "kind")
 
 
 def _count(fmt: Format, measure: str) -> str:
-    """SQL: how many of a histogram's nonzero finite values ``measure`` counts in ``fmt``, as
-    the inner product of its counts (``p``, ``n``: as DOUBLE, exact below 2^53) with a mask of
-    the bins. Two to three times faster in DuckDB than summing list slices, which copy."""
+    """SQL: how many of a histogram's nonzero finite values ``measure`` counts in ``fmt``, from
+    the stored spans (``bins_sum`` of :mod:`hooktrace.trace.sql`: a few dozen counts a row,
+    where whole rows are 279)."""
     first, end = fmt.bins(measure)
-    mask = ", ".join("1" if first <= k < end else "0" for k in range(MAGNITUDE_BINS))
-    mask = f"[{mask}]::DOUBLE[]"
-    return f"CAST(list_inner_product(p, {mask}) + list_inner_product(n, {mask}) AS BIGINT)"
+    return f"bins_sum(pos_start, pos, {first}, {end}) + bins_sum(neg_start, neg, {first}, {end})"
 
 
 def _query(
@@ -301,11 +299,7 @@ def _query(
         per_slot_step AS MATERIALIZED (
             SELECT rank, module, kind, slot, step, min(seq) AS seq, sum(numel) AS numel,
                 sum(numel - zero - nan - pos_inf - neg_inf) AS nonzero, {counts}
-            FROM (
-                SELECT rank, module, kind, slot, step, seq, numel, zero, nan, pos_inf, neg_inf,
-                    CAST(pos AS DOUBLE[]) AS p, CAST(neg AS DOUBLE[]) AS n
-                FROM histograms {where}
-            )
+            FROM histogram_spans {where}
             GROUP BY rank, module, kind, slot, step
         )"""
     selects = []
