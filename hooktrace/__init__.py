@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from hooktrace.analyze.plots import plot
     from hooktrace.analyze.report import report
     from hooktrace.analyze.summary import summary
+    from hooktrace.analyze.tensorboard import export_tensorboard
     from hooktrace.recorder.recorder import Models, Recorder
     from hooktrace.recorder.replay import replay_module
     from hooktrace.trace.check import check
@@ -52,6 +53,7 @@ _LAZY = {
     "anomalies": "hooktrace.analyze.anomalies",
     "plot": "hooktrace.analyze.plots",
     "report": "hooktrace.analyze.report",
+    "export_tensorboard": "hooktrace.analyze.tensorboard",
     "replay_module": "hooktrace.recorder.replay",
 }
 
@@ -85,6 +87,7 @@ __all__ = [
     "check",
     "dead_relus",
     "diff",
+    "export_tensorboard",
     "load",
     "plot",
     "record",

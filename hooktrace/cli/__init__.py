@@ -28,6 +28,7 @@ COMMANDS = {
     "anomalies": "hooktrace.cli.anomalies:anomalies",
     "plot": "hooktrace.cli.plot:plot",
     "report": "hooktrace.cli.report:report",
+    "export": "hooktrace.cli.export:export",
 }
 
 

@@ -1,0 +1,551 @@
+"""A trace in TensorBoard: :func:`export_tensorboard`. Never imports torch.
+
+What ``LOGDIR`` holds after an export, one TensorBoard run per directory:
+
+- ``rank=R/``: the train phase of rank R: a scalar per statistic of each recorded tensor,
+  tagged ``MODULE/KIND/SLOT/STAT`` (``blocks.0.fc/grad_param/weight/norm``), at each step;
+  the histogram of each histogrammed record, tagged ``MODULE/KIND/SLOT/histogram``; and the
+  run's command, versions, status and recording options as text (tags ``hooktrace/...``);
+- ``rank=R/eval/``: the eval phase (forward passes under ``no_grad`` or in eval mode), the
+  same tags, so that TensorBoard draws train and eval in one chart;
+- ``hooktrace-export.json``: which run was exported, when, and with which options.
+
+A series has one value a step: a module called several times in a micro-step (a shared
+module, an RNN cell in a loop, a batch of an evaluation loop) is shown at its first call,
+unless ``calls="all"``, which gives the calls after the first series of their own, under
+``MODULE [call N]``; with gradient accumulation, the step's last micro-step is shown (the
+one whose parameter gradients the optimizer uses). Each event's wall time is its step's end
+time in the trace. Records with no statistics (a tensor hooktrace could not summarise, a
+parameter that had no gradient) have no values.
+
+The records are read a chunk of whole steps at a time, in step order (as ``anomalies``
+reads them), and written as they are read: memory is bounded by ``chunk_rows`` whatever the
+trace's size. The events go to a hidden directory beside ``LOGDIR``, which takes its place
+only once every event is written, so ``LOGDIR`` never holds half an export, nor two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from hooktrace.analyze import tensorboard_events as tb
+from hooktrace.analyze.findings import StepsSpec, step_chunks, step_filter, strings
+from hooktrace.errors import ConfigError, HooktraceError
+from hooktrace.trace import schema
+from hooktrace.trace.reader import Trace, load
+
+Run = str | os.PathLike[str] | Trace
+Progress = Callable[[int, int, str], None]
+
+STATS = ("mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count")
+"""The statistics a record's scalars can show (docs/FORMAT.md, records), all by default."""
+CALLS = ("first", "all")
+MARKER = "hooktrace-export.json"
+"""The file an export leaves in LOGDIR, saying what it holds (and that it may replace it)."""
+TEXT_STEP = 0
+
+TensorBoardUnavailable = tb.TensorBoardUnavailable
+
+
+class NothingToExport(HooktraceError):
+    """No record of the run matches the filters."""
+
+
+@dataclass
+class TensorBoardExport:
+    """What :func:`export_tensorboard` wrote."""
+
+    logdir: Path
+    run: Path
+    runs: list[str]
+    """The TensorBoard runs written, as directories under ``logdir`` (``rank=0``, ``rank=0/eval``)."""
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    scalars: int
+    """Scalar values written."""
+    series: int
+    """Series of records shown (module, kind, slot and call, per TensorBoard run): each has
+    a scalar tag per statistic."""
+    histograms: int
+    """Histograms written."""
+    has_histograms: bool
+    """Whether the trace holds histograms at all."""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["logdir"], out["run"] = str(self.logdir), str(self.run)
+        return out
+
+
+def export_tensorboard(
+    run: Run,
+    logdir: str | os.PathLike[str],
+    *,
+    steps: StepsSpec = None,
+    modules: str | Iterable[str] | None = None,
+    kinds: Iterable[str] | None = None,
+    ranks: Iterable[int] | None = None,
+    stats: Iterable[str] = STATS,
+    calls: str = "first",
+    histograms: bool = True,
+    overwrite: bool = False,
+    chunk_rows: int = 100_000,
+    progress: Progress | None = None,
+) -> TensorBoardExport:
+    """Write ``run`` into ``logdir`` as TensorBoard event files (see the module docstring).
+
+    ``steps`` (``"0-100"``, ``(first, last)`` or step numbers), ``modules`` (a regex searched
+    in the name, or a list of names), ``kinds`` and ``ranks`` choose the records; ``stats``
+    the statistics shown as scalars (of :data:`STATS`); ``calls`` ``"first"`` or ``"all"``;
+    ``histograms=False`` leaves the histograms out. ``logdir`` must be new or empty, or hold
+    an earlier export and ``overwrite`` be true. ``chunk_rows`` bounds the records held at
+    once. ``progress(done, total, what)`` is called before each chunk.
+
+    Raises :class:`TensorBoardUnavailable` without the ``tensorboard`` package,
+    ``ConfigError`` on bad options or ``logdir``, :class:`NothingToExport` when no record
+    matches, and the reader's ``TraceError`` for a run it cannot read."""
+    tb.require()
+    chosen_stats = _chosen(stats, STATS, "statistic")
+    chosen_kinds = None if kinds is None else _chosen(kinds, schema.KINDS, "kind")
+    if calls not in CALLS:
+        raise ConfigError(f"calls must be one of {', '.join(CALLS)} (got {calls!r})")
+    if chunk_rows < 1:
+        raise ConfigError(f"chunk_rows must be 1 or more (got {chunk_rows})")
+    selection = step_filter(steps)
+    names = _module_filter(modules)
+    trace = run if isinstance(run, Trace) else load(run)
+    target = Path(logdir)
+    _check_logdir(target, trace.path, overwrite=overwrite)
+    chosen_ranks = None if ranks is None else sorted({int(r) for r in ranks})
+    if chosen_ranks is not None and not set(chosen_ranks) & set(trace.ranks):
+        raise ConfigError(
+            f"{trace.path} has no rank {', '.join(map(str, chosen_ranks))}: its ranks are "
+            f"{', '.join(map(str, trace.ranks)) or 'none'}"
+        )
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".{target.name}.hooktrace-export-{uuid.uuid4().hex[:12]}"
+    staging.mkdir()
+    writer = _Writer(trace, staging, chosen_stats, calls=calls)
+    try:
+        has_histograms = _has_histograms(trace)
+        plan = list(step_chunks(trace, selection, chunk_rows))
+        for done, chunk in enumerate(plan):
+            if progress is not None:
+                progress(done, len(plan), _describe(chunk))
+            frame = trace.query(
+                columns=_columns(chosen_stats), steps=chunk, kinds=chosen_kinds, ranks=chosen_ranks
+            )
+            frame = _fold(frame, names, calls)
+            found = None
+            if histograms and has_histograms and not frame.empty:
+                found = _read_histograms(trace, chunk, chosen_kinds, chosen_ranks)
+            writer.add(frame, found)
+        writer.close()
+        if writer.scalars == 0 and writer.histograms == 0:
+            raise NothingToExport(
+                f"no record of {trace.path} matches the filters (steps, modules, kinds, ranks): "
+                "loosen them"
+            )
+        options = {
+            "steps": steps if steps is None or isinstance(steps, str | tuple) else list(steps),
+            "modules": modules if modules is None or isinstance(modules, str) else list(modules),
+            "kinds": chosen_kinds, "ranks": chosen_ranks, "stats": list(chosen_stats),
+            "calls": calls, "histograms": histograms,
+        }  # fmt: skip
+        result = writer.result(target, has_histograms)
+        _write_marker(staging / MARKER, trace, options, result)
+        _publish(staging, target)
+    except BaseException:
+        writer.close()
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if histograms and not has_histograms:
+        result.notes.append(
+            f"{trace.path} holds no histograms (record them with --histograms "
+            "param,grad_param): exported its scalars and text"
+        )
+    return result
+
+
+# -- reading -----------------------------------------------------------------------------------
+
+_KEY = ["rank", "phase", "step", "module", "kind", "slot", "call"]
+
+
+def _columns(stats: Sequence[str]) -> list[str]:
+    needed = ["rank", "step", "micro_step", "phase", "seq", "module", "call", "kind", "slot"]
+    needed += ["numel", "note", "mean", "norm", "min", "max", "nan_count", "inf_count"]
+    return list(dict.fromkeys([*needed, *stats]))
+
+
+def _fold(frame: pd.DataFrame, names: Callable[[str], bool] | None, calls: str) -> pd.DataFrame:
+    """The records shown: those of the modules chosen that have statistics; per series and
+    step, the last micro-step's (and the first call's, unless ``calls == "all"``)."""
+    keep = (frame["numel"] > 0).to_numpy().copy()
+    keep &= ~pd.Series(strings(frame["note"])).str.startswith(schema.NOTE_SKIPPED).to_numpy()
+    if calls == "first":
+        keep &= (frame["call"] == 0).to_numpy()
+    if names is not None:
+        module = frame["module"]
+        if isinstance(module.dtype, pd.CategoricalDtype):
+            chosen = np.array([names(str(c)) for c in module.cat.categories] + [False])
+            keep &= chosen[module.cat.codes.to_numpy()]
+        else:
+            keep &= np.array([names(str(m)) for m in module], dtype=bool)
+    frame = frame[keep]
+    order = [*_KEY, "micro_step", "seq"]
+    frame = frame.sort_values(order, kind="stable").drop_duplicates(_KEY, keep="last")
+    return frame.reset_index(drop=True)
+
+
+def _has_histograms(trace: Trace) -> bool:
+    found = getattr(trace, "has_histograms", None)
+    if found is not None:
+        return bool(found)
+    directory = trace.path / "histograms"
+    return directory.is_dir() and any(directory.glob("rank=*/*.parquet"))
+
+
+def _read_histograms(
+    trace: Trace,
+    steps: tuple[int, int] | list[int],
+    kinds: list[str] | None,
+    ranks: list[int] | None,
+) -> pd.DataFrame:
+    """The chunk's histograms: rank, step, seq, zero, pos and neg (numpy rows)."""
+    if hasattr(trace, "histograms"):
+        return trace.histograms(steps=steps, kinds=kinds, ranks=ranks)
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    dataset = ds.dataset(trace.path / "histograms", format="parquet", partitioning="hive")
+    lo, hi = steps if isinstance(steps, tuple) else (min(steps), max(steps))
+    expr = (pc.field("step") >= lo) & (pc.field("step") <= hi)
+    if kinds is not None:
+        expr &= pc.field("kind").cast("string").isin(kinds)
+    if ranks is not None:
+        expr &= pc.field("rank").isin(ranks)
+    table = dataset.to_table(filter=expr)
+    frame = table.drop_columns(["pos", "neg"]).to_pandas()
+    for name in ("pos", "neg"):
+        flat = table.column(name).combine_chunks().flatten().to_numpy()
+        frame[name] = list(flat.reshape(len(frame), -1))
+    return frame
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+
+class _Writer:
+    """The event files of one export, a TensorBoard run per (rank, phase), made on first use."""
+
+    def __init__(self, trace: Trace, root: Path, stats: Sequence[str], *, calls: str) -> None:
+        self.trace = trace
+        self.root = root
+        self.stats = list(stats)
+        self.calls = calls
+        self.runs: dict[tuple[int, str], tb.EventRun] = {}
+        self.series: set[tuple[int, str, str]] = set()
+        self.steps: set[int] = set()
+        self.scalars = 0
+        self.histograms = 0
+        steps = trace.steps
+        self.wall_times = {
+            (int(r), int(s)): float(t)
+            for r, s, t in zip(steps["rank"], steps["step"], steps["end_time"], strict=True)
+            if t == t
+        }
+        self.start_time = float(trace.manifest.get("start_time") or time.time())
+
+    def add(self, frame: pd.DataFrame, found: pd.DataFrame | None) -> None:
+        """Write the folded records of a chunk, and their histograms (from ``found``)."""
+        if frame.empty:
+            return
+        prefix = _prefixes(frame)
+        tags = np.stack([prefix + f"/{stat}" for stat in self.stats], axis=1)
+        values = frame[self.stats].to_numpy(dtype=np.float64)
+        histograms = _Histograms(frame, found)
+        ranks = frame["rank"].to_numpy()
+        phases = strings(frame["phase"])
+        step_of = frame["step"].to_numpy()
+        change = np.flatnonzero(
+            (ranks[1:] != ranks[:-1]) | (phases[1:] != phases[:-1]) | (step_of[1:] != step_of[:-1])
+        )
+        for start, end in zip([0, *(change + 1)], [*(change + 1), len(frame)], strict=True):
+            rank, phase, step = int(ranks[start]), str(phases[start]), int(step_of[start])
+            events = self._run(rank, phase)
+            out = tb.scalar_values(
+                tags[start:end].ravel().tolist(), values[start:end].ravel().tolist()
+            )
+            self.scalars += len(out)
+            for row in histograms.rows(start, end):
+                proto = histograms.proto(row)
+                if proto is None:  # every value NaN or Inf: nothing to place
+                    continue
+                tag = f"{prefix[row]}/histogram"
+                out.append(tb.histogram_value(tag, proto, describe=tag not in events.described))
+                events.described.add(tag)
+                self.histograms += 1
+            self.series.update((rank, phase, p) for p in prefix[start:end])
+            self.steps.add(step)
+            events.write(step, self.wall_times.get((rank, step), self.start_time), out)
+
+    def _run(self, rank: int, phase: str) -> tb.EventRun:
+        events = self.runs.get((rank, phase))
+        if events is not None:
+            return events
+        if (rank, "train") not in self.runs:  # the rank's run, with the text
+            directory = self.root / f"rank={rank}"
+            directory.mkdir()
+            train = self.runs[(rank, "train")] = tb.EventRun(directory)
+            texts = [tb.text_value(tag, text) for tag, text in _texts(self.trace, rank, self)]
+            train.write(TEXT_STEP, self.start_time, texts)
+        if phase == "train":
+            return self.runs[(rank, "train")]
+        events = self.runs[(rank, phase)] = tb.EventRun(self.root / f"rank={rank}" / phase)
+        return events
+
+    def close(self) -> None:
+        for events in self.runs.values():
+            events.close()
+
+    def result(self, logdir: Path, has_histograms: bool) -> TensorBoardExport:
+        steps = sorted(self.steps)
+        return TensorBoardExport(
+            logdir=logdir, run=self.trace.path,
+            runs=sorted(str(e.directory.relative_to(self.root)) for e in self.runs.values()),
+            steps=len(steps), first_step=steps[0] if steps else None,
+            last_step=steps[-1] if steps else None, scalars=self.scalars,
+            series=len(self.series), histograms=self.histograms, has_histograms=has_histograms,
+        )  # fmt: skip
+
+
+class _Histograms:
+    """The histograms of a chunk's folded records, joined to them on (rank, step, seq), with
+    the statistics TensorBoard wants beside the counts: least and greatest value, sum and sum
+    of squares (``mean * numel`` and ``norm ** 2``, unknown where a value is NaN or Inf)."""
+
+    def __init__(self, frame: pd.DataFrame, found: pd.DataFrame | None) -> None:
+        self.at = np.full(len(frame), -1, dtype=np.int64)
+        if found is None or found.empty:
+            return
+        have = pd.MultiIndex.from_arrays(
+            [found["rank"].astype("int64"), found["step"], found["seq"]]
+        )
+        want = pd.MultiIndex.from_arrays(
+            [frame["rank"].astype("int64"), frame["step"], frame["seq"]]
+        )
+        self.at = have.get_indexer(want)
+        self.zero = found["zero"].to_numpy(dtype=np.int64)
+        self.pos = found["pos"].to_numpy()
+        self.neg = found["neg"].to_numpy()
+        self.low = frame["min"].to_numpy(dtype=np.float64)
+        self.high = frame["max"].to_numpy(dtype=np.float64)
+        finite = (frame["nan_count"] + frame["inf_count"] == 0).to_numpy()
+        numel = frame["numel"].to_numpy(dtype=np.float64)
+        self.total = np.where(finite, frame["mean"].to_numpy(dtype=np.float64) * numel, np.nan)
+        self.squares = np.where(finite, frame["norm"].to_numpy(dtype=np.float64) ** 2, np.nan)
+
+    def rows(self, start: int, end: int) -> Iterator[int]:
+        """The rows in ``start:end`` that have a histogram."""
+        return iter((np.flatnonzero(self.at[start:end] >= 0) + start).tolist())
+
+    def proto(self, row: int) -> Any:
+        at = self.at[row]
+        counts = tb.display_counts(self.zero[at], self.pos[at], self.neg[at])
+        return tb.histogram_proto(
+            counts,
+            low=float(self.low[row]),
+            high=float(self.high[row]),
+            total=float(self.total[row]),
+            squares=float(self.squares[row]),
+        )
+
+
+def _prefixes(frame: pd.DataFrame) -> np.ndarray:
+    """``MODULE/KIND/SLOT`` of each record (``MODULE [call N]`` for a call after the first)."""
+    module = strings(frame["module"])
+    calls = frame["call"].to_numpy()
+    later = np.flatnonzero(calls > 0)
+    if len(later):
+        module = module.copy()
+        module[later] = [
+            f"{m} [call {c}]" for m, c in zip(module[later], calls[later], strict=True)
+        ]
+    return module + "/" + strings(frame["kind"]) + "/" + strings(frame["slot"])
+
+
+def _texts(trace: Trace, rank: int, writer: _Writer) -> list[tuple[str, str]]:
+    """The run's command, what recorded it and how it ended, and its options, as markdown."""
+    manifest = trace.manifest
+    status = manifest.get("ranks", {}).get(str(rank), {})
+    command = manifest.get("command") or []
+    run = [
+        ("run", f"`{trace.path}`"),
+        ("status", f"{trace.status} (rank {rank}: {status.get('status', 'unknown')})"),
+        ("error", status.get("error") or ""),
+        ("format", f"hooktrace {manifest.get('format_version', '?')}"),
+        ("recorded with", f"hooktrace {manifest.get('hooktrace_version', '?')}, torch "
+         f"{manifest.get('torch_version', '?')}, python {manifest.get('python_version', '?')}"),
+        ("platform", manifest.get("platform", "")),
+        ("roots", ", ".join(manifest.get("roots") or [])),
+        ("world size", str(manifest.get("world_size", 1))),
+        ("started", _when(manifest.get("start_time"))),
+        ("ended", _when(status.get("end_time"))),
+        ("steps written", str(status.get("steps_written", ""))),
+        ("records written", str(status.get("records_written", ""))),
+    ]  # fmt: skip
+    config = [(k, f"`{json.dumps(v)}`") for k, v in sorted((manifest.get("config") or {}).items())]
+    export = [
+        ("exported", f"{_when(time.time())} by hooktrace {_version()}"),
+        ("statistics", ", ".join(writer.stats)),
+        ("tags", "`MODULE/KIND/SLOT/STAT` scalars, `MODULE/KIND/SLOT/histogram` histograms; "
+         "the eval phase in the run `eval` beside"),
+        ("calls", "each call its own series, `MODULE [call N]` after the first"
+         if writer.calls == "all" else "the first call of a module in a micro-step"),
+        ("micro-steps", "the step's last"),
+        ("scalars", "float32, as TensorBoard keeps them"),
+        ("histograms", tb.HISTOGRAM_DESCRIPTION),
+    ]  # fmt: skip
+    return [
+        ("hooktrace/command", "```\n" + shlex.join(str(c) for c in command) + "\n```"),
+        ("hooktrace/run", _table(run)),
+        ("hooktrace/config", _table(config)),
+        ("hooktrace/export", _table(export)),
+    ]
+
+
+def _table(rows: list[tuple[str, str]]) -> str:
+    """A two-column markdown table (TensorBoard's text plugin renders tables)."""
+    lines = ["| | |", "|---|---|"]
+    for key, value in rows:
+        lines.append(f"| {_cell(key)} | {_cell(str(value))} |")
+    return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _when(timestamp: Any) -> str:
+    if not isinstance(timestamp, int | float):
+        return ""
+    return datetime.fromtimestamp(float(timestamp), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _version() -> str:
+    from hooktrace import __version__
+
+    return __version__
+
+
+# -- options and the log directory ------------------------------------------------------------
+
+
+def _chosen(values: Iterable[str], known: Sequence[str], what: str) -> list[str]:
+    chosen = list(dict.fromkeys(str(v) for v in values))
+    unknown = [v for v in chosen if v not in known]
+    if unknown or not chosen:
+        raise ConfigError(
+            f"unknown {what} {', '.join(map(repr, unknown))}: choose from {', '.join(known)}"
+            if unknown
+            else f"choose at least one {what} of {', '.join(known)}"
+        )
+    return chosen
+
+
+def _module_filter(modules: str | Iterable[str] | None) -> Callable[[str], bool] | None:
+    if modules is None:
+        return None
+    if isinstance(modules, str):
+        try:
+            pattern = re.compile(modules)
+        except re.error as exc:
+            raise ConfigError(
+                f"bad module pattern {modules!r}: {exc}; write a Python regex such as 'blocks\\.0'"
+            ) from None
+        return lambda name: pattern.search(name) is not None
+    names = {str(m) for m in modules}
+    return lambda name: name in names
+
+
+def _describe(chunk: tuple[int, int] | list[int]) -> str:
+    lo, hi = (chunk[0], chunk[-1]) if isinstance(chunk, list) else chunk
+    return f"step {lo}" if lo == hi else f"steps {lo}–{hi if hi < 2**62 else 'end'}"
+
+
+def _check_logdir(logdir: Path, run: Path, *, overwrite: bool) -> None:
+    """ConfigError unless ``logdir`` is new, empty, or an earlier export that may be replaced."""
+    if logdir.exists() and not logdir.is_dir():
+        raise ConfigError(f"{logdir} is a file: give a directory for the event files")
+    resolved, source = logdir.resolve(), run.resolve()
+    if source == resolved or resolved in source.parents:
+        raise ConfigError(
+            f"{logdir} holds the run {run}: give a directory of its own for the event files"
+        )
+    if not logdir.is_dir() or not any(logdir.iterdir()):
+        return
+    marker = logdir / MARKER
+    if not marker.is_file():
+        raise ConfigError(
+            f"{logdir} is not empty and holds no hooktrace export: give a new directory, one "
+            "per run (e.g. tb/NAME, then `tensorboard --logdir tb` compares them)"
+        )
+    if not overwrite:
+        try:
+            earlier = json.loads(marker.read_text()).get("run", "a run")
+        except (OSError, ValueError, AttributeError):
+            earlier = "a run"
+        raise ConfigError(
+            f"{logdir} holds an earlier export (of {earlier}): give --overwrite to replace it, "
+            "or a new directory"
+        )
+
+
+def _write_marker(
+    path: Path, trace: Trace, options: dict[str, Any], result: TensorBoardExport
+) -> None:
+    content = {
+        "run": str(trace.path.resolve()),
+        "exported_at": time.time(),
+        "hooktrace_version": _version(),
+        "options": options,
+        "runs": result.runs,
+        "steps": result.steps,
+        "scalars": result.scalars,
+        "histograms": result.histograms,
+    }
+    path.write_text(json.dumps(content, indent=2, default=str) + "\n")
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Put ``staging`` where ``target`` is, replacing it (an empty directory or an earlier
+    export) by renames: a reader sees the old export or the new one, never a mix."""
+    if not target.exists():
+        staging.rename(target)
+        return
+    old = target.parent / f".{target.name}.hooktrace-replaced-{uuid.uuid4().hex[:12]}"
+    target.rename(old)
+    try:
+        staging.rename(target)
+    except BaseException:
+        old.rename(target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
