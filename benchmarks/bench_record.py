@@ -12,12 +12,15 @@ as any variant):
   floor        one sum() per recorded tensor (outputs and output gradients)
   naive        what hand-written hooks do: torch reductions with .item() per statistic,
                and a synchronous h5py write per tensor
-  stats        hooktrace.record, statistics of every module at every step (the default,
-               non-finite capture on); the one-time warm-up of its one-pass kernel falls in
-               the untimed warm-up steps and is printed on its own at the end
+  stats        hooktrace.record, statistics of every module at every step (the default:
+               non-finite capture on, histograms of parameters and parameter gradients at
+               every step); the one-time warm-up of its one-pass kernel falls in the untimed
+               warm-up steps and is printed on its own at the end
   nocapture    stats with capture_nonfinite=False: statistics only. stats / nocapture,
                paired by repetition, is what watching for a non-finite value costs on steps
                where everything is finite
+  nohist       stats with histograms=None: no histograms. stats / nohist, paired by
+               repetition, is what the histograms of every parameter and gradient cost
   full         hooktrace.record with full tensors of every module at every step
   bystander    hooktrace.record of another model: the process-wide hooks (recorder/attach.py)
                fire for every module call and return at once; what unrecorded modules pay
@@ -133,6 +136,12 @@ def nocapture(model: nn.Module, out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def nohist(model: nn.Module, out: Path) -> Iterator[None]:
+    with hooktrace.record(model, out / "run", overwrite=True, histograms=None):
+        yield
+
+
+@contextlib.contextmanager
 def full(model: nn.Module, out: Path) -> Iterator[None]:
     with hooktrace.record(model, out / "run", overwrite=True, full_every=1):
         yield
@@ -164,12 +173,13 @@ VARIANTS: dict[str, Variant] = {
     "naive": naive,
     "stats": stats,
     "nocapture": nocapture,
+    "nohist": nohist,
     "full": full,
     "bystander": bystander,
     "onethread": onethread,
 }
 REFERENCE_MODELS = ["SmallCNN", "TinyTransformer"]  # issue 8's two, in tests/models.py
-DEFAULT = ["plain", "empty", "floor", "naive", "stats", "nocapture", "full", "bystander"]
+DEFAULT = ["plain", "empty", "floor", "naive", "stats", "nocapture", "nohist", "full", "bystander"]
 
 
 def page_faults() -> int:
@@ -263,7 +273,7 @@ def report(name: str, times: dict[str, list[tuple[float, float]]], seconds: floa
             f"  {label:<10} {median(label) * 1e3:9.2f} {median(label) / base:8.2f} {share:26.2f}"
             f" {median(label, 1):17.0f} {statistics.median(ratios):12.2f} ({q1:.2f} to {q3:.2f})"
         )
-    for other in ("onethread", "nocapture"):
+    for other in ("onethread", "nocapture", "nohist"):
         if "stats" in times and other in times:  # the same repetition, side by side
             pairs = sorted(a[0] / b[0] for a, b in zip(times["stats"], times[other], strict=True))
             q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3

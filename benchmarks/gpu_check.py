@@ -3,7 +3,8 @@
 For each reference model (tests/models.py: SmallCNN, TinyTransformer) on the GPU:
 
   1. no synchronisation: a recorded training step (forward, loss, backward, optimizer
-     step), statistics only and then with full tensors of every module, runs under
+     step), statistics and histograms of every module's outputs, gradients and
+     parameters, and then with full tensors of every module too, runs under
      torch.cuda.set_sync_debug_mode("error"), which raises on any operation that makes the
      host wait for the device. The step's records are handed to the writer only after the
      mode is switched off again: the writer thread waits for the device by design;
@@ -11,7 +12,9 @@ For each reference model (tests/models.py: SmallCNN, TinyTransformer) on the GPU
      memory, so the copy does not block the training stream;
   3. the numbers: the same seeded training recorded on the CPU and on the GPU gives the
      same records, with statistics equal to float32 tolerance (cuDNN and the CPU sum in
-     different orders), and the training's loss is unchanged by recording.
+     different orders), histograms that count every value and put at most 2% of a
+     tensor's values in other bins than the CPU's (a value that other rounding moves
+     across a power of two), and the training's loss is unchanged by recording.
 
 Prints one line per check and exits 1 if any fails. Without a CUDA device it says so and
 exits 2. `--device cpu` runs the same steps on the CPU, where there is nothing to
@@ -78,7 +81,8 @@ def check_no_sync(name: str, device: torch.device, out: Path, *, full: bool) -> 
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     batch = to_device(make_batch(name, seed=0), device)
     problems: list[str] = []
-    with hooktrace.record(model, out, full_every=1 if full else None) as rec:
+    kinds = "output,grad_output,param,grad_param"  # histograms on the device too: no sync
+    with hooktrace.record(model, out, full_every=1 if full else None, histograms=kinds) as rec:
         for _ in range(2):  # first-call costs (cuDNN autotuning, allocator) outside the check
             train_step(model, opt, batch)
         held: list[Any] = []
@@ -111,7 +115,7 @@ def record_run(name: str, device: torch.device, out: Path, steps: int) -> list[f
     model = make_model(name, seed=0).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     batch = to_device(make_batch(name, seed=0), device)
-    with hooktrace.record(model, out):
+    with hooktrace.record(model, out, histograms="output,grad_output,param,grad_param"):
         return [train_step(model, opt, batch).item() for _ in range(steps)]
 
 
@@ -140,6 +144,28 @@ def check_numbers(name: str, device: torch.device, tmp: Path) -> list[str]:
             problems.append(f"{column} differs by up to {worst:.2g} of the values' scale")
     if (a["nan_count"] != b["nan_count"]).any() or (a["inf_count"] != b["inf_count"]).any():
         problems.append("NaN or Inf counts differ")
+    problems += _compare_histograms(hooktrace.load(tmp / "cpu"), hooktrace.load(tmp / "dev"))
+    return problems
+
+
+def _compare_histograms(cpu: hooktrace.Trace, dev: hooktrace.Trace) -> list[str]:
+    """The device's histograms against the CPU's: every value counted, and the bins apart by
+    no more than the values that other rounding moves across a power of two (2%)."""
+    key = ["step", "module", "kind", "slot"]
+    a = cpu.histograms().drop_duplicates(key).set_index(key).sort_index()
+    b = dev.histograms().drop_duplicates(key).set_index(key).sort_index()
+    if not a.index.equals(b.index) or len(a) == 0:
+        return [f"histograms differ: {len(a)} on the cpu, {len(b)} on the device"]
+    counted = b[["zero", "nan", "pos_inf", "neg_inf"]].sum(axis=1)
+    counted += np.stack(b["pos"]).sum(axis=1) + np.stack(b["neg"]).sum(axis=1)
+    problems = []
+    if (counted != b["numel"]).any():
+        problems.append("device histograms that do not count every value")
+    moved = np.abs(np.stack(a["pos"]) - np.stack(b["pos"])).sum(axis=1)
+    moved += np.abs(np.stack(a["neg"]) - np.stack(b["neg"])).sum(axis=1)
+    worst = float((moved / np.maximum(a["numel"].to_numpy(), 1)).max())
+    if not worst <= 0.02:
+        problems.append(f"histograms differ by up to {worst:.1%} of a tensor's values")
     return problems
 
 

@@ -1,4 +1,4 @@
-"""Write the sample traces in this folder: five small seeded runs of one model.
+"""Write the sample traces in this folder: six small seeded runs of one model.
 
     python sample_traces/make_samples.py            # rewrite every sample
     python sample_traces/make_samples.py nan dead   # rewrite some
@@ -110,12 +110,21 @@ def scale_from_20(step: int) -> float:
     return 1.0 if step < 20 else 10.0 ** (step - 19)
 
 
+def tiny(step: int) -> float:
+    """A loss averaged over the whole data set's size (2^16 samples) where the batch's was
+    meant: every gradient is 2^-16 of what it should be. Adam's update hardly depends on the
+    gradients' scale, so training goes on much as in healthy, in float32; in float16, without
+    loss scaling, much of each gradient would fall below 2^-24 and flush to zero."""
+    return 2.0**-16
+
+
 @dataclass(frozen=True)
 class Sample:
     fault: Fault = no_fault
     loss_scale: Callable[[int], float] = no_scale
     options: dict[str, Any] = field(default_factory=dict)
-    """hooktrace.record options besides the defaults (statistics of every module, each step)"""
+    """hooktrace.record options besides the defaults (statistics of every module, histograms
+    of parameters and their gradients, each step)"""
 
 
 FULL = {"full_steps": "0,12", "full_modules": r"^blocks\.1"}  # a few full tensors, for diff
@@ -125,6 +134,7 @@ SAMPLES = {
     "dead": Sample(kill_units_at_10),
     "nan": Sample(outlier_at_15),
     "exploding": Sample(loss_scale=scale_from_20),
+    "underflow": Sample(loss_scale=tiny, options={"histograms": "param,grad_param,grad_output"}),
 }
 
 

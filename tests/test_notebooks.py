@@ -18,7 +18,13 @@ NOTEBOOKS = sorted(ANALYSIS.glob("*.ipynb"))
 
 def test_there_is_a_notebook_for_each_question() -> None:
     names = [path.stem for path in NOTEBOOKS]
-    assert names == ["01_first_divergence", "02_dead_units", "03_gradient_norms", "04_nan_origin"]
+    assert names == [
+        "01_first_divergence",
+        "02_dead_units",
+        "03_gradient_norms",
+        "04_nan_origin",
+        "05_distributions",
+    ]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])

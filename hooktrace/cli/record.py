@@ -36,6 +36,8 @@ _KEYS = {
     "capture_nonfinite": "capture_nonfinite",
     "capture_limit": "capture_limit",
     "capture_max_mb": "capture_max_mb",
+    "histograms": "histograms",
+    "histogram_every": "histogram_every",
 }
 
 
@@ -111,6 +113,16 @@ _KEYS = {
     help="Save at most this many MB of tensors per capture, e.g. --capture-max-mb 64; the rest are only named. [default: 256]",
 )
 @click.option(
+    "--histograms",
+    metavar="KINDS",
+    help="Histogram these record kinds by binary exponent, e.g. --histograms grad_param,grad_output, or none. [default: param,grad_param]",
+)
+@click.option(
+    "--histogram-every",
+    type=click.IntRange(min=1),
+    help="Histogram every N-th step (those with step % N == 0), e.g. --histogram-every 10. [default: 1]",
+)
+@click.option(
     "--strict",
     is_flag=True,
     default=None,
@@ -160,7 +172,7 @@ def record(
     options = _recorder_options(settings)
 
     from hooktrace.errors import HooktraceError
-    from hooktrace.recorder.select import StepSelection, module_matcher
+    from hooktrace.recorder.select import StepSelection, histogram_kinds, module_matcher
 
     try:
         from hooktrace.recorder.launch import run_script
@@ -172,6 +184,7 @@ def record(
         StepSelection(options.get("full_steps"), every=options.get("full_every") or 1)
         for key in ("modules", "exclude", "full_modules"):
             module_matcher(options.get(key), default=True)
+        histogram_kinds(options.get("histograms"))
     except HooktraceError as exc:
         raise CommandError(str(exc)) from exc
 

@@ -45,6 +45,14 @@ def histogram(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
     return counts.index_add_(0, bins, torch.ones_like(bins))
 
 
+def histogram_many(tensors: list[torch.Tensor]) -> np.ndarray:
+    """The histograms of CPU tensors, one row of ``WIDTH`` each."""
+    rows = np.zeros((len(tensors), WIDTH), dtype=np.int64)
+    for i, tensor in enumerate(tensors):
+        rows[i] = histogram(tensor)
+    return rows
+
+
 def _bins(x: torch.Tensor) -> torch.Tensor:
     """Each value's bin in the flat histogram vector (int64)."""
     _, e = torch.frexp(x)  # |x| = m * 2^e, 0.5 <= m < 1: floor(log2|x|) = e - 1

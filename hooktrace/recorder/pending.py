@@ -24,6 +24,7 @@ import pyarrow as pa
 import torch
 from torch._utils import _flatten_dense_tensors
 
+from hooktrace.recorder.histogram import histogram_staged
 from hooktrace.recorder.stats import (
     STATS_WIDTH,
     Stats,
@@ -31,6 +32,7 @@ from hooktrace.recorder.stats import (
     route_taken,
     summarize_staged,
 )
+from hooktrace.trace.histograms import WIDTH as HISTOGRAM_WIDTH
 from hooktrace.trace.schema import NO_GRADIENT_DTYPE, NOTE_SKIPPED, RECORD_SCHEMA
 from hooktrace.trace.writer import HOLD_STEPS, StepData, arrow_strings
 
@@ -269,6 +271,7 @@ class PendingStep:
     activity: list[tuple[int, torch.Tensor | np.ndarray | StagedUnits]] = field(
         default_factory=list
     )
+    histograms: list[tuple[int, np.ndarray | torch.Tensor | Staged]] = field(default_factory=list)
     staging: Staging = field(default_factory=Staging)
     layouts: Layouts | None = None  # shared between steps; None: each step builds its own
     tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
@@ -293,6 +296,7 @@ class PendingStep:
         n = len(self.meta)
         layout = self.layouts.of(self.meta) if self.layouts is not None else Layout(self.meta)
         stats = self._statistics()
+        histogram_rows, histograms = self._histograms()
         with np.errstate(invalid="ignore", divide="ignore"):
             numel = layout.numel
             zero_fraction = np.where(numel > 0, stats[:, 5] / np.maximum(numel, 1), np.nan)
@@ -334,6 +338,8 @@ class PendingStep:
             tensors=tensors,
             dropped=self.dropped,
             nonfinite=bool((stats[:, 6] > 0).any() or (stats[:, 7] > 0).any()),
+            histogram_rows=histogram_rows,
+            histograms=histograms,
         )
 
     def _statistics(self) -> np.ndarray:
@@ -374,6 +380,35 @@ class PendingStep:
             for gathered_rows, gathered in _gather(on_device, device_rows):
                 stats[gathered_rows] = gathered
         return stats
+
+    def _histograms(self) -> tuple[np.ndarray, np.ndarray]:
+        """The histogrammed rows, in order, and their counts (one row of ``WIDTH`` each):
+        staged tensors' made now, from their copies; a device's copied to the host, after
+        :meth:`_statistics` waited for the devices."""
+        entries = sorted(self.histograms, key=lambda entry: entry[0])
+        rows = np.array([row for row, _ in entries], dtype=np.int64)
+        counts = np.zeros((len(entries), HISTOGRAM_WIDTH), dtype=np.int64)
+        staged: list[int] = []
+        positions: list[int] = []
+        on_device: list[int] = []
+        tensors: list[torch.Tensor] = []
+        for i, (_, value) in enumerate(entries):
+            if type(value) is Staged:
+                staged.append(i)
+                positions.append(value.position)
+            elif isinstance(value, np.ndarray):
+                counts[i] = value
+            else:
+                on_device.append(i)
+                tensors.append(value)  # type: ignore[arg-type]
+        if staged:
+            values, bounds = self.staging.values(), self.staging.bounds()
+            counts[staged] = histogram_staged(values, bounds, positions)
+        if tensors:
+            _wait_for_devices(tensors)
+            for gathered_rows, gathered in _gather(tensors, on_device):
+                counts[gathered_rows] = gathered
+        return rows, counts
 
     def _activity(self) -> list[tuple[int, np.ndarray]]:
         """Each record's per-unit positive counts (int64), in row order."""

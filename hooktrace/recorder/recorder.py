@@ -19,7 +19,7 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -39,6 +39,7 @@ from hooktrace.recorder.attach import in_backward as _in_backward
 from hooktrace.recorder.attach import in_transform as _in_transform
 from hooktrace.recorder.attach import is_compiling
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
+from hooktrace.recorder.histogram import histogram, histogram_many
 from hooktrace.recorder.params import Entry, RecordsCache, values_of
 from hooktrace.recorder.pending import (
     Layouts,
@@ -50,7 +51,13 @@ from hooktrace.recorder.pending import (
     StagingPool,
     compiled_kernels,
 )
-from hooktrace.recorder.select import ModuleFilter, StepSelection, StepSpec, module_matcher
+from hooktrace.recorder.select import (
+    ModuleFilter,
+    StepSelection,
+    StepSpec,
+    histogram_kinds,
+    module_matcher,
+)
 from hooktrace.recorder.stats import (
     nested_values,
     plain,
@@ -65,6 +72,8 @@ from hooktrace.recorder.stats import (
     usual,
 )
 from hooktrace.trace import schema
+from hooktrace.trace.captures import CAPTURES_DIR
+from hooktrace.trace.histograms import HISTOGRAMS_DIR
 from hooktrace.trace.writer import TraceWriter
 
 Models = nn.Module | Mapping[str, nn.Module] | Iterable[nn.Module]
@@ -82,6 +91,9 @@ _CHANNELS_FIRST = (
 )
 
 _RECENT = 4
+
+DEFAULT_HISTOGRAMS = ("param", "grad_param")
+"""The record kinds histogrammed unless told otherwise (docs/FORMAT.md, "histograms")."""
 """Tensors whose statistics a hook remembers, the latest ones: a container's output is its
 last child's, and one gradient may reach several hooks in a row."""
 
@@ -156,6 +168,8 @@ class Recorder:
         capture_nonfinite: bool = True,
         capture_limit: int = capture.DEFAULT_LIMIT,
         capture_max_mb: float = capture.DEFAULT_MAX_MB,
+        histograms: Collection[str] | None = DEFAULT_HISTOGRAMS,
+        histogram_every: int = 1,
         command: list[str] | None = None,
     ) -> None:
         global _ACTIVE
@@ -170,6 +184,10 @@ class Recorder:
         self.max_tensor_bytes = int(max_tensor_mb * (1 << 20))
         self.max_units = max_units
         self._steps = StepSelection(steps, every=every)
+        self._histogram_kinds = histogram_kinds(histograms)
+        if histogram_every < 1:
+            raise ConfigError(f"histogram_every must be 1 or more (got {histogram_every})")
+        self._histogram_every = histogram_every
         full_wanted = full_every is not None or full_steps is not None or full_modules is not None
         self._full_steps = StepSelection(full_steps, every=full_every or 1) if full_wanted else None
         if compression not in (None, "gzip", "lzf"):
@@ -201,6 +219,7 @@ class Recorder:
             "max_units": max_units, "compression": compression, "buffer_mb": buffer_mb,
             "strict": strict, "capture_nonfinite": capture_nonfinite,
             "capture_limit": capture_limit, "capture_max_mb": capture_max_mb,
+            "histograms": sorted(self._histogram_kinds), "histogram_every": histogram_every,
         }  # fmt: skip
         world_size = _world_size()
         manifest = {
@@ -908,6 +927,8 @@ class Recorder:
                  tuple(tensor.shape), n_units, unit_size, note)
         )  # fmt: skip
         pending.stats.append(stats)
+        if kind in self._histogram_now:  # where the statistics are: staged, or made now
+            pending.histograms.append((row, stats if type(stats) is Staged else histogram(tensor)))
         if full:
             self._snapshot(row, tensor)
         return stats
@@ -1020,6 +1041,8 @@ class Recorder:
         )
         pending = self._pending
         stats = records.stage(values, pending.staging)
+        if kind in self._histogram_now:
+            self._histogram_params(len(pending.meta), values, stats)
         done = 0
         for i in records.observed:
             pending.meta.extend(records.metas[done:i])
@@ -1030,6 +1053,23 @@ class Recorder:
             done = i + 1
         pending.meta.extend(records.metas[done:])
         pending.stats.extend(stats[done:])
+
+    def _histogram_params(
+        self, first_row: int, values: Sequence[torch.Tensor | None], stats: Sequence[Any]
+    ) -> None:
+        """The histograms of the values taken together (entry ``i`` is row ``first_row + i``):
+        those staged from their copies, in the writer; those read in place, now, in one call.
+        (The others are observed one by one, and histogrammed there.)"""
+        pending = self._pending
+        in_place = [i for i, s in enumerate(stats) if type(s) is np.ndarray]
+        if in_place:
+            counts = histogram_many([values[i] for i in in_place])  # type: ignore[misc]
+            pending.histograms.extend(
+                (first_row + i, c) for i, c in zip(in_place, counts, strict=True)
+            )
+        pending.histograms.extend(
+            (first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged
+        )
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -1158,6 +1198,11 @@ class Recorder:
             self._recording
             and self._full_steps is not None
             and self.current_step in self._full_steps
+        )
+        self._histogram_now = (
+            self._histogram_kinds
+            if self._recording and self.current_step % self._histogram_every == 0
+            else frozenset()
         )
         self._pending = self._new_pending()
         self._calls = {}
@@ -1434,6 +1479,9 @@ def _describe(spec: Any) -> Any:
         return repr(spec)
 
 
+_RANK_DIRS = (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, schema.TENSORS_DIR)
+
+
 def _clear_trace(out: Path, *, rank: int, world_size: int) -> None:
     """Remove what an earlier recording left of this rank; rank 0 also removes the manifest
     and the ranks beyond this run's. Each rank removes its own only: under torchrun, rank 0
@@ -1441,7 +1489,7 @@ def _clear_trace(out: Path, *, rank: int, world_size: int) -> None:
     import shutil
 
     ranks = {rank} | (set() if rank else _ranks_in(out) - set(range(world_size)))
-    for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, schema.TENSORS_DIR):
+    for name in (*_RANK_DIRS, CAPTURES_DIR, HISTOGRAMS_DIR):
         for r in ranks:
             shutil.rmtree(out / schema.rank_dir(name, r), ignore_errors=True)
     for r in ranks:

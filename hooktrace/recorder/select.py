@@ -1,12 +1,13 @@
-"""Which modules and which steps to record: one filter type, normalised in one place."""
+"""Which modules, steps and kinds to record: each filter type normalised in one place."""
 
 from __future__ import annotations
 
 import numbers
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from hooktrace.errors import ConfigError
+from hooktrace.trace import schema
 
 ModuleFilter = str | Iterable[str] | Callable[[str], bool] | None
 """A regex (searched in the name), a list of exact names, or a predicate on the name."""
@@ -122,3 +123,20 @@ def _parse_range(text: str) -> tuple[int, float]:
     if lo < 0 or hi < lo:
         raise ConfigError(f"bad step range {text!r}: steps count from 0 and a range goes upwards")
     return lo, hi
+
+
+def histogram_kinds(kinds: Collection[str] | str | None) -> frozenset[str]:
+    """The kinds to histogram, checked: a collection of record kinds, or one comma-separated
+    string of them; None, "" or "none" for none."""
+    if kinds is None:
+        return frozenset()
+    if isinstance(kinds, str):
+        kinds = [] if kinds.strip() in ("", "none") else kinds.split(",")
+    chosen = frozenset(k.strip() for k in kinds)
+    unknown = chosen - set(schema.KINDS)
+    if unknown:
+        raise ConfigError(
+            f"unknown kind(s) to histogram: {', '.join(sorted(unknown))}; choose from "
+            f"{', '.join(schema.KINDS)}, or none"
+        )
+    return chosen

@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from hooktrace.errors import TraceError, TraceWarning
-from hooktrace.trace import schema
+from hooktrace.trace import histograms, schema
 from hooktrace.trace.captures import GROUPS, capture_paths, read_meta
 from hooktrace.trace.reader import Trace, load
 
@@ -108,9 +108,13 @@ class _Seen:
     modules: set[tuple[int, str]] = field(default_factory=set)  # (rank, module), not watched
     skipped: Counter[str] = field(default_factory=Counter)  # reason -> records not summarised
     segments: dict[str, _Segment] = field(default_factory=dict)
+    histogram_steps: set[tuple[int, int]] = field(default_factory=set)  # (rank, step)
+    histograms_wrong: int = 0  # histogram rows whose counts do not add up to numel
 
     def merge(self, other: _Seen) -> None:
         self.records.update(other.records)
+        self.histogram_steps |= other.histogram_steps
+        self.histograms_wrong += other.histograms_wrong
         self.steps |= other.steps
         self.modules |= other.modules
         self.skipped.update(other.skipped)
@@ -133,6 +137,8 @@ def _read_part(part: Path, kind_dir: str) -> _Seen | None:
     """Read every page of ``part`` (checksums verified), a batch at a time; for a records
     part, what it holds. Raises what pyarrow raises on damage."""
     parquet = pq.ParquetFile(part, page_checksum_verification=True)
+    if kind_dir == histograms.HISTOGRAMS_DIR:
+        return _read_histograms(parquet, _rank_of(part))
     if kind_dir != schema.RECORDS_DIR:
         for _ in parquet.iter_batches(batch_size=_BATCH_ROWS):
             pass
@@ -142,6 +148,23 @@ def _read_part(part: Path, kind_dir: str) -> _Seen | None:
     for batch in parquet.iter_batches(batch_size=_BATCH_ROWS):
         batch.validate(full=True)  # names that are not UTF-8 would fail later
         _add_batch(seen, rank, batch)
+    return seen
+
+
+def _read_histograms(parquet: pq.ParquetFile, rank: int) -> _Seen:
+    """The steps a histograms part covers, and how many of its rows do not add up."""
+    seen = _Seen()
+    for batch in parquet.iter_batches(batch_size=_BATCH_ROWS):
+        seen.histogram_steps.update((rank, int(s)) for s in pc.unique(batch["step"]).to_pylist())
+        counted = sum(batch[name].to_numpy() for name in histograms.COUNT_FIELDS)
+        for name in ("pos", "neg"):
+            values = batch[name].flatten().to_numpy()
+            if len(values) != batch.num_rows * histograms.MAGNITUDE_BINS:
+                seen.histograms_wrong += batch.num_rows  # not the format's bins
+                break
+            counted = counted + values.reshape(batch.num_rows, -1).sum(axis=1)
+        else:
+            seen.histograms_wrong += int((counted != batch["numel"].to_numpy()).sum())
     return seen
 
 
@@ -408,6 +431,15 @@ def _check_tables(
         report.problems.append(
             f"{len(seen.modules - known)} module(s) have records but no row in the modules "
             "table: their type, root and parent are lost"
+        )
+    if seen.histogram_steps - seen.steps:
+        report.problems.append(
+            f"{len(seen.histogram_steps - seen.steps)} step(s) have histograms but no records"
+        )
+    if seen.histograms_wrong:
+        report.problems.append(
+            f"{seen.histograms_wrong} histogram row(s) do not count their tensor's values: "
+            "their bins do not add up to numel"
         )
     dropped = int(table["dropped"].sum()) if not table.empty else 0
     if dropped:

@@ -35,7 +35,7 @@ from hooktrace.errors import (
     TraceTooLarge,
     TraceWarning,
 )
-from hooktrace.trace import schema
+from hooktrace.trace import histograms, schema
 from hooktrace.trace.captures import capture_paths, capture_table, read_meta, read_tensors
 
 # torch dtypes numpy lacks: stored as unsigned integers of the same width (docs/FORMAT.md)
@@ -135,8 +135,10 @@ class Trace:
         self._metadata: dict[Path, pq.FileMetaData] = {}
         self._parts = {
             name: self._discover(name)
-            for name in (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR)
-        }
+            for name in (
+                schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, histograms.HISTOGRAMS_DIR
+            )
+        }  # fmt: skip
         self._step_spans: dict[Path, tuple[int, int] | None] = {}
         self._sql: Any = None  # the DuckDB connection, made on first use
         self._sql_parts: dict[str, list[Path]] = {}
@@ -204,7 +206,7 @@ class Trace:
     def sql(self, query: str, parameters: Sequence[Any] | None = None) -> pd.DataFrame:
         """The answer of a DuckDB ``query`` over this trace, as a DataFrame.
 
-        The tables are ``records``, ``steps`` and ``modules`` (with ``rank``), as
+        The tables are ``records``, ``steps``, ``modules`` and ``histograms`` (with ``rank``), as
         docs/FORMAT.md describes them; DuckDB reads only the columns and row groups the query
         needs, on every core, spilling to disk past its memory limit::
 
@@ -221,7 +223,7 @@ class Trace:
         except duckdb.Error as exc:
             raise TraceError(
                 f"the query over {_printable(self.path)} failed: {_one_line(exc)} (tables: "
-                "records, steps, modules; columns as in docs/FORMAT.md)"
+                "records, steps, modules, histograms; columns as in docs/FORMAT.md)"
             ) from exc
 
     def _duckdb(self) -> Any:
@@ -229,7 +231,7 @@ class Trace:
         from hooktrace.trace import sql
 
         columns = {
-            name: {c for p in parts for c in self._metadata[p].schema.names}
+            name: {c for p in parts for c in _columns(self._metadata[p])}
             for name, parts in self._parts.items()
         }
         if self._sql is None:
@@ -269,26 +271,9 @@ class Trace:
         ``steps`` is either an iterable of step numbers or an inclusive ``(first, last)``
         range given as a tuple of two ints. Rows come in (rank, step, seq) order.
         """
-        expr = None
-
-        def both(e: Any) -> None:
-            nonlocal expr
-            expr = e if expr is None else expr & e
-
-        span: tuple[int, int] | None = None
-        if isinstance(steps, tuple) and len(steps) == 2:
-            both((pc.field("step") >= steps[0]) & (pc.field("step") <= steps[1]))
-            span = (int(steps[0]), int(steps[1]))
-        elif steps is not None:  # value sets typed: an empty one is then no row, not an error
-            chosen = [int(s) for s in steps]
-            both(pc.field("step").isin(pa.array(chosen, pa.int64())))
-            span = (min(chosen), max(chosen)) if chosen else (1, 0)
-        for name, values in (("module", modules), ("kind", kinds), ("phase", phases)):
-            if values is not None:
-                value_set = pa.array([str(v) for v in values], pa.string())
-                both(pc.field(name).cast(pa.string()).isin(value_set))
-        if ranks is not None:
-            both(pc.field("rank").isin(pa.array([int(r) for r in ranks], pa.int32())))
+        steps = _steps(steps)
+        expr = _filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases)
+        span = _span(steps)
         wanted = None
         if columns is not None:
             wanted = list(dict.fromkeys([*columns]))
@@ -309,6 +294,50 @@ class Trace:
         if order and not in_order(frame, order):
             frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
         return frame
+
+    @property
+    def has_histograms(self) -> bool:
+        """Whether the trace holds histograms (recorded with ``histograms=`` kinds, since 1.3)."""
+        return bool(self._parts[histograms.HISTOGRAMS_DIR])
+
+    def histograms(
+        self,
+        *,
+        steps: Iterable[int] | tuple[int, int] | None = None,
+        modules: Iterable[str] | None = None,
+        kinds: Iterable[str] | None = None,
+        ranks: Iterable[int] | None = None,
+    ) -> pd.DataFrame:
+        """The histograms matching every filter given (as :meth:`query` takes them), one row
+        per histogrammed record in (rank, step, seq) order: ``rank``, ``step``, ``seq``,
+        ``module``, ``kind``, ``slot``, ``numel``, the ``zero``, ``nan``, ``pos_inf`` and
+        ``neg_inf`` counts, and ``pos`` and ``neg``, each a numpy array of
+        ``MAGNITUDE_BINS`` counts by binary exponent (docs/FORMAT.md, "histograms";
+        :func:`hooktrace.trace.histograms.exponents` gives each bin's exponent).
+
+        Raises :class:`TraceError` when the trace holds no histograms at all."""
+        if not self.has_histograms:
+            raise TraceError(
+                f"{_printable(self.path)} holds no histograms: {self._why_no_histograms()}"
+            )
+        expr = _filter(steps=_steps(steps), modules=modules, kinds=kinds, ranks=ranks)
+        table = self._read(histograms.HISTOGRAMS_DIR, histograms.HISTOGRAM_SCHEMA, filter=expr)
+        frame = table.to_pandas()
+        for name in ("pos", "neg"):
+            frame[name] = list(_fixed_rows(table.column(name)))
+        if not in_order(frame, ["rank", "step", "seq"]):
+            frame = frame.sort_values(["rank", "step", "seq"], kind="stable")
+        return frame.reset_index(drop=True)
+
+    def _why_no_histograms(self) -> str:
+        """Why a trace has none, and how to record them, in a clause."""
+        kinds = self.manifest.get("config", {}).get("histograms")
+        how = "record with `hooktrace record --histograms param,grad_param`"
+        if kinds == []:
+            return f"it was recorded with histograms off; {how}"
+        if kinds is None:
+            return f"it was written before format 1.3, which added them; {how}"
+        return f"none was written (histograms of {', '.join(kinds)} were asked for)"
 
     def timeline(self, step: int, *, micro_step: int | None = None, rank: int = 0) -> pd.DataFrame:
         """The events of ``step`` in execution order, with nesting depth and parent call:
@@ -545,7 +574,7 @@ class Trace:
                 if not _regular(part):  # a directory, or a pipe that would block a read
                     raise ValueError("not a regular file")
                 metadata = pq.read_metadata(part)
-                missing = required - set(metadata.schema.names)
+                missing = required - set(_columns(metadata))
                 if missing:
                     raise ValueError(
                         f"not a hooktrace {kind_dir} part (no column {', '.join(sorted(missing))})"
@@ -684,6 +713,64 @@ def in_order(frame: pd.DataFrame, columns: list[str]) -> bool:
     return True
 
 
+def _steps(
+    steps: Iterable[int] | tuple[int, int] | None,
+) -> list[int] | tuple[int, int] | None:
+    """``steps`` as a list, unless a (first, last) range or None: a generator is read once."""
+    if steps is None or (isinstance(steps, tuple) and len(steps) == 2):
+        return steps
+    return [int(s) for s in steps]
+
+
+def _filter(
+    *,
+    steps: Iterable[int] | tuple[int, int] | None = None,
+    modules: Iterable[str] | None = None,
+    kinds: Iterable[str] | None = None,
+    ranks: Iterable[int] | None = None,
+    phases: Iterable[str] | None = None,
+) -> Any:
+    """A dataset filter for every condition given (None: no condition)."""
+    conditions = []
+    if isinstance(steps, tuple) and len(steps) == 2:
+        conditions.append((pc.field("step") >= steps[0]) & (pc.field("step") <= steps[1]))
+    elif steps is not None:  # value sets typed: an empty one is then no row, not an error
+        chosen = pa.array([int(s) for s in steps], pa.int64())
+        conditions.append(pc.field("step").isin(chosen))
+    for name, values in (("module", modules), ("kind", kinds), ("phase", phases)):
+        if values is not None:
+            value_set = pa.array([str(v) for v in values], pa.string())
+            conditions.append(pc.field(name).cast(pa.string()).isin(value_set))
+    if ranks is not None:
+        conditions.append(pc.field("rank").isin(pa.array([int(r) for r in ranks], pa.int32())))
+    expr = None
+    for condition in conditions:
+        expr = condition if expr is None else expr & condition
+    return expr
+
+
+def _span(steps: Iterable[int] | tuple[int, int] | None) -> tuple[int, int] | None:
+    """The steps' first and last, to pick the parts that may hold them (None: all)."""
+    if steps is None:
+        return None
+    if isinstance(steps, tuple) and len(steps) == 2:
+        return int(steps[0]), int(steps[1])
+    chosen = [int(s) for s in steps]
+    return (min(chosen), max(chosen)) if chosen else (1, 0)
+
+
+def _fixed_rows(column: pa.ChunkedArray) -> Any:
+    """A list column of equal-length rows as numpy arrays, views into one block per chunk."""
+    for chunk in column.chunks:
+        values = chunk.flatten().to_numpy(zero_copy_only=False)
+        yield from values.reshape(len(chunk), -1) if len(chunk) else ()
+
+
+def _columns(metadata: pq.FileMetaData) -> list[str]:
+    """The part's columns by name (a list column's one, not its leaf's ``element``)."""
+    return [metadata.schema.column(i).path.split(".")[0] for i in range(metadata.num_columns)]
+
+
 def _wrong_types(found: pa.Schema, expected: pa.Schema) -> str | None:
     """Which column of a part holds values of another kind than the format says (text where
     numbers belong, ...), if any: such a part is not read (and ``hooktrace check`` says so)."""
@@ -699,6 +786,8 @@ def _wrong_types(found: pa.Schema, expected: pa.Schema) -> str | None:
 def _family(arrow_type: pa.DataType) -> str:
     if pa.types.is_dictionary(arrow_type):
         arrow_type = arrow_type.value_type
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return f"list of {_family(arrow_type.value_type)}"
     for name, test in (
         ("integer", pa.types.is_integer),
         ("float", pa.types.is_floating),
@@ -742,12 +831,14 @@ _SCHEMAS = {
     schema.RECORDS_DIR: schema.RECORD_SCHEMA,
     schema.STEPS_DIR: schema.STEP_SCHEMA,
     schema.MODULES_DIR: schema.MODULE_SCHEMA,
+    histograms.HISTOGRAMS_DIR: histograms.HISTOGRAM_SCHEMA,
 }
 
 _REQUIRED = {
     schema.RECORDS_DIR: {"step", "seq", "module", "kind", "slot"},
     schema.STEPS_DIR: {"step"},
     schema.MODULES_DIR: {"module"},
+    histograms.HISTOGRAMS_DIR: {"step", "seq", "module", "kind", "pos", "neg"},
 }
 
 

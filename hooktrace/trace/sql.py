@@ -1,5 +1,5 @@
-"""SQL over a trace, through DuckDB: the tables ``records``, ``steps`` and ``modules`` as views
-over the run's Parquet parts. Never imports torch.
+"""SQL over a trace, through DuckDB: the tables ``records``, ``steps``, ``modules`` and
+``histograms`` as views over the run's Parquet parts. Never imports torch.
 
 DuckDB is embedded, reads Parquet where it lies (only the columns and row groups a query
 needs), runs on every core and spills to disk past its memory limit, so a question over a
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from hooktrace.trace import schema
+from hooktrace.trace import histograms, schema
 
 if TYPE_CHECKING:
     import duckdb
@@ -37,6 +37,7 @@ TABLES = {
     schema.RECORDS_DIR: schema.RECORD_SCHEMA,
     schema.STEPS_DIR: schema.STEP_SCHEMA,
     schema.MODULES_DIR: schema.MODULE_SCHEMA,
+    histograms.HISTOGRAMS_DIR: histograms.HISTOGRAM_SCHEMA,
 }
 
 _SQL_TYPES = {
@@ -45,6 +46,7 @@ _SQL_TYPES = {
     pa.float64(): "DOUBLE",
     pa.bool_(): "BOOLEAN",
     pa.string(): "VARCHAR",
+    pa.list_(pa.int64()): "BIGINT[]",
 }
 
 
@@ -84,7 +86,8 @@ def define_views(
     parts: dict[str, list[Path]],
     columns: dict[str, set[str]] | None = None,
 ) -> None:
-    """(Re)define the ``records``, ``steps`` and ``modules`` views over ``parts``."""
+    """(Re)define the ``records``, ``steps``, ``modules`` and ``histograms`` views over
+    ``parts``."""
     for name, file_schema in TABLES.items():
         present = None if columns is None else columns[name]
         view = _select(con, file_schema, parts[name], present)

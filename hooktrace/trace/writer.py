@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hooktrace.errors import RecordingError
-from hooktrace.trace import schema
+from hooktrace.trace import histograms, schema
 
 _CLOSE = object()
 _WAKE = object()  # a submitter waits for space: flush now rather than at the next timer
@@ -53,7 +53,8 @@ class StepData:
     ``columns`` holds the record columns the recorder knows (see ``RECORD_COLUMNS_IN``); the
     writer adds where activity and tensors land. ``activity`` and ``tensors`` pair a row
     index with its per-unit counts or its full tensor (with the tensor's own dtype name, which
-    for bfloat16 travels as uint16 bits).
+    for bfloat16 travels as uint16 bits). ``histogram_rows`` are the rows histogrammed, in
+    order, and ``histograms`` their counts, one row of ``histograms.WIDTH`` each.
     """
 
     step: int
@@ -66,6 +67,10 @@ class StepData:
     tensors: list[tuple[int, np.ndarray, str]] = field(default_factory=list)
     dropped: int = 0
     nonfinite: bool = False  # a record holds a NaN or Inf
+    histogram_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    histograms: np.ndarray = field(
+        default_factory=lambda: np.zeros((0, histograms.WIDTH), dtype=np.int64)
+    )
 
     @property
     def rows(self) -> int:
@@ -374,10 +379,30 @@ class TraceWriter:
             self.tensors_written += sum(len(d.tensors) for d in steps)
             self.bytes_written += segment.stat().st_size if segment is not None else 0
             self._write_parquet(_steps_table(steps), self._dirs[schema.STEPS_DIR], index)
+            self._write_histograms(steps, records, index)
         if modules:
             columns = {k: [m[k] for m in modules] for k in schema.MODULE_SCHEMA.names}
             table = _table(columns, schema.MODULE_SCHEMA)
             self._write_parquet(table, self._dirs[schema.MODULES_DIR], index)
+
+    def _write_histograms(self, steps: list[StepData], records: pa.Table, index: int) -> None:
+        """The steps' histograms, one row per histogrammed record, beside the records (the
+        directory is made with the first: a trace without histograms has none)."""
+        if not any(len(d.histogram_rows) for d in steps):
+            return
+        bases = np.cumsum([0] + [d.rows for d in steps[:-1]])
+        rows = np.concatenate(
+            [d.histogram_rows + base for d, base in zip(steps, bases, strict=True)]
+        )
+        counts = np.concatenate([d.histograms for d in steps])
+        keys = records.take(pa.array(rows)).select(
+            ["step", "seq", "module", "kind", "slot", "numel"]
+        )
+        columns = {name: keys.column(name) for name in keys.column_names}
+        table = _table({**columns, **histograms.columns(counts)}, histograms.HISTOGRAM_SCHEMA)
+        directory = self.run_dir / schema.rank_dir(histograms.HISTOGRAMS_DIR, self.rank)
+        directory.mkdir(parents=True, exist_ok=True)
+        self._write_parquet(table, directory, index)
 
     def _write_segment(
         self, index: int, steps: list[StepData], columns: dict[str, Any]
