@@ -83,6 +83,9 @@ class TensorBoardExport:
     a scalar tag per statistic."""
     histograms: int
     """Histograms written."""
+    nonfinite_histograms: int
+    """Histograms not written, as every value they counted was NaN or Inf (TensorBoard has no
+    bucket for those: the ``nan_count`` and ``inf_count`` scalars count them)."""
     has_histograms: bool
     """Whether the trace holds histograms at all."""
     notes: list[str] = field(default_factory=list)
@@ -144,7 +147,7 @@ def export_tensorboard(
     staging.mkdir()
     writer = _Writer(trace, staging, chosen_stats, calls=calls)
     try:
-        has_histograms = _has_histograms(trace)
+        has_histograms = trace.has_histograms
         plan = list(step_chunks(trace, selection, chunk_rows))
         for done, chunk in enumerate(plan):
             if progress is not None:
@@ -155,7 +158,7 @@ def export_tensorboard(
             frame = _fold(frame, names, calls)
             found = None
             if histograms and has_histograms and not frame.empty:
-                found = _read_histograms(trace, chunk, chosen_kinds, chosen_ranks)
+                found = trace.histograms(steps=chunk, kinds=chosen_kinds, ranks=chosen_ranks)
             writer.add(frame, found)
         writer.close()
         if writer.scalars == 0 and writer.histograms == 0:
@@ -177,9 +180,9 @@ def export_tensorboard(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if histograms and not has_histograms:
+        why = trace._why_no_histograms()
         result.notes.append(
-            f"{trace.path} holds no histograms (record them with --histograms "
-            "param,grad_param): exported its scalars and text"
+            f"{trace.path} holds no histograms ({why}): exported its scalars and text"
         )
     return result
 
@@ -215,41 +218,6 @@ def _fold(frame: pd.DataFrame, names: Callable[[str], bool] | None, calls: str) 
     return frame.reset_index(drop=True)
 
 
-def _has_histograms(trace: Trace) -> bool:
-    found = getattr(trace, "has_histograms", None)
-    if found is not None:
-        return bool(found)
-    directory = trace.path / "histograms"
-    return directory.is_dir() and any(directory.glob("rank=*/*.parquet"))
-
-
-def _read_histograms(
-    trace: Trace,
-    steps: tuple[int, int] | list[int],
-    kinds: list[str] | None,
-    ranks: list[int] | None,
-) -> pd.DataFrame:
-    """The chunk's histograms: rank, step, seq, zero, pos and neg (numpy rows)."""
-    if hasattr(trace, "histograms"):
-        return trace.histograms(steps=steps, kinds=kinds, ranks=ranks)
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-
-    dataset = ds.dataset(trace.path / "histograms", format="parquet", partitioning="hive")
-    lo, hi = steps if isinstance(steps, tuple) else (min(steps), max(steps))
-    expr = (pc.field("step") >= lo) & (pc.field("step") <= hi)
-    if kinds is not None:
-        expr &= pc.field("kind").cast("string").isin(kinds)
-    if ranks is not None:
-        expr &= pc.field("rank").isin(ranks)
-    table = dataset.to_table(filter=expr)
-    frame = table.drop_columns(["pos", "neg"]).to_pandas()
-    for name in ("pos", "neg"):
-        flat = table.column(name).combine_chunks().flatten().to_numpy()
-        frame[name] = list(flat.reshape(len(frame), -1))
-    return frame
-
-
 # -- writing -----------------------------------------------------------------------------------
 
 
@@ -266,6 +234,7 @@ class _Writer:
         self.steps: set[int] = set()
         self.scalars = 0
         self.histograms = 0
+        self.nonfinite_histograms = 0
         steps = trace.steps
         self.wall_times = {
             (int(r), int(s)): float(t)
@@ -279,7 +248,6 @@ class _Writer:
         if frame.empty:
             return
         prefix = _prefixes(frame)
-        tags = np.stack([prefix + f"/{stat}" for stat in self.stats], axis=1)
         values = frame[self.stats].to_numpy(dtype=np.float64)
         histograms = _Histograms(frame, found)
         ranks = frame["rank"].to_numpy()
@@ -291,13 +259,13 @@ class _Writer:
         for start, end in zip([0, *(change + 1)], [*(change + 1), len(frame)], strict=True):
             rank, phase, step = int(ranks[start]), str(phases[start]), int(step_of[start])
             events = self._run(rank, phase)
-            out = tb.scalar_values(
-                tags[start:end].ravel().tolist(), values[start:end].ravel().tolist()
-            )
-            self.scalars += len(out)
+            step_tags = [f"{p}/{stat}" for p in prefix[start:end] for stat in self.stats]
+            self.scalars += len(step_tags)
+            out = []
             for row in histograms.rows(start, end):
                 proto = histograms.proto(row)
                 if proto is None:  # every value NaN or Inf: nothing to place
+                    self.nonfinite_histograms += 1
                     continue
                 tag = f"{prefix[row]}/histogram"
                 out.append(tb.histogram_value(tag, proto, describe=tag not in events.described))
@@ -305,18 +273,17 @@ class _Writer:
                 self.histograms += 1
             self.series.update((rank, phase, p) for p in prefix[start:end])
             self.steps.add(step)
-            events.write(step, self.wall_times.get((rank, step), self.start_time), out)
+            wall_time = self.wall_times.get((rank, step), self.start_time)
+            events.write(step, wall_time, step_tags, values[start:end].ravel().tolist(), out)
 
     def _run(self, rank: int, phase: str) -> tb.EventRun:
         events = self.runs.get((rank, phase))
         if events is not None:
             return events
         if (rank, "train") not in self.runs:  # the rank's run, with the text
-            directory = self.root / f"rank={rank}"
-            directory.mkdir()
-            train = self.runs[(rank, "train")] = tb.EventRun(directory)
+            train = self.runs[(rank, "train")] = tb.EventRun(self.root / f"rank={rank}")
             texts = [tb.text_value(tag, text) for tag, text in _texts(self.trace, rank, self)]
-            train.write(TEXT_STEP, self.start_time, texts)
+            train.write(TEXT_STEP, self.start_time, values=texts)
         if phase == "train":
             return self.runs[(rank, "train")]
         events = self.runs[(rank, phase)] = tb.EventRun(self.root / f"rank={rank}" / phase)
@@ -333,7 +300,8 @@ class _Writer:
             runs=sorted(str(e.directory.relative_to(self.root)) for e in self.runs.values()),
             steps=len(steps), first_step=steps[0] if steps else None,
             last_step=steps[-1] if steps else None, scalars=self.scalars,
-            series=len(self.series), histograms=self.histograms, has_histograms=has_histograms,
+            series=len(self.series), histograms=self.histograms,
+            nonfinite_histograms=self.nonfinite_histograms, has_histograms=has_histograms,
         )  # fmt: skip
 
 

@@ -109,10 +109,17 @@ def tensorboard_command(
     )
     click.echo(
         f"hooktrace: wrote {result.scalars:,} scalars ({result.series:,} series), "
-        f"{result.histograms:,} histograms and the run's text, {span}, into {logdir} "
+        f"{result.histograms:,} histograms{_left_out(result.nonfinite_histograms)} and the "
+        f"run's text, {span}, into {logdir} "
         f"(runs {', '.join(result.runs)}); view: tensorboard --logdir {logdir}",
         err=True,
     )
+
+
+def _left_out(nonfinite: int) -> str:
+    if not nonfinite:
+        return ""
+    return f" ({nonfinite:,} more of only NaN or Inf left out)"
 
 
 def _listed(text: str | None, kind: Callable[[str], Any], option: str) -> list[Any] | None:
