@@ -300,6 +300,11 @@ class Trace:
         """Whether the trace holds histograms (recorded with ``histograms=`` kinds, since 1.3)."""
         return bool(self._parts[histograms.HISTOGRAMS_DIR])
 
+    @property
+    def histogram_count(self) -> int:
+        """Histogram rows in the readable parts (from their footers: nothing is read)."""
+        return sum(self._metadata[p].num_rows for p in self._parts[histograms.HISTOGRAMS_DIR])
+
     def histograms(
         self,
         *,
@@ -322,9 +327,12 @@ class Trace:
             )
         expr = _filter(steps=_steps(steps), modules=modules, kinds=kinds, ranks=ranks)
         table = self._read(histograms.HISTOGRAMS_DIR, histograms.HISTOGRAM_SCHEMA, filter=expr)
-        frame = table.to_pandas()
-        for name in ("pos", "neg"):
-            frame[name] = list(_fixed_rows(table.column(name)))
+        spans = {name: table.column(name) for name in ("pos_start", "pos", "neg_start", "neg")}
+        frame = table.drop_columns(list(spans)).to_pandas()
+        for sign in ("pos", "neg"):
+            starts = spans[f"{sign}_start"].to_numpy()
+            frame[sign] = list(histograms.whole(starts, spans[sign]))
+        frame = frame[["rank", *(c for c in frame.columns if c != "rank")]]
         if not in_order(frame, ["rank", "step", "seq"]):
             frame = frame.sort_values(["rank", "step", "seq"], kind="stable")
         return frame.reset_index(drop=True)
@@ -757,13 +765,6 @@ def _span(steps: Iterable[int] | tuple[int, int] | None) -> tuple[int, int] | No
         return int(steps[0]), int(steps[1])
     chosen = [int(s) for s in steps]
     return (min(chosen), max(chosen)) if chosen else (1, 0)
-
-
-def _fixed_rows(column: pa.ChunkedArray) -> Any:
-    """A list column of equal-length rows as numpy arrays, views into one block per chunk."""
-    for chunk in column.chunks:
-        values = chunk.flatten().to_numpy(zero_copy_only=False)
-        yield from values.reshape(len(chunk), -1) if len(chunk) else ()
 
 
 def _columns(metadata: pq.FileMetaData) -> list[str]:

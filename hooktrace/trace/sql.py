@@ -41,6 +41,7 @@ TABLES = {
 }
 
 _SQL_TYPES = {
+    pa.int16(): "SMALLINT",
     pa.int32(): "INTEGER",
     pa.int64(): "BIGINT",
     pa.float64(): "DOUBLE",
@@ -91,7 +92,29 @@ def define_views(
     for name, file_schema in TABLES.items():
         present = None if columns is None else columns[name]
         view = _select(con, file_schema, parts[name], present)
+        if name == histograms.HISTOGRAMS_DIR:
+            view = _whole_histograms(view)
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {view}")
+
+
+def _whole_histograms(view: str) -> str:
+    """The histograms with whole rows: ``pos`` and ``neg`` of ``MAGNITUDE_BINS`` counts each,
+    ``pos[k + 1]`` the count of magnitude bin ``k`` (the files hold each row's occupied span
+    and where it starts: docs/FORMAT.md)."""
+    bins = histograms.MAGNITUDE_BINS
+
+    def whole(sign: str) -> str:
+        zeros = "[]::BIGINT[]"
+        return (
+            f"list_concat(list_resize({zeros}, {sign}_start, 0), {sign}, "
+            f"list_resize({zeros}, {bins} - {sign}_start - len({sign}), 0)) AS {sign}"
+        )
+
+    kept = [f.name for f in histograms.HISTOGRAM_SCHEMA if f.name not in _SPAN_COLUMNS]
+    return f"SELECT rank, {', '.join(kept)}, {whole('pos')}, {whole('neg')} FROM ({view})"
+
+
+_SPAN_COLUMNS = ("pos_start", "pos", "neg_start", "neg")
 
 
 def _select(
