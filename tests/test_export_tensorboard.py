@@ -173,7 +173,9 @@ def test_filters_choose_steps_modules_kinds_and_statistics(tmp_path: Path) -> No
 
 
 def test_chunks_of_one_step_write_the_same_values(tmp_path: Path) -> None:
-    export_tensorboard(SAMPLES / "exploding", tmp_path / "one", chunk_rows=1)
+    # a trace too large for trace.records exports all the same: it is never loaded whole
+    small = hooktrace.load(SAMPLES / "exploding", max_records=10)
+    export_tensorboard(small, tmp_path / "one", chunk_rows=1)
     export_tensorboard(SAMPLES / "exploding", tmp_path / "all")
     one, whole = scalars(tmp_path / "one" / "rank=0"), scalars(tmp_path / "all" / "rank=0")
     key = ["tag", "step"]
@@ -215,20 +217,46 @@ def no_histograms(tmp_path: Path) -> Path:
     return run
 
 
+@pytest.mark.parametrize(
+    ("which", "why"),
+    [
+        ("recorded off", "it was recorded with histograms off"),
+        ("format 1.0", "it was written before format 1.3, which added them"),
+    ],
+)
 def test_a_trace_without_histograms_says_so_in_one_line(
-    no_histograms: Path, tmp_path: Path
+    no_histograms: Path, tmp_path: Path, which: str, why: str
 ) -> None:
-    done = invoke("export", "tensorboard", no_histograms, tmp_path / "tb")
+    run = no_histograms if which == "recorded off" else ROOT / "tests" / "fixtures" / "healthy_1_0"
+    done = invoke("export", "tensorboard", run, tmp_path / "tb")
     assert done.exit_code == 0, done.output
     assert done.stderr.splitlines() == [
-        f"hooktrace: {no_histograms} holds no histograms (it was recorded with histograms off; "
-        "record with `hooktrace record --histograms param,grad_param`): exported its scalars "
-        "and text",
+        f"hooktrace: {run} holds no histograms ({why}; record with `hooktrace record "
+        "--histograms param,grad_param`): exported its scalars and text",
         f"hooktrace: wrote 12,000 scalars (50 series), 0 histograms and the run's text, steps "
         f"0–29, into {tmp_path / 'tb'} (runs rank=0); view: tensorboard --logdir {tmp_path / 'tb'}",
     ]
     assert events(tmp_path / "tb" / "rank=0").Tags()["histograms"] == []
-    assert invoke("export", "tensorboard", no_histograms, tmp_path / "q", "-q").output == ""
+    assert invoke("export", "tensorboard", run, tmp_path / "q", "-q").output == ""
+
+
+def test_a_run_per_rank(tmp_path: Path) -> None:
+    from scale_runs import generate_trace
+
+    run = tmp_path / "ddp"
+    for rank in (0, 1):
+        generate_trace(run, steps=4, modules=4, rank=rank, world_size=2)
+    trace = hooktrace.load(run)
+    result = export_tensorboard(trace, tmp_path / "tb", stats=["norm", "nan_count"])
+    assert result.runs == ["rank=0", "rank=1"]
+    records = trace.records
+    for rank in (0, 1):
+        rows = shown(records[records["rank"] == rank])
+        written = scalars(tmp_path / "tb" / f"rank={rank}")
+        same_values(written, expected_scalars(rows, ("norm", "nan_count")))
+        assert len(events(tmp_path / "tb" / f"rank={rank}").Tags()["tensors"]) == 4
+    one = export_tensorboard(trace, tmp_path / "one", ranks=[1])
+    assert one.runs == ["rank=1"] and not (tmp_path / "one" / "rank=0").exists()
 
 
 # --- a recorded run: calls, micro-steps, eval, histograms -----------------------------------------

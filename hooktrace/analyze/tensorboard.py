@@ -235,12 +235,12 @@ class _Writer:
         self.scalars = 0
         self.histograms = 0
         self.nonfinite_histograms = 0
-        steps = trace.steps
-        self.wall_times = {
-            (int(r), int(s)): float(t)
-            for r, s, t in zip(steps["rank"], steps["step"], steps["end_time"], strict=True)
-            if t == t
-        }
+        # each step's end time, looked up by rank << 40 | step (16 bytes a step and rank)
+        steps = trace.steps.dropna(subset=["end_time"])
+        keys = _step_keys(steps["rank"].to_numpy(), steps["step"].to_numpy())
+        order = np.argsort(keys, kind="stable")
+        self._step_keys = keys[order]
+        self._end_times = steps["end_time"].to_numpy(dtype=np.float64)[order]
         self.start_time = float(trace.manifest.get("start_time") or time.time())
 
     def add(self, frame: pd.DataFrame, found: pd.DataFrame | None) -> None:
@@ -273,8 +273,17 @@ class _Writer:
                 self.histograms += 1
             self.series.update((rank, phase, p) for p in prefix[start:end])
             self.steps.add(step)
-            wall_time = self.wall_times.get((rank, step), self.start_time)
+            wall_time = self._wall_time(rank, step)
             events.write(step, wall_time, step_tags, values[start:end].ravel().tolist(), out)
+
+    def _wall_time(self, rank: int, step: int) -> float:
+        """When ``step`` ended on ``rank``; when recording began, for a step the steps table
+        lacks."""
+        key = _step_keys(np.array([rank]), np.array([step]))[0]
+        at = int(np.searchsorted(self._step_keys, key))
+        if at < len(self._step_keys) and self._step_keys[at] == key:
+            return float(self._end_times[at])
+        return self.start_time
 
     def _run(self, rank: int, phase: str) -> tb.EventRun:
         events = self.runs.get((rank, phase))
@@ -345,6 +354,10 @@ class _Histograms:
             total=float(self.total[row]),
             squares=float(self.squares[row]),
         )
+
+
+def _step_keys(ranks: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    return (ranks.astype(np.int64) << 40) | steps.astype(np.int64)
 
 
 def _prefixes(frame: pd.DataFrame) -> np.ndarray:
