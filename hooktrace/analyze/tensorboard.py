@@ -45,6 +45,7 @@ import pandas as pd
 from hooktrace.analyze import tensorboard_events as tb
 from hooktrace.analyze.findings import StepsSpec, step_chunks, step_filter, strings
 from hooktrace.errors import ConfigError, HooktraceError
+from hooktrace.trace import histograms as bins
 from hooktrace.trace import schema
 from hooktrace.trace.reader import Trace, load
 
@@ -145,8 +146,9 @@ def export_tensorboard(
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".{target.name}.hooktrace-export-{uuid.uuid4().hex[:12]}"
     staging.mkdir()
-    writer = _Writer(trace, staging, chosen_stats, calls=calls)
+    writer: _Writer | None = None
     try:
+        writer = _Writer(trace, staging, chosen_stats, calls=calls)
         has_histograms = trace.has_histograms
         plan = list(step_chunks(trace, selection, chunk_rows))
         for done, chunk in enumerate(plan):
@@ -176,7 +178,8 @@ def export_tensorboard(
         _write_marker(staging / MARKER, trace, options, result)
         _publish(staging, target)
     except BaseException:
-        writer.close()
+        if writer is not None:
+            writer.close()
         shutil.rmtree(staging, ignore_errors=True)
         raise
     if histograms and not has_histograms:
@@ -329,10 +332,14 @@ class _Histograms:
         want = pd.MultiIndex.from_arrays(
             [frame["rank"].astype("int64"), frame["step"], frame["seq"]]
         )
-        self.at = have.get_indexer(want)
-        self.zero = found["zero"].to_numpy(dtype=np.int64)
-        self.pos = found["pos"].to_numpy()
-        self.neg = found["neg"].to_numpy()
+        at = have.get_indexer(want)  # the row of found for each record, -1 where none
+        used = np.unique(at[at >= 0])  # only the histograms shown are kept
+        self.at = np.where(at >= 0, np.searchsorted(used, at), -1)
+        self.counts = tb.display_counts(
+            found["zero"].to_numpy(dtype=np.int64)[used],
+            _rows(found["pos"].to_numpy()[used]),
+            _rows(found["neg"].to_numpy()[used]),
+        )
         self.low = frame["min"].to_numpy(dtype=np.float64)
         self.high = frame["max"].to_numpy(dtype=np.float64)
         finite = (frame["nan_count"] + frame["inf_count"] == 0).to_numpy()
@@ -345,15 +352,20 @@ class _Histograms:
         return iter((np.flatnonzero(self.at[start:end] >= 0) + start).tolist())
 
     def proto(self, row: int) -> Any:
-        at = self.at[row]
-        counts = tb.display_counts(self.zero[at], self.pos[at], self.neg[at])
         return tb.histogram_proto(
-            counts,
+            self.counts[self.at[row]],
             low=float(self.low[row]),
             high=float(self.high[row]),
             total=float(self.total[row]),
             squares=float(self.squares[row]),
         )
+
+
+def _rows(arrays: np.ndarray) -> np.ndarray:
+    """An object array of equal-length count arrays as one 2-D array."""
+    if len(arrays) == 0:
+        return np.zeros((0, bins.MAGNITUDE_BINS), dtype=np.int64)
+    return np.stack(arrays.tolist())
 
 
 def _step_keys(ranks: np.ndarray, steps: np.ndarray) -> np.ndarray:

@@ -77,12 +77,13 @@ HISTOGRAM_DESCRIPTION = (
 )
 
 
-def display_counts(zero: int | np.integer, pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
-    """The counts of the display buckets (:data:`LIMITS`) of one histogram row."""
+def display_counts(zero: Any, pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
+    """The counts of the display buckets (:data:`LIMITS`) of histogram rows: ``zero`` a
+    count per row, ``pos`` and ``neg`` rows of ``MAGNITUDE_BINS`` counts (or one row)."""
     pos = np.asarray(pos, dtype=np.int64)
     neg = np.asarray(neg, dtype=np.int64)
-    center = int(zero) + int(pos[0]) + int(neg[0])
-    return np.concatenate([neg[:0:-1], [center], pos[1:]])
+    center = np.asarray(zero, dtype=np.int64) + pos[..., 0] + neg[..., 0]
+    return np.concatenate([neg[..., :0:-1], center[..., None], pos[..., 1:]], axis=-1)
 
 
 def histogram_proto(
@@ -100,27 +101,25 @@ def histogram_proto(
     of the values (NaN where unknown)."""
     from tensorboard.compat.proto.summary_pb2 import HistogramProto
 
-    filled = np.flatnonzero(counts)
+    filled = counts.nonzero()[0]
     if len(filled) == 0:
         return None
-    first, last = int(filled[0]), int(filled[-1])
-    inner = counts[first : last + 1]
-    # of a run of empty buckets keep the last: its upper edge ends the run
-    keep = np.ones(len(inner), dtype=bool)
-    keep[:-1] = (inner[:-1] != 0) | (inner[1:] != 0)
-    index = np.flatnonzero(keep) + first
+    # of each run of empty buckets between two filled ones keep the last: its upper edge
+    # ends the run, so that the next filled bucket keeps its lower edge
+    gaps = filled[1:][np.diff(filled) > 1] - 1
+    index = np.sort(np.concatenate([filled, gaps])) if len(gaps) else filled
     if not math.isfinite(low):
-        low = float(LEFTS[first])
+        low = float(LEFTS[filled[0]])
     if not math.isfinite(high):
-        high = float(LIMITS[last])
+        high = float(LIMITS[filled[-1]])
     return HistogramProto(
         min=low,
         max=high,
-        num=float(inner.sum()),
+        num=float(counts.sum()),
         sum=total,
         sum_squares=squares,
         bucket_limit=LIMITS[index].tolist(),
-        bucket=counts[index].astype(np.float64).tolist(),
+        bucket=counts[index].tolist(),
     )
 
 
