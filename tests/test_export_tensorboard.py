@@ -537,10 +537,12 @@ def test_bad_options_get_one_line_and_exit_2(
     assert not (tmp_path / "tb").exists()
 
 
-def test_missing_run_and_logdir_that_is_a_file(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_missing_run_and_logdirs_that_cannot_be(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "file").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
     for logdir, message in (
         (tmp_path / "tb", f"no run at {tmp_path / 'nope'}: give the directory a recording wrote"),
         (
@@ -548,6 +550,8 @@ def test_missing_run_and_logdir_that_is_a_file(
             f"Invalid value for 'LOGDIR': Directory '{tmp_path / 'file'}' is a file.",
         ),
         (SAMPLES, f"{SAMPLES} holds the run {SAMPLES / 'healthy'}: give a directory of its own"),
+        (Path("."), ". is the current directory or holds it, which the export would replace"),
+        (tmp_path / "link", f"{tmp_path / 'link'} is a symbolic link: give the directory"),
     ):
         run = tmp_path / "nope" if logdir == tmp_path / "tb" else SAMPLES / "healthy"
         with pytest.raises(SystemExit) as exited:

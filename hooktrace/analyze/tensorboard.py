@@ -488,10 +488,18 @@ def _check_logdir(logdir: Path, run: Path, *, overwrite: bool) -> None:
     """ConfigError unless ``logdir`` is new, empty, or an earlier export that may be replaced."""
     if logdir.exists() and not logdir.is_dir():
         raise ConfigError(f"{logdir} is a file: give a directory for the event files")
+    if logdir.is_symlink():  # the export replaces LOGDIR by a rename, which a link would not follow
+        raise ConfigError(f"{logdir} is a symbolic link: give the directory it points to")
     resolved, source = logdir.resolve(), run.resolve()
     if source == resolved or resolved in source.parents:
         raise ConfigError(
             f"{logdir} holds the run {run}: give a directory of its own for the event files"
+        )
+    here = Path.cwd().resolve()
+    if resolved == here or resolved in here.parents:
+        raise ConfigError(
+            f"{logdir} is the current directory or holds it, which the export would replace: "
+            "give a directory below it (e.g. tb/NAME)"
         )
     if not logdir.is_dir() or not any(logdir.iterdir()):
         return
