@@ -26,23 +26,20 @@ only once every event is written, so ``LOGDIR`` never holds half an export, nor 
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shlex
-import shutil
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from hooktrace.analyze import export_dir
 from hooktrace.analyze import tensorboard_events as tb
+from hooktrace.analyze import tensorboard_text as text
 from hooktrace.analyze.findings import StepsSpec, step_chunks, step_filter, strings
 from hooktrace.errors import ConfigError, HooktraceError
 from hooktrace.trace import histograms as bins
@@ -55,8 +52,7 @@ Progress = Callable[[int, int, str], None]
 STATS = ("mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count")
 """The statistics a record's scalars can show (docs/FORMAT.md, records), all by default."""
 CALLS = ("first", "all")
-MARKER = "hooktrace-export.json"
-"""The file an export leaves in LOGDIR, saying what it holds (and that it may replace it)."""
+MARKER = export_dir.MARKER
 TEXT_STEP = 0
 
 TensorBoardUnavailable = tb.TensorBoardUnavailable
@@ -135,7 +131,7 @@ def export_tensorboard(
     names = _module_filter(modules)
     trace = run if isinstance(run, Trace) else load(run)
     target = Path(logdir)
-    _check_logdir(target, trace.path, overwrite=overwrite)
+    export_dir.check(target, trace.path, overwrite=overwrite)
     chosen_ranks = None if ranks is None else sorted({int(r) for r in ranks})
     if chosen_ranks is not None and not set(chosen_ranks) & set(trace.ranks):
         raise ConfigError(
@@ -143,12 +139,10 @@ def export_tensorboard(
             f"{', '.join(map(str, trace.ranks)) or 'none'}"
         )
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.hooktrace-export-{uuid.uuid4().hex[:12]}"
-    staging.mkdir()
+    staging = export_dir.Staging(target)
     writer: _Writer | None = None
     try:
-        writer = _Writer(trace, staging, chosen_stats, calls=calls)
+        writer = _Writer(trace, staging.path, chosen_stats, calls=calls)
         has_histograms = trace.has_histograms
         plan = list(step_chunks(trace, selection, chunk_rows))
         for done, chunk in enumerate(plan):
@@ -175,12 +169,14 @@ def export_tensorboard(
             "calls": calls, "histograms": histograms,
         }  # fmt: skip
         result = writer.result(target, has_histograms)
-        _write_marker(staging / MARKER, trace, options, result)
-        _publish(staging, target)
+        staging.publish(
+            trace.path, options=options, runs=result.runs, steps=result.steps,
+            scalars=result.scalars, histograms=result.histograms,
+        )  # fmt: skip
     except BaseException:
         if writer is not None:
             writer.close()
-        shutil.rmtree(staging, ignore_errors=True)
+        staging.discard()
         raise
     if histograms and not has_histograms:
         why = trace._why_no_histograms()
@@ -294,7 +290,8 @@ class _Writer:
             return events
         if (rank, "train") not in self.runs:  # the rank's run, with the text
             train = self.runs[(rank, "train")] = tb.EventRun(self.root / f"rank={rank}")
-            texts = [tb.text_value(tag, text) for tag, text in _texts(self.trace, rank, self)]
+            made = text.texts(self.trace, rank, stats=self.stats, calls=self.calls)
+            texts = [tb.text_value(tag, markdown) for tag, markdown in made]
             train.write(TEXT_STEP, self.start_time, values=texts)
         if phase == "train":
             return self.runs[(rank, "train")]
@@ -385,70 +382,6 @@ def _prefixes(frame: pd.DataFrame) -> np.ndarray:
     return module + "/" + strings(frame["kind"]) + "/" + strings(frame["slot"])
 
 
-def _texts(trace: Trace, rank: int, writer: _Writer) -> list[tuple[str, str]]:
-    """The run's command, what recorded it and how it ended, and its options, as markdown."""
-    manifest = trace.manifest
-    status = manifest.get("ranks", {}).get(str(rank), {})
-    command = manifest.get("command") or []
-    run = [
-        ("run", f"`{trace.path}`"),
-        ("status", f"{trace.status} (rank {rank}: {status.get('status', 'unknown')})"),
-        ("error", status.get("error") or ""),
-        ("format", f"hooktrace {manifest.get('format_version', '?')}"),
-        ("recorded with", f"hooktrace {manifest.get('hooktrace_version', '?')}, torch "
-         f"{manifest.get('torch_version', '?')}, python {manifest.get('python_version', '?')}"),
-        ("platform", manifest.get("platform", "")),
-        ("roots", ", ".join(manifest.get("roots") or [])),
-        ("world size", str(manifest.get("world_size", 1))),
-        ("started", _when(manifest.get("start_time"))),
-        ("ended", _when(status.get("end_time"))),
-        ("steps written", str(status.get("steps_written", ""))),
-        ("records written", str(status.get("records_written", ""))),
-    ]  # fmt: skip
-    config = [(k, f"`{json.dumps(v)}`") for k, v in sorted((manifest.get("config") or {}).items())]
-    export = [
-        ("exported", f"{_when(time.time())} by hooktrace {_version()}"),
-        ("statistics", ", ".join(writer.stats)),
-        ("tags", "`MODULE/KIND/SLOT/STAT` scalars, `MODULE/KIND/SLOT/histogram` histograms; "
-         "the eval phase in the run `eval` beside"),
-        ("calls", "each call its own series, `MODULE [call N]` after the first"
-         if writer.calls == "all" else "the first call of a module in a micro-step"),
-        ("micro-steps", "the step's last"),
-        ("scalars", "float32, as TensorBoard keeps them"),
-        ("histograms", tb.HISTOGRAM_DESCRIPTION),
-    ]  # fmt: skip
-    return [
-        ("hooktrace/command", "```\n" + shlex.join(str(c) for c in command) + "\n```"),
-        ("hooktrace/run", _table(run)),
-        ("hooktrace/config", _table(config)),
-        ("hooktrace/export", _table(export)),
-    ]
-
-
-def _table(rows: list[tuple[str, str]]) -> str:
-    """A two-column markdown table (TensorBoard's text plugin renders tables)."""
-    lines = ["| | |", "|---|---|"]
-    for key, value in rows:
-        lines.append(f"| {_cell(key)} | {_cell(str(value))} |")
-    return "\n".join(lines)
-
-
-def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
-
-
-def _when(timestamp: Any) -> str:
-    if not isinstance(timestamp, int | float):
-        return ""
-    return datetime.fromtimestamp(float(timestamp), timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def _version() -> str:
-    from hooktrace import __version__
-
-    return __version__
-
-
 # -- options and the log directory ------------------------------------------------------------
 
 
@@ -482,71 +415,3 @@ def _module_filter(modules: str | Iterable[str] | None) -> Callable[[str], bool]
 def _describe(chunk: tuple[int, int] | list[int]) -> str:
     lo, hi = (chunk[0], chunk[-1]) if isinstance(chunk, list) else chunk
     return f"step {lo}" if lo == hi else f"steps {lo}–{hi if hi < 2**62 else 'end'}"
-
-
-def _check_logdir(logdir: Path, run: Path, *, overwrite: bool) -> None:
-    """ConfigError unless ``logdir`` is new, empty, or an earlier export that may be replaced."""
-    if logdir.exists() and not logdir.is_dir():
-        raise ConfigError(f"{logdir} is a file: give a directory for the event files")
-    if logdir.is_symlink():  # the export replaces LOGDIR by a rename, which a link would not follow
-        raise ConfigError(f"{logdir} is a symbolic link: give the directory it points to")
-    resolved, source = logdir.resolve(), run.resolve()
-    if source == resolved or resolved in source.parents:
-        raise ConfigError(
-            f"{logdir} holds the run {run}: give a directory of its own for the event files"
-        )
-    here = Path.cwd().resolve()
-    if resolved == here or resolved in here.parents:
-        raise ConfigError(
-            f"{logdir} is the current directory or holds it, which the export would replace: "
-            "give a directory below it (e.g. tb/NAME)"
-        )
-    if not logdir.is_dir() or not any(logdir.iterdir()):
-        return
-    marker = logdir / MARKER
-    if not marker.is_file():
-        raise ConfigError(
-            f"{logdir} is not empty and holds no hooktrace export: give a new directory, one "
-            "per run (e.g. tb/NAME, then `tensorboard --logdir tb` compares them)"
-        )
-    if not overwrite:
-        try:
-            earlier = json.loads(marker.read_text()).get("run", "a run")
-        except (OSError, ValueError, AttributeError):
-            earlier = "a run"
-        raise ConfigError(
-            f"{logdir} holds an earlier export (of {earlier}): give --overwrite to replace it, "
-            "or a new directory"
-        )
-
-
-def _write_marker(
-    path: Path, trace: Trace, options: dict[str, Any], result: TensorBoardExport
-) -> None:
-    content = {
-        "run": str(trace.path.resolve()),
-        "exported_at": time.time(),
-        "hooktrace_version": _version(),
-        "options": options,
-        "runs": result.runs,
-        "steps": result.steps,
-        "scalars": result.scalars,
-        "histograms": result.histograms,
-    }
-    path.write_text(json.dumps(content, indent=2, default=str) + "\n")
-
-
-def _publish(staging: Path, target: Path) -> None:
-    """Put ``staging`` where ``target`` is, replacing it (an empty directory or an earlier
-    export) by renames: a reader sees the old export or the new one, never a mix."""
-    if not target.exists():
-        staging.rename(target)
-        return
-    old = target.parent / f".{target.name}.hooktrace-replaced-{uuid.uuid4().hex[:12]}"
-    target.rename(old)
-    try:
-        staging.rename(target)
-    except BaseException:
-        old.rename(target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)

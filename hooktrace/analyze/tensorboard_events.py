@@ -1,13 +1,13 @@
-"""TensorBoard's side of ``hooktrace export tensorboard``: event files, scalars, histograms and
-text, in TensorBoard's own protocol buffers. Never imports torch (nor TensorFlow).
+"""TensorBoard's side of ``hooktrace export tensorboard``: event files of scalars, histograms
+and text. Never imports torch (nor TensorFlow).
 
 The events are the ``tensorboard`` package's own protocol buffers (``tensorboard.compat.proto``,
 the messages ``torch.utils.tensorboard`` writes), framed as TensorBoard's event files are
 (:class:`EventRun`). The package is an optional extra (``pip install
-'hooktrace[tensorboard]'``), imported by :func:`require` only when an export runs. Values are
-written the way ``torch.utils.tensorboard`` writes them:
-scalars as ``simple_value`` (float32, as TensorBoard keeps every scalar), histograms as
-``HistogramProto``, text as a string tensor for the text plugin (markdown).
+'hooktrace[tensorboard]'``), imported only when an export runs. Values are written the way
+``torch.utils.tensorboard`` writes them: scalars as ``simple_value`` (float32, as TensorBoard
+keeps every scalar), histograms as ``HistogramProto``, text as a string tensor for the text
+plugin (markdown).
 
 How an exponent histogram (docs/FORMAT.md, "histograms") becomes TensorBoard's buckets, left
 to right: the negative bins from the largest magnitude down, one bucket around 0, the positive
@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from hooktrace.analyze.tensorboard_text import HISTOGRAMS
 from hooktrace.errors import HooktraceError
 from hooktrace.trace import histograms as bins
 
@@ -57,8 +58,6 @@ def require() -> None:
 
 # -- histograms -------------------------------------------------------------------------------
 
-_ABOVE = bins.MAGNITUDE_BINS - 1  # magnitude bins 1 .. _ABOVE have an exponent of their own
-
 _EXPONENTS = bins.exponents()[1:]  # of magnitude bins 1 .. 278 (the last: 2^128 and above)
 _POS_LIMITS = np.ldexp(1.0, _EXPONENTS + 1)
 _POS_LIMITS[-1] = np.finfo(np.float64).max  # bin 278 has no upper edge (TensorFlow's way)
@@ -68,13 +67,6 @@ LIMITS = np.concatenate([_NEG_LIMITS, [math.ldexp(1.0, bins.EXPONENT_MIN)], _POS
 0, positive bins 1..278 (TensorBoard takes bucket ``i`` to span ``LIMITS[i-1]..LIMITS[i]``)."""
 LEFTS = np.concatenate([[-2.0 * math.ldexp(1.0, bins.EXPONENT_MAX + 1)], LIMITS[:-1]])
 """The lower edge of each display bucket."""
-CENTER = _ABOVE
-"""Where the bucket around 0 sits in :data:`LIMITS`."""
-
-HISTOGRAM_DESCRIPTION = (
-    "hooktrace's exponent histogram: one bucket per power of 2 of |x|, by sign, and one "
-    "around 0 for the zeros. NaN and Inf are not in it: see the nan_count and inf_count scalars."
-)
 
 
 def display_counts(zero: Any, pos: np.ndarray, neg: np.ndarray) -> np.ndarray:
@@ -133,7 +125,7 @@ def histogram_value(tag: str, histogram: Any, *, describe: bool) -> Any:
 
     if not describe:
         return Summary.Value(tag=tag, histo=histogram)
-    metadata = create_summary_metadata(display_name=tag, description=HISTOGRAM_DESCRIPTION)
+    metadata = create_summary_metadata(display_name=tag, description=HISTOGRAMS)
     return Summary.Value(tag=tag, histo=histogram, metadata=metadata)
 
 
