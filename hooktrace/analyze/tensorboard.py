@@ -42,7 +42,6 @@ from hooktrace.analyze import tensorboard_events as tb
 from hooktrace.analyze import tensorboard_text as text
 from hooktrace.analyze.findings import StepsSpec, step_chunks, step_filter, strings
 from hooktrace.errors import ConfigError, HooktraceError
-from hooktrace.trace import histograms as bins
 from hooktrace.trace import schema
 from hooktrace.trace.reader import Trace, load
 
@@ -53,6 +52,9 @@ STATS = ("mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf
 """The statistics a record's scalars can show (docs/FORMAT.md, records), all by default."""
 CALLS = ("first", "all")
 MARKER = export_dir.MARKER
+HISTOGRAM_CHUNK_ROWS = 25_000
+"""Records a chunk holds at most where histograms are read too: a histogram is 558 counts
+(4.5 kB), so a chunk's are some 110 MB at most (every record histogrammed)."""
 TEXT_STEP = 0
 
 TensorBoardUnavailable = tb.TensorBoardUnavailable
@@ -115,7 +117,8 @@ def export_tensorboard(
     the statistics shown as scalars (of :data:`STATS`); ``calls`` ``"first"`` or ``"all"``;
     ``histograms=False`` leaves the histograms out. ``logdir`` must be new or empty, or hold
     an earlier export and ``overwrite`` be true. ``chunk_rows`` bounds the records held at
-    once. ``progress(done, total, what)`` is called before each chunk.
+    once (:data:`HISTOGRAM_CHUNK_ROWS` where histograms are read). ``progress(done, total,
+    what)`` is called before each chunk.
 
     Raises :class:`TensorBoardUnavailable` without the ``tensorboard`` package,
     ``ConfigError`` on bad options or ``logdir``, :class:`NothingToExport` when no record
@@ -144,6 +147,8 @@ def export_tensorboard(
     try:
         writer = _Writer(trace, staging.path, chosen_stats, calls=calls)
         has_histograms = trace.has_histograms
+        if histograms and has_histograms:
+            chunk_rows = min(chunk_rows, HISTOGRAM_CHUNK_ROWS)
         plan = list(step_chunks(trace, selection, chunk_rows))
         for done, chunk in enumerate(plan):
             if progress is not None:
@@ -261,8 +266,7 @@ class _Writer:
             step_tags = [f"{p}/{stat}" for p in prefix[start:end] for stat in self.stats]
             self.scalars += len(step_tags)
             out = []
-            for row in histograms.rows(start, end):
-                proto = histograms.proto(row)
+            for row, proto in histograms.protos(start, end):
                 if proto is None:  # every value NaN or Inf: nothing to place
                     self.nonfinite_histograms += 1
                     continue
@@ -329,14 +333,10 @@ class _Histograms:
         want = pd.MultiIndex.from_arrays(
             [frame["rank"].astype("int64"), frame["step"], frame["seq"]]
         )
-        at = have.get_indexer(want)  # the row of found for each record, -1 where none
-        used = np.unique(at[at >= 0])  # only the histograms shown are kept
-        self.at = np.where(at >= 0, np.searchsorted(used, at), -1)
-        self.counts = tb.display_counts(
-            found["zero"].to_numpy(dtype=np.int64)[used],
-            _rows(found["pos"].to_numpy()[used]),
-            _rows(found["neg"].to_numpy()[used]),
-        )
+        self.at = have.get_indexer(want)  # the row of found for each record, -1 where none
+        self.zero = found["zero"].to_numpy(dtype=np.int64)
+        self.pos = found["pos"].to_numpy()  # views into one block per part: no copy
+        self.neg = found["neg"].to_numpy()
         self.low = frame["min"].to_numpy(dtype=np.float64)
         self.high = frame["max"].to_numpy(dtype=np.float64)
         finite = (frame["nan_count"] + frame["inf_count"] == 0).to_numpy()
@@ -344,25 +344,27 @@ class _Histograms:
         self.total = np.where(finite, frame["mean"].to_numpy(dtype=np.float64) * numel, np.nan)
         self.squares = np.where(finite, frame["norm"].to_numpy(dtype=np.float64) ** 2, np.nan)
 
-    def rows(self, start: int, end: int) -> Iterator[int]:
-        """The rows in ``start:end`` that have a histogram."""
-        return iter((np.flatnonzero(self.at[start:end] >= 0) + start).tolist())
-
-    def proto(self, row: int) -> Any:
-        return tb.histogram_proto(
-            self.counts[self.at[row]],
-            low=float(self.low[row]),
-            high=float(self.high[row]),
-            total=float(self.total[row]),
-            squares=float(self.squares[row]),
+    def protos(self, start: int, end: int) -> Iterator[tuple[int, Any]]:
+        """(row, ``HistogramProto`` or None where every value was NaN or Inf) for the rows in
+        ``start:end`` that have a histogram (a step's: their display counts made at once)."""
+        rows = np.flatnonzero(self.at[start:end] >= 0) + start
+        if len(rows) == 0:
+            return
+        at = self.at[rows]
+        counts = tb.display_counts(
+            self.zero[at], np.stack(self.pos[at].tolist()), np.stack(self.neg[at].tolist())
         )
-
-
-def _rows(arrays: np.ndarray) -> np.ndarray:
-    """An object array of equal-length count arrays as one 2-D array."""
-    if len(arrays) == 0:
-        return np.zeros((0, bins.MAGNITUDE_BINS), dtype=np.int64)
-    return np.stack(arrays.tolist())
+        for row, row_counts in zip(rows.tolist(), counts, strict=True):
+            yield (
+                row,
+                tb.histogram_proto(
+                    row_counts,
+                    low=float(self.low[row]),
+                    high=float(self.high[row]),
+                    total=float(self.total[row]),
+                    squares=float(self.squares[row]),
+                ),
+            )
 
 
 def _step_keys(ranks: np.ndarray, steps: np.ndarray) -> np.ndarray:
