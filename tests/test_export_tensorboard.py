@@ -184,6 +184,12 @@ def test_chunks_of_one_step_write_the_same_values(tmp_path: Path) -> None:
         whole.sort_values(key).reset_index(drop=True),
     )
     pd.testing.assert_frame_equal(one, whole)
+    histograms = [events(tmp_path / name / "rank=0") for name in ("one", "all")]
+    tags = histograms[0].Tags()["histograms"]
+    assert len(tags) == 24 and tags == histograms[1].Tags()["histograms"]
+    for tag in tags:
+        a, b = (run.Histograms(tag) for run in histograms)
+        assert [(e.step, e.histogram_value) for e in a] == [(e.step, e.histogram_value) for e in b]
 
 
 @pytest.mark.parametrize("sample", ["nan", "underflow"])
