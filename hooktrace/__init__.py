@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from hooktrace.analyze.precision import precision
     from hooktrace.analyze.report import report
     from hooktrace.analyze.summary import summary
+    from hooktrace.analyze.tensorboard import export_tensorboard
     from hooktrace.recorder.recorder import Models, Recorder
     from hooktrace.recorder.replay import replay_module
     from hooktrace.trace.check import check
@@ -54,6 +55,7 @@ _LAZY = {
     "plot": "hooktrace.analyze.plots",
     "precision": "hooktrace.analyze.precision",
     "report": "hooktrace.analyze.report",
+    "export_tensorboard": "hooktrace.analyze.tensorboard",
     "replay_module": "hooktrace.recorder.replay",
 }
 
@@ -87,6 +89,7 @@ __all__ = [
     "check",
     "dead_relus",
     "diff",
+    "export_tensorboard",
     "load",
     "plot",
     "precision",

@@ -70,6 +70,8 @@ def run_cli(
     if files is not None and "-o" in args:
         at = args.index("-o") + 1
         args[at] = str(files / args[at])
+    if files is not None and args[:2] == ["export", "tensorboard"]:  # LOGDIR, as -o FILE
+        args[3] = str(files / args[3])
     result = CliRunner().invoke(cli, args)
     where = f"{files}{os.sep}" if files is not None else None
     if where is not None:  # the output says what the README says: "wrote report.html"

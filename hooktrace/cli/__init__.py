@@ -29,6 +29,7 @@ COMMANDS = {
     "precision": "hooktrace.cli.precision:precision",
     "plot": "hooktrace.cli.plot:plot",
     "report": "hooktrace.cli.report:report",
+    "export": "hooktrace.cli.export:export",
 }
 
 
