@@ -378,3 +378,26 @@ def test_summary_says_what_was_histogrammed(tmp_path: Path) -> None:
     assert on.bytes_on_disk["histograms"] > 0
     off = render(hooktrace.summary(tmp_path / "off"))
     assert "histogram none (recorded with histograms off)" in off
+
+
+def test_a_window_of_steps_reads_the_parts_that_hold_it(tmp_path: Path) -> None:
+    layer = nn.Linear(3, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with hooktrace.record(layer, tmp_path / "run", buffer_mb=1e-6):  # a flush each step
+        for _ in range(10):
+            layer(torch.randn(2, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    trace = hooktrace.load(tmp_path / "run")
+    parts = trace._parts["histograms"]
+    assert len(parts) > 3
+    holding = trace._parts_holding(3, 4, "histograms")
+    assert 0 < len(holding) < len(parts)
+    window = trace.histograms(steps=(3, 4))
+    everything = trace.histograms()
+    expected = everything[everything["step"].between(3, 4)].reset_index(drop=True)
+    assert sorted(set(window["step"])) == [3, 4]
+    pd.testing.assert_frame_equal(
+        window.drop(columns=["pos", "neg"]), expected.drop(columns=["pos", "neg"])
+    )
+    np.testing.assert_array_equal(np.stack(window["pos"]), np.stack(expected["pos"]))

@@ -184,7 +184,7 @@ def export_tensorboard(
         staging.discard()
         raise
     if histograms and not has_histograms:
-        why = trace._why_no_histograms()
+        why = trace.no_histograms_because
         result.notes.append(
             f"{trace.path} holds no histograms ({why}): exported its scalars and text"
         )

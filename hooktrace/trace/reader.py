@@ -323,10 +323,15 @@ class Trace:
         Raises :class:`TraceError` when the trace holds no histograms at all."""
         if not self.has_histograms:
             raise TraceError(
-                f"{_printable(self.path)} holds no histograms: {self._why_no_histograms()}"
+                f"{_printable(self.path)} holds no histograms: {self.no_histograms_because}"
             )
-        expr = _filter(steps=_steps(steps), modules=modules, kinds=kinds, ranks=ranks)
-        table = self._read(histograms.HISTOGRAMS_DIR, histograms.HISTOGRAM_SCHEMA, filter=expr)
+        steps = _steps(steps)
+        span = _span(steps)
+        expr = _filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks)
+        table = self._read(
+            histograms.HISTOGRAMS_DIR, histograms.HISTOGRAM_SCHEMA, filter=expr,
+            parts=None if span is None else self._parts_holding(*span, histograms.HISTOGRAMS_DIR),
+        )  # fmt: skip
         spans = {name: table.column(name) for name in ("pos_start", "pos", "neg_start", "neg")}
         frame = table.drop_columns(list(spans)).to_pandas()
         for sign in ("pos", "neg"):
@@ -337,8 +342,10 @@ class Trace:
             frame = frame.sort_values(["rank", "step", "seq"], kind="stable")
         return frame.reset_index(drop=True)
 
-    def _why_no_histograms(self) -> str:
-        """Why a trace has none, and how to record them, in a clause."""
+    @property
+    def no_histograms_because(self) -> str:
+        """Why the trace holds no histograms, and how to record them, in a clause (where it
+        does hold some, what was asked for)."""
         kinds = self.manifest.get("config", {}).get("histograms")
         how = "record with `hooktrace record --histograms param,grad_param`"
         if kinds == []:
@@ -555,11 +562,13 @@ class Trace:
                 high = hi if high is None else max(high, hi)
         return None if low is None else (low, high)
 
-    def _parts_holding(self, first: int, last: int) -> list[Path]:
-        """The records parts that may hold a step in ``first``-``last``, by the step
-        statistics of their row groups: a window of steps opens a few files, not all."""
+    def _parts_holding(
+        self, first: int, last: int, kind_dir: str = schema.RECORDS_DIR
+    ) -> list[Path]:
+        """The parts (of records, or histograms) that may hold a step in ``first``-``last``,
+        by the step statistics of their row groups: a window of steps opens a few files."""
         found = []
-        for part in self._parts[schema.RECORDS_DIR]:
+        for part in self._parts[kind_dir]:
             if part not in self._step_spans:
                 self._step_spans[part] = _step_span(self._metadata[part])
             span = self._step_spans[part]
@@ -801,7 +810,7 @@ def _family(arrow_type: pa.DataType) -> str:
 
 
 def _step_span(metadata: pq.FileMetaData) -> tuple[int, int] | None:
-    """The smallest and largest step of a records part, from its row groups' statistics;
+    """The smallest and largest step of a part, from its row groups' statistics;
     None when a row group has none (then the part is always read)."""
     try:
         column = metadata.schema.names.index("step")
