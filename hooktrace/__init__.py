@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from hooktrace.analyze.diff import diff
     from hooktrace.analyze.histograms import hist
     from hooktrace.analyze.plots import plot
+    from hooktrace.analyze.precision import precision
     from hooktrace.analyze.report import report
     from hooktrace.analyze.summary import summary
+    from hooktrace.analyze.tensorboard import export_tensorboard
     from hooktrace.recorder.recorder import Models, Recorder
     from hooktrace.recorder.replay import replay_module
     from hooktrace.trace.check import check
@@ -53,7 +55,9 @@ _LAZY = {
     "anomalies": "hooktrace.analyze.anomalies",
     "hist": "hooktrace.analyze.histograms",
     "plot": "hooktrace.analyze.plots",
+    "precision": "hooktrace.analyze.precision",
     "report": "hooktrace.analyze.report",
+    "export_tensorboard": "hooktrace.analyze.tensorboard",
     "replay_module": "hooktrace.recorder.replay",
 }
 
@@ -87,9 +91,11 @@ __all__ = [
     "check",
     "dead_relus",
     "diff",
+    "export_tensorboard",
     "hist",
     "load",
     "plot",
+    "precision",
     "record",
     "replay_module",
     "report",

@@ -113,3 +113,36 @@ def test_documented_columns_match_the_schema() -> None:
         assert f"| `{name}`" in text or f"`{name}`," in text or f", `{name}`" in text, name
     for kind in schema.KINDS:
         assert f"`{kind}`" in text, kind
+
+
+FORMAT_1_0 = Path(__file__).resolve().parent / "fixtures" / "healthy_1_0"
+"""sample_traces/healthy as first committed, in format 1.0: no notes, captures or histograms."""
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        "summary {run}",
+        "check {run}",
+        "diff {run} {run}",
+        "anomalies {run}",
+        "precision {run}",
+        "dead-relus {run}",
+        "replay {run} --step 3",
+        "replay {run} --nonfinite",
+        "plot {run} --what grad-norms --output {out}/grads.png",
+        "report {run} --output {out}/report.html",
+    ],
+)
+def test_every_command_reads_a_format_1_0_trace(command: str, tmp_path: Path) -> None:
+    """Minor versions only add: a trace written before notes (1.1), captures (1.2) and
+    histograms (1.3) is answered as it was, by every command."""
+    from click.testing import CliRunner
+
+    from hooktrace.cli import cli
+
+    assert hooktrace.load(FORMAT_1_0).format_version == "1.0"
+    args = command.format(run=FORMAT_1_0, out=tmp_path).split()
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output

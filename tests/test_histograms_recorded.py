@@ -245,11 +245,20 @@ def test_the_table_reads_without_hooktrace_and_joins_the_records(tmp_path: Path)
     with hooktrace.record(model, tmp_path / "run"):
         _train(model, 3, dtype=torch.float32)
     run = tmp_path / "run"
-    frame = pd.read_parquet(run / "histograms")
-    assert len(frame) == 3 * 2 * 6 and len(frame["pos"].iloc[0]) == MAGNITUDE_BINS
+    frame = pd.read_parquet(run / "histograms")  # each row's occupied span, and its start
+    assert len(frame) == 3 * 2 * 6
+    whole = hooktrace.load(run).histograms()
+    for stored, row in zip(frame.itertuples(), whole.itertuples(), strict=True):
+        for sign in ("pos", "neg"):
+            start, span = getattr(stored, f"{sign}_start"), getattr(stored, sign)
+            expected = np.zeros(MAGNITUDE_BINS, dtype=np.int64)
+            expected[start : start + len(span)] = span
+            np.testing.assert_array_equal(getattr(row, sign), expected)
+            assert len(span) == 0 or (span[0] > 0 and span[-1] > 0)
     joined = duckdb.sql(f"""
         SELECT r.numel, r.zero_fraction, r.nan_count, r.kind AS rk, h.kind AS hk,
-               h.zero, h.nan, h.pos_inf + h.neg_inf AS inf, list_sum(h.pos) + list_sum(h.neg)
+               h.zero, h.nan, h.pos_inf + h.neg_inf AS inf,
+               coalesce(list_sum(h.pos), 0) + coalesce(list_sum(h.neg), 0)
                + h.zero + h.nan + h.pos_inf + h.neg_inf AS counted, h.numel AS hn
         FROM read_parquet('{run}/records/*/*.parquet', hive_partitioning = 1) r
         JOIN read_parquet('{run}/histograms/*/*.parquet', hive_partitioning = 1) h
@@ -328,3 +337,67 @@ def test_check_verifies_that_each_histogram_counts_its_tensor(tmp_path: Path) ->
     report = hooktrace.check(tmp_path / "run")
     assert not report.whole
     assert any("4 histogram row(s) do not count" in p for p in report.problems)
+
+
+def test_the_formats_queries_agree_with_the_whole_rows() -> None:
+    """docs/FORMAT.md's two ways to ask what float16 would flush to zero: through the
+    histograms view (whole rows) and over the files (spans shifted by their start)."""
+    run = Path(__file__).parent.parent / "sample_traces" / "underflow"
+    trace = hooktrace.load(run)
+    where = "module = 'blocks.1.fc' AND kind = 'grad_param' AND slot = 'weight' ORDER BY step"
+    view = trace.sql(
+        "SELECT (list_sum(pos[1:126]) + list_sum(neg[1:126])) / numel AS lost "
+        f"FROM histograms WHERE {where}"
+    )
+    files = duckdb.sql(f"""
+        SELECT (coalesce(list_sum(pos[1 : greatest(126 - pos_start, 0)]), 0)
+                + coalesce(list_sum(neg[1 : greatest(126 - neg_start, 0)]), 0)) / numel AS lost
+        FROM read_parquet('{run}/histograms/*/*.parquet', hive_partitioning = 1)
+        WHERE {where}""").df()
+    rows = trace.histograms(modules=["blocks.1.fc"], kinds=["grad_param"])
+    rows = rows[rows["slot"] == "weight"]
+    below = np.stack(rows["pos"])[:, :126].sum(axis=1) + np.stack(rows["neg"])[:, :126].sum(axis=1)
+    expected = below / rows["numel"].to_numpy()
+    assert len(expected) == 30 and expected.min() > 0.2
+    np.testing.assert_array_equal(view["lost"].to_numpy(), expected)
+    np.testing.assert_array_equal(files["lost"].to_numpy(), expected)
+
+
+def test_summary_says_what_was_histogrammed(tmp_path: Path) -> None:
+    from hooktrace.cli.summary import render
+
+    layer = nn.Linear(3, 2)
+    for name, options in (("on", {"histogram_every": 2}), ("off", {"histograms": "none"})):
+        with hooktrace.record(layer, tmp_path / name, **options) as rec:
+            for _ in range(3):
+                layer(torch.randn(2, 3)).sum().backward()
+                rec.step()
+    on = hooktrace.summary(tmp_path / "on")
+    assert on.histograms == len(hooktrace.load(tmp_path / "on").histograms()) == 2 * 2 * 2
+    assert "histogram 8 records of grad_param, param, every 2 steps" in render(on)
+    assert on.bytes_on_disk["histograms"] > 0
+    off = render(hooktrace.summary(tmp_path / "off"))
+    assert "histogram none (recorded with histograms off)" in off
+
+
+def test_a_window_of_steps_reads_the_parts_that_hold_it(tmp_path: Path) -> None:
+    layer = nn.Linear(3, 2)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    with hooktrace.record(layer, tmp_path / "run", buffer_mb=1e-6):  # a flush each step
+        for _ in range(10):
+            layer(torch.randn(2, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    trace = hooktrace.load(tmp_path / "run")
+    parts = trace._parts["histograms"]
+    assert len(parts) > 3
+    holding = trace._parts_holding(3, 4, "histograms")
+    assert 0 < len(holding) < len(parts)
+    window = trace.histograms(steps=(3, 4))
+    everything = trace.histograms()
+    expected = everything[everything["step"].between(3, 4)].reset_index(drop=True)
+    assert sorted(set(window["step"])) == [3, 4]
+    pd.testing.assert_frame_equal(
+        window.drop(columns=["pos", "neg"]), expected.drop(columns=["pos", "neg"])
+    )
+    np.testing.assert_array_equal(np.stack(window["pos"]), np.stack(expected["pos"]))

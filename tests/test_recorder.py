@@ -612,20 +612,25 @@ def test_a_record_half_appended_when_the_step_ends_is_left_out(run_dir: Path) ->
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with hooktrace.record(model, run_dir, params=False) as rec:  # outputs' records come last
-        for step in range(2):
+    with hooktrace.record(model, run_dir, params=False, histograms="output") as rec:
+        for step in range(2):  # outputs' records come last
             model(torch.randn(5, 4)).sum().backward()
             if step == 1:
                 pending = rec._pending
                 half = len(pending.meta)
                 pending.meta.append(pending.meta[-1]._replace(module="half"))
                 pending.activity.append((half, np.ones(3, dtype=np.int64)))
+                pending.histograms.append((half, pending.histograms[-1][1]))
             opt.step()
             opt.zero_grad()
-    records = hooktrace.load(run_dir).records
+    trace = hooktrace.load(run_dir)
+    records = trace.records
     assert "half" not in set(records["module"].astype(str))
     counts = records.groupby("step").size()
     assert counts[0] == counts[1]
+    histograms = trace.histograms().groupby("step").size()
+    assert histograms[0] == histograms[1] == 3  # one per output, none for the half record
+    assert hooktrace.check(trace).whole
 
 
 def test_a_tensor_seen_again_after_an_in_place_change_keeps_the_others_remembered(

@@ -70,6 +70,8 @@ def run_cli(
     if files is not None and "-o" in args:
         at = args.index("-o") + 1
         args[at] = str(files / args[at])
+    if files is not None and args[:2] == ["export", "tensorboard"]:  # LOGDIR, as -o FILE
+        args[3] = str(files / args[3])
     result = CliRunner().invoke(cli, args)
     where = f"{files}{os.sep}" if files is not None else None
     if where is not None:  # the output says what the README says: "wrote report.html"
@@ -200,7 +202,7 @@ def test_the_documented_findings() -> None:
     assert origin[["module", "step"]].values.tolist() == [["log_probs", 15]]
 
     exploding = hooktrace.anomalies(SAMPLES / "exploding").findings
-    assert set(exploding["kind"]) == {"exploding_gradient"}
+    assert set(exploding["kind"]) == {"exploding_gradient", "fp16_overflow"}
     assert exploding["step"].min() == 20
     assert len(hooktrace.anomalies(SAMPLES / "healthy")) == 0
 

@@ -12,7 +12,8 @@ from scale_runs import many_parts
 import hooktrace
 from hooktrace.trace import schema
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
+FORMAT_1_0 = Path(__file__).resolve().parent / "fixtures" / "healthy_1_0"
+"""sample_traces/healthy as it was first committed, in format 1.0: no notes, no histograms."""
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def test_the_tables_have_every_column_of_the_format_and_the_rank(run: Path) -> N
 
 
 def test_a_format_1_0_trace_reads_its_missing_notes_as_empty() -> None:
-    trace = hooktrace.load(SAMPLES / "healthy")
+    trace = hooktrace.load(FORMAT_1_0)
     assert trace.format_version == "1.0"
     notes = trace.sql("SELECT DISTINCT note FROM records")
     assert notes["note"].tolist() == [""]

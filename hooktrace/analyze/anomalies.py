@@ -46,6 +46,12 @@ The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``
 - ``saturated`` (info): Tanh, Hardtanh, Softsign (range -1..1) and Sigmoid, Hardsigmoid
   (0..1) outputs, mapped onto [-1, 1], with a mean square of at least ``saturation``: then at
   least (saturation - 0.81) / 0.19 of the values are beyond ±0.9 of the range.
+- ``fp16_underflow`` (warning from 10% at the worst step, else info), ``fp16_overflow``
+  (warning): from the histograms, where the run has them (:mod:`hooktrace.analyze.precision`
+  defines both): a gradient of which more than ``underflow_above`` of the nonzero values lie
+  below 2^-24, which float16 flushes to zero; a tensor of any kind with more than
+  ``overflow_above`` at or above 2^16, which float16 makes Inf. value: that fraction at the
+  worst step; reference: the bound; count: steps above it.
 
 Non-finite norms are left to the non-finite checks, and exactly-zero ones to zero_gradient:
 neither counts as high or normal in the series checks.
@@ -59,7 +65,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from hooktrace.analyze import series
+from hooktrace.analyze import precision, series
 from hooktrace.analyze.captured import (
     capture_column,
     failed_captures,
@@ -124,10 +130,13 @@ def anomalies(
     exploding_above: float = 1e6,
     vanishing_below: float = 1e-7,
     saturation: float = 0.95,
+    underflow_above: float = 0.01,
+    overflow_above: float = 0.0,
     chunk_rows: int = 250_000,
 ) -> Anomalies:
     """Find non-finite origins, exploding, vanishing and spiking gradients, activation spikes,
-    parameters without gradients, zero gradients and saturated tanh/sigmoid outputs in
+    parameters without gradients, zero gradients, saturated tanh/sigmoid outputs and, from
+    the histograms where there are any, values float16 would flush to zero or make Inf in
     ``run`` (see the module docstring for every definition). ``steps`` limits the steps read
     (``"0-100"``, ``(first, last)`` or step numbers); ``chunk_rows`` bounds the records held
     at once."""
@@ -141,6 +150,7 @@ def anomalies(
             "need vanishing_below >= 0, exploding_above > 0 and 0 < saturation <= 1 "
             f"(got {vanishing_below}, {exploding_above}, {saturation})"
         )
+    precision.check_bounds(underflow_above, overflow_above)
     trace = run if isinstance(run, Trace) else load(run)
     scan = _Scan(trace, saturation)
     for chunk in step_chunks(trace, step_filter(steps), chunk_rows):
@@ -156,11 +166,16 @@ def anomalies(
         scan.norms.close()
     found += _parameter_findings(scan)
     found += _saturation_findings(scan, saturation)
+    low, low_notes = precision.findings(
+        trace, steps=steps, underflow_above=underflow_above, overflow_above=overflow_above
+    )
+    found += low
     notes = []
     if scan.steps == 0:
         notes.append("the trace holds no records in the steps read")
     elif not scan.per_slot:
         notes.append("no parameter gradients recorded (params=False?): gradient checks skipped")
+    notes += low_notes if scan.steps else []
     frame = findings_frame(found)
     captures = read_captures(trace, notes)
     frame["capture"] = capture_column(frame, captures, trace.path).astype(str)  # as the others

@@ -6,8 +6,10 @@ sentence, and a one-line explanation. Severities:
 
 - ``error``: training is broken: a NaN or Inf was produced, gradients explode;
 - ``warning``: training is likely hurt: a dead layer, vanishing gradients, a gradient or
-  activation spike, a parameter that never gets a gradient;
-- ``info``: worth knowing, often intended: gradients exactly zero, saturated tanh/sigmoid.
+  activation spike, a parameter that never gets a gradient; or would be, in float16: values
+  it would make Inf, a tenth or more of a gradient it would flush to zero;
+- ``info``: worth knowing, often intended: gradients exactly zero, saturated tanh/sigmoid,
+  less of a gradient that float16 would flush to zero.
 
 Tables of findings come worst first: by severity, then grouped by kind (in the order of
 :data:`KIND_ORDER`), then earliest step first. Never imports torch.
@@ -40,6 +42,8 @@ KIND_ORDER: Final = (
     "activation_spike",
     "zero_gradient",
     "saturated",
+    "fp16_overflow",
+    "fp16_underflow",
 )
 
 COLUMNS: Final = (

@@ -40,6 +40,11 @@ class Summary:
     kinds: dict[str, int]
     phases: dict[str, int]
     full_tensors: int
+    histograms: int
+    """Histogram rows: one per histogrammed record."""
+    histogram_kinds: list[str] | None
+    """The kinds recorded with histograms (None: written before format 1.3)."""
+    histogram_every: int
     bytes_on_disk: dict[str, int]
     error: str | None
     largest: pd.DataFrame = field(repr=False)
@@ -95,8 +100,13 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         kinds=_counts(groups, "kind", schema.KINDS),
         phases=_counts(groups, "phase", schema.PHASES),
         full_tensors=int(groups["full_tensors"].sum()),
+        histograms=trace.histogram_count,
+        histogram_kinds=manifest.get("config", {}).get("histograms"),
+        histogram_every=int(manifest.get("config", {}).get("histogram_every") or 1),
         bytes_on_disk={
-            name: _size(trace.path / name) for name in ("records", "steps", "modules", "tensors")
+            name: _size(trace.path / name)
+            for name in ("records", "steps", "modules", "tensors", "histograms")
+            if name != "histograms" or (trace.path / name).exists()
         },
         error=errors[0] if errors else None,
         largest=counts.head(10).reset_index(drop=True),

@@ -27,8 +27,10 @@ COMMANDS = {
     "replay": "hooktrace.cli.replay:replay",
     "dead-relus": "hooktrace.cli.dead_relus:dead_relus",
     "anomalies": "hooktrace.cli.anomalies:anomalies",
+    "precision": "hooktrace.cli.precision:precision",
     "plot": "hooktrace.cli.plot:plot",
     "report": "hooktrace.cli.report:report",
+    "export": "hooktrace.cli.export:export",
 }
 
 

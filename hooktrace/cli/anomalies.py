@@ -70,6 +70,22 @@ def fail_option(what: str) -> Callable[[F], F]:
     show_default=True,
     help="Mean square of a tanh/sigmoid output (on [-1, 1]) from which it is saturated.",
 )
+@click.option(
+    "--underflow-above",
+    type=float,
+    default=0.01,
+    show_default=True,
+    help="Flag a gradient when more than this fraction of its nonzero values lies below "
+    "2^-24, which float16 flushes to zero (needs histograms).",
+)
+@click.option(
+    "--overflow-above",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Flag a tensor when more than this fraction of its nonzero values is 2^16 or more, "
+    "which float16 makes Inf (needs histograms).",
+)
 @fail_option("there are findings")
 @output_options
 @library_errors
@@ -82,6 +98,8 @@ def anomalies(
     exploding_above: float,
     vanishing_below: float,
     saturation: float,
+    underflow_above: float,
+    overflow_above: float,
     fail: bool,
     fmt: str,
     output: Path | None,
@@ -91,7 +109,9 @@ def anomalies(
     Findings come worst first (error, warning, info), grouped by kind, each with its module,
     step, evidence and a one-line explanation. Statistics-only traces are enough. Where the
     recorder captured the call that made a NaN or Inf, its finding names the aten operation
-    and the source line, and `hooktrace replay RUN --nonfinite` shows the capture.
+    and the source line, and `hooktrace replay RUN --nonfinite` shows the capture. Where the
+    run has histograms, gradients that float16 would flush to zero and values it would make
+    Inf are found too (`hooktrace precision RUN` shows every tensor's fractions).
 
     \b
     Example:
@@ -109,6 +129,8 @@ def anomalies(
         exploding_above=exploding_above,
         vanishing_below=vanishing_below,
         saturation=saturation,
+        underflow_above=underflow_above,
+        overflow_above=overflow_above,
     )
     emit_frame(result.findings, fmt, output, table_text=render(run, result))
     if fail and len(result):

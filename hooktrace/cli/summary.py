@@ -53,6 +53,7 @@ def render(s: Summary) -> str:
         f"records   {s.records:,}: " + ", ".join(f"{k} {v:,}" for k, v in s.kinds.items()),
         "phases    " + (", ".join(f"{k} {v:,}" for k, v in s.phases.items()) or "-"),
         f"tensors   {s.full_tensors:,} full tensors saved",
+        f"histogram {_histograms(s)}",
         "on disk   " + ", ".join(f"{k} {_human(v)}" for k, v in s.bytes_on_disk.items()),
     ]
     if not s.not_summarised.empty:
@@ -66,6 +67,15 @@ def render(s: Summary) -> str:
         lines.append("most records:")
         lines += [f"  {row.module:<40} {row.records:>8,}" for row in s.largest.head(5).itertuples()]
     return "\n".join(lines) + "\n"
+
+
+def _histograms(s: Summary) -> str:
+    if s.histogram_kinds is None:
+        return "none (format 1.3 added them)"
+    if not s.histogram_kinds:
+        return "none (recorded with histograms off)"
+    every = "every step" if s.histogram_every == 1 else f"every {s.histogram_every} steps"
+    return f"{s.histograms:,} records of {', '.join(s.histogram_kinds)}, {every}"
 
 
 def _evaluation_only(s: Summary) -> str:

