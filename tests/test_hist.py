@@ -199,16 +199,18 @@ def test_parameters_set_by_hand_land_in_the_bins_worked_out_by_hand(known: Path)
 def test_what_float16_would_do_worked_out_by_hand(known: Path) -> None:
     rows = per_step(hist(known)).set_index(["step", "kind", "slot"])
     weight = rows.loc[(0, "param", "weight")]
-    assert (weight["zero"], weight["nan"], weight["inf"]) == (2, 0, 0)
-    assert weight["neg"] == pytest.approx(4 / 12)
+    assert (weight["zero"], weight["nan"], weight["inf"], weight["nonzero"]) == (2, 0, 0, 10)
     assert (weight["lowest"], weight["highest"]) == (-30, 20)
-    assert weight["fp16_lost"] == pytest.approx(2 / 12)  # 2^-30, -2^-26
-    assert weight["fp16_subnormal"] == pytest.approx(4 / 12)  # and 2^-20, -2^-16
-    assert weight["fp16_overflow"] == pytest.approx(2 / 12)  # 2^17, -2^20
-    grad = rows.loc[(3, "grad_param", "weight")]
-    assert (grad["zero"], grad["inf"]) == (0, 2)
-    assert grad["fp16_lost"] == pytest.approx(2 / 12)  # 2^-33 twice; 2^-17 is subnormal
-    assert grad["fp16_subnormal"] == pytest.approx(4 / 12)
+    # as fractions of the 10 nonzero finite values
+    assert weight["neg"] == pytest.approx(4 / 10)
+    assert weight["fp16_underflow"] == pytest.approx(2 / 10)  # 2^-30, -2^-26
+    assert weight["fp16_subnormal"] == pytest.approx(2 / 10)  # 2^-20, -2^-16
+    assert weight["fp16_overflow"] == pytest.approx(2 / 10)  # 2^17, -2^20
+    grad = rows.loc[(3, "grad_param", "weight")]  # 2^-17, 1, Inf, -8, 2^-33, 3, twice
+    assert (grad["zero"], grad["inf"], grad["nonzero"]) == (0, 2, 10)
+    assert grad["fp16_underflow"] == pytest.approx(2 / 10)  # 2^-33
+    assert grad["fp16_subnormal"] == pytest.approx(2 / 10)  # 2^-17
+    assert grad["fp16_overflow"] == 0 and grad["neg"] == pytest.approx(2 / 10)
 
 
 def test_a_trained_model_matches_numpy_on_its_own_tensors(mlp: tuple[Path, Values]) -> None:
@@ -223,12 +225,17 @@ def test_a_trained_model_matches_numpy_on_its_own_tensors(mlp: tuple[Path, Value
     assert len(rows) == len(seen)
     for row in rows.to_dict("records"):
         x = seen[(row["step"], row["module"], row["kind"], row["slot"])].ravel().astype(float)
-        nonzero = np.abs(x[x != 0])
-        assert row["fp16_lost"] == pytest.approx(np.mean((x != 0) & (np.abs(x) < 2.0**-24)))
-        assert row["fp16_subnormal"] == pytest.approx(np.mean((x != 0) & (np.abs(x) < 2.0**-14)))
+        x = x[np.isfinite(x) & (x != 0)]  # the fractions are of the nonzero finite values
+        magnitude = np.abs(x)
+        assert row["nonzero"] == len(x)
+        assert row["fp16_underflow"] == pytest.approx(np.mean(magnitude < 2.0**-24))
+        subnormal = (magnitude >= 2.0**-24) & (magnitude < 2.0**-14)
+        assert row["fp16_subnormal"] == pytest.approx(np.mean(subnormal))
+        assert row["fp16_overflow"] == pytest.approx(np.mean(magnitude >= 2.0**16))
         assert row["neg"] == pytest.approx(np.mean(x < 0))
-        assert row["lowest"] == np.floor(np.log2(nonzero.min()))
-    assert rows["fp16_lost"].max() > 0  # the small gradients reach below float16
+        assert row["lowest"] == np.floor(np.log2(magnitude.min()))
+        assert row["highest"] == np.floor(np.log2(magnitude.max()))
+    assert rows["fp16_underflow"].max() > 0  # the small gradients reach below float16
 
 
 def test_the_reader_route_gives_the_same_table(
@@ -411,7 +418,7 @@ def test_text_view_is_what_the_numbers_say(known: Path) -> None:
     bars = step0[len("  step  ") : len("  step  ") + len(cells)]
     occupied = [i - 30 for i, c in enumerate(bars) if c != " "]
     assert occupied == [-30, -26, -20, -16, -10, 0, 1, 10, 17, 20]
-    assert step0.split()[-7:] == ["2", "0", "0", "33.3%", "16.7%", "33.3%", "16.7%"]
+    assert step0.split()[-7:] == ["2", "0", "0", "40.0%", "20.0%", "20.0%", "20.0%"]  # of 10
 
 
 def test_bars_are_scaled_to_the_rows_largest_and_blank_only_where_empty() -> None:
@@ -538,3 +545,18 @@ def test_help_needs_neither_pandas_nor_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert "Example:" in done.stdout and done.stdout.strip().endswith("[]"), done.stderr
+
+
+def test_float16s_shares_agree_with_precision_at_every_step() -> None:
+    """hooktrace.precision counts the same from the stored spans, in SQL: step by step, the
+    two agree on every record of the underflow sample."""
+    run = SAMPLES / "underflow"
+    rows = per_step(hist(run, steps="27-29"))
+    columns = ["fp16_underflow", "fp16_subnormal", "fp16_overflow"]
+    for step in (27, 28, 29):
+        theirs = hooktrace.precision(run, steps=str(step)).set_index(["module", "kind", "slot"])
+        ours = rows[rows["step"] == step].set_index(["module", "kind", "slot"])
+        assert sorted(ours.index) == sorted(theirs.index)
+        for column in columns:
+            np.testing.assert_allclose(ours[column], theirs.loc[ours.index, column], rtol=1e-12)
+        assert (ours["nonzero"] == theirs.loc[ours.index, "nonzero"]).all()

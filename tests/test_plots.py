@@ -440,7 +440,7 @@ def test_histograms_picture_is_drawn(known_run: Path, tmp_path: Path) -> None:
         "Linear grad_param weight", "Linear grad_param bias",
     ]  # fmt: skip
     labels = [t.get_text() for ax in figure.axes for t in ax.texts]
-    assert "fp16 lost below $2^{-24}$" in labels and "fp16 overflows from $2^{16}$" in labels
+    assert "fp16 underflow below $2^{-24}$" in labels and "fp16 overflow from $2^{16}$" in labels
     one = plot(known_run, what="histograms", kinds=["grad_param"], modules="Lin", max_modules=1)
     assert one.get_suptitle().endswith("(1 of 2 records shown: choose with modules/kinds)")
 

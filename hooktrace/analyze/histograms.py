@@ -24,20 +24,13 @@ import numpy as np
 import pandas as pd
 
 from hooktrace.analyze.findings import StepsSpec, step_filter
+from hooktrace.analyze.precision import FP16
 from hooktrace.errors import ConfigError, TraceError
 from hooktrace.trace import schema
-from hooktrace.trace.histograms import EXPONENT_MIN
+from hooktrace.trace.histograms import EXPONENT_MIN, MAGNITUDE_BINS
 from hooktrace.trace.reader import Trace, load
 
 Run = str | os.PathLike[str] | Trace
-
-FP16_SUBNORMAL: Final = -24
-"""float16's smallest subnormal is 2^-24: a value of smaller magnitude is lost (0, or 2^-24
-at best)."""
-FP16_NORMAL: Final = -14
-"""float16's smallest normal is 2^-14: below it, a value keeps fewer bits of precision."""
-FP16_OVERFLOW: Final = 16
-"""float16's largest finite value is 65504: from 2^16 up, a value overflows to infinity."""
 
 BINS: Final = ("zero", "nan", "pos_inf", "neg_inf", "neg", "pos")
 """The ``bin`` column's values: the format's count columns; ``neg`` and ``pos`` rows carry an
@@ -234,59 +227,51 @@ RECORD: Final = ["rank", "module", "kind", "slot"]
 
 
 def per_step(frame: pd.DataFrame) -> pd.DataFrame:
-    """One row per record and step of :func:`hist`'s ``frame``, in its order: ``numel``, the
-    ``zero``, ``nan`` and ``inf`` counts, ``neg`` (the share of values below zero), ``lowest``
-    and ``highest`` (the exponents of the smallest and largest nonzero finite magnitudes; <NA>
-    when there is none), and what float16 would make of the values, as shares of them:
-    ``fp16_lost`` (nonzero, below 2^-24), ``fp16_subnormal`` (nonzero, below 2^-14, those
-    lost included) and ``fp16_overflow`` (finite, from 2^16 up)."""
+    """One row per record and step of :func:`hist`'s ``frame``, in its order: ``numel``; the
+    ``zero``, ``nan`` and ``inf`` counts; ``nonzero``, the nonzero finite values; ``lowest``
+    and ``highest``, the exponents of the smallest and largest of them (<NA> where there is
+    none); and as fractions of them, as :func:`hooktrace.precision` has them: ``neg`` (below
+    zero), and what float16 would make of them: ``fp16_underflow`` (below 2^-24: zero, or
+    2^-24 at best), ``fp16_subnormal`` (from 2^-24 to below 2^-14: fewer bits) and
+    ``fp16_overflow`` (2^16 and up: Inf); NaN where there is no nonzero finite value."""
     key = ["rank", "step", "module", "kind", "slot"]
     e = frame["exponent"]
     magnitude = frame["bin"].isin(["pos", "neg"]).to_numpy()
+    low, normal, high = FP16.smallest_subnormal, FP16.smallest_normal, FP16.overflow
     parts = pd.DataFrame(
         {
             **{k: frame[k] for k in key},
+            "numel": frame["numel"],
             "zero": _where(frame["bin"] == "zero", frame["count"]),
             "nan": _where(frame["bin"] == "nan", frame["count"]),
             "inf": _where(frame["bin"].isin(["pos_inf", "neg_inf"]), frame["count"]),
-            "negative": _where(frame["bin"].isin(["neg", "neg_inf"]), frame["count"]),
-            "lost": _where(magnitude & (e < FP16_SUBNORMAL), frame["count"]),
-            "subnormal": _where(magnitude & (e < FP16_NORMAL), frame["count"]),
-            "overflow": _where(magnitude & (e >= FP16_OVERFLOW), frame["count"]),
+            "nonzero": _where(magnitude, frame["count"]),
             "lowest": e.where(magnitude),
             "highest": e.where(magnitude),
-            "numel": frame["numel"],
+            "neg": _where(frame["bin"] == "neg", frame["count"]),
+            "fp16_underflow": _where(magnitude & (e < low), frame["count"]),
+            "fp16_subnormal": _where(magnitude & (e >= low) & (e < normal), frame["count"]),
+            "fp16_overflow": _where(magnitude & (e >= high), frame["count"]),
         }
     )
-    grouped = parts.groupby(key, sort=False)
-    out = grouped.agg(
-        numel=("numel", "first"),
-        zero=("zero", "sum"),
-        nan=("nan", "sum"),
-        inf=("inf", "sum"),
-        negative=("negative", "sum"),
-        lowest=("lowest", "min"),
-        highest=("highest", "max"),
-        lost=("lost", "sum"),
-        subnormal=("subnormal", "sum"),
-        overflow=("overflow", "sum"),
-    ).reset_index()
-    numel = out["numel"].where(out["numel"] > 0).astype("float64")
-    return pd.DataFrame(
-        {
-            **{k: out[k] for k in key},
-            "numel": out["numel"],
-            "zero": out["zero"],
-            "nan": out["nan"],
-            "inf": out["inf"],
-            "neg": out["negative"] / numel,
-            "lowest": out["lowest"].astype("Int64"),
-            "highest": out["highest"].astype("Int64"),
-            "fp16_lost": out["lost"] / numel,
-            "fp16_subnormal": out["subnormal"] / numel,
-            "fp16_overflow": out["overflow"] / numel,
-        }
+    shares = ["neg", "fp16_underflow", "fp16_subnormal", "fp16_overflow"]
+    out = (
+        parts.groupby(key, sort=False)
+        .agg(
+            numel=("numel", "first"),
+            **{c: (c, "sum") for c in ("zero", "nan", "inf", "nonzero")},
+            lowest=("lowest", "min"),
+            highest=("highest", "max"),
+            **{c: (c, "sum") for c in shares},
+        )
+        .reset_index()
     )
+    nonzero = out["nonzero"].where(out["nonzero"] > 0).astype("float64")
+    for name in shares:
+        out[name] = out[name] / nonzero
+    for name in ("lowest", "highest"):
+        out[name] = out[name].astype("Int64")
+    return out
 
 
 def _where(mask: Any, counts: pd.Series) -> np.ndarray:
@@ -394,15 +379,16 @@ def _chunks(per_step: pd.Series, rows: int) -> list[list[int]]:
 
 
 _RAW = (
-    "SELECT rank, step, seq, module, kind, slot, numel, zero, nan, pos_inf, neg_inf, pos, neg "
-    "FROM histograms{where} ORDER BY rank, step, seq"
+    "SELECT rank, step, seq, module, kind, slot, numel, zero, nan, pos_inf, neg_inf, "
+    "pos_start, pos, neg_start, neg FROM histogram_spans{where} ORDER BY rank, step, seq"
 )
 
 
 def _read(trace: Trace, where: _Where, steps: list[int], *, sampled: bool) -> pd.DataFrame:
-    """The histograms of ``steps`` that ``where`` matches, as the format holds them; by DuckDB
-    (the step range lets it skip the row groups outside), or where DuckDB fails on a part,
-    by hooktrace's reader, which leaves a damaged part out with a warning."""
+    """The histograms of ``steps`` that ``where`` matches, as stored (each sign's occupied
+    span of bins and where it starts); by DuckDB (the step range lets it skip the row groups
+    outside), or where DuckDB fails on a part, by hooktrace's reader (whole rows), which
+    leaves a damaged part out with a warning."""
     extra = ["step BETWEEN ? AND ?"]
     values = [*where.values, steps[0], steps[-1]]
     if sampled:
@@ -417,33 +403,31 @@ def _read(trace: Trace, where: _Where, steps: list[int], *, sampled: bool) -> pd
 
 
 def _tidy(raw: pd.DataFrame) -> pd.DataFrame:
-    """:func:`hist`'s rows of ``raw`` histograms (in rank, step, seq order): a parameter
-    recorded twice in a step keeps its last record, the records of a step are summed, and each
-    non-empty bin is a row."""
+    """:func:`hist`'s rows of ``raw`` histograms (in rank, step, seq order; spans with their
+    starts, or whole rows): a parameter recorded twice in a step keeps its last record, the
+    records of a step are summed, and each non-empty bin is a row."""
     if raw.empty:
         return _empty()
     key = ["rank", "step", "module", "kind", "slot"]
     raw = raw.assign(**{name: raw[name].astype(str) for name in ("module", "kind", "slot")})
     last = raw.groupby(key, sort=False)["seq"].transform("max")
     raw = raw[(raw["kind"] != "param") | (raw["seq"] == last)]
-    group = raw.groupby(key, sort=False).ngroup().to_numpy()  # first met, first numbered
-    records = raw.groupby(key, sort=False).agg(numel=("numel", "sum")).reset_index()
-    order = np.argsort(group, kind="stable")
-    starts = np.flatnonzero(np.r_[True, np.diff(group[order]) != 0])
-
-    def summed(values: np.ndarray) -> np.ndarray:  # per record and step, in group order
-        return np.add.reduceat(values[order], starts, axis=0)
-
+    groups = raw.groupby(key, sort=False)
+    group = groups.ngroup().to_numpy()  # numbered as first met: in (rank, step, seq) order
+    records = groups.agg(numel=("numel", "sum")).reset_index()
     pieces = []  # (record and step, which of BINS, exponent, count) of each non-empty bin
     for i, name in enumerate(BINS):
         if name in ("neg", "pos"):
-            matrix = summed(np.stack(raw[name].tolist()).astype(np.int64, copy=False))
-            at, k = np.nonzero(matrix)
-            pieces.append((at, np.full(len(at), i), k + EXPONENT_MIN - 1, matrix[at, k]))
+            row, k, values = _occupied(raw, name)
+            counts = np.zeros((len(records), MAGNITUDE_BINS), dtype=np.int64)
+            np.add.at(counts, (group[row], k), values)
+            at, k = np.nonzero(counts)
+            pieces.append((at, np.full(len(at), i), k + EXPONENT_MIN - 1, counts[at, k]))
         else:
-            counts = summed(raw[name].to_numpy(dtype=np.int64))
-            at = np.flatnonzero(counts)
-            pieces.append((at, np.full(len(at), i), np.zeros(len(at), np.int64), counts[at]))
+            total = np.zeros(len(records), dtype=np.int64)
+            np.add.at(total, group, raw[name].to_numpy(dtype=np.int64))
+            at = np.flatnonzero(total)
+            pieces.append((at, np.full(len(at), i), np.zeros(len(at), np.int64), total[at]))
     at, which, exponent, count = (np.concatenate(p) for p in zip(*pieces, strict=True))
     sort = np.lexsort((exponent, which, at))
     at, which, exponent, count = at[sort], which[sort], exponent[sort], count[sort]
@@ -465,6 +449,22 @@ def _tidy(raw: pd.DataFrame) -> pd.DataFrame:
     )
     out["fraction"] = out["count"] / out["numel"]  # never 0/0: a record of no values has no bins
     return out
+
+
+def _occupied(raw: pd.DataFrame, sign: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row of ``raw``, magnitude bin, count) of each nonzero count of ``sign``, from spans
+    stored from ``<sign>_start`` (or whole rows, which start at bin 0)."""
+    spans = raw[sign].to_numpy()
+    lengths = np.fromiter((len(v) for v in spans), dtype=np.int64, count=len(spans))
+    empty = np.zeros(0, dtype=np.int64)
+    values = np.concatenate([np.asarray(v, dtype=np.int64) for v in spans] or [empty])
+    start = f"{sign}_start"
+    starts = raw[start].to_numpy(dtype=np.int64) if start in raw else np.zeros(len(spans), int)
+    row = np.repeat(np.arange(len(spans)), lengths)
+    within = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    k = np.repeat(starts, lengths) + within
+    kept = values != 0
+    return row[kept], k[kept], values[kept].astype(np.int64)
 
 
 def _empty(attrs: dict[str, Any] | None = None) -> pd.DataFrame:

@@ -201,15 +201,16 @@ def histogram_table(frame: pd.DataFrame) -> pd.DataFrame:
     ``[2^e, 2^(e+1))``, both signs together; 0 where none. The rows run from the lowest
     exponent occupied to the highest, and over float16's subnormal range (2^-24 to 2^-14)
     whatever the values, so that a picture always shows where float16 stops."""
-    from hooktrace.analyze.histograms import FP16_NORMAL, FP16_SUBNORMAL, exponent_bins
+    from hooktrace.analyze.histograms import exponent_bins
+    from hooktrace.analyze.precision import FP16
 
     bins = exponent_bins(frame)
     steps = sorted(set(frame["step"].tolist()))
     if bins.empty:
-        lowest, highest = FP16_SUBNORMAL, FP16_NORMAL - 1
+        lowest, highest = FP16.smallest_subnormal, FP16.smallest_normal - 1
     else:
-        lowest = min(int(bins["exponent"].min()), FP16_SUBNORMAL)
-        highest = max(int(bins["exponent"].max()), FP16_NORMAL - 1)
+        lowest = min(int(bins["exponent"].min()), FP16.smallest_subnormal)
+        highest = max(int(bins["exponent"].max()), FP16.smallest_normal - 1)
     table = bins.pivot_table(
         index="exponent", columns="step", values="fraction", aggfunc="sum", fill_value=0.0
     )

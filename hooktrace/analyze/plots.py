@@ -39,9 +39,6 @@ import pandas as pd
 from hooktrace.analyze.dead_units import dead_relus
 from hooktrace.analyze.findings import StepsSpec
 from hooktrace.analyze.histograms import (
-    FP16_NORMAL,
-    FP16_OVERFLOW,
-    FP16_SUBNORMAL,
     RECORD,
     hist,
     histogrammed,
@@ -59,6 +56,7 @@ from hooktrace.analyze.plot_tables import (
     silent_unit_table,
     trace_of,
 )
+from hooktrace.analyze.precision import FP16
 from hooktrace.errors import ConfigError, HooktraceError
 from hooktrace.trace.reader import Trace
 
@@ -375,9 +373,9 @@ def histograms_figure(
 
 
 _FP16_LINES = (
-    (FP16_SUBNORMAL, "fp16 lost below"),
-    (FP16_NORMAL, "fp16 subnormal below"),
-    (FP16_OVERFLOW, "fp16 overflows from"),
+    (FP16.smallest_subnormal, "fp16 underflow below"),
+    (FP16.smallest_normal, "fp16 subnormal below"),
+    (FP16.overflow, "fp16 overflow from"),
 )
 
 
@@ -387,7 +385,9 @@ def _exponent_axis(ax: Axes, exponents: list[int]) -> None:
     last = len(exponents) + 1
     # ticks on float16's limits: every 1, 2, 5, 10, ... powers of two counted from 2^-24
     every = next(n for n in (1, 2, 5, 10, 20, 50, 100) if len(exponents) / n <= 10)
-    labelled = [(i + 1, e) for i, e in enumerate(exponents) if (e - FP16_SUBNORMAL) % every == 0]
+    labelled = [
+        (i + 1, e) for i, e in enumerate(exponents) if (e - FP16.smallest_subnormal) % every == 0
+    ]
     ticks = [0, *(y for y, _ in labelled), last]
     labels = ["0", *(f"$2^{{{e}}}$" for _, e in labelled), "NaN/Inf"]
     ax.set_yticks(ticks, labels, fontsize=7)

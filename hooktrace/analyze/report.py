@@ -34,9 +34,11 @@ from hooktrace.analyze.plot_tables import (
     grad_norm_table,
     silent_unit_table,
 )
+from hooktrace.analyze.precision import percent
 from hooktrace.analyze.summary import summary
 from hooktrace.errors import HooktraceError
 from hooktrace.trace.reader import Trace, load
+from hooktrace.trace.schema import KINDS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -216,11 +218,11 @@ def _distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None
     """For the flagged modules (worst finding first), a table of their histogrammed records
     at the step of that finding, and their distribution over steps; a note where the trace
     holds none."""
-    worst: dict[str, tuple[str, int]] = {}
-    for module, kind, step in zip(
-        findings["module"], findings["kind"], findings["step"], strict=True
+    worst: dict[str, tuple[str, int]] = {}  # module -> the kind of record and the step
+    for module, kind, step, evidence in zip(
+        findings["module"], findings["kind"], findings["step"], findings["evidence"], strict=True
     ):
-        worst.setdefault(str(module), (str(kind), int(step)))
+        worst.setdefault(str(module), (_record_kind(str(kind), str(evidence)), int(step)))
     if not worst:
         return []
     out = ["<h3>Distributions of the flagged modules</h3>"]
@@ -276,9 +278,9 @@ def _distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None
     ]
     shares = {
         "neg": "negative",
-        "fp16_lost": "below 2^-24 (fp16: lost)",
-        "fp16_subnormal": "below 2^-14 (fp16: subnormal)",
-        "fp16_overflow": "2^16 and up (fp16: overflow)",
+        "fp16_underflow": "fp16 underflow (below 2^-24)",
+        "fp16_subnormal": "fp16 subnormal (2^-24 to 2^-14)",
+        "fp16_overflow": "fp16 overflow (2^16 and up)",
     }
     for name, title in shares.items():
         table[title] = table[name].map(_share)
@@ -286,7 +288,8 @@ def _distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None
     columns = ["module", "kind", "slot", "step", "values", "range of |x|", "zero", "NaN", "Inf"]
     out.append(
         "<p>Each record at the step of its module's worst finding (or the histogrammed step "
-        "before it), and what float16 would make of its values.</p>"
+        "before it): the range of its nonzero finite values, and as shares of them the negative "
+        "ones and what float16 would make of them.</p>"
     )
     out += _table(
         table,
@@ -302,14 +305,25 @@ def _distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None
     return out
 
 
+def _record_kind(finding: str, evidence: str) -> str:
+    """The kind of record a finding is about: parameters for a non-finite parameter, the kind
+    its evidence names for float16's findings (``grad_output blocks.0: ...``), else the
+    parameters' gradients, which the other findings on gradients watch."""
+    if finding == "nonfinite_param":
+        return "param"
+    named = evidence.split(" ", 1)[0]
+    if finding.startswith("fp16_") and named in KINDS:
+        return named
+    return "grad_param"
+
+
 def _about_the_findings(records: pd.DataFrame, worst: dict[str, tuple[str, int]]) -> pd.DataFrame:
-    """The records a module's worst finding is about, modules in the findings' order: its
-    parameters for a non-finite parameter, else its parameters' gradients (what the other
-    findings on parameters watch); all of its records where it has none of those."""
+    """The records each flagged module's worst finding is about (:func:`_record_kind`), the
+    modules in the findings' order; all of a module's records where it has none of those."""
     chosen = []
     for module, (kind, _) in worst.items():
         mine = records[records["module"] == module]
-        about = mine[mine["kind"] == ("param" if kind == "nonfinite_param" else "grad_param")]
+        about = mine[mine["kind"] == kind]
         chosen.append(about if not about.empty else mine)
     return pd.concat(chosen, ignore_index=True) if chosen else records.head(0)
 
@@ -321,7 +335,7 @@ def _exponent_range(lowest: Any, highest: Any) -> str:
 
 
 def _share(value: float) -> str:
-    return "-" if value != value or value == 0 else f"{value:.2%}"
+    return "-" if value != value else percent(value)  # NaN: no nonzero finite value
 
 
 def _diff_section(

@@ -67,9 +67,10 @@ def hist(
     A block per record (module, kind, slot), a row per step: one column per power of two
     of |x| over the range the record's values take, the bar the share of values in it (each
     row scaled to its largest column; blank means no value at all). Beside it the zeros, NaNs
-    and Infs counted, the share of negative values, and what float16 would do to them: lose
-    (below 2^-24), keep with fewer bits (below 2^-14, subnormal) or overflow (2^16 and up).
-    With one step (--steps N), a row per record in one block, on one scale.
+    and Infs counted, and as shares of the nonzero finite values, the negative ones and what
+    float16 would do to them (as `hooktrace precision` counts): underflow (below 2^-24),
+    subnormal (below 2^-14: fewer bits) or overflow (2^16 and up). With one step (--steps N),
+    a row per record in one block, on one scale.
 
     Histograms are recorded with `hooktrace record --histograms param,grad_param`. csv, json
     and parquet hold one row per non-empty bin (the table of hooktrace.hist()).
@@ -132,8 +133,9 @@ def render(run: object, frame: pd.DataFrame) -> str:
         f"{matched} step{'s' if matched != 1 else ''} ({span}), {shown}",
         "columns: |x| by powers of two, 2^e <= |x| < 2^(e+1); bars: the share of values in a "
         "column, scaled to the row's largest; blank: none",
-        "fp16 row: x lost in float16 (below 2^-24), s subnormal (below 2^-14), . normal, "
-        "! overflow (2^16 and up); <2^-24, <2^-14 and >=2^16: shares of all values",
+        "fp16 row: x underflow (below 2^-24: zero in float16), s subnormal (2^-24 to 2^-14: fewer "
+        "bits), . normal, ! overflow (2^16 and up: Inf); neg, underflow, subnormal, overflow: "
+        "shares of the nonzero finite values",
     ]
     ranks = rows["rank"].nunique() > 1
     if len(steps) == 1 and records > 1:
@@ -182,7 +184,7 @@ def _block(rows: pd.DataFrame, counts: Any, labels: Sequence[str], label_header:
     from hooktrace.trace.histograms import EXPONENT_MIN
 
     numbers = _numbers(rows)
-    names = ("zero", "NaN", "Inf", "neg", "<2^-24", "<2^-14", ">=2^16")
+    names = ("zero", "NaN", "Inf", "neg", "underflow", "subnormal", "overflow")
     widths = [max(len(n), *(len(row[i]) for row in numbers)) for i, n in enumerate(names)]
     label_width = max(len(label_header), len("fp16"), *(len(label) for label in labels))
 
@@ -257,7 +259,7 @@ def _numbers(rows: pd.DataFrame) -> list[tuple[str, ...]]:
             rows["nan"],
             rows["inf"],
             rows["neg"],
-            rows["fp16_lost"],
+            rows["fp16_underflow"],
             rows["fp16_subnormal"],
             rows["fp16_overflow"],
             strict=True,
@@ -266,7 +268,7 @@ def _numbers(rows: pd.DataFrame) -> list[tuple[str, ...]]:
 
 
 def _share(value: float) -> str:
-    if value != value:  # no values at all
+    if value != value:  # no nonzero finite value
         return "-"
     if value == 0:
         return "-"
