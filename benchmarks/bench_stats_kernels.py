@@ -18,7 +18,10 @@ default, every step), side by side with the statistics of the same tensors:
   histogram     the compiled kernel (``histogram_many``: a list in one call; activations of
                 131,072 values or more on torch's OpenMP threads)
   1 thread      the same kernel kept to one thread
-  torch route   the same counts by torch (frexp, where, bincount), before numba is loaded
+  numpy         the same counts from the same bits by numpy, a few passes: before numba is
+                loaded, or without it
+  torch route   the same counts by torch (frexp, where, bincount): the route of tensors on
+                other devices, and the CPU's before the two above
   statistics    what the recorder computes for those tensors anyway: ``summarize_with_activity``
                 for an activation, ``kernel.summarize_tensors`` for parameters and gradients
 
@@ -137,14 +140,19 @@ def histogram_warmup_seconds() -> tuple[float, float]:
     return cold, warm
 
 
-def torch_route(tensors: list[torch.Tensor]) -> None:
-    """``histogram_many`` as it runs before numba is loaded: torch, tensor by tensor."""
+def without_numba(tensors: list[torch.Tensor]) -> None:
+    """``histogram_many`` as it runs before numba is loaded: numpy, tensor by tensor."""
     compiled_kernels = pending.compiled_kernels
     pending.compiled_kernels = lambda: None  # what histogram asks before it picks a route
     try:
         histogram.histogram_many(tensors)
     finally:
         pending.compiled_kernels = compiled_kernels
+
+
+def torch_route(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        histogram._histogram_torch(t)
 
 
 def one_thread(tensors: list[torch.Tensor]) -> None:
@@ -171,9 +179,10 @@ def compare_histograms(reps: int) -> None:
     cold, warm = histogram_warmup_seconds()
     print(f"histogram warm-up, once per process: {cold:.2f} s compiling, {warm:.2f} s from cache")
     histogram.warm_up()
-    columns = ["histogram", "1 thread", "torch route", "statistics"]
+    columns = ["histogram", "1 thread", "numpy", "torch route", "statistics"]
     header = "".join(f" {c + ' us':>15}" for c in columns)
-    print(f"  {'tensors':<26} {'values':>9}{header} {'ns/value':>9} {'/torch':>7} {'/stats':>7}")
+    ratios = "".join(f" {'/' + c:>7}" for c in ("numpy", "torch", "stats"))
+    print(f"  {'tensors':<34} {'values':>7}{header} {'ns/value':>9}{ratios}")
     cases: list[tuple[str, list[torch.Tensor], Callable[[], object]]] = []
     torch.manual_seed(0)
     for shape, dim in SHAPES:
@@ -191,14 +200,15 @@ def compare_histograms(reps: int) -> None:
             [
                 (lambda t=tensors: histogram.histogram_many(t), 50),
                 (lambda t=tensors: one_thread(t), 50),
+                (lambda t=tensors: without_numba(t), 5),
                 (lambda t=tensors: torch_route(t), 5),
                 (stats, 50),
             ],
             reps,
         )
         values = sum(t.numel() for t in tensors)
-        line = f"  {label:<26} {values:9d}" + "".join(f" {us:15.1f}" for us in timed)
-        ratios = f" {timed[0] / timed[2]:7.3f} {timed[0] / timed[3]:7.3f}"
+        line = f"  {label:<34} {values:7d}" + "".join(f" {us:15.1f}" for us in timed)
+        ratios = "".join(f" {timed[0] / timed[k]:7.3f}" for k in (2, 3, 4))
         print(line + f" {timed[0] * 1e3 / values:9.2f}" + ratios)
 
 

@@ -1,7 +1,8 @@
 """Exponent histograms (hooktrace.recorder.histogram) against bins worked out by hand, and
 against the numpy definition (hooktrace.trace.histograms.reference) on tensors of every
-dtype, layout and size the recorder meets; on both routes: the compiled kernels, once numba is
-loaded, and torch (numpy for staged values) before that or without numba."""
+dtype, layout and size the recorder meets; on both CPU routes: the compiled kernels, once
+numba is loaded, and numpy on the same bits before that or without numba; and the torch
+route that other devices take."""
 
 from __future__ import annotations
 
@@ -15,7 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hooktrace.recorder import histogram_kernel, pending
-from hooktrace.recorder.histogram import histogram, histogram_many, histogram_staged
+from hooktrace.recorder.histogram import (
+    _histogram_torch,
+    histogram,
+    histogram_many,
+    histogram_staged,
+)
 from hooktrace.recorder.pending import Staging
 from hooktrace.recorder.stats import route
 from hooktrace.trace.histograms import (
@@ -41,11 +47,11 @@ SIZES = sorted(
 )
 
 
-@pytest.fixture(params=["compiled", "torch"])
+@pytest.fixture(params=["compiled", "numpy"])
 def on_route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """Each test runs on both routes. ``compiled``: numba is loaded, as once the recorder
+    """Each test runs on both CPU routes. ``compiled``: numba is loaded, as once the recorder
     summarised a large CPU tensor (the test set-up installs numba: a broken kernel must fail
-    here, not hide behind the torch route). ``torch``: as before that, or without numba."""
+    here, not hide behind the other route). ``numpy``: as before that, or without numba."""
     if request.param == "compiled":
         assert route().one_pass is not None, route().description
         assert pending.compiled_kernels() is not None
@@ -344,6 +350,21 @@ def _routes_agree(make: Callable[[], list[torch.Tensor]], monkeypatch: pytest.Mo
     compiled = histogram_many(tensors)
     monkeypatch.setattr(pending, "compiled_kernels", lambda: None)
     assert histogram_many(tensors).tolist() == compiled.tolist()
+
+
+@pytest.mark.parametrize("dtype", FLOATS + INTEGERS, ids=str)
+def test_the_torch_route_of_other_devices_matches_the_reference(dtype: torch.dtype) -> None:
+    """The route of tensors on an accelerator (frexp and where, queued there), checked on
+    the CPU, where it runs too: the same counts."""
+    generator = torch.Generator().manual_seed(11)
+    for n in (0, 9, 1000):
+        if dtype in FLOATS:
+            x = spread(n, dtype, generator)
+        else:
+            x = torch.randint(-100, 100, (n,), generator=generator).to(dtype)
+        want = reference(x.double().numpy() if dtype in FLOATS else x.numpy())
+        got = _histogram_torch(x.t() if x.dim() == 2 else x)
+        assert isinstance(got, np.ndarray) and got.tolist() == want.tolist(), n
 
 
 def test_the_two_routes_agree_on_a_models_parameters_and_gradients(

@@ -5,14 +5,14 @@ queued without a host synchronisation (no ``.item()``, no ``bincount``, whose ou
 depends on a value); on the CPU, as a numpy array. Small CPU tensors staged for the writer
 are histogrammed there, from their float64 copies (:func:`histogram_staged`).
 
-On the CPU, once the recorder has loaded numba for its statistics
-(:func:`hooktrace.recorder.pending.compiled_kernels`), a compiled kernel reads each value's
-bits once (:mod:`hooktrace.recorder.histogram_kernel`): float32, float64, float16 and
-bfloat16 tensors where they lie, a list of them in one call. Before that, or without numba,
-torch (and numpy, for staged values) compute the same counts in about eight passes.
-
-Every float dtype converts to float32 or float64 exactly, and an exponent does not change
-in an exact conversion: float16 and bfloat16 are binned as float32, integers as float64.
+On the CPU, a value's bin is read off its bits (:mod:`hooktrace.recorder.histogram_bits`):
+once the recorder has loaded numba for its statistics
+(:func:`hooktrace.recorder.pending.compiled_kernels`), by a compiled kernel that reads each
+value once (:mod:`hooktrace.recorder.histogram_kernel`), float32, float64, float16 and
+bfloat16 tensors where they lie, a list of them in one call; before that, or without numba,
+by numpy, in a few passes. Integers and bool are binned as their float64 values. On other
+devices, torch computes the same counts from ``frexp`` (float16 and bfloat16 as float32,
+integers as float64: an exact conversion keeps the exponent).
 """
 
 from __future__ import annotations
@@ -22,6 +22,14 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from hooktrace.recorder.histogram_bits import (
+    BFLOAT16,
+    FLOAT16,
+    FLOAT32,
+    FLOAT64,
+    counts,
+    flushes_denormals,
+)
 from hooktrace.trace.histograms import (
     EXPONENT_MIN,
     MAGNITUDE_BINS,
@@ -35,6 +43,7 @@ from hooktrace.trace.histograms import (
 )
 
 _EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
+_FORMATS = {torch.float32: FLOAT32, torch.float64: FLOAT64, torch.float16: FLOAT16}
 
 
 def histogram(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
@@ -57,8 +66,9 @@ def histogram_many(tensors: list[torch.Tensor]) -> np.ndarray:
     kernels = _kernels()
     if kernels is None:
         rows = np.zeros((len(tensors), WIDTH), dtype=np.int64)
+        flush = flushes_denormals()
         for i, t in enumerate(tensors):
-            rows[i] = _histogram_torch(t)
+            rows[i] = _histogram_bits(t, flush)
         return rows
     return kernels.histogram_tensors(tensors)
 
@@ -71,8 +81,10 @@ def histogram_staged(values: np.ndarray, bounds: np.ndarray, positions: list[int
     if kernels is not None:
         return kernels.histogram_segments(values, bounds, positions)
     rows = np.zeros((len(positions), WIDTH), dtype=np.int64)
+    bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
+    flush = flushes_denormals()
     for i, p in enumerate(positions):
-        rows[i] = _staged_one(values[bounds[p] : bounds[p + 1]])
+        rows[i] = counts(bits[bounds[p] : bounds[p + 1]], FLOAT64, flush)
     return rows
 
 
@@ -95,8 +107,27 @@ def _kernels() -> ModuleType | None:
     return histogram_kernel
 
 
+def _histogram_bits(tensor: torch.Tensor, flush: bool) -> np.ndarray:
+    """A CPU tensor's histogram, from its values' bits, with numpy."""
+    x = tensor.detach()
+    if x.layout != torch.strided:
+        x = x.to_dense()
+    if x.is_neg():
+        x = x.resolve_neg()
+    if x.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+        form, x = BFLOAT16, x.view(torch.int16)
+    else:
+        form = _FORMATS.get(x.dtype, FLOAT64)
+        if x.dtype not in _FORMATS:
+            x = x.double()
+    # in memory order: a view of a transposed or permuted tensor, a copy of a sliced one
+    bits = x.numpy().view(form.bits).ravel(order="K")
+    return counts(bits, form, flush)
+
+
 def _histogram_torch(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
-    """The torch route: on any device, numpy counts for a CPU tensor."""
+    """The torch route, for tensors on other devices (it runs on any: numpy counts for a CPU
+    tensor)."""
     x = tensor.detach()
     if x.layout != torch.strided:
         x = x.to_dense()
@@ -119,15 +150,3 @@ def _bins(x: torch.Tensor) -> torch.Tensor:
     bins = torch.where(torch.isnan(x), NAN, bins)
     bins = torch.where(x == float("inf"), POS_INF, bins)
     return torch.where(x == float("-inf"), NEG_INF, bins)
-
-
-def _staged_one(x: np.ndarray) -> np.ndarray:
-    with np.errstate(invalid="ignore"):
-        _, e = np.frexp(x)
-    magnitude = np.clip(e.astype(np.int64) - EXPONENT_MIN, 0, MAGNITUDE_BINS - 1)
-    bins = np.where(x > 0, magnitude + POS, magnitude + NEG)
-    bins[x == 0] = ZERO
-    bins[np.isnan(x)] = NAN
-    bins[x == np.inf] = POS_INF
-    bins[x == -np.inf] = NEG_INF
-    return np.bincount(bins, minlength=WIDTH)

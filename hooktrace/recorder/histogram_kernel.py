@@ -1,28 +1,15 @@
-"""Histograms over the fixed exponent bins, compiled by numba: one pass, on the values' bits.
+"""Histograms over the fixed exponent bins, compiled by numba: one pass over the values' bits.
 
-A normal float's bin is a function of its sign bit and its exponent field alone, the bits
-above its mantissa: shifting the mantissa out and looking the rest up in a table gives the
-value's place in the histogram, and counting it there is all the work per value. No float
-arithmetic, and no branch: ``row[table[bits >> mantissa bits]] += 1``.
+Each value is looked up in its format's table by the bits above its mantissa and counted
+where the table says (:mod:`hooktrace.recorder.histogram_bits`): no float arithmetic, and no
+branch, ``counters[table[bits >> mantissa bits]] += 1``. The four extra counters (an exponent
+field of zeros or of ones, by sign) are sorted out afterwards, only where they counted
+anything: zeros and infinities by a second pass, a comparison, which vectorises; subnormals
+by a third, which runs only where a tensor has some.
 
-The table sends the two exponent fields that are not one exponent to four counters after the
-histogram's own (``_LOW``, ``_HIGH``: one per sign), which are sorted out afterwards, and only
-where they counted anything:
-
-* an exponent field of zeros: zeros and subnormals. The zeros are counted by a second pass
-  (a comparison, which vectorises); float64's subnormals (below 2^-1022) all lie in bin 0;
-  float32's, bfloat16's and float16's are binned by their mantissa's bit length, in a third
-  pass that runs only where a tensor has some.
-* an exponent field of ones: the infinities, counted by a second pass, and NaN, the rest.
-
-Float32, float64, float16 and bfloat16 tensors are read where they lie. The staged float64
-copies of small tensors are read from the staging buffer, all of a step's in one call.
-
-``flush``: the calling thread treats denormal floats as zero (``torch.set_flush_denormal``),
-so every comparison and widening it makes sees a float32 or float64 subnormal (a bfloat16
-one is a float32 one) as zero, the reference's included; the kernels then count them as
-zeros too, as the routes that compare do. float16's subnormals are float32 normals: they
-keep their bins.
+Float32, float64, float16 and bfloat16 tensors are read where they lie, a list of them in
+one call. The staged float64 copies of small tensors are read from the staging buffer, all
+of a step's in one call.
 
 This module imports numba: :mod:`hooktrace.recorder.histogram` imports it only once the
 recorder has loaded numba for its statistics.
@@ -37,19 +24,10 @@ import numpy as np
 import torch
 from numba.cpython.unsafe.numbers import leading_zeros
 
-from hooktrace.recorder import omp
-from hooktrace.recorder.kernel import _flushes_denormals, _pointer_at
-from hooktrace.trace.histograms import (
-    EXPONENT_MIN,
-    MAGNITUDE_BINS,
-    NAN,
-    NEG,
-    NEG_INF,
-    POS,
-    POS_INF,
-    WIDTH,
-    ZERO,
-)
+from hooktrace.recorder import histogram_bits, omp
+from hooktrace.recorder.histogram_bits import COUNTERS, HIGH, LOW
+from hooktrace.recorder.kernel import _pointer_at
+from hooktrace.trace.histograms import NAN, NEG, NEG_INF, POS, POS_INF, WIDTH, ZERO
 
 FLOAT32, FLOAT64, FLOAT16, BFLOAT16 = 0, 1, 2, 3
 """How the kernels name the dtypes they read."""
@@ -73,7 +51,7 @@ def histogram_tensors(tensors: list[torch.Tensor]) -> np.ndarray:
     others are copied first."""
     out = np.zeros((len(tensors), WIDTH), dtype=np.int64)
     readable = [_readable(t) for t in tensors]  # the copies live until the kernel has run
-    flush = _flushes_denormals()
+    flush = histogram_bits.flushes_denormals()
     threads = omp.threads()
     places = []
     for i, (t, address) in enumerate(readable):
@@ -97,7 +75,11 @@ def histogram_segments(values: np.ndarray, bounds: np.ndarray, positions: list[i
         at = np.asarray(positions, dtype=np.int64)
         bounds = np.asarray(bounds, dtype=np.int64)
         _staged(
-            np.ascontiguousarray(values, dtype=np.float64), bounds, at, out, _flushes_denormals()
+            np.ascontiguousarray(values, dtype=np.float64),
+            bounds,
+            at,
+            out,
+            histogram_bits.flushes_denormals(),
         )
     return out
 
@@ -152,10 +134,6 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
-_LOW = WIDTH  # (and WIDTH + 1, negative): an exponent field of zeros, zero or subnormal
-_HIGH = WIDTH + 2  # (and WIDTH + 3): an exponent field of ones, an infinity or NaN
-_COUNTERS = WIDTH + 4
-
 _LANES = 4
 """Copies of the counters, value ``j`` counted in copy ``j % _LANES``. An increment waits
 for the one before it to the same counter; with one copy, a tensor whose values share a few
@@ -167,32 +145,13 @@ _LANES_FROM = 512
 that many values in one."""
 
 
-def _table(exponent_bits: int, bias: int) -> np.ndarray:
-    """Where a value goes, by its sign bit and exponent field (``bits >> mantissa bits``)."""
-    fields = 1 << exponent_bits
-    table = np.empty(2 * fields, dtype=np.int16)
-    for negative in (0, 1):
-        for field in range(fields):
-            if field == 0:
-                slot = _LOW + negative
-            elif field == fields - 1:
-                slot = _HIGH + negative
-            else:  # floor(log2|x|) = field - bias, clipped to the end bins (float64's)
-                magnitude = min(max(field - bias - EXPONENT_MIN + 1, 0), MAGNITUDE_BINS - 1)
-                slot = (NEG if negative else POS) + magnitude
-            table[negative * fields + field] = slot
-    return table
-
-
-_TABLE32 = _table(8, 127)  # bfloat16's too: its bits are a float32's upper half
-_TABLE64 = _table(11, 1023)
-_TABLE16 = _table(5, 15)
-
-# A subnormal is m * 2^(1 - bias - mantissa bits), m its mantissa: floor(log2|x|) is
-# bit_length(m) - 1 + (1 - bias - mantissa bits), in bin bit_length(m) + this:
-_SUBNORMAL32 = (1 - 127 - 23) - 1 - EXPONENT_MIN + 1  # 0
-_SUBNORMAL16 = (1 - 15 - 10) - 1 - EXPONENT_MIN + 1  # 125
-_SUBNORMAL_BF16 = (1 - 127 - 7) - 1 - EXPONENT_MIN + 1  # 16
+# the formats' tables and subnormal bins, as globals: numba compiles them in as constants
+_TABLE32 = histogram_bits.FLOAT32.table  # bfloat16's too
+_TABLE64 = histogram_bits.FLOAT64.table
+_TABLE16 = histogram_bits.FLOAT16.table
+_SUBNORMAL32 = histogram_bits.FLOAT32.subnormal
+_SUBNORMAL16 = histogram_bits.FLOAT16.subnormal
+_SUBNORMAL_BF16 = histogram_bits.BFLOAT16.subnormal
 
 _inline = numba.njit(inline="always", boundscheck=False)
 _jit = numba.njit(nogil=True, cache=True, boundscheck=False)
@@ -204,11 +163,9 @@ def _histogram(
     bits, mantissa, table, sign, infinity, subnormal, flushed, flush, row, counters
 ):  # fmt: skip
     """Add the histogram of ``bits`` (unsigned integers: floats' bits) to ``row`` (``WIDTH``
-    int64). The dtype's constants: its ``mantissa`` bits, its ``table``, its ``sign`` bit and
-    the bits of ``infinity``, ``subnormal`` (the bin of a subnormal of bit length 0; -1:
-    float64, whose subnormals lie in bin 0) and whether denormals are ``flushed`` where
-    ``flush``. ``counters``: int64 (``_LANES``, ``_COUNTERS``), zeros on entry and on
-    return."""
+    int64), as :func:`hooktrace.recorder.histogram_bits.counts` does; the other arguments
+    but ``flush`` are a ``histogram_bits.Format``'s. ``counters``: int64 (``_LANES``,
+    ``COUNTERS``), zeros on entry and on return."""
     n = bits.size
     if n < _LANES_FROM:
         for j in range(n):
@@ -221,24 +178,24 @@ def _histogram(
         for j in range(end, n):
             counters[0, table[bits[j] >> mantissa]] += 1
         for lane in range(1, _LANES):
-            for s in range(_COUNTERS):
+            for s in range(COUNTERS):
                 counters[0, s] += counters[lane, s]
                 counters[lane, s] = 0
     counts = counters[0]
-    low = counts[_LOW] + counts[_LOW + 1]
+    low = counts[LOW] + counts[LOW + 1]
     if low:
         if flush and flushed:
             counts[ZERO] += low
         else:
             zeros, negative_zeros = _count_two(bits, bits.dtype.type(0), sign)
             counts[ZERO] += zeros + negative_zeros
-            rest, negative_rest = counts[_LOW] - zeros, counts[_LOW + 1] - negative_zeros
+            rest, negative_rest = counts[LOW] - zeros, counts[LOW + 1] - negative_zeros
             if subnormal < 0:
                 counts[POS] += rest
                 counts[NEG] += negative_rest
             elif rest + negative_rest:
                 _subnormals(bits, mantissa, sign, subnormal, counts)
-    high = counts[_HIGH] + counts[_HIGH + 1]
+    high = counts[HIGH] + counts[HIGH + 1]
     if high:
         infinities, negative_infinities = _count_two(bits, infinity, sign | infinity)
         counts[POS_INF] += infinities
@@ -246,7 +203,7 @@ def _histogram(
         counts[NAN] += high - infinities - negative_infinities
     for s in range(WIDTH):
         row[s] += counts[s]
-    for s in range(_COUNTERS):
+    for s in range(COUNTERS):
         counts[s] = 0
 
 
@@ -333,7 +290,7 @@ def _in_place(places, out, flush):
     """Tensor ``k`` is ``places[k, 1]`` values of dtype ``places[k, 2]`` (``FLOAT32``, ...)
     from address ``places[k, 0]``; its histogram is added to ``out[places[k, 3]]`` (int64,
     ``WIDTH``)."""
-    counters = np.zeros((_LANES, _COUNTERS), dtype=np.int64)
+    counters = np.zeros((_LANES, COUNTERS), dtype=np.int64)
     for k in range(places.shape[0]):
         address, n, dtype, i = places[k, 0], places[k, 1], places[k, 2], places[k, 3]
         _tensor(address, n, dtype, 0, n, flush, out[i], counters)
@@ -347,9 +304,9 @@ def _in_place_threads(address, n, dtype, parts, row, flush):
     rows = np.empty((parts, WIDTH), dtype=np.int64)
     for part in numba.prange(parts):
         # no np.zeros here: each would be a parallel loop of its own
-        counters = np.empty((_LANES, _COUNTERS), dtype=np.int64)
+        counters = np.empty((_LANES, COUNTERS), dtype=np.int64)
         for lane in range(_LANES):
-            for s in range(_COUNTERS):
+            for s in range(COUNTERS):
                 counters[lane, s] = 0
         for s in range(WIDTH):
             rows[part, s] = 0
@@ -366,7 +323,7 @@ def _staged(values, bounds, positions, out, flush):
     """``out[i]`` (int64, ``WIDTH``) += the histogram of ``values[bounds[p]:bounds[p + 1]]``,
     ``p = positions[i]``; ``values`` float64."""
     bits = values.view(np.uint64)
-    counters = np.zeros((_LANES, _COUNTERS), dtype=np.int64)
+    counters = np.zeros((_LANES, COUNTERS), dtype=np.int64)
     for i in range(positions.size):
         p = positions[i]
         _float64(bits[bounds[p] : bounds[p + 1]], flush, out[i], counters)
