@@ -59,7 +59,8 @@ def histogram_many(tensors: list[torch.Tensor]) -> np.ndarray:
     """The histograms of CPU tensors, one row of ``WIDTH`` int64 counts each: once numba is
     loaded, in one compiled call that reads contiguous (or transposed, or permuted) float32,
     float64, float16 and bfloat16 tensors where they lie, and copies the others first
-    (integers and bool as float64, slices and broadcasts contiguous)."""
+    (integers and bool as float64, slices and broadcasts contiguous); before, with numpy,
+    tensor by tensor."""
     for t in tensors:
         if not t.is_cpu:
             raise ValueError(f"histogram_many takes CPU tensors, not {t.device}: use histogram()")
