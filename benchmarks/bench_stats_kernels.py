@@ -9,12 +9,28 @@ does in a hook on the CPU:
   1 thread   the same kernel kept to one thread
 
 and prints the one-pass kernel's one-time warm-up, in fresh processes, with numba's cache
-empty and then filled. With ``--inductor`` it also times single functions compiled by
+empty and then filled.
+
+Then the exponent histograms (hooktrace.recorder.histogram) of the same activations, and of
+SmallCNN's and TinyTransformer's parameters and gradients (what the recorder histograms by
+default, every step), side by side with the statistics of the same tensors:
+
+  histogram     the compiled kernel (``histogram_many``: a list in one call; activations of
+                131,072 values or more on torch's OpenMP threads)
+  1 thread      the same kernel kept to one thread
+  numpy         the same counts from the same bits by numpy, a few passes: before numba is
+                loaded, or without it
+  torch route   the same counts by torch (frexp, where, bincount): the route of tensors on
+                other devices, and the CPU's before the two above
+  statistics    what the recorder computes for those tensors anyway: ``summarize_with_activity``
+                for an activation, ``kernel.summarize_tensors`` for parameters and gradients
+
+with the histogram kernels' warm-up, cold and from numba's cache. With ``--inductor`` it also times single functions compiled by
 torch.compile (inductor, dynamic shapes) that compute the same sums, extremes, zero count
 and per-unit positive counts, accumulating in float64 and in float32, and what compiling
 them cost (the route docs/PERFORMANCE.md weighed first).
 
-Run: python benchmarks/bench_stats_kernels.py [--reps 9] [--inductor]
+Run: python benchmarks/bench_stats_kernels.py [--reps 9] [--inductor] [--histograms (only them)]
 """
 
 from __future__ import annotations
@@ -28,12 +44,17 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from hooktrace.recorder import omp
+from hooktrace.recorder import histogram, kernel, omp, pending
 from hooktrace.recorder.stats import activity, route, summarize, summarize_with_activity
+from hooktrace.trace.histograms import reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from models import default_loss, make_batch, make_model
 
 # (shape, unit dimension): SmallCNN's conv activations (channels), TinyTransformer's
 # (features, the last dimension)
@@ -74,6 +95,22 @@ def median_us(f: Callable[[], object], reps: int, inner: int = 50) -> float:
     return statistics.median(times) * 1e6
 
 
+def interleaved_us(functions: list[tuple[Callable[[], object], int]], reps: int) -> list[float]:
+    """Median microseconds a call of each function, called ``inner`` times in a row, the
+    functions taking turns repetition by repetition: what the machine's noise does to one
+    (others share this one's cores) it does to all alike."""
+    times: list[list[float]] = [[] for _ in functions]
+    for f, _ in functions:
+        f()
+    for _ in range(reps):
+        for (f, inner), spent in zip(functions, times, strict=True):
+            start = time.perf_counter()
+            for _ in range(inner):
+                f()
+            spent.append((time.perf_counter() - start) / inner)
+    return [statistics.median(spent) * 1e6 for spent in times]
+
+
 def warmup_seconds() -> tuple[float, float]:
     """The one-pass kernel's warm-up in a fresh process: numba's cache empty, then filled."""
     probe = "from hooktrace.recorder.stats import route; print(route().warmup_s)"
@@ -86,11 +123,109 @@ def warmup_seconds() -> tuple[float, float]:
     return cold, warm
 
 
+def histogram_warmup_seconds() -> tuple[float, float]:
+    """The histogram kernels' warm-up in a fresh process (the statistics kernel's first):
+    numba's cache empty, then filled."""
+    probe = (
+        "import time; from hooktrace.recorder.stats import route; route(); "
+        "from hooktrace.recorder import histogram; start = time.perf_counter(); "
+        "histogram.warm_up(); print(time.perf_counter() - start)"
+    )
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+        cold, warm = (
+            float(subprocess.check_output([sys.executable, "-c", probe], env=env, text=True))
+            for _ in range(2)
+        )
+    return cold, warm
+
+
+def without_numba(tensors: list[torch.Tensor]) -> None:
+    """``histogram_many`` as it runs before numba is loaded: numpy, tensor by tensor."""
+    compiled_kernels = pending.compiled_kernels
+    pending.compiled_kernels = lambda: None  # what histogram asks before it picks a route
+    try:
+        histogram.histogram_many(tensors)
+    finally:
+        pending.compiled_kernels = compiled_kernels
+
+
+def torch_route(tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        histogram._histogram_torch(t)
+
+
+def one_thread(tensors: list[torch.Tensor]) -> None:
+    threads = omp.threads
+    omp.threads = lambda: 1  # what histogram_many asks before a large tensor
+    try:
+        histogram.histogram_many(tensors)
+    finally:
+        omp.threads = threads
+
+
+def parameters_and_gradients(name: str) -> list[torch.Tensor]:
+    """A model's parameters and their gradients after one training step."""
+    torch.manual_seed(0)
+    model = make_model(name)
+    batch = make_batch(name, seed=0)
+    default_loss(batch.run(model), batch.target).backward()
+    parameters = list(model.parameters())
+    return [p.detach() for p in parameters] + [p.grad for p in parameters if p.grad is not None]
+
+
+def compare_histograms(reps: int) -> None:
+    """Histograms against the torch route and against the statistics of the same tensors."""
+    cold, warm = histogram_warmup_seconds()
+    print(f"histogram warm-up, once per process: {cold:.2f} s compiling, {warm:.2f} s from cache")
+    histogram.warm_up()
+    columns = ["histogram", "1 thread", "numpy", "torch route", "statistics"]
+    header = "".join(f" {c + ' us':>15}" for c in columns)
+    ratios = "".join(f" {'/' + c:>7}" for c in ("numpy", "torch", "stats"))
+    print(f"  {'tensors':<34} {'values':>7}{header} {'ns/value':>9}{ratios}")
+    cases: list[tuple[str, list[torch.Tensor], Callable[[], object]]] = []
+    torch.manual_seed(0)
+    for shape, dim in SHAPES:
+        x = torch.randn(shape).relu_()
+        cases.append((str(shape), [x], lambda x=x, dim=dim: summarize_with_activity(x, dim)))
+    for name in ("SmallCNN", "TinyTransformer"):
+        tensors = parameters_and_gradients(name)
+        label = f"{name} params+grads ({len(tensors)})"
+        cases.append((label, tensors, lambda t=tensors: kernel.summarize_tensors(t)))
+    for label, tensors, stats in cases:
+        rows = histogram.histogram_many(tensors)
+        for row, t in zip(rows, tensors, strict=True):  # the figures are of right answers
+            assert row.tolist() == reference(t.numpy()).tolist()
+        timed = interleaved_us(
+            [
+                (lambda t=tensors: histogram.histogram_many(t), 50),
+                (lambda t=tensors: one_thread(t), 50),
+                (lambda t=tensors: without_numba(t), 5),
+                (lambda t=tensors: torch_route(t), 5),
+                (stats, 50),
+            ],
+            reps,
+        )
+        values = sum(t.numel() for t in tensors)
+        line = f"  {label:<34} {values:7d}" + "".join(f" {us:15.1f}" for us in timed)
+        ratios = "".join(f" {timed[0] / timed[k]:7.3f}" for k in (2, 3, 4))
+        print(line + f" {timed[0] * 1e3 / values:9.2f}" + ratios)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--inductor", action="store_true", help="also time torch.compile kernels")
+    parser.add_argument(
+        "--histograms", action="store_true", help="only the histograms against the statistics"
+    )
     args = parser.parse_args()
+    if args.histograms:
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; {route().description}"
+        )
+        compare_histograms(args.reps)
+        return
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {route().description}")
     cold, warm = warmup_seconds()
     print(f"one-pass warm-up, once per process: {cold:.2f} s compiling, {warm:.2f} s from cache")
@@ -148,6 +283,7 @@ def main() -> None:
             fused_us = median_us(run, args.reps)
             line += f" {fused_us:21.1f} {fused_us / eager_us:6.2f}"
         print(line)
+    compare_histograms(args.reps)
 
 
 if __name__ == "__main__":

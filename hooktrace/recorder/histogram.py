@@ -5,15 +5,31 @@ queued without a host synchronisation (no ``.item()``, no ``bincount``, whose ou
 depends on a value); on the CPU, as a numpy array. Small CPU tensors staged for the writer
 are histogrammed there, from their float64 copies (:func:`histogram_staged`).
 
-Every float dtype converts to float32 or float64 exactly, and an exponent does not change
-in an exact conversion: float16 and bfloat16 are binned as float32, integers as float64.
+On the CPU, a value's bin is read off its bits (:mod:`hooktrace.recorder.histogram_bits`):
+once the recorder has loaded numba for its statistics
+(:func:`hooktrace.recorder.pending.compiled_kernels`), by a compiled kernel that reads each
+value once (:mod:`hooktrace.recorder.histogram_kernel`), float32, float64, float16 and
+bfloat16 tensors where they lie, a list of them in one call; before that, or without numba,
+by numpy, in a few passes. Integers and bool are binned as their float64 values. On other
+devices, torch computes the same counts from ``frexp`` (float16 and bfloat16 as float32,
+integers as float64: an exact conversion keeps the exponent).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 import torch
 
+from hooktrace.recorder.histogram_bits import (
+    BFLOAT16,
+    FLOAT16,
+    FLOAT32,
+    FLOAT64,
+    counts,
+    flushes_denormals,
+)
 from hooktrace.trace.histograms import (
     EXPONENT_MIN,
     MAGNITUDE_BINS,
@@ -27,11 +43,92 @@ from hooktrace.trace.histograms import (
 )
 
 _EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
+_FORMATS = {torch.float32: FLOAT32, torch.float64: FLOAT64, torch.float16: FLOAT16}
 
 
 def histogram(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
     """``WIDTH`` int64 counts: a numpy array for a CPU tensor, a tensor on the tensor's
-    device elsewhere (copied to the host by the writer, with the statistics)."""
+    device elsewhere (queued there, not waited for: the writer copies it to the host with
+    the statistics)."""
+    if tensor.is_cpu:
+        return histogram_many([tensor])[0]
+    return _histogram_torch(tensor)
+
+
+def histogram_many(tensors: list[torch.Tensor]) -> np.ndarray:
+    """The histograms of CPU tensors, one row of ``WIDTH`` int64 counts each: once numba is
+    loaded, in one compiled call that reads contiguous (or transposed, or permuted) float32,
+    float64, float16 and bfloat16 tensors where they lie, and copies the others first
+    (integers and bool as float64, slices and broadcasts contiguous); before, with numpy,
+    tensor by tensor."""
+    for t in tensors:
+        if not t.is_cpu:
+            raise ValueError(f"histogram_many takes CPU tensors, not {t.device}: use histogram()")
+    kernels = _kernels()
+    if kernels is None:
+        rows = np.zeros((len(tensors), WIDTH), dtype=np.int64)
+        flush = flushes_denormals()
+        for i, t in enumerate(tensors):
+            rows[i] = _histogram_bits(t, flush)
+        return rows
+    return kernels.histogram_tensors(tensors)
+
+
+def histogram_staged(values: np.ndarray, bounds: np.ndarray, positions: list[int]) -> np.ndarray:
+    """The histograms of staged tensors, one row of ``WIDTH`` each: tensor ``p`` of
+    ``positions`` is ``values[bounds[p]:bounds[p + 1]]`` (float64 copies, exact; ``bounds``
+    as :meth:`hooktrace.recorder.pending.Staging.bounds` gives them)."""
+    kernels = _kernels()
+    if kernels is not None:
+        return kernels.histogram_segments(values, bounds, positions)
+    rows = np.zeros((len(positions), WIDTH), dtype=np.int64)
+    bits = np.ascontiguousarray(values, dtype=np.float64).view(np.uint64)
+    flush = flushes_denormals()
+    for i, p in enumerate(positions):
+        rows[i] = counts(bits[bounds[p] : bounds[p + 1]], FLOAT64, flush)
+    return rows
+
+
+def warm_up() -> None:
+    """Compile the histogram kernels now (or load them from numba's cache), if numba is
+    loaded, rather than in the step that first asks for a histogram."""
+    kernels = _kernels()
+    if kernels is not None:
+        kernels.warm_up()
+
+
+def _kernels() -> ModuleType | None:
+    """The compiled kernels' module, once the recorder loaded numba; else None."""
+    from hooktrace.recorder.pending import compiled_kernels  # pending may import this module
+
+    if compiled_kernels() is None:
+        return None
+    from hooktrace.recorder import histogram_kernel
+
+    return histogram_kernel
+
+
+def _histogram_bits(tensor: torch.Tensor, flush: bool) -> np.ndarray:
+    """A CPU tensor's histogram, from its values' bits, with numpy."""
+    x = tensor.detach()
+    if x.layout != torch.strided:
+        x = x.to_dense()
+    if x.is_neg():
+        x = x.resolve_neg()
+    if x.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+        form, x = BFLOAT16, x.view(torch.int16)
+    else:
+        form = _FORMATS.get(x.dtype, FLOAT64)
+        if x.dtype not in _FORMATS:
+            x = x.double()
+    # in memory order: a view of a transposed or permuted tensor, a copy of a sliced one
+    bits = x.numpy().view(form.bits).ravel(order="K")
+    return counts(bits, form, flush)
+
+
+def _histogram_torch(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """The torch route, for tensors on other devices (it runs on any: numpy counts for a CPU
+    tensor)."""
     x = tensor.detach()
     if x.layout != torch.strided:
         x = x.to_dense()
@@ -62,24 +159,3 @@ def _bins(x: torch.Tensor) -> torch.Tensor:
     bins = torch.where(torch.isnan(x), NAN, bins)
     bins = torch.where(x == float("inf"), POS_INF, bins)
     return torch.where(x == float("-inf"), NEG_INF, bins)
-
-
-def histogram_staged(values: np.ndarray, bounds: np.ndarray, positions: list[int]) -> np.ndarray:
-    """The histograms of staged tensors, one row of ``WIDTH`` each: tensor ``p`` of
-    ``positions`` is ``values[bounds[p]:bounds[p + 1]]`` (float64 copies, exact)."""
-    rows = np.zeros((len(positions), WIDTH), dtype=np.int64)
-    for i, p in enumerate(positions):
-        rows[i] = _staged_one(values[bounds[p] : bounds[p + 1]])
-    return rows
-
-
-def _staged_one(x: np.ndarray) -> np.ndarray:
-    with np.errstate(invalid="ignore"):
-        _, e = np.frexp(x)
-    magnitude = np.clip(e.astype(np.int64) - EXPONENT_MIN, 0, MAGNITUDE_BINS - 1)
-    bins = np.where(x > 0, magnitude + POS, magnitude + NEG)
-    bins[x == 0] = ZERO
-    bins[np.isnan(x)] = NAN
-    bins[x == np.inf] = POS_INF
-    bins[x == -np.inf] = NEG_INF
-    return np.bincount(bins, minlength=WIDTH)
