@@ -9,8 +9,9 @@ how much of a gradient float16 would flush to zero (below ``2^-24``), keep with 
 (below ``2^-14``), or overflow (``2^16`` and above).
 
 :func:`hist` answers in a tidy table (one row per non-empty bin per record and step) that
-pandas plots or pivots directly; the work is done by DuckDB over the trace's Parquet parts,
-reading only the rows asked for, so that a large trace is never loaded whole.
+pandas plots or pivots directly. DuckDB reads the histograms as stored (each sign's occupied
+span of bins), only the rows asked for and a few steps at a time, and numpy sums and unfolds
+them, so that a large trace is never loaded whole.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def hist(
 
 
 CHUNK_RECORDS: Final = 20_000
-"""Histograms (of some 4.5 KB each, as read) that :func:`hist` reads at a time."""
+"""Histograms (a few dozen counts each, as stored) that :func:`hist` reads at a time."""
 
 
 def histogrammed(
@@ -133,7 +134,7 @@ def histogrammed(
     where = _Where(trace, modules=modules, kinds=_kinds(kinds), steps=steps, ranks=ranks)
     found = trace.sql(
         "SELECT rank, module, kind, slot, count(DISTINCT step) AS steps, min(step) AS "
-        f"first_step, max(step) AS last_step, min(seq) AS seq FROM histograms{where.sql()} "
+        f"first_step, max(step) AS last_step, min(seq) AS seq FROM histogram_spans{where.sql()} "
         "GROUP BY rank, module, kind, slot ORDER BY rank, seq",
         where.values,
     )
@@ -163,30 +164,15 @@ def in_order(frame: pd.DataFrame) -> pd.DataFrame:
 
 def require_histograms(trace: Trace) -> None:
     """TraceError, saying why and how to record them, unless ``trace`` holds histograms."""
-    if trace.has_histograms:
-        return
-    config = trace.manifest.get("config", {})
-    asked = config.get("histograms")
-    again = "record the run again with `hooktrace record --histograms param,grad_param`"
-    if asked is None:
-        why = f"it was recorded before histograms were (format {trace.format_version}, before 1.3)"
-        again += " (the default now)"
-    elif not asked:
-        why = "it was recorded with histograms off (--histograms none)"
-    else:
-        every = config.get("histogram_every", 1)
-        why = (
-            f"none were written, though {', '.join(asked)} were asked for every {every} "
-            "step(s) (did a histogrammed step run?)"
-        )
-    raise TraceError(f"{trace.path} holds no histograms: {why}; {again}")
+    if not trace.has_histograms:
+        raise TraceError(f"{trace.path} holds no histograms: {trace.no_histograms_because}")
 
 
 def describe(trace: Trace) -> str:
     """What histograms ``trace`` holds, in a sentence: kinds, modules and steps."""
     held = trace.sql(
         "SELECT kind, count(DISTINCT module) AS modules, count(DISTINCT step) AS steps, "
-        "min(step) AS first, max(step) AS last FROM histograms GROUP BY kind ORDER BY kind"
+        "min(step) AS first, max(step) AS last FROM histogram_spans GROUP BY kind ORDER BY kind"
     )
     if held.empty:
         return "the trace holds no histograms"
@@ -336,7 +322,7 @@ class _Where:
             pattern = re.compile(modules)
         except re.error as exc:
             raise ConfigError(f"bad modules regex {modules!r}: {exc}") from None
-        found = self.trace.sql("SELECT DISTINCT module FROM histograms")["module"]
+        found = self.trace.sql("SELECT DISTINCT module FROM histogram_spans")["module"]
         return sorted(str(m) for m in found if pattern.search(str(m)))
 
     def sql(self, *extra: str) -> str:
@@ -346,7 +332,8 @@ class _Where:
     def rows_per_step(self) -> pd.Series:
         """Histograms per step, indexed by step, in step order (no bins read)."""
         found = self.trace.sql(
-            f"SELECT step, count(*) AS n FROM histograms{self.sql()} GROUP BY step ORDER BY step",
+            f"SELECT step, count(*) AS n FROM histogram_spans{self.sql()} GROUP BY step "
+            "ORDER BY step",
             self.values,
         )
         return found.set_index("step")["n"].astype("int64")
