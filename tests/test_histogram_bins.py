@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hooktrace.recorder import histogram as histogram_module
 from hooktrace.recorder import histogram_kernel, pending
 from hooktrace.recorder.histogram import (
     _histogram_torch,
@@ -55,6 +56,8 @@ def on_route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     if request.param == "compiled":
         assert route().one_pass is not None, route().description
         assert pending.compiled_kernels() is not None
+        histogram_module.warm_up()  # else they load in the background, numpy counting meanwhile
+        assert histogram_module._kernels() is histogram_kernel
     else:
         monkeypatch.setattr(pending, "compiled_kernels", lambda: None)
     yield request.param

@@ -401,3 +401,35 @@ def test_a_window_of_steps_reads_the_parts_that_hold_it(tmp_path: Path) -> None:
         window.drop(columns=["pos", "neg"]), expected.drop(columns=["pos", "neg"])
     )
     np.testing.assert_array_equal(np.stack(window["pos"]), np.stack(expected["pos"]))
+
+
+def test_the_compiled_histograms_load_in_the_background(tmp_path: Path) -> None:
+    """Compiling the histogram kernels takes seconds where numba's cache lacks them: no step
+    waits for it. numpy counts (the same) until they are ready; then they are used."""
+    script = """
+import sys, time, torch, hooktrace
+from torch import nn
+from hooktrace.recorder import histogram
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 4))  # 32k weights: numba
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with hooktrace.record(model, sys.argv[1]):
+    for step in range(40):
+        model(torch.randn(32, 64)).sum().backward(); opt.step(); opt.zero_grad()
+        if step == 0:
+            assert histogram._started, "loading did not start with numba"
+        if step == 20:
+            deadline = time.time() + 120
+            while histogram._loaded is None and time.time() < deadline:
+                time.sleep(0.1)
+            assert histogram._loaded is not None, "the kernels never became ready"
+"""
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-c", script, str(out)], check=True)
+    trace = hooktrace.load(out)
+    frame = trace.histograms()
+    assert sorted(set(frame["step"])) == list(range(40))
+    counted = frame[["zero", "nan", "pos_inf", "neg_inf"]].sum(axis=1)
+    counted += np.stack(frame["pos"]).sum(axis=1) + np.stack(frame["neg"]).sum(axis=1)
+    assert (counted == frame["numel"]).all()
+    assert hooktrace.check(trace).whole

@@ -17,6 +17,8 @@ integers as float64: an exact conversion keeps the exponent).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from types import ModuleType
 
 import numpy as np
@@ -90,22 +92,54 @@ def histogram_staged(values: np.ndarray, bounds: np.ndarray, positions: list[int
 
 
 def warm_up() -> None:
-    """Compile the histogram kernels now (or load them from numba's cache), if numba is
-    loaded, rather than in the step that first asks for a histogram."""
-    kernels = _kernels()
-    if kernels is not None:
-        kernels.warm_up()
+    """Compile the histogram kernels now (or load them from numba's cache), in this thread,
+    if numba is loaded; :func:`_kernels` otherwise does it in the background."""
+    from hooktrace.recorder.pending import compiled_kernels  # pending may import this module
+
+    if compiled_kernels() is not None:
+        _load()
+
+
+_loaded: ModuleType | None = None
+_loading = threading.Lock()
+_started = False
 
 
 def _kernels() -> ModuleType | None:
-    """The compiled kernels' module, once the recorder loaded numba; else None."""
+    """The compiled kernels' module once they are ready; until then None, and numpy counts
+    the same. They are made ready in a thread of their own, started once numba is loaded
+    (:func:`hooktrace.recorder.pending.compiled_kernels`): compiling them takes some 12 s
+    on a machine where numba's cache does not hold them yet (0.1 s where it does), which no
+    training step should wait for."""
+    global _started
     from hooktrace.recorder.pending import compiled_kernels  # pending may import this module
 
     if compiled_kernels() is None:
         return None
-    from hooktrace.recorder import histogram_kernel
+    if _loaded is not None or _started:
+        return _loaded
+    with _loading:
+        if not _started:
+            _started = True
+            threading.Thread(target=_load_quietly, name="hooktrace-histograms", daemon=True).start()
+    return None
 
-    return histogram_kernel
+
+def _load() -> ModuleType:
+    global _loaded
+    with _loading:
+        if _loaded is None:
+            from hooktrace.recorder import histogram_kernel
+
+            histogram_kernel.warm_up()
+            _loaded = histogram_kernel
+    return _loaded
+
+
+def _load_quietly() -> None:
+    """:func:`_load`; where compiling fails, numpy goes on counting (the same counts)."""
+    with contextlib.suppress(Exception):
+        _load()
 
 
 def _histogram_bits(tensor: torch.Tensor, flush: bool) -> np.ndarray:
@@ -140,14 +174,6 @@ def _histogram_torch(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
         return np.bincount(bins.numpy(), minlength=WIDTH)
     counts = torch.zeros(WIDTH, dtype=torch.int64, device=x.device)
     return counts.index_add_(0, bins, torch.ones_like(bins))
-
-
-def histogram_many(tensors: list[torch.Tensor]) -> np.ndarray:
-    """The histograms of CPU tensors, one row of ``WIDTH`` each."""
-    rows = np.zeros((len(tensors), WIDTH), dtype=np.int64)
-    for i, tensor in enumerate(tensors):
-        rows[i] = histogram(tensor)
-    return rows
 
 
 def _bins(x: torch.Tensor) -> torch.Tensor:
