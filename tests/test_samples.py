@@ -28,7 +28,7 @@ from hooktrace.cli import cli
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_traces"
 GOLDEN = Path(__file__).resolve().parent / "golden"
-NAMES = ("healthy", "diverged", "dead", "nan", "exploding")
+NAMES = ("healthy", "diverged", "dead", "nan", "exploding", "underflow")
 UPDATE = os.environ.get("HOOKTRACE_UPDATE_GOLDEN") == "1"
 
 # golden file -> (the command line, with paths relative to the repository root; exit code)

@@ -39,7 +39,8 @@ from hooktrace.recorder.attach import in_backward as _in_backward
 from hooktrace.recorder.attach import in_transform as _in_transform
 from hooktrace.recorder.attach import is_compiling
 from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
-from hooktrace.recorder.histogram import histogram, histogram_many
+from hooktrace.recorder.histogram import histogram as histogram_of
+from hooktrace.recorder.histogram import histogram_many
 from hooktrace.recorder.params import Entry, RecordsCache, values_of
 from hooktrace.recorder.pending import (
     Layouts,
@@ -880,10 +881,12 @@ class Recorder:
         full: bool,
         units: bool,
         note: str = "",
+        histogram: bool = True,
     ) -> Any:
-        """The hot path: queue this tensor's statistics and note where they belong. Returns
-        them (None for a tensor not summarised): a row on the CPU, a tensor on a device, or
-        where they will be made from a staged copy."""
+        """The hot path: queue this tensor's statistics (and its histogram, where its kind
+        takes one this step, unless ``histogram`` is False: made elsewhere) and note where
+        they belong. Returns the statistics (None for a tensor not summarised): a row on the
+        CPU, a tensor on a device, or where they will be made from a staged copy."""
         if not usual(tensor):
             self._observe_unusual(module, call, kind, slot, tensor, phase=phase, full=full)
             return None
@@ -928,8 +931,10 @@ class Recorder:
                  tuple(tensor.shape), n_units, unit_size, note)
         )  # fmt: skip
         pending.stats.append(stats)
-        if kind in self._histogram_now:  # where the statistics are: staged, or made now
-            pending.histograms.append((row, stats if type(stats) is Staged else histogram(tensor)))
+        if histogram and kind in self._histogram_now:  # as the statistics: staged, or now
+            pending.histograms.append(
+                (row, stats if type(stats) is Staged else histogram_of(tensor))
+            )
         if full:
             self._snapshot(row, tensor)
         return stats
@@ -1042,35 +1047,44 @@ class Recorder:
         )
         pending = self._pending
         stats = records.stage(values, pending.staging)
+        histogrammed: set[int] = set()  # observed entries whose histogram is made here
         if kind in self._histogram_now:
-            self._histogram_params(len(pending.meta), values, stats)
+            histogrammed = self._histogram_params(
+                len(pending.meta), values, stats, records.observed
+            )
         done = 0
         for i in records.observed:
             pending.meta.extend(records.metas[done:i])
             pending.stats.extend(stats[done:i])
             module, slot, *_ = entries[i]
             full = full_step and module in self._full_modules
-            self._observe(module, 0, kind, slot, values[i], phase=phase, full=full, units=False)  # type: ignore[arg-type]
+            self._observe(module, 0, kind, slot, values[i], phase=phase, full=full, units=False,  # type: ignore[arg-type]
+                          histogram=i not in histogrammed)  # fmt: skip
             done = i + 1
         pending.meta.extend(records.metas[done:])
         pending.stats.extend(stats[done:])
 
     def _histogram_params(
-        self, first_row: int, values: Sequence[torch.Tensor | None], stats: Sequence[Any]
-    ) -> None:
-        """The histograms of the values taken together (entry ``i`` is row ``first_row + i``):
-        those staged from their copies, in the writer; those read in place, now, in one call.
-        (The others are observed one by one, and histogrammed there.)"""
+        self,
+        first_row: int,
+        values: Sequence[torch.Tensor | None],
+        stats: Sequence[Any],
+        observed: Sequence[int],
+    ) -> set[int]:
+        """The histograms of a kind's values (entry ``i`` is row ``first_row + i``): those
+        staged, from their copies, in the writer; the plain CPU tensors, read in place or
+        observed one by one, now, in one call. Returns the observed entries histogrammed
+        here; ``_observe`` histograms the others (on a device, or not plain tensors)."""
         pending = self._pending
-        in_place = [i for i, s in enumerate(stats) if type(s) is np.ndarray]
-        if in_place:
-            counts = histogram_many([values[i] for i in in_place])  # type: ignore[misc]
-            pending.histograms.extend(
-                (first_row + i, c) for i, c in zip(in_place, counts, strict=True)
-            )
+        batched = [i for i in observed if _plain_cpu(values[i])]
+        now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + batched)
+        if now:
+            counts = histogram_many([values[i] for i in now])  # type: ignore[misc]
+            pending.histograms.extend((first_row + i, c) for i, c in zip(now, counts, strict=True))
         pending.histograms.extend(
             (first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged
         )
+        return set(batched)
 
     # -- steps -------------------------------------------------------------------------------
 
@@ -1463,6 +1477,11 @@ def _last(hooks: Mapping[int, Any] | None) -> int | None:
 
 def _alive(handle: RemovableHandle) -> bool:
     return handle.hooks_dict_ref() is not None
+
+
+def _plain_cpu(value: torch.Tensor | None) -> bool:
+    """A value whose record ``_observe`` makes as it is (no unusual route) on the CPU."""
+    return value is not None and usual(value) and value.is_cpu
 
 
 def _rank() -> int:
