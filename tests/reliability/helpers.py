@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass
@@ -94,8 +95,28 @@ def run_cli(argv: list[str]) -> Outcome:
 
 
 def analyzer_commands() -> list[str]:
-    """Every command but ``record``: those added later are covered without editing here."""
-    return sorted(name for name in COMMANDS if name != "record")
+    """Every command but ``record``: those added later are covered without editing here; a
+    group's by each subcommand (``export tensorboard``)."""
+    names = []
+    for name in sorted(COMMANDS):
+        command = command_named(name)
+        if isinstance(command, click.Group):
+            names += [f"{name} {sub}" for sub in sorted(command.commands)]
+        elif name != "record":
+            names.append(name)
+    return names
+
+
+def command_named(name: str) -> click.Command:
+    """The command ``name`` (``export tensorboard``: a group's subcommand)."""
+    group, *sub = name.split()
+    with click.Context(cli) as ctx:
+        command = cli.get_command(ctx, group)
+    assert command is not None, name
+    if sub:
+        assert isinstance(command, click.Group), name
+        command = command.commands[sub[0]]
+    return command
 
 
 def argv_for(
@@ -104,15 +125,19 @@ def argv_for(
     """The argv that points ``command`` at ``run``; commands that take two runs (diff) get
     ``other`` first and ``run`` second. Required options get a value of their kind: a step
     number, or an output file (a page or a picture) next to ``run``."""
-    with click.Context(cli) as ctx:
-        cmd = cli.get_command(ctx, command)
-    assert cmd is not None, command
-    runs = [p for p in cmd.params if isinstance(p, click.Argument) and p.nargs == 1]
+    cmd = command_named(command)
+    arguments = [p for p in cmd.params if isinstance(p, click.Argument) and p.nargs == 1]
+    runs = [p for p in arguments if p.name != "logdir"]
+    words = command.split()
     argv = (
-        [command, os.fsdecode(other), os.fsdecode(run)]
+        [*words, os.fsdecode(other), os.fsdecode(run)]
         if len(runs) >= 2
-        else [command, os.fsdecode(run)]
+        else [*words, os.fsdecode(run)]
     )
+    if any(p.name == "logdir" for p in arguments):  # a new directory each time: never reused
+        beside = Path(os.fsdecode(run)).parent
+        where = tempfile.mkdtemp(prefix="logdir-", dir=beside if beside.is_dir() else None)
+        argv.append(str(Path(where) / "tb"))
     if command == "replay":  # --step is required unless --nonfinite is given
         argv += ["--step", "0"]
     for option in cmd.params:

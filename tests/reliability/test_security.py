@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 import hooktrace
-from hooktrace.cli import cli
 from hooktrace.errors import TraceError
 
 from .conftest import Figures
@@ -43,6 +42,7 @@ from .helpers import (
     analyzer_commands,
     argv_for,
     child_env,
+    command_named,
     problems_with_error,
     run_cli,
     tree,
@@ -411,9 +411,7 @@ def _html_commands() -> list[tuple[str, list[str]]]:
     that offers html, or an output option whose help says HTML."""
     found = []
     for name in analyzer_commands():
-        with click.Context(cli) as ctx:
-            command = cli.get_command(ctx, name)
-        assert command is not None
+        command = command_named(name)
         for option in command.params:
             if not isinstance(option, click.Option):
                 continue
