@@ -326,9 +326,9 @@ def test_no_capture_is_one_line_saying_why(
         "recording's warnings say why)"
     )
     monkeypatch.chdir(ROOT)
-    assert one_line("sample_traces/exploding") == (
-        "sample_traces/exploding holds no non-finite capture: it was recorded before captures "
-        "existed (format 1.0); record it again to capture where a NaN or Inf begins"
+    assert one_line("tests/fixtures/healthy_1_0") == (
+        "tests/fixtures/healthy_1_0 holds no non-finite capture: it was recorded before "
+        "captures existed (format 1.0); record it again to capture where a NaN or Inf begins"
     )
 
 
