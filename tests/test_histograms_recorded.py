@@ -433,3 +433,47 @@ with hooktrace.record(model, sys.argv[1]):
     counted += np.stack(frame["pos"]).sum(axis=1) + np.stack(frame["neg"]).sum(axis=1)
     assert (counted == frame["numel"]).all()
     assert hooktrace.check(trace).whole
+
+
+def test_a_caught_interrupt_leaves_every_histogram_on_its_own_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: a KeyboardInterrupt between two parameter records, caught by the
+    script, which went on in the same step, left the parameters' histograms queued for rows
+    that later records then took: histograms joined the wrong records."""
+    from hooktrace.recorder.recorder import Recorder
+
+    original = Recorder._observe
+    fired: list[bool] = []
+
+    def interrupted(
+        self: Recorder, module: str, call: int, kind: str, *args: object, **kw: object
+    ) -> object:
+        if kind == "param" and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt  # as SIGINT would, between two records
+        return original(self, module, call, kind, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Recorder, "_observe", interrupted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(200, 200), nn.Linear(200, 3))  # observed one by one
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run", histograms="param,output"):
+        for _ in range(2):
+            try:
+                out = model(torch.randn(4, 200))
+            except KeyboardInterrupt:
+                out = model(torch.randn(4, 200))
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert fired
+    trace = hooktrace.load(tmp_path / "run")
+    joined = trace.histograms().merge(
+        trace.records, on=["rank", "step", "seq"], suffixes=("", "_r")
+    )
+    assert len(joined) == len(trace.histograms())
+    assert (joined["kind"] == joined["kind_r"].astype(str)).all()
+    assert (joined["module"] == joined["module_r"].astype(str)).all()
+    assert (joined["numel"] == joined["numel_r"]).all()
+    assert hooktrace.check(trace).whole

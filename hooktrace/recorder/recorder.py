@@ -1047,11 +1047,9 @@ class Recorder:
         )
         pending = self._pending
         stats = records.stage(values, pending.staging)
-        histogrammed: set[int] = set()  # observed entries whose histogram is made here
-        if kind in self._histogram_now:
-            histogrammed = self._histogram_params(
-                len(pending.meta), values, stats, records.observed
-            )
+        first_row = len(pending.meta)
+        wanted = kind in self._histogram_now
+        batched = {i for i in records.observed if wanted and _plain_cpu(values[i])}
         done = 0
         for i in records.observed:
             pending.meta.extend(records.metas[done:i])
@@ -1059,32 +1057,32 @@ class Recorder:
             module, slot, *_ = entries[i]
             full = full_step and module in self._full_modules
             self._observe(module, 0, kind, slot, values[i], phase=phase, full=full, units=False,  # type: ignore[arg-type]
-                          histogram=i not in histogrammed)  # fmt: skip
+                          histogram=i not in batched)  # fmt: skip
             done = i + 1
         pending.meta.extend(records.metas[done:])
         pending.stats.extend(stats[done:])
+        if wanted:  # once the records are in: an interrupt before leaves none pointing past
+            self._histogram_params(first_row, values, stats, sorted(batched))
 
     def _histogram_params(
         self,
         first_row: int,
         values: Sequence[torch.Tensor | None],
         stats: Sequence[Any],
-        observed: Sequence[int],
-    ) -> set[int]:
-        """The histograms of a kind's values (entry ``i`` is row ``first_row + i``): those
-        staged, from their copies, in the writer; the plain CPU tensors, read in place or
-        observed one by one, now, in one call. Returns the observed entries histogrammed
-        here; ``_observe`` histograms the others (on a device, or not plain tensors)."""
+        batched: Sequence[int],
+    ) -> None:
+        """The histograms of a kind's values, entry ``i`` being row ``first_row + i``: those
+        staged, from their copies, in the writer; those read in place and the ``batched``
+        ones (plain CPU tensors observed one by one), now, in one call. ``_observe`` made
+        the other observed ones' (on a device, or not plain tensors)."""
         pending = self._pending
-        batched = [i for i in observed if _plain_cpu(values[i])]
-        now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + batched)
+        now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + list(batched))
         if now:
             counts = histogram_many([values[i] for i in now])  # type: ignore[misc]
             pending.histograms.extend((first_row + i, c) for i, c in zip(now, counts, strict=True))
         pending.histograms.extend(
             (first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged
         )
-        return set(batched)
 
     # -- steps -------------------------------------------------------------------------------
 
