@@ -374,3 +374,21 @@ def test_the_commands_work_where_torch_cannot_be_imported(tiny: tuple[Path, Any]
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         assert "fc1" in done.stdout and done.stderr == ""
+
+
+def test_layers_with_equal_shares_are_not_taken_for_one_tensor(tmp_path: Path) -> None:
+    """Found in review: a repeated activation gradient (a container's, a skip connection's)
+    was told apart from another by its shares alone, so three layers whose output gradients
+    all overflow float16 made one finding. Now it takes the same histogram, bin for bin."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with hooktrace.record(model, tmp_path / "run", histograms="grad_output"):
+        for _ in range(3):
+            (model(torch.randn(8, 16)).sum() * 1e9).backward()
+            opt.step()
+            opt.zero_grad()
+    found = hooktrace.anomalies(tmp_path / "run").findings
+    overflow = found[found["kind"] == "fp16_overflow"]
+    # the root's output gradient is the last layer's: one finding for the two
+    assert sorted(overflow["module"]) == ["0", "1", "2"]

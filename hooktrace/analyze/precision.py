@@ -298,7 +298,9 @@ def _query(
     slot_steps = f"""
         per_slot_step AS MATERIALIZED (
             SELECT rank, module, kind, slot, step, min(seq) AS seq, sum(numel) AS numel,
-                sum(numel - zero - nan - pos_inf - neg_inf) AS nonzero, {counts}
+                sum(numel - zero - nan - pos_inf - neg_inf) AS nonzero, {counts},
+                bit_xor(hash(pos_start, pos, neg_start, neg, zero, nan, pos_inf, neg_inf))
+                    AS bins
             FROM histogram_spans {where}
             GROUP BY rank, module, kind, slot, step
         )"""
@@ -308,6 +310,7 @@ def _query(
         source = "per_slot_step"
         if "slot" not in by:
             sums = ", ".join(f"sum({c}) AS {c}" for c in ["numel", "nonzero", *measures])
+            sums += ", bit_xor(bins) AS bins"
             source = (
                 f"(SELECT {keys}, step, min(seq) AS seq, {sums} FROM per_slot_step "
                 f"GROUP BY {keys}, step)"
@@ -336,8 +339,9 @@ def _aggregates(bounds: dict[str, float] | None) -> str:
     trouble = "coalesce((fp16_underflow + fp16_overflow) / nullif(nonzero, 0), 0.0)"
     found = [
         "min(seq) AS seq, count(*) AS steps, min(step) AS first_step, max(step) AS last_step",
-        # the same counts at the same steps: the same tensor, recorded under two modules
-        "bit_xor(hash(step, nonzero, fp16_underflow, fp16_subnormal, fp16_overflow)) AS digest",
+        # the same histograms, bin for bin, at the same steps: the same tensor, recorded
+        # under two modules (equal shares alone also matched two layers that overflow whole)
+        "bit_xor(hash(step, bins)) AS digest",
         "CAST(sum(numel) AS BIGINT) AS numel, CAST(sum(nonzero) AS BIGINT) AS nonzero",
         pooled,
         f"CASE WHEN max({trouble}) > 0 THEN arg_max(step, ({trouble}, -step)) END AS worst_step",
