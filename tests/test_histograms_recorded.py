@@ -477,3 +477,36 @@ def test_a_caught_interrupt_leaves_every_histogram_on_its_own_record(
     assert (joined["module"] == joined["module_r"].astype(str)).all()
     assert (joined["numel"] == joined["numel_r"]).all()
     assert hooktrace.check(trace).whole
+
+
+def test_a_value_recorded_twice_in_a_step_counts_once(tmp_path: Path) -> None:
+    """Found in review: with an evaluation's forward before training's in one step, the
+    parameters and buffers are recorded twice; hist kept one record of a parameter but summed
+    a buffer's two, and precision summed both of either (numel 16 of 8)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run", histograms="param,buffer,grad_param"):
+        for _ in range(2):
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(16, 4))
+            model.train()
+            model(torch.randn(16, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    records = hooktrace.load(tmp_path / "run").records
+    twice = records[(records["step"] == 0) & (records["module"] == "1")]
+    assert (twice["slot"] == "running_mean").sum() == 2  # recorded twice indeed
+    dist = hooktrace.hist(tmp_path / "run", modules="^1$", steps=[0])
+    assert dist.groupby(["kind", "slot"])["numel"].first().to_dict() == {
+        ("buffer", "num_batches_tracked"): 1, ("buffer", "running_mean"): 8,
+        ("buffer", "running_var"): 8, ("grad_param", "bias"): 8, ("grad_param", "weight"): 8,
+        ("param", "bias"): 8, ("param", "weight"): 8,
+    }  # fmt: skip
+    shares = hooktrace.precision(tmp_path / "run", modules="^1$", steps=[0])
+    assert shares.set_index(["kind", "slot"])["numel"].to_dict() == {
+        ("buffer", "num_batches_tracked"): 1, ("buffer", "running_mean"): 8,
+        ("buffer", "running_var"): 8, ("grad_param", "bias"): 8, ("grad_param", "weight"): 8,
+        ("param", "bias"): 8, ("param", "weight"): 8,
+    }  # fmt: skip

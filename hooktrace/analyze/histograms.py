@@ -391,14 +391,15 @@ def _read(trace: Trace, where: _Where, steps: list[int], *, sampled: bool) -> pd
 
 def _tidy(raw: pd.DataFrame) -> pd.DataFrame:
     """:func:`hist`'s rows of ``raw`` histograms (in rank, step, seq order; spans with their
-    starts, or whole rows): a parameter recorded twice in a step keeps its last record, the
-    records of a step are summed, and each non-empty bin is a row."""
+    starts, or whole rows): a parameter or buffer recorded twice in a step (an evaluation's
+    forward, then training's) keeps its last record, the records of a step are summed, and
+    each non-empty bin is a row."""
     if raw.empty:
         return _empty()
     key = ["rank", "step", "module", "kind", "slot"]
     raw = raw.assign(**{name: raw[name].astype(str) for name in ("module", "kind", "slot")})
     last = raw.groupby(key, sort=False)["seq"].transform("max")
-    raw = raw[(raw["kind"] != "param") | (raw["seq"] == last)]
+    raw = raw[~raw["kind"].isin(["param", "buffer"]) | (raw["seq"] == last)]
     groups = raw.groupby(key, sort=False)
     group = groups.ngroup().to_numpy()  # numbered as first met: in (rank, step, seq) order
     records = groups.agg(numel=("numel", "sum")).reset_index()

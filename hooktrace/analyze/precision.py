@@ -301,7 +301,13 @@ def _query(
                 sum(numel - zero - nan - pos_inf - neg_inf) AS nonzero, {counts},
                 bit_xor(hash(pos_start, pos, neg_start, neg, zero, nan, pos_inf, neg_inf))
                     AS bins
-            FROM histogram_spans {where}
+            FROM (
+                -- a parameter or buffer recorded twice in a step (an evaluation's forward,
+                -- then training's) counts once: its last record, as hist has it
+                SELECT * FROM histogram_spans {where}
+                QUALIFY kind NOT IN ('param', 'buffer')
+                    OR seq = max(seq) OVER (PARTITION BY rank, module, kind, slot, step)
+            )
             GROUP BY rank, module, kind, slot, step
         )"""
     selects = []
