@@ -370,6 +370,23 @@ def test_the_torch_route_of_other_devices_matches_the_reference(dtype: torch.dty
         assert isinstance(got, np.ndarray) and got.tolist() == want.tolist(), n
 
 
+def test_the_torch_route_bins_a_large_tensor_a_chunk_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in review: binning took some ten int64 tensors the size of the input, 10 GB of
+    a GPU's memory for a 1 GB gradient. Chunks bound it; the counts are the chunks' sum."""
+    from hooktrace.recorder import histogram as module
+
+    monkeypatch.setattr(module, "TORCH_CHUNK", 7)
+    x = spread(100, torch.float32, torch.Generator().manual_seed(3))
+    assert _histogram_torch(x).tolist() == reference(x.double().numpy()).tolist()
+    seen: list[int] = []
+    bins = module._bins
+    monkeypatch.setattr(module, "_bins", lambda chunk: seen.append(chunk.numel()) or bins(chunk))
+    _histogram_torch(x)
+    assert max(seen) == 7 and sum(seen) == 100
+
+
 def test_the_two_routes_agree_on_a_models_parameters_and_gradients(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
