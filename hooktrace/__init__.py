@@ -117,7 +117,9 @@ def record(models: Models, out: str | os.PathLike[str], **options: Any) -> Recor
     ``capture_nonfinite`` (default True: save in full the call where a NaN or Inf first
     appears and name the operation and line that made it; ``Trace.nonfinite_captures()``),
     ``capture_limit`` (captures kept at most, default 3), ``capture_max_mb`` (tensors saved
-    per capture at most, default 256).
+    per capture at most, default 256), ``histograms`` (the record kinds histogrammed by binary
+    exponent, default ``("param", "grad_param")``; None for none: ``Trace.histograms()``),
+    ``histogram_every`` (histogram the steps with ``step % N == 0``, default 1).
 
     Steps advance on every optimizer step; call ``rec.step()`` where there is no optimizer::
 

@@ -510,3 +510,12 @@ def test_a_value_recorded_twice_in_a_step_counts_once(tmp_path: Path) -> None:
         ("buffer", "running_var"): 8, ("grad_param", "bias"): 8, ("grad_param", "weight"): 8,
         ("param", "bias"): 8, ("param", "weight"): 8,
     }  # fmt: skip
+
+
+def test_a_trailing_comma_in_the_kinds_is_no_kind() -> None:
+    """Found in review: `--histograms param,` said "unknown kind(s) to histogram: ;"."""
+    from hooktrace.recorder.select import histogram_kinds
+
+    assert histogram_kinds("param,") == {"param"}
+    assert histogram_kinds(" grad_param , param ") == {"grad_param", "param"}
+    assert histogram_kinds("none") == frozenset()

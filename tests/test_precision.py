@@ -392,3 +392,19 @@ def test_layers_with_equal_shares_are_not_taken_for_one_tensor(tmp_path: Path) -
     overflow = found[found["kind"] == "fp16_overflow"]
     # the root's output gradient is the last layer's: one finding for the two
     assert sorted(overflow["module"]) == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize(
+    ("kinds", "message"), [("foo", "unknown kind(s) foo"), (",", "no kind named")]
+)
+def test_precision_refuses_kinds_that_do_not_exist(kinds: str, message: str) -> None:
+    """Found in review: an unknown kind answered "no histograms match the filters", exit 0,
+    where hist, plot and export say it is unknown, exit 2."""
+    from click.testing import CliRunner
+
+    from hooktrace.cli import cli
+
+    run = Path(__file__).resolve().parent.parent / "sample_traces" / "underflow"
+    result = CliRunner().invoke(cli, ["precision", str(run), "--kinds", kinds])
+    assert result.exit_code == 2 and message in result.output
+    assert len(result.output.strip().splitlines()) == 1

@@ -8,7 +8,13 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from hooktrace.cli.anomalies import steps_option
-from hooktrace.cli.common import emit_frame, library_errors, output_options, run_argument
+from hooktrace.cli.common import (
+    CommandError,
+    emit_frame,
+    library_errors,
+    output_options,
+    run_argument,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -47,6 +53,7 @@ def precision(
 
     from hooktrace.analyze.precision import COLUMNS
     from hooktrace.analyze.precision import precision as measure
+    from hooktrace.trace import schema
     from hooktrace.trace.reader import load
 
     trace = load(run)
@@ -55,6 +62,10 @@ def precision(
         emit_frame(pd.DataFrame(columns=list(COLUMNS)), fmt, output, table_text=text)
         return
     chosen = [k.strip() for k in kinds.split(",") if k.strip()] if kinds is not None else None
+    unknown = sorted(set(chosen or ()) - set(schema.KINDS))
+    if unknown or chosen == []:
+        what = f"unknown kind(s) {', '.join(unknown)}" if unknown else "no kind named"
+        raise CommandError(f"--kinds {kinds!r}: {what}; choose from {', '.join(schema.KINDS)}")
     table = measure(trace, steps=steps, modules=modules, kinds=chosen)
     emit_frame(table, fmt, output, table_text=render(run, table))
 

@@ -93,11 +93,11 @@ _CHANNELS_FIRST = (
 )
 
 _RECENT = 4
+"""Tensors whose statistics a hook remembers, the latest ones: a container's output is its
+last child's, and one gradient may reach several hooks in a row."""
 
 DEFAULT_HISTOGRAMS = ("param", "grad_param")
 """The record kinds histogrammed unless told otherwise (docs/FORMAT.md, "histograms")."""
-"""Tensors whose statistics a hook remembers, the latest ones: a container's output is its
-last child's, and one gradient may reach several hooks in a row."""
 
 _PRUNE_AT = 1024
 """Gradient hook handles held before the dead ones are dropped, at least."""

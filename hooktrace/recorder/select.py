@@ -132,7 +132,7 @@ def histogram_kinds(kinds: Collection[str] | str | None) -> frozenset[str]:
         return frozenset()
     if isinstance(kinds, str):
         kinds = [] if kinds.strip() in ("", "none") else kinds.split(",")
-    chosen = frozenset(k.strip() for k in kinds)
+    chosen = frozenset(k.strip() for k in kinds if k.strip())
     unknown = chosen - set(schema.KINDS)
     if unknown:
         raise ConfigError(
