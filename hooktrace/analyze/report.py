@@ -216,7 +216,7 @@ DISTRIBUTION_STEPS = 200
 
 def _distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None) -> list[str]:
     """For the flagged modules (worst finding first), a table of their histogrammed records
-    at the step of that finding, and their distribution over steps; a note where the trace
+    at the step that finding begins, and their distribution over steps; a note where the trace
     holds none."""
     worst: dict[str, tuple[str, int]] = {}  # module -> the kind of record and the step
     for module, kind, step, evidence in zip(
@@ -287,8 +287,8 @@ def _distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None
     table = table.rename(columns={"numel": "values", "nan": "NaN", "inf": "Inf"})
     columns = ["module", "kind", "slot", "step", "values", "range of |x|", "zero", "NaN", "Inf"]
     out.append(
-        "<p>Each record at the step of its module's worst finding (or the histogrammed step "
-        "before it): the range of its nonzero finite values, and as shares of them the negative "
+        "<p>Each record at the step where its module's worst finding begins (or the "
+        "histogrammed step before it; the finding's own line names its worst step): the range of its nonzero finite values, and as shares of them the negative "
         "ones and what float16 would make of them.</p>"
     )
     out += _table(
