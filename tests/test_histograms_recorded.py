@@ -4,6 +4,7 @@ own code), through every route a tensor's statistics take."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -519,3 +520,44 @@ def test_a_trailing_comma_in_the_kinds_is_no_kind() -> None:
     assert histogram_kinds("param,") == {"param"}
     assert histogram_kinds(" grad_param , param ") == {"grad_param", "param"}
     assert histogram_kinds("none") == frozenset()
+
+
+@pytest.mark.parametrize("where", ["hook", "writer"])
+def test_a_histogram_that_fails_costs_itself_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Found in review: a histogram that raised stopped the recording (in a hook) or lost the
+    whole step, statistics included (in the writer). Histograms are the optional part."""
+    from hooktrace.recorder import pending
+    from hooktrace.recorder import recorder as recorder_module
+
+    def broken(*args: object, **kwargs: object) -> object:
+        raise RuntimeError("no histogram today")
+
+    if where == "hook":
+        monkeypatch.setattr(recorder_module, "histogram_many", broken)
+        monkeypatch.setattr(recorder_module, "histogram_of", broken)
+    else:
+        from hooktrace.recorder import params
+
+        monkeypatch.setattr(pending, "histogram_staged", broken)
+        for module in (pending, params, recorder_module):  # small tensors staged, for the writer
+            monkeypatch.setattr(module, "compiled_kernels", lambda: None)
+    layer = nn.Linear(100, 100)  # 10,000 weights: histogrammed in the hook, not staged
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    warned = (
+        pytest.warns(RuntimeWarning, match="no histogram today")
+        if where == "hook"
+        else contextlib.nullcontext()
+    )
+    kinds = "param,grad_param,output"
+    with warned, hooktrace.record(layer, tmp_path / "run", histograms=kinds):
+        for _ in range(3):
+            layer(torch.randn(2, 100)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.status == "complete" and len(trace.steps) == 3
+    assert len(trace.records) == 3 * 6  # output and its gradient, two params, two gradients
+    assert trace.manifest["ranks"]["0"]["histograms_failed"] > 0
+    assert hooktrace.check(trace).whole

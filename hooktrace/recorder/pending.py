@@ -296,7 +296,13 @@ class PendingStep:
         n = len(self.meta)
         layout = self.layouts.of(self.meta) if self.layouts is not None else Layout(self.meta)
         stats = self._statistics()
-        histogram_rows, histograms = self._histograms()
+        try:  # optional: a failure costs the step's histograms, not its records
+            histogram_rows, histograms = self._histograms()
+            failed = 0
+        except Exception:
+            histogram_rows = np.zeros(0, dtype=np.int64)
+            histograms = np.zeros((0, HISTOGRAM_WIDTH), dtype=np.int64)
+            failed = len(self.histograms)
         with np.errstate(invalid="ignore", divide="ignore"):
             numel = layout.numel
             zero_fraction = np.where(numel > 0, stats[:, 5] / np.maximum(numel, 1), np.nan)
@@ -340,6 +346,7 @@ class PendingStep:
             nonfinite=bool((stats[:, 6] > 0).any() or (stats[:, 7] > 0).any()),
             histogram_rows=histogram_rows,
             histograms=histograms,
+            histograms_failed=failed,
         )
 
     def _statistics(self) -> np.ndarray:

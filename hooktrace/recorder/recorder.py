@@ -246,6 +246,7 @@ class Recorder:
         )
         self.current_step = 0
         self.micro_step = 0
+        self.histograms_failed = 0  # histograms not made, in the hooks (the writer counts its own)
         self.error: str | None = None
         self._active = True
         self._closed = False
@@ -327,7 +328,11 @@ class Recorder:
                     f"an optimizer stepped {self._unrecorded} time(s), but no recorded model "
                     "holds its parameters: nothing was recorded"
                 )
-            extra = {**(_route_taken() or {}), **self._captures.status()}
+            extra = {
+                **(_route_taken() or {}),
+                **self._captures.status(),
+                "histograms_failed": self.histograms_failed,  # the writer adds its own
+            }
             problem = self._writer.close(status, error=error or self.error, extra=extra, warn=False)
         if problem is None:
             return
@@ -932,9 +937,9 @@ class Recorder:
         )  # fmt: skip
         pending.stats.append(stats)
         if histogram and kind in self._histogram_now:  # as the statistics: staged, or now
-            pending.histograms.append(
-                (row, stats if type(stats) is Staged else histogram_of(tensor))
-            )
+            binned = stats if type(stats) is Staged else self._histogram(histogram_of, tensor)
+            if binned is not None:
+                pending.histograms.append((row, binned))
         if full:
             self._snapshot(row, tensor)
         return stats
@@ -1077,12 +1082,26 @@ class Recorder:
         the other observed ones' (on a device, or not plain tensors)."""
         pending = self._pending
         now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + list(batched))
-        if now:
-            counts = histogram_many([values[i] for i in now])  # type: ignore[misc]
+        counts = self._histogram(histogram_many, [values[i] for i in now]) if now else None
+        if counts is not None:
             pending.histograms.extend((first_row + i, c) for i, c in zip(now, counts, strict=True))
         pending.histograms.extend(
             (first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged
         )
+
+    def _histogram(self, make: Callable[[Any], Any], values: Any) -> Any:
+        """``make(values)``, or None where it fails: a histogram that cannot be made costs
+        itself, not the record nor the recording (a warning says so, once a run)."""
+        try:
+            return make(values)
+        except Exception as exc:
+            self.histograms_failed += 1
+            if self.histograms_failed == 1:
+                _warn(
+                    f"hooktrace: a histogram could not be made ({type(exc).__name__}: {exc}); "
+                    "the records go on without it (the status counts histograms_failed)"
+                )
+            return None
 
     # -- steps -------------------------------------------------------------------------------
 

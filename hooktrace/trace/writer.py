@@ -71,6 +71,7 @@ class StepData:
     histograms: np.ndarray = field(
         default_factory=lambda: np.zeros((0, histograms.WIDTH), dtype=np.int64)
     )
+    histograms_failed: int = 0  # histograms that could not be made: the records hold
 
     @property
     def rows(self) -> int:
@@ -144,6 +145,7 @@ class TraceWriter:
         waiting for the device."""
         self.steps_written = 0
         self.records_written = 0
+        self.histograms_failed = 0  # histograms the steps could not make (their records hold)
         self.tensors_written = 0
         self.bytes_written = 0
         self.steps_lost = 0
@@ -375,6 +377,7 @@ class TraceWriter:
                 raise
             # the records part is in place: these steps are readable from here on
             self.steps_written += len(steps)
+            self.histograms_failed += sum(d.histograms_failed for d in steps)
             self.records_written += records.num_rows
             self.tensors_written += sum(len(d.tensors) for d in steps)
             self.bytes_written += segment.stat().st_size if segment is not None else 0
@@ -515,6 +518,8 @@ class TraceWriter:
         }
         if extra:
             payload.update(extra)
+        # the recorder's count (in the hooks), and the steps' (here, up to the last flush)
+        payload["histograms_failed"] = payload.get("histograms_failed", 0) + self.histograms_failed
         write_json_atomic(self._status_path, payload)
 
 
