@@ -121,13 +121,15 @@ def emit_frame(
 class FrameWriter:
     """Writes a table chunk by chunk in ``--format`` csv, json (an array, a record a line) or
     parquet, so that memory stays bounded however many rows there are; ``close()`` ends it.
-    The first chunk sets the columns and their types (a table with no chunk is empty)."""
+    Parquet takes its columns' types from ``schema`` where given (a table with no chunk is
+    then an empty file of those columns), else from the first chunk."""
 
-    def __init__(self, fmt: str, output: Path | None) -> None:
+    def __init__(self, fmt: str, output: Path | None, *, schema: Any = None) -> None:
         if fmt == "parquet" and output is None:
             raise CommandError("--format parquet writes a binary file: give --output FILE.parquet")
         self.fmt = fmt
         self.output = output
+        self.schema = schema
         self.stream: Any = None
         self.parquet: Any = None
         self.chunks = 0
@@ -135,12 +137,9 @@ class FrameWriter:
     def write(self, frame: pd.DataFrame) -> None:
         if self.fmt == "parquet":
             import pyarrow as pa
-            import pyarrow.parquet as pq
 
             table = pa.Table.from_pandas(frame, preserve_index=False)
-            if self.parquet is None:
-                self.parquet = pq.ParquetWriter(self.output, table.schema)
-            self.parquet.write_table(table.cast(self.parquet.schema))
+            self._parquet(table.schema).write_table(table.cast(self.parquet.schema))
         elif self.fmt == "csv":
             self._text(frame.to_csv(index=False, header=self.chunks == 0))
         elif len(frame):
@@ -150,9 +149,18 @@ class FrameWriter:
             return
         self.chunks += 1
 
+    def _parquet(self, first: Any) -> Any:
+        if self.parquet is None:
+            import pyarrow.parquet as pq
+
+            self.parquet = pq.ParquetWriter(self.output, self.schema or first)
+        return self.parquet
+
     def close(self) -> None:
         if self.fmt == "json":
             self._text("\n]\n" if self.chunks else "[]\n")
+        if self.fmt == "parquet" and self.parquet is None and self.schema is not None:
+            self._parquet(self.schema)  # no chunk: an empty file of the columns
         if self.parquet is not None:
             self.parquet.close()
         if self.stream is not None:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from hooktrace.cli.common import CommandError, library_errors, output_options
+from hooktrace.cli.common import CommandError, FrameWriter, library_errors, output_options
 
 if TYPE_CHECKING:
-    import pandas as pd
-
     from hooktrace.analyze.diff import DiffResult
 
 # the library's DEFAULT_RTOL / DEFAULT_ATOL, repeated so that `hooktrace --help` needs no pandas
@@ -87,9 +85,8 @@ def diff(
         raise CommandError("give RUN_B, or --against-rank R to compare two ranks of RUN_A")
     if rank is not None and against_rank is None:
         raise CommandError("--rank goes with --against-rank: give both, or use --ranks to filter")
-    if fmt == "parquet" and output is None:
-        raise CommandError("--format parquet writes a binary file: give --output FILE.parquet")
-    writer = None if fmt == "table" else _TableWriter(fmt, output)
+    schema = _table_schema() if fmt == "parquet" else None
+    writer = None if fmt == "table" else FrameWriter(fmt, output, schema=schema)
     try:
         result = diff_runs(
             run_a,
@@ -171,64 +168,14 @@ def render(result: DiffResult, *, top: int = 10) -> str:
     return "\n".join(lines) + "\n"
 
 
-class _TableWriter:
-    """Writes the diff table chunk by chunk, so memory stays bounded however long the runs."""
+def _table_schema() -> Any:
+    """The Arrow schema of the diff table (``--format parquet``)."""
+    import pyarrow as pa
 
-    def __init__(self, fmt: str, output: Path | None) -> None:
-        self.fmt = fmt
-        self.output = output
-        self.stream: IO[str] | None = None
-        self.parquet: Any = None
-        self.chunks = 0
+    from hooktrace.analyze.diff_compare import TABLE_DTYPES
 
-    def write(self, frame: pd.DataFrame) -> None:
-        if self.fmt == "parquet":
-            self._write_parquet(frame)
-        elif self.fmt == "csv":
-            self._text(frame.to_csv(index=False, header=self.chunks == 0))
-        elif len(frame):  # json: one array, one record per line
-            records = frame.to_json(orient="records", lines=True).strip().replace("\n", ",\n")
-            self._text(("[\n" if self.chunks == 0 else ",\n") + records)
-        else:
-            return
-        self.chunks += 1
-
-    def close(self) -> None:
-        if self.fmt == "json":
-            self._text("\n]\n" if self.chunks else "[]\n")
-        if self.fmt == "parquet" and self.parquet is None:
-            import pandas as pd
-
-            from hooktrace.analyze.diff_compare import TABLE_DTYPES
-
-            self._write_parquet(
-                pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
-            )
-        if self.parquet is not None:
-            self.parquet.close()
-        if self.stream is not None and self.output is not None:
-            self.stream.close()
-
-    def _text(self, text: str) -> None:
-        if self.output is None:
-            click.echo(text, nl=False)
-            return
-        if self.stream is None:
-            self.stream = self.output.open("w")
-        self.stream.write(text)
-
-    def _write_parquet(self, frame: pd.DataFrame) -> None:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from hooktrace.analyze.diff_compare import TABLE_DTYPES
-
-        types = {"int64": pa.int64(), "float64": pa.float64()}
-        schema = pa.schema([(c, types.get(t, pa.string())) for c, t in TABLE_DTYPES.items()])
-        if self.parquet is None:
-            assert self.output is not None
-            self.parquet = pq.ParquetWriter(self.output, schema)
-        self.parquet.write_table(pa.Table.from_pandas(frame, preserve_index=False).cast(schema))
+    types = {"int64": pa.int64(), "float64": pa.float64()}
+    return pa.schema([(c, types.get(t, pa.string())) for c, t in TABLE_DTYPES.items()])
 
 
 def _split(text: str | None, kind: Callable[[str], Any], option: str) -> list[Any] | None:
