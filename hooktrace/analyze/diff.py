@@ -13,7 +13,6 @@ runs); give a ``sink`` to receive each chunk's rows instead of keeping them, as 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +28,7 @@ from hooktrace.analyze.diff_compare import (
     compare,
 )
 from hooktrace.analyze.diff_result import Accumulator, DiffResult, Divergence, Structure
+from hooktrace.analyze.findings import module_pattern
 from hooktrace.errors import ConfigError, HooktraceError, TraceError
 from hooktrace.trace import schema
 from hooktrace.trace.reader import Trace, in_order, load
@@ -187,12 +187,7 @@ def _plan(
     steps asked for."""
     names: list[str] | None = None
     if isinstance(modules, str):
-        try:
-            pattern = re.compile(modules)
-        except re.error as exc:
-            raise ConfigError(
-                f"bad module pattern {modules!r}: {exc}; write a Python regex such as 'blocks\\.0'"
-            ) from exc
+        pattern = module_pattern(modules)
         found = _distinct_modules(trace, kinds, ranks)
         names = [m for m in found if pattern.search(m)]
     elif modules is not None:

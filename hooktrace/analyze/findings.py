@@ -17,6 +17,7 @@ Tables of findings come worst first: by severity, then grouped by kind (in the o
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from itertools import pairwise
@@ -163,6 +164,16 @@ def _checked(pair: tuple[int, int]) -> tuple[int, int]:
     if lo < 0 or hi < lo:
         raise ConfigError(f"bad step range {lo}-{hi}: steps count from 0 and a range goes upwards")
     return pair
+
+
+def module_pattern(text: str) -> re.Pattern[str]:
+    """``--modules REGEX``, compiled; a bad one is a ConfigError that says how to write it."""
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise ConfigError(
+            f"bad module pattern {text!r}: {exc}; write a Python regex such as 'blocks\\.0'"
+        ) from None
 
 
 def type_name(qualified: str) -> str:

@@ -31,14 +31,13 @@ memory stays bounded whatever the trace's size.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 import pandas as pd
 
-from hooktrace.analyze.findings import Finding, StepsSpec, step_filter
+from hooktrace.analyze.findings import Finding, StepsSpec, module_pattern, step_filter
 from hooktrace.errors import ConfigError, TraceError
 from hooktrace.trace.histograms import MAGNITUDE_BINS, bin_of_exponent
 from hooktrace.trace.reader import Trace, load
@@ -119,12 +118,7 @@ def precision(
 
 
 def _module_names(trace: Trace, pattern: str) -> list[str]:
-    try:
-        compiled = re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError(
-            f"bad module pattern {pattern!r}: {exc}; write a Python regex such as 'blocks\\.0'"
-        ) from exc
+    compiled = module_pattern(pattern)
     names: list[str] = sorted(set(trace.modules["module"].astype(str)))
     return [name for name in names if compiled.search(name)]
 

@@ -27,7 +27,6 @@ only once every event is written, so ``LOGDIR`` never holds half an export, nor 
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ import pandas as pd
 from hooktrace.analyze import export_dir
 from hooktrace.analyze import tensorboard_events as tb
 from hooktrace.analyze import tensorboard_text as text
-from hooktrace.analyze.findings import StepsSpec, step_chunks, step_filter, strings
+from hooktrace.analyze.findings import StepsSpec, module_pattern, step_chunks, step_filter, strings
 from hooktrace.errors import ConfigError, HooktraceError
 from hooktrace.trace import schema
 from hooktrace.trace.reader import Trace, load
@@ -403,12 +402,7 @@ def _module_filter(modules: str | Iterable[str] | None) -> Callable[[str], bool]
     if modules is None:
         return None
     if isinstance(modules, str):
-        try:
-            pattern = re.compile(modules)
-        except re.error as exc:
-            raise ConfigError(
-                f"bad module pattern {modules!r}: {exc}; write a Python regex such as 'blocks\\.0'"
-            ) from None
+        pattern = module_pattern(modules)
         return lambda name: pattern.search(name) is not None
     names = {str(m) for m in modules}
     return lambda name: name in names
