@@ -59,6 +59,7 @@ from models import default_loss, make_batch, make_model
 
 import hooktrace
 from hooktrace.recorder import omp
+from hooktrace.recorder import stats as stats_module
 from hooktrace.recorder.stats import route_taken
 
 Variant = Callable[[nn.Module, Path], contextlib.AbstractContextManager[object]]
@@ -166,6 +167,31 @@ def onethread(model: nn.Module, out: Path) -> Iterator[None]:
         omp.threads = threads
 
 
+@contextlib.contextmanager
+def eager(model: nn.Module, out: Path) -> Iterator[None]:
+    """stats without numba: small CPU tensors staged and summarised by numpy in the writer,
+    larger ones by torch's reductions in the hook, histograms by numpy."""
+    taken = stats_module._route
+    stats_module._route = stats_module.Route("eager (benchmark)", 0.0, None)
+    try:
+        with hooktrace.record(model, out / "run", overwrite=True):
+            yield
+    finally:
+        stats_module._route = taken
+
+
+@contextlib.contextmanager
+def torchonly(model: nn.Module, out: Path) -> Iterator[None]:
+    """eager, and no staging: every CPU tensor summarised by torch's reductions in the hook."""
+    staged_max = stats_module.STAGED_MAX_VALUES
+    stats_module.STAGED_MAX_VALUES = 0
+    try:
+        with eager(model, out):
+            yield
+    finally:
+        stats_module.STAGED_MAX_VALUES = staged_max
+
+
 VARIANTS: dict[str, Variant] = {
     "plain": plain,
     "empty": empty,
@@ -177,6 +203,8 @@ VARIANTS: dict[str, Variant] = {
     "full": full,
     "bystander": bystander,
     "onethread": onethread,
+    "eager": eager,
+    "torchonly": torchonly,
 }
 REFERENCE_MODELS = ["SmallCNN", "TinyTransformer"]  # issue 8's two, in tests/models.py
 DEFAULT = ["plain", "empty", "floor", "naive", "stats", "nocapture", "nohist", "full", "bystander"]
@@ -273,7 +301,7 @@ def report(name: str, times: dict[str, list[tuple[float, float]]], seconds: floa
             f"  {label:<10} {median(label) * 1e3:9.2f} {median(label) / base:8.2f} {share:26.2f}"
             f" {median(label, 1):17.0f} {statistics.median(ratios):12.2f} ({q1:.2f} to {q3:.2f})"
         )
-    for other in ("onethread", "nocapture", "nohist"):
+    for other in ("onethread", "nocapture", "nohist", "eager", "torchonly"):
         if "stats" in times and other in times:  # the same repetition, side by side
             pairs = sorted(a[0] / b[0] for a, b in zip(times["stats"], times[other], strict=True))
             q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
