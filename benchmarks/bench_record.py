@@ -192,6 +192,51 @@ def torchonly(model: nn.Module, out: Path) -> Iterator[None]:
         stats_module.STAGED_MAX_VALUES = staged_max
 
 
+@contextlib.contextmanager
+def patched(*patches: tuple[object, str, object]) -> Iterator[None]:
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def smallstaged(model: nn.Module, out: Path) -> Iterator[None]:
+    """stats with the one-pass kernel for large CPU tensors only: small tensors staged and
+    summarised by numpy in the writer (not read in place), histograms by their kernel."""
+    from hooktrace.recorder import histogram, histogram_kernel, params, pending
+    from hooktrace.recorder import recorder as recorder_module
+
+    histogram_kernel.warm_up()
+    none = lambda: None  # noqa: E731
+    with (
+        patched(
+            (pending, "compiled_kernels", none),
+            (params, "compiled_kernels", none),
+            (recorder_module, "compiled_kernels", none),
+            (histogram, "_kernels", lambda: histogram_kernel),
+        ),
+        hooktrace.record(model, out / "run", overwrite=True),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def histnumpy(model: nn.Module, out: Path) -> Iterator[None]:
+    """stats with histograms counted by numpy instead of their compiled kernel."""
+    from hooktrace.recorder import histogram
+
+    with (
+        patched((histogram, "_kernels", lambda: None)),
+        hooktrace.record(model, out / "run", overwrite=True),
+    ):
+        yield
+
+
 VARIANTS: dict[str, Variant] = {
     "plain": plain,
     "empty": empty,
@@ -205,6 +250,8 @@ VARIANTS: dict[str, Variant] = {
     "onethread": onethread,
     "eager": eager,
     "torchonly": torchonly,
+    "smallstaged": smallstaged,
+    "histnumpy": histnumpy,
 }
 REFERENCE_MODELS = ["SmallCNN", "TinyTransformer"]  # issue 8's two, in tests/models.py
 DEFAULT = ["plain", "empty", "floor", "naive", "stats", "nocapture", "nohist", "full", "bystander"]
@@ -301,7 +348,15 @@ def report(name: str, times: dict[str, list[tuple[float, float]]], seconds: floa
             f"  {label:<10} {median(label) * 1e3:9.2f} {median(label) / base:8.2f} {share:26.2f}"
             f" {median(label, 1):17.0f} {statistics.median(ratios):12.2f} ({q1:.2f} to {q3:.2f})"
         )
-    for other in ("onethread", "nocapture", "nohist", "eager", "torchonly"):
+    for other in (
+        "onethread",
+        "nocapture",
+        "nohist",
+        "eager",
+        "torchonly",
+        "smallstaged",
+        "histnumpy",
+    ):
         if "stats" in times and other in times:  # the same repetition, side by side
             pairs = sorted(a[0] / b[0] for a, b in zip(times["stats"], times[other], strict=True))
             q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) > 1 else pairs * 3
