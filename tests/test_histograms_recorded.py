@@ -528,8 +528,8 @@ def test_a_histogram_that_fails_costs_itself_only(
 ) -> None:
     """Found in review: a histogram that raised stopped the recording (in a hook) or lost the
     whole step, statistics included (in the writer). Histograms are the optional part."""
+    from hooktrace.recorder import observe as recorder_module
     from hooktrace.recorder import pending
-    from hooktrace.recorder import recorder as recorder_module
 
     def broken(*args: object, **kwargs: object) -> object:
         raise RuntimeError("no histogram today")

@@ -493,8 +493,8 @@ def test_a_step_materialises_the_same_with_and_without_the_writers_kernel(
 ) -> None:
     """A real training step's small tensors, taken once by the kernel (this process took
     the one-pass route) and once by numpy: the same statistics and activity, bit for bit."""
+    from hooktrace.recorder import observe as recorder_module
     from hooktrace.recorder import pending
-    from hooktrace.recorder import recorder as recorder_module
 
     # hooks stage their small tensors (as before numba loads), to be taken by the writer
     monkeypatch.setattr(recorder_module, "compiled_kernels", lambda: None)
@@ -542,7 +542,7 @@ def test_small_outputs_read_in_place_are_recorded_as_staged_ones(
     recorded both ways (staged, the writer takes them with numpy): every record and every
     activity count equal, bit for bit."""
     from hooktrace.recorder import kernel, pending
-    from hooktrace.recorder import recorder as recorder_module
+    from hooktrace.recorder import observe as recorder_module
 
     route()
     read: list[int] = []

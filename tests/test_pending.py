@@ -97,8 +97,8 @@ def test_a_recording_reuses_its_staging_buffers(
     """Before numba loads, the reference CNN stages about forty small tensors a step
     (parameters, gradients, buffers, the head's activations): one buffer a step, given back
     and taken again. (Once it has loaded, most of them are read in place.)"""
+    from hooktrace.recorder import observe as recorder_module
     from hooktrace.recorder import params
-    from hooktrace.recorder import recorder as recorder_module
 
     monkeypatch.setattr(params, "compiled_kernels", lambda: None)
     monkeypatch.setattr(recorder_module, "compiled_kernels", lambda: None)

@@ -639,7 +639,7 @@ def test_a_tensor_seen_again_after_an_in_place_change_keeps_the_others_remembere
     """The hooks remember the last few tensors they summarised (a container's output is its
     last child's). A tensor changed in place and seen again is summarised again, and takes
     the newest place: it must not push out another tensor, nor be the next one dropped."""
-    from hooktrace.recorder import recorder as recorder_module
+    from hooktrace.recorder import observe as recorder_module
 
     summarised: list[int] = []
     real = recorder_module.summarize_with_activity
@@ -740,7 +740,7 @@ def test_a_tensor_returned_by_several_modules_takes_one_gradient_hook(run_dir: P
 def test_gradient_hook_handles_stay_bounded_and_live_ones_are_removed(run_dir: Path) -> None:
     """Each step hooks its outputs' gradients. The handles of graphs that are gone are dropped
     now and then, not kept for ever; a tensor the user keeps has its hook removed at the end."""
-    from hooktrace.recorder.recorder import _PRUNE_AT
+    from hooktrace.recorder.calls import _PRUNE_AT
 
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
     opt = torch.optim.SGD(model.parameters(), lr=0.0)

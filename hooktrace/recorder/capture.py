@@ -23,20 +23,21 @@ module, under a dispatch mode that names the first aten operation to make a non-
 (:mod:`hooktrace.recorder.first_nonfinite`), with the RNG forked and the process-wide module
 hooks set aside, so the user's run goes on exactly as it would have. The answer is stored in
 the capture (:mod:`hooktrace.trace.captures`), where the analyzer reads it without torch.
+Turning a capture's tensors into arrays, up to the size limit, and writing it, is
+:mod:`hooktrace.recorder.capture_store`'s.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from hooktrace.recorder.capture_store import save, state
 from hooktrace.recorder.finite import (
     any_nonfinite,
     autocast_now,
@@ -51,10 +52,9 @@ from hooktrace.recorder.first_nonfinite import (
     run_forward,
 )
 from hooktrace.recorder.flatten import flatten_call
-from hooktrace.recorder.pending import to_numpy
 from hooktrace.recorder.rerun import Call, RootCall, no_module_hooks, replica
 from hooktrace.trace import schema
-from hooktrace.trace.captures import CAPTURES_DIR, write_capture
+from hooktrace.trace.captures import CAPTURES_DIR
 
 DEFAULT_LIMIT = 3
 """Captures a run keeps at most, by default: the first origin, and a couple more (a mixed
@@ -210,7 +210,7 @@ class Captures:
         tensors = {
             "inputs": inputs,
             "outputs": outputs,
-            "state": _state(module),
+            "state": state(module),
         }
         spec = self._call_spec(module, args, kwargs)
         finding = _on_replica(module, args, kwargs, grad=False, run=run_forward)
@@ -316,7 +316,7 @@ class Captures:
         tensors = {
             "inputs": call.inputs(),
             "grad_outputs": list(call.grad_outputs.items()),
-            "state": _state(module),
+            "state": state(module),
         }
         spec = self._call_spec(module, call.args, call.kwargs)
         self._captured_pass = True
@@ -355,8 +355,7 @@ class Captures:
     ) -> None:
         index = self.taken  # a failed capture writes no file
         self._captured_step = True
-        stored, left_out = self._arrays(tensors)
-        meta = {
+        head = {
             "rank": self.rank,
             "capture": index,
             **where,
@@ -365,12 +364,8 @@ class Captures:
             "module_type": f"{type(module).__module__}.{type(module).__qualname__}",
             "trigger": trigger,
             "call_spec": spec,
-            "left_out": left_out,
-            "max_mb": self.max_bytes / (1 << 20),
-            "time": time.time(),
-            "analysis": finding.as_dict(),
         }
-        write_capture(self.directory, index, meta, stored)
+        save(self.directory, index, head, tensors, finding, max_bytes=self.max_bytes)
         self.taken += 1
 
     def failure(self, exc: BaseException, where: str, at: Mapping[str, Any]) -> None:
@@ -382,32 +377,6 @@ class Captures:
             f"hooktrace: could not capture the non-finite value in {where} at step "
             f"{at.get('step')}: {type(exc).__name__}: {exc}; the recording goes on"
         )
-
-    def _arrays(
-        self, tensors: dict[str, list[tuple[str, torch.Tensor]]]
-    ) -> tuple[dict[str, list[tuple[str, np.ndarray, str]]], list[dict[str, Any]]]:
-        """The tensors as numpy, in group order, until the size limit: the rest are named in
-        ``left_out`` with their shapes and dtypes."""
-        stored: dict[str, list[tuple[str, np.ndarray, str]]] = {}
-        left_out: list[dict[str, Any]] = []
-        budget = self.max_bytes
-        for group, items in tensors.items():
-            kept = stored.setdefault(group, [])
-            for name, tensor in items:
-                nbytes = tensor.numel() * tensor.element_size()
-                entry = {"group": group, "name": name, "shape": list(tensor.shape),
-                         "dtype": str(tensor.dtype)[6:], "bytes": nbytes}  # fmt: skip
-                if nbytes > budget:
-                    left_out.append({**entry, "why": "over the capture's size limit"})
-                    continue
-                try:
-                    array, dtype = to_numpy(_dense_on_host(tensor))
-                except Exception as exc:
-                    left_out.append({**entry, "why": f"not saved ({type(exc).__name__}: {exc})"})
-                    continue
-                budget -= nbytes
-                kept.append((name, array, dtype))
-        return stored, left_out
 
 
 def _on_replica(
@@ -428,16 +397,3 @@ def _on_replica(
             return run(replica(module), run_args, run_kwargs)
     except Exception as exc:
         return Finding("failed", message=f"{type(exc).__name__}: {exc}")
-
-
-def _state(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    state: list[tuple[str, torch.Tensor]] = list(module.named_parameters())
-    state += [(name, b) for name, b in module.named_buffers() if b is not None]
-    return [(name, t.detach()) for name, t in state]
-
-
-def _dense_on_host(tensor: torch.Tensor) -> torch.Tensor:
-    t = tensor.detach()
-    if t.layout != torch.strided:
-        t = t.to_dense()
-    return t.cpu()

@@ -25,7 +25,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hooktrace.recorder import attach
-from hooktrace.recorder.recorder import Recorder, unwrap
+from hooktrace.recorder.names import unwrap
+from hooktrace.recorder.recorder import Recorder
 
 
 class ScriptRecorder(Recorder):
@@ -48,11 +49,11 @@ class ScriptRecorder(Recorder):
     def _install(self) -> None:
         super()._install()
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_stepping))
-        self._patch(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
+        self._patches.patch(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
         # an optimizer unpickled or deep-copied is made by __setstate__, not __init__
-        self._patch(torch.optim.Optimizer, "__setstate__", self._wrap_optimizer_init)
-        self._patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
-        self._patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
+        self._patches.patch(torch.optim.Optimizer, "__setstate__", self._wrap_optimizer_init)
+        self._patches.patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
+        self._patches.patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
 
     def _wrap_module_compile(self, original: Callable[..., None]) -> Callable[..., None]:
         recorded = super()._wrap_module_compile(original)
@@ -61,7 +62,7 @@ class ScriptRecorder(Recorder):
             recorded(module, *args, **kwargs)
             if self._active and self._table.get(module) is None:
                 with self._lock:  # not yet found: its first call will find it
-                    self._watch_compiled(module)
+                    self._patches.watch_compiled(module, self)
 
         return compile
 
@@ -78,7 +79,7 @@ class ScriptRecorder(Recorder):
         self._depth += 1
         if self._depth == 1 and self._active:
             try:
-                if id(module) not in self._known and id(module) not in self._wrapper_ids:
+                if id(module) not in self._names.known and id(module) not in self._wrapper_ids:
                     self._discover_root(module)
                 if id(module) in self._model_ids:
                     # inference (no backward pass, no optimizer): each model forward is a
@@ -98,7 +99,7 @@ class ScriptRecorder(Recorder):
 
     def _discover_root(self, module: nn.Module) -> None:
         inner, _ = unwrap(module)
-        if id(inner) in self._known:
+        if id(inner) in self._names.known:
             return
         hooked = self._discover(module, inner)
         if any(True for _ in inner.parameters()):
@@ -133,7 +134,9 @@ class ScriptRecorder(Recorder):
 
     def _optimizer_holds_ours(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(
-            id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]
+            id(p) in self._names.param_ids
+            for group in optimizer.param_groups
+            for p in group["params"]
         )
 
     def _inference_mode(self) -> bool:

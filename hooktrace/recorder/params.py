@@ -14,15 +14,19 @@ name is gone, the tensor found at the start is recorded: pruning
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
-from hooktrace.recorder.pending import Meta, Staged, Staging, compiled_kernels
-from hooktrace.recorder.stats import shape_of, stageable
+from hooktrace.recorder.pending import Meta, PendingStep, Staged, Staging, compiled_kernels
+from hooktrace.recorder.stats import shape_of, stageable, usual
+
+if TYPE_CHECKING:
+    from hooktrace.recorder.observe import Histograms
 
 
 class Entry(NamedTuple):
@@ -156,3 +160,67 @@ class RecordsCache:
         if key is not None:
             self._built[kind] = (key, records)
         return records
+
+
+def queue_records(
+    kind: str,
+    entries: Sequence[Entry],
+    cache: RecordsCache,
+    pending: PendingStep,
+    *,
+    phase: str,
+    micro_step: int,
+    saved_whole: Collection[str],
+    histograms: Histograms | None,
+    observe: Callable[..., Any],
+) -> None:
+    """Queue one record per entry into ``pending``, in order: the staged and the in-place
+    ones together, the ``observed`` ones through ``observe`` (the hook's route, which saves
+    those of ``saved_whole`` modules). ``histograms``: None where ``kind`` takes none this
+    step (histograms queued after the records: an interrupt between leaves none pointing
+    past them)."""
+    values = values_of(entries, kind)
+    records = cache.records(
+        entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
+    )
+    stats = records.stage(values, pending.staging)
+    first_row = len(pending.meta)
+    wanted = histograms is not None
+    batched = {i for i in records.observed if wanted and _plain_cpu(values[i])}
+    done = 0
+    for i in records.observed:
+        pending.meta.extend(records.metas[done:i])
+        pending.stats.extend(stats[done:i])
+        module, slot, *_ = entries[i]
+        full = module in saved_whole
+        observe(module, 0, kind, slot, values[i], phase=phase, full=full, units=False,
+                histogram=i not in batched)  # fmt: skip
+        done = i + 1
+    pending.meta.extend(records.metas[done:])
+    pending.stats.extend(stats[done:])
+    if histograms is not None:
+        _queue_histograms(pending, first_row, values, stats, sorted(batched), histograms)
+
+
+def _queue_histograms(
+    pending: PendingStep,
+    first_row: int,
+    values: Sequence[torch.Tensor | None],
+    stats: Sequence[Any],
+    batched: Sequence[int],
+    histograms: Histograms,
+) -> None:
+    """The histograms of a kind's values, entry ``i`` being row ``first_row + i``: those
+    staged, from their copies, in the writer; those read in place and the ``batched``
+    ones (plain CPU tensors observed one by one), now, in one call. The hook's route made
+    the other observed ones' (on a device, or not plain tensors)."""
+    now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + list(batched))
+    counts = histograms.many([values[i] for i in now]) if now else None
+    if counts is not None:
+        pending.histograms.extend((first_row + i, c) for i, c in zip(now, counts, strict=True))
+    pending.histograms.extend((first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged)
+
+
+def _plain_cpu(value: torch.Tensor | None) -> bool:
+    """A value whose record the hook's route makes as it is (no unusual route) on the CPU."""
+    return value is not None and usual(value) and value.is_cpu

@@ -43,7 +43,8 @@ from torch import nn
 
 from hooktrace.errors import ConfigError, RecordingError, TensorNotRecorded
 from hooktrace.recorder.flatten import rebuild_call
-from hooktrace.recorder.recorder import active_recorder, unwrap
+from hooktrace.recorder.names import unwrap
+from hooktrace.recorder.recorder import active_recorder
 from hooktrace.recorder.replay_capture import CaptureReplay, replay_capture
 from hooktrace.recorder.replay_compare import compare, to_torch
 from hooktrace.trace.reader import Trace, load

@@ -140,3 +140,36 @@ def histogram_kinds(kinds: Collection[str] | str | None) -> frozenset[str]:
             f"{', '.join(schema.KINDS)}, or none"
         )
     return chosen
+
+
+class Sampling:
+    """What each step records: whether it is recorded at all, whether its chosen modules'
+    tensors are saved whole (a full step), and which kinds take a histogram."""
+
+    def __init__(
+        self,
+        *,
+        every: int,
+        steps: StepSpec,
+        full_every: int | None,
+        full_steps: StepSpec,
+        full_modules: ModuleFilter,
+        histograms: Collection[str] | None,
+        histogram_every: int,
+    ) -> None:
+        self.steps = StepSelection(steps, every=every)
+        self.histogram_kinds = histogram_kinds(histograms)
+        if histogram_every < 1:
+            raise ConfigError(f"histogram_every must be 1 or more (got {histogram_every})")
+        self.histogram_every = histogram_every
+        full_wanted = full_every is not None or full_steps is not None or full_modules is not None
+        self.full_steps = StepSelection(full_steps, every=full_every or 1) if full_wanted else None
+
+    def recorded(self, step: int) -> bool:
+        return step in self.steps
+
+    def full(self, step: int) -> bool:
+        return self.full_steps is not None and step in self.full_steps
+
+    def histograms(self, step: int) -> frozenset[str]:
+        return self.histogram_kinds if step % self.histogram_every == 0 else frozenset()
