@@ -255,6 +255,39 @@ def test_record_command_says_where_the_nan_began_and_takes_the_options(tmp_path:
     assert hooktrace.load(tmp_path / "off").nonfinite_captures().empty
 
 
+@pytest.mark.parametrize("name", sorted(planted.CASES))
+def test_the_record_command_captures_each_planted_fault_as_the_library_does(
+    name: str, tmp_path: Path
+):
+    """``hooktrace record`` finds the model and its optimizer itself (ScriptRecorder): its
+    captures must be the library's, the origins found at the optimizer step included (a
+    parameter's gradient non-finite on its own: ``sqrt_param``, ``sqrt_second_call``). It
+    once replaced that check instead of extending it, and captured neither."""
+    want = planted.CASES[name][2]
+    scale = planted.CASES[name][1]
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(Path(__file__).parent)!r})
+            import planted
+            planted.train(planted.make({name!r}), 3, scale={scale!r})
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "hooktrace", "record", "-o", str(tmp_path / "run"), str(script)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"began at step 0 in {want.module} ({want.pass_})" in done.stderr
+    row = hooktrace.load(tmp_path / "run").nonfinite_captures().iloc[0]
+    assert (row["module"], row["pass"], row["op"]) == (want.module, want.pass_, want.op)
+    assert row["line"] == want.line
+
+
 @pytest.mark.parametrize(("name", "seen"), [("log", True), ("healthy", False)])
 def test_the_writer_tells_when_a_step_held_a_nonfinite_value(name: str, seen: bool, tmp_path: Path):
     """What arms the checks that wait for a GPU (docs/PERFORMANCE.md): the writer's copy of

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from hooktrace.recorder import attach
 from hooktrace.recorder.names import unwrap
@@ -48,7 +47,6 @@ class ScriptRecorder(Recorder):
 
     def _install(self) -> None:
         super()._install()
-        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_stepping))
         self._patches.patch(torch.optim.Optimizer, "__init__", self._wrap_optimizer_init)
         # an optimizer unpickled or deep-copied is made by __setstate__, not __init__
         self._patches.patch(torch.optim.Optimizer, "__setstate__", self._wrap_optimizer_init)
@@ -145,6 +143,7 @@ class ScriptRecorder(Recorder):
     def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._in_optimizer_step = True
         self._optimizers.add(optimizer)  # however it was made
+        super()._optimizer_stepping(optimizer, args, kwargs)
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._in_optimizer_step = False
