@@ -205,27 +205,6 @@ def patched(*patches: tuple[object, str, object]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def smallstaged(model: nn.Module, out: Path) -> Iterator[None]:
-    """stats with the one-pass kernel for large CPU tensors only: small tensors staged and
-    summarised by numpy in the writer (not read in place), histograms by their kernel."""
-    from hooktrace.recorder import histogram, histogram_kernel, params, pending
-    from hooktrace.recorder import recorder as recorder_module
-
-    histogram_kernel.warm_up()
-    none = lambda: None  # noqa: E731
-    with (
-        patched(
-            (pending, "compiled_kernels", none),
-            (params, "compiled_kernels", none),
-            (recorder_module, "compiled_kernels", none),
-            (histogram, "_kernels", lambda: histogram_kernel),
-        ),
-        hooktrace.record(model, out / "run", overwrite=True),
-    ):
-        yield
-
-
-@contextlib.contextmanager
 def histnumpy(model: nn.Module, out: Path) -> Iterator[None]:
     """stats with histograms counted by numpy instead of their compiled kernel."""
     from hooktrace.recorder import histogram
@@ -250,7 +229,6 @@ VARIANTS: dict[str, Variant] = {
     "onethread": onethread,
     "eager": eager,
     "torchonly": torchonly,
-    "smallstaged": smallstaged,
     "histnumpy": histnumpy,
 }
 REFERENCE_MODELS = ["SmallCNN", "TinyTransformer"]  # issue 8's two, in tests/models.py

@@ -23,7 +23,8 @@ default, every step), side by side with the statistics of the same tensors:
   torch route   the same counts by torch (frexp, where, bincount): the route of tensors on
                 other devices, and the CPU's before the two above
   statistics    what the recorder computes for those tensors anyway: ``summarize_with_activity``
-                for an activation, ``kernel.summarize_tensors`` for parameters and gradients
+                for an activation; for parameters and gradients, the small ones staged and
+                summarised together by numpy (``summarize_staged``), the others by the kernel
 
 with the histogram kernels' warm-up, cold and from numba's cache. With ``--inductor`` it also times single functions compiled by
 torch.compile (inductor, dynamic shapes) that compute the same sums, extremes, zero count
@@ -49,8 +50,15 @@ from typing import Any
 
 import torch
 
-from hooktrace.recorder import histogram, kernel, omp, pending
-from hooktrace.recorder.stats import activity, route, summarize, summarize_with_activity
+from hooktrace.recorder import histogram, omp, pending
+from hooktrace.recorder.stats import (
+    activity,
+    route,
+    stageable,
+    summarize,
+    summarize_staged,
+    summarize_with_activity,
+)
 from hooktrace.trace.histograms import reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -142,12 +150,24 @@ def histogram_warmup_seconds() -> tuple[float, float]:
 
 def without_numba(tensors: list[torch.Tensor]) -> None:
     """``histogram_many`` as it runs before numba is loaded: numpy, tensor by tensor."""
-    compiled_kernels = pending.compiled_kernels
-    pending.compiled_kernels = lambda: None  # what histogram asks before it picks a route
+    loaded = histogram.numba_loaded
+    histogram.numba_loaded = lambda: False  # what histogram asks before it picks a route
     try:
         histogram.histogram_many(tensors)
     finally:
-        pending.compiled_kernels = compiled_kernels
+        histogram.numba_loaded = loaded
+
+
+def parameter_statistics(tensors: list[torch.Tensor]) -> None:
+    """What the recorder does for a kind's values: the small ones staged (one copy) and
+    summarised together by numpy, the others by the one-pass kernel."""
+    small = [t for t in tensors if stageable(t)]
+    staging = pending.Staging()
+    staging.add_many(small)
+    summarize_staged(staging.values(), staging.lengths_array())
+    for t in tensors:
+        if not stageable(t):
+            summarize_with_activity(t, None)
 
 
 def torch_route(tensors: list[torch.Tensor]) -> None:
@@ -191,7 +211,7 @@ def compare_histograms(reps: int) -> None:
     for name in ("SmallCNN", "TinyTransformer"):
         tensors = parameters_and_gradients(name)
         label = f"{name} params+grads ({len(tensors)})"
-        cases.append((label, tensors, lambda t=tensors: kernel.summarize_tensors(t)))
+        cases.append((label, tensors, lambda t=tensors: parameter_statistics(t)))
     for label, tensors, stats in cases:
         rows = histogram.histogram_many(tensors)
         for row, t in zip(rows, tensors, strict=True):  # the figures are of right answers

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hooktrace.recorder import histogram as histogram_module
-from hooktrace.recorder import histogram_kernel, pending
+from hooktrace.recorder import histogram_kernel
 from hooktrace.recorder.histogram import (
     _histogram_torch,
     histogram,
@@ -55,11 +55,10 @@ def on_route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     here, not hide behind the other route). ``numpy``: as before that, or without numba."""
     if request.param == "compiled":
         assert route().one_pass is not None, route().description
-        assert pending.compiled_kernels() is not None
         histogram_module.warm_up()  # else they load in the background, numpy counting meanwhile
         assert histogram_module._kernels() is histogram_kernel
     else:
-        monkeypatch.setattr(pending, "compiled_kernels", lambda: None)
+        monkeypatch.setattr(histogram_module, "numba_loaded", lambda: False)
     yield request.param
 
 
@@ -351,7 +350,7 @@ def _routes_agree(make: Callable[[], list[torch.Tensor]], monkeypatch: pytest.Mo
     tensors = make()
     assert route().one_pass is not None
     compiled = histogram_many(tensors)
-    monkeypatch.setattr(pending, "compiled_kernels", lambda: None)
+    monkeypatch.setattr(histogram_module, "numba_loaded", lambda: False)
     assert histogram_many(tensors).tolist() == compiled.tolist()
 
 

@@ -7,7 +7,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from models import default_loss, make_batch, make_model
 
@@ -91,17 +90,9 @@ def test_a_step_counts_its_whole_buffer_against_the_writers_memory_bound() -> No
     assert step.staging.nbytes == 1024 * 8  # the buffer held, not the 8 bytes staged
 
 
-def test_a_recording_reuses_its_staging_buffers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Before numba loads, the reference CNN stages about forty small tensors a step
-    (parameters, gradients, buffers, the head's activations): one buffer a step, given back
-    and taken again. (Once it has loaded, most of them are read in place.)"""
-    from hooktrace.recorder import observe as recorder_module
-    from hooktrace.recorder import params
-
-    monkeypatch.setattr(params, "compiled_kernels", lambda: None)
-    monkeypatch.setattr(recorder_module, "compiled_kernels", lambda: None)
+def test_a_recording_reuses_its_staging_buffers(tmp_path: Path) -> None:
+    """The reference CNN stages about forty small tensors a step (parameters, gradients,
+    buffers, the head's activations): one buffer a step, given back and taken again."""
     torch.manual_seed(0)
     model = make_model("SmallCNN")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

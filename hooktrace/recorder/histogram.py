@@ -7,7 +7,7 @@ are histogrammed there, from their float64 copies (:func:`histogram_staged`).
 
 On the CPU, a value's bin is read off its bits (:mod:`hooktrace.recorder.histogram_bits`):
 once the recorder has loaded numba for its statistics
-(:func:`hooktrace.recorder.pending.compiled_kernels`), by a compiled kernel that reads each
+(:func:`hooktrace.recorder.stats.numba_loaded`), by a compiled kernel that reads each
 value once (:mod:`hooktrace.recorder.histogram_kernel`), float32, float64, float16 and
 bfloat16 tensors where they lie, a list of them in one call; before that, or without numba,
 by numpy, in a few passes. Integers and bool are binned as their float64 values. On other
@@ -32,6 +32,7 @@ from hooktrace.recorder.histogram_bits import (
     counts,
     flushes_denormals,
 )
+from hooktrace.recorder.stats import numba_loaded
 from hooktrace.trace.histograms import (
     EXPONENT_MIN,
     MAGNITUDE_BINS,
@@ -94,9 +95,7 @@ def histogram_staged(values: np.ndarray, bounds: np.ndarray, positions: list[int
 def warm_up() -> None:
     """Compile the histogram kernels now (or load them from numba's cache), in this thread,
     if numba is loaded; :func:`_kernels` otherwise does it in the background."""
-    from hooktrace.recorder.pending import compiled_kernels  # pending may import this module
-
-    if compiled_kernels() is not None:
+    if numba_loaded():
         _load()
 
 
@@ -108,13 +107,11 @@ _started = False
 def _kernels() -> ModuleType | None:
     """The compiled kernels' module once they are ready; until then None, and numpy counts
     the same. They are made ready in a thread of their own, started once numba is loaded
-    (:func:`hooktrace.recorder.pending.compiled_kernels`): compiling them takes some 12 s
+    (:func:`hooktrace.recorder.stats.numba_loaded`): compiling them takes some 12 s
     on a machine where numba's cache does not hold them yet (0.1 s where it does), which no
     training step should wait for."""
     global _started
-    from hooktrace.recorder.pending import compiled_kernels  # pending may import this module
-
-    if compiled_kernels() is None:
+    if not numba_loaded():
         return None
     if _loaded is not None or _started:
         return _loaded

@@ -24,7 +24,7 @@ import torch
 
 from hooktrace.recorder.histogram import histogram as histogram_of
 from hooktrace.recorder.histogram import histogram_many
-from hooktrace.recorder.pending import Meta, PendingStep, Staged, StagedUnits, compiled_kernels
+from hooktrace.recorder.pending import Meta, PendingStep, Staged, StagedUnits
 from hooktrace.recorder.stats import (
     nested_values,
     plain,
@@ -124,16 +124,12 @@ class Observer:
                 dim = unit_dim(tensor, channels_first=channels_first)
                 if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
                     dim = None
+            stats: Any
             counts: torch.Tensor | np.ndarray | StagedUnits | None = None
-            if stageable(tensor):
-                kernels = compiled_kernels()
-                summed = kernels.summarize_in_place(tensor, dim) if kernels is not None else None
-                if summed is not None:  # now, as the writer would from a copy
-                    stats, counts = summed
-                else:  # summarised later, with the step's other small tensors
-                    stats = pending.stage(tensor)
-                    if dim is not None:
-                        counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
+            if stageable(tensor):  # summarised later, with the step's other small tensors
+                stats = pending.stage(tensor)
+                if dim is not None:
+                    counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
             else:
                 scratch = self._scratch_for(tensor)
                 stats, counts = summarize_with_activity(tensor, dim, scratch=scratch)

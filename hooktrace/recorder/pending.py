@@ -1,8 +1,7 @@
 """One step's observations, handed from the training thread to the writer thread.
 
 While hooks fire, the training thread appends to lists and copies small tensors' values into
-a reused buffer (:class:`Staging`), those it cannot read in place (before numba loads, or
-another dtype or layout: ``stats``). Everything else that costs time (the staged tensors'
+a reused buffer (:class:`Staging`: see ``stats``). Everything else that costs time (the staged tensors'
 statistics, stacking, the device-to-host copy, building columns) happens in
 :meth:`PendingStep.materialize`, which the writer thread calls.
 
@@ -29,7 +28,6 @@ from hooktrace.recorder.stats import (
     STATS_WIDTH,
     Stats,
     activity_staged,
-    route_taken,
     summarize_staged,
 )
 from hooktrace.trace.histograms import WIDTH as HISTOGRAM_WIDTH
@@ -375,12 +373,7 @@ class PendingStep:
         if computed:
             stats[computed_rows] = computed
         if staged_rows:
-            compiled = compiled_kernels()
-            values = self.staging.values()
-            if compiled is not None:
-                segments = compiled.summarize_segments(values, self.staging.bounds())
-            else:
-                segments = summarize_staged(values, self.staging.lengths_array())
+            segments = summarize_staged(self.staging.values(), self.staging.lengths_array())
             stats[staged_rows] = segments[positions]
         _wait_for_devices(on_device + [a for _, a in self.activity if isinstance(a, torch.Tensor)])
         if on_device:
@@ -446,35 +439,11 @@ class PendingStep:
         self, staged: list[tuple[int, StagedUnits]]
     ) -> list[tuple[int, np.ndarray]]:
         values, bounds = self.staging.values(), self.staging.bounds()
-        compiled = compiled_kernels()
-        if compiled is None:
-            spans = [(bounds[c.position], bounds[c.position + 1]) for _, c in staged]
-            return [
-                (row, activity_staged(values[lo:hi], c.shape, c.dim))
-                for (row, c), (lo, hi) in zip(staged, spans, strict=True)
-            ]
-        # each tensor as (first value, outer, units, inner): one call counts them all
-        segments = np.array(
-            [(bounds[c.position], *_around(c.shape, c.dim)) for _, c in staged], dtype=np.int64
-        )
-        merged = compiled.unit_counts(values, segments)
-        ends = np.cumsum(segments[:, 2]).tolist()
+        spans = [(bounds[c.position], bounds[c.position + 1]) for _, c in staged]
         return [
-            (row, merged[end - c.units : end]) for (row, c), end in zip(staged, ends, strict=True)
+            (row, activity_staged(values[lo:hi], c.shape, c.dim))
+            for (row, c), (lo, hi) in zip(staged, spans, strict=True)
         ]
-
-
-def compiled_kernels() -> Any:
-    """The compiled kernels for small tensors (:mod:`hooktrace.recorder.kernel`: staged
-    values, and parameters read in place) once this process took the one-pass route, else
-    None: importing numba is left to the first large CPU tensor. Their results equal
-    numpy's, so which one runs changes the time only."""
-    taken = route_taken()
-    if taken is None or taken.one_pass is None:
-        return None
-    from hooktrace.recorder import kernel
-
-    return kernel
 
 
 def _wait_for_devices(tensors: list[torch.Tensor]) -> None:
@@ -517,11 +486,6 @@ def _gather_ragged(
         pieces = [merged[bounds[k] : bounds[k + 1]] for k in range(len(indices))]
         out.append(([rows[i] for i in indices], pieces))
     return out
-
-
-def _around(shape: tuple[int, ...], dim: int) -> tuple[int, int, int]:
-    """(values before, units, values after) of ``shape`` around ``dim``."""
-    return _numel(shape[:dim]), shape[dim], _numel(shape[dim + 1 :])
 
 
 def _numel(shape: tuple[int, ...]) -> int:

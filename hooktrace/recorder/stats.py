@@ -3,12 +3,9 @@
 Small CPU tensors (at most ``STAGED_MAX_VALUES`` values) are not summarised in the hook:
 the hook copies their values aside (into a reused float64 buffer, ``pending.Staging``) and
 the writer thread summarises all of a step's small tensors together, in float64
-(:func:`summarize_staged`, or the same sums in one compiled call once numba is loaded:
-``kernel.summarize_segments``). For them, the fixed cost of a handful of reductions, each
-a dispatch and a ``.item()``, outweighed the work. Once numba is loaded, small contiguous
-float32, float64 and int64 tensors skip the copy: a compiled call reads them in place, with
-the same float64 sums and unit counts (``kernel.summarize_in_place``; the parameters,
-buffers and gradients of a step all in one call, ``kernel.summarize_tensors``).
+(:func:`summarize_staged`). For them, the fixed cost of a handful of reductions, each a
+dispatch and a ``.item()``, outweighed the work; reading them in place with compiled kernels
+instead saved nothing measurable (docs/PERFORMANCE.md, "tried and dropped").
 
 Larger contiguous CPU tensors with finite values take one pass for everything, the kernel
 compiled by numba in :mod:`hooktrace.recorder.kernel` (:func:`summarize_with_activity`).
@@ -270,6 +267,13 @@ def route() -> Route:
 def route_taken() -> Route | None:
     """The route if this process has summarised a large CPU tensor yet, else None."""
     return _route
+
+
+def numba_loaded() -> bool:
+    """Whether this process took the one-pass route, and so loaded numba: other compiled
+    kernels (the histograms') may then be loaded too. A run with no large CPU tensor (a GPU
+    model, a tiny one) never imports numba."""
+    return _route is not None and _route.one_pass is not None
 
 
 def _in_memory_order(x: torch.Tensor, dim: int | None) -> tuple[torch.Tensor, int | None]:
