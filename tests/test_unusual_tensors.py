@@ -1,5 +1,5 @@
 """Tensors hooktrace cannot summarise as they are: each costs its own record, never the
-recording (recorder.Recorder._observe_unusual, stats.unsupported)."""
+recording (observe.Observer._unusual, stats.unsupported)."""
 
 from __future__ import annotations
 

@@ -166,7 +166,6 @@ class Hooks:
                     self._record_params("buffer")
                 except Exception as exc:
                     self._fault(exc, "the parameters")
-        if self._root_depth == 0:
             self._captures.new_pass()
             if (
                 self._captures.armed
@@ -367,6 +366,6 @@ def call_spec(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any
 
 def _unseen() -> Any:
     """A tensor subclass's ``__torch_function__`` sees every attribute read and every
-    operation on its tensors: within this, the recorder's reach it not, so a script's
+    operation on its tensors: within this, the recorder's do not reach it, so a script's
     subclass cannot tell it is recorded."""
     return torch._C.DisableTorchFunctionSubclass()
