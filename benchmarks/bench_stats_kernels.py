@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from hooktrace.recorder import histogram, omp, pending
+from hooktrace.recorder import histogram, omp
+from hooktrace.recorder.staging import Staging
 from hooktrace.recorder.stats import (
     activity,
     route,
@@ -162,7 +163,7 @@ def parameter_statistics(tensors: list[torch.Tensor]) -> None:
     """What the recorder does for a kind's values: the small ones staged (one copy) and
     summarised together by numpy, the others by the one-pass kernel."""
     small = [t for t in tensors if stageable(t)]
-    staging = pending.Staging()
+    staging = Staging()
     staging.add_many(small)
     summarize_staged(staging.values(), staging.lengths_array())
     for t in tensors:

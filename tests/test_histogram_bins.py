@@ -23,7 +23,7 @@ from hooktrace.recorder.histogram import (
     histogram_many,
     histogram_staged,
 )
-from hooktrace.recorder.pending import Staging
+from hooktrace.recorder.staging import Staging
 from hooktrace.recorder.stats import route
 from hooktrace.trace.histograms import (
     MAGNITUDE_BINS,

@@ -11,7 +11,7 @@ from torch.nn.utils import prune
 
 import hooktrace
 from hooktrace.recorder.params import Entry, param_records
-from hooktrace.recorder.pending import Staged, Staging
+from hooktrace.recorder.staging import Staged, Staging
 
 
 def _entries(*names: str) -> list[Entry]:

@@ -11,7 +11,9 @@ import torch
 from models import default_loss, make_batch, make_model
 
 import hooktrace
-from hooktrace.recorder.pending import Layouts, Meta, PendingStep, Staging, StagingPool
+from hooktrace.recorder.layout import Layouts, Meta
+from hooktrace.recorder.pending import PendingStep
+from hooktrace.recorder.staging import Staging, StagingPool
 
 
 def _stage_all(step: PendingStep, tensors: list[torch.Tensor]) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hooktrace
-from hooktrace.recorder.pending import Staging
+from hooktrace.recorder.staging import Staging
 from hooktrace.recorder.stats import (
     STAGED_MAX_VALUES,
     activity,

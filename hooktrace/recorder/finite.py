@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from hooktrace.recorder.first_nonfinite import nonfinite_flags
-from hooktrace.recorder.pending import Staged
 from hooktrace.recorder.rerun import Call
+from hooktrace.recorder.staging import Staged
 from hooktrace.recorder.stats import usual
 
 _NAN, _INF = 6, 7  # columns of a statistics row

@@ -80,7 +80,7 @@ def histogram_many(tensors: list[torch.Tensor]) -> np.ndarray:
 def histogram_staged(values: np.ndarray, bounds: np.ndarray, positions: list[int]) -> np.ndarray:
     """The histograms of staged tensors, one row of ``WIDTH`` each: tensor ``p`` of
     ``positions`` is ``values[bounds[p]:bounds[p + 1]]`` (float64 copies, exact; ``bounds``
-    as :meth:`hooktrace.recorder.pending.Staging.bounds` gives them)."""
+    as :meth:`hooktrace.recorder.staging.Staging.bounds` gives them)."""
     kernels = _kernels()
     if kernels is not None:
         return kernels.histogram_segments(values, bounds, positions)

@@ -36,7 +36,8 @@ from hooktrace.recorder.flatten import describe_call, flatten, flatten_call
 from hooktrace.recorder.names import Names
 from hooktrace.recorder.observe import Observer
 from hooktrace.recorder.params import queue_records
-from hooktrace.recorder.pending import PendingStep, Staged
+from hooktrace.recorder.pending import PendingStep
+from hooktrace.recorder.staging import Staged
 
 
 class Hooks:

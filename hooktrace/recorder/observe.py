@@ -24,7 +24,9 @@ import torch
 
 from hooktrace.recorder.histogram import histogram as histogram_of
 from hooktrace.recorder.histogram import histogram_many
-from hooktrace.recorder.pending import Meta, PendingStep, Staged, StagedUnits
+from hooktrace.recorder.layout import Meta
+from hooktrace.recorder.pending import PendingStep
+from hooktrace.recorder.staging import Staged, StagedUnits
 from hooktrace.recorder.stats import (
     nested_values,
     plain,

@@ -22,7 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from hooktrace.recorder.pending import Meta, PendingStep, Staged, Staging
+from hooktrace.recorder.layout import Meta
+from hooktrace.recorder.pending import PendingStep
+from hooktrace.recorder.staging import Staged, Staging
 from hooktrace.recorder.stats import shape_of, stageable, usual
 
 if TYPE_CHECKING:

@@ -1,29 +1,24 @@
 """One step's observations, handed from the training thread to the writer thread.
 
-While hooks fire, the training thread appends to lists and copies small tensors' values into
-a reused buffer (:class:`Staging`: see ``stats``). Everything else that costs time (the staged tensors'
-statistics, stacking, the device-to-host copy, building columns) happens in
-:meth:`PendingStep.materialize`, which the writer thread calls.
-
-The writer's time is not free either: on a 2-core machine it runs beside the training's own
-second thread, and each millisecond it takes a step adds about a millisecond to the step. Most
-of what a step's records say (module, kind, slot, shape, ...) is the same from step to step,
-so those columns are built once per :class:`Layout` and shared; a step adds its values only.
+While hooks fire, the training thread appends to the lists of a :class:`PendingStep` and
+copies small tensors' values aside (:mod:`hooktrace.recorder.staging`). Everything else that
+costs time (the staged tensors' statistics, stacking, the device-to-host copy, building
+columns: :mod:`hooktrace.recorder.layout`) happens in :meth:`PendingStep.materialize`, which
+the writer thread calls.
 """
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
-from torch._utils import _flatten_dense_tensors
 
 from hooktrace.recorder.histogram import histogram_staged
+from hooktrace.recorder.layout import Layout, Layouts, Meta, dtype_name
+from hooktrace.recorder.staging import Staged, StagedUnits, Staging
 from hooktrace.recorder.stats import (
     STATS_WIDTH,
     Stats,
@@ -31,233 +26,7 @@ from hooktrace.recorder.stats import (
     summarize_staged,
 )
 from hooktrace.trace.histograms import WIDTH as HISTOGRAM_WIDTH
-from hooktrace.trace.schema import NO_GRADIENT_DTYPE, NOTE_SKIPPED, RECORD_SCHEMA
-from hooktrace.trace.writer import HOLD_STEPS, StepData, arrow_strings
-
-
-class Meta(NamedTuple):
-    """What a hook knows about one record, kept as cheap Python values. A record's ``seq`` is
-    its row in the step (the writer numbers them)."""
-
-    micro_step: int
-    phase: str
-    module: str
-    call: int
-    kind: str
-    slot: str
-    dtype: torch.dtype | None  # None: a parameter with no gradient
-    shape: tuple[int, ...]
-    units: int
-    unit_size: int
-    note: str = ""  # schema's ``note``: why there are no statistics, or how they were taken
-
-
-class Staged(NamedTuple):
-    """Statistics still to compute, of the tensor staged ``position``-th in the step."""
-
-    position: int
-
-
-class StagedUnits(NamedTuple):
-    """Per-unit activity still to count, of a staged tensor of ``shape`` along ``dim``."""
-
-    position: int
-    shape: tuple[int, ...]
-    dim: int
-
-    @property
-    def units(self) -> int:
-        return self.shape[self.dim]
-
-
-class StagingPool:
-    """Float64 buffers that small tensors' values are copied into, reused from step to step.
-
-    A step fills one buffer; the writer thread gives it back once the step's statistics are
-    computed. Why not a copy per tensor: a few dozen allocations a step fewer in the hooks,
-    and no concatenation in the writer. Small allocations that live for a step also change
-    how the C allocator reuses the heap: in one measurement (the reference CNN, one thread)
-    the training's own large tensors then took about 1,500 more page faults a step, more
-    time than the statistics themselves; with the pool, no more than without recording
-    (docs/PERFORMANCE.md).
-    """
-
-    def __init__(self, *, keep: int = HOLD_STEPS + 4, keep_values: int = 1 << 20) -> None:
-        self._lock = threading.Lock()
-        self._free: list[torch.Tensor] = []
-        self._keep = keep  # buffers held between steps, at most: the steps the writer
-        # holds, the step being recorded, and a few in the writer's queue
-        self._keep_values = keep_values  # larger buffers are freed after use
-        self.capacity = 1024  # values: the largest buffer asked for so far
-        self.allocated = 0  # buffers made, over the pool's life
-
-    def take(self, at_least: int) -> torch.Tensor:
-        with self._lock:
-            self.capacity = max(self.capacity, at_least)
-            while self._free:
-                buffer = self._free.pop()
-                if buffer.numel() >= self.capacity:
-                    return buffer
-            self.allocated += 1
-        with torch.inference_mode(False):  # hooks may fire inside inference mode: a buffer
-            # made there could not be written outside it
-            return torch.empty(self.capacity, dtype=torch.float64)
-
-    def give_back(self, buffer: torch.Tensor) -> None:
-        """Keep ``buffer`` for a later step, unless the pool holds enough, or it is smaller
-        than steps now need, or larger than worth holding between steps."""
-        with self._lock:
-            fits = self.capacity <= buffer.numel() <= self._keep_values
-            if fits and len(self._free) < self._keep and all(b is not buffer for b in self._free):
-                self._free.append(buffer)
-
-
-@dataclass
-class Staging:
-    """One step's small tensors, their values one after the other in a float64 buffer."""
-
-    pool: StagingPool | None = None
-    buffer: torch.Tensor | None = None
-    lengths: list[int] = field(default_factory=list)
-    used: int = 0
-
-    def add(self, tensor: torch.Tensor) -> int:
-        """Copy ``tensor``'s values in now, before anything can change them; its position.
-
-        float64 holds every real dtype's values exactly (integers up to 2**53)."""
-        n = tensor.numel()
-        if self.buffer is None or self.used + n > self.buffer.numel():
-            self._grow(self.used + n)
-        assert self.buffer is not None
-        target = self.buffer[self.used : self.used + n]
-        values = tensor.detach()
-        if values.dim() > 1:
-            if values.is_contiguous():
-                values = values.view(-1)
-            else:  # copied straight from its strides, with no contiguous copy between
-                target = target.view(values.shape)
-        target.copy_(values)
-        self.used += n
-        self.lengths.append(n)
-        return len(self.lengths) - 1
-
-    def add_many(self, tensors: list[torch.Tensor]) -> int:
-        """:meth:`add` for several tensors of one dtype, with one copy; the first one's
-        position (the others follow it)."""
-        flat = _flatten_dense_tensors([t.detach() for t in tensors])
-        n = flat.numel()
-        if self.buffer is None or self.used + n > self.buffer.numel():
-            self._grow(self.used + n)
-        assert self.buffer is not None
-        self.buffer[self.used : self.used + n].copy_(flat)
-        self.used += n
-        first = len(self.lengths)
-        self.lengths.extend(t.numel() for t in tensors)
-        return first
-
-    def _grow(self, needed: int) -> None:
-        size = max(needed, 2 * self.buffer.numel() if self.buffer is not None else 0)
-        if self.pool is not None:
-            bigger = self.pool.take(size)
-        else:
-            with torch.inference_mode(False):
-                bigger = torch.empty(size, dtype=torch.float64)
-        if self.buffer is not None:
-            bigger[: self.used].copy_(self.buffer[: self.used])
-        self.buffer = bigger
-
-    @property
-    def nbytes(self) -> int:
-        """The memory this step holds for staging: its whole buffer."""
-        return self.buffer.numel() * 8 if self.buffer is not None else 0
-
-    def values(self) -> np.ndarray:
-        """The staged values, a view of the buffer: read them before :meth:`release`."""
-        if self.buffer is None:
-            return np.zeros(0)
-        return self.buffer[: self.used].numpy()
-
-    def bounds(self) -> np.ndarray:
-        """Where each tensor's values begin, and after the last one, where they end."""
-        bounds = np.zeros(len(self.lengths) + 1, dtype=np.int64)
-        np.cumsum(self.lengths, out=bounds[1:])
-        return bounds
-
-    def lengths_array(self) -> np.ndarray:
-        return np.array(self.lengths, dtype=np.int64)
-
-    def release(self) -> None:
-        """Give the buffer back for another step. Arrays from :meth:`values` point into it:
-        another step's values overwrite them from here on."""
-        buffer, self.buffer = self.buffer, None
-        if buffer is not None and self.pool is not None:
-            self.pool.give_back(buffer)
-
-
-class Layout:
-    """The columns of a step's records that do not depend on the values recorded: where each
-    record comes from (module, call, kind, slot), what it holds (dtype, shape, units) and its
-    place in the step. Built once, shared by every step whose records line up the same way;
-    the writer repeats them without rebuilding (``writer._concat_columns``)."""
-
-    def __init__(self, meta: list[Meta]) -> None:
-        n = len(meta)
-        (micro_step, phase, module, call, kind, slot, dtype, shape, units, unit_size, note) = (
-            zip(*meta, strict=True) if n else ((),) * len(Meta._fields)
-        )
-        self.rows = n
-        self.numel = np.array(
-            [_numel(s) if d is not None else 0 for s, d in zip(shape, dtype, strict=True)],
-            dtype=np.int64,
-        )
-        strings = {
-            "phase": list(phase),
-            "module": list(module),
-            "kind": list(kind),
-            "slot": list(slot),
-            "dtype": [dtype_name(d) for d in dtype],
-            "shape": [shape_text(s) for s in shape],
-            "note": list(note),
-        }
-        self.columns: dict[str, Any] = {
-            "micro_step": np.array(micro_step, dtype=np.int32),
-            "seq": np.arange(n, dtype=np.int64),  # the order the hooks saw the records in
-            "call": np.array(call, dtype=np.int32),
-            "numel": self.numel,
-            "units": np.array(units, dtype=np.int32),
-            "unit_size": np.array(unit_size, dtype=np.int64),
-        }
-        for name, values in strings.items():
-            self.columns[name] = arrow_strings(values, RECORD_SCHEMA.field(name).type)
-        self.no_specs = arrow_strings([""] * n, pa.string())  # call_spec where none was saved
-        # records of tensors that were not summarised: no statistics, zero counts unknown
-        self.skipped = np.array([s.startswith(NOTE_SKIPPED) for s in note], dtype=bool)
-
-
-class Layouts:
-    """The layouts of recent steps, by their records' :class:`Meta`: a training loop
-    alternates between a few (a training step, an evaluation pass)."""
-
-    def __init__(self, keep: int = 8) -> None:
-        self._keep = keep
-        self._recent: OrderedDict[tuple[Meta, ...], Layout] = OrderedDict()
-        self._lock = threading.Lock()  # materialize() normally runs in the writer thread only
-        self.built = 0  # layouts built, over the cache's life
-
-    def of(self, meta: list[Meta]) -> Layout:
-        key = tuple(meta)
-        with self._lock:
-            layout = self._recent.get(key)
-            if layout is not None:
-                self._recent.move_to_end(key)
-                return layout
-        layout = Layout(meta)
-        with self._lock:
-            self.built += 1
-            self._recent[key] = layout
-            while len(self._recent) > self._keep:
-                self._recent.popitem(last=False)
-        return layout
+from hooktrace.trace.writer import StepData
 
 
 @dataclass
@@ -486,36 +255,6 @@ def _gather_ragged(
         pieces = [merged[bounds[k] : bounds[k + 1]] for k in range(len(indices))]
         out.append(([rows[i] for i in indices], pieces))
     return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-_DTYPE_NAMES: dict[torch.dtype, str] = {}
-_SHAPE_TEXTS: dict[tuple[int, ...], str] = {}
-
-
-def shape_text(shape: tuple[int, ...]) -> str:
-    """'32,16,8,8': the shape column's form (remembered: the same shapes recur every step)."""
-    text = _SHAPE_TEXTS.get(shape)
-    if text is None:
-        text = ",".join(map(str, shape))
-        if len(_SHAPE_TEXTS) < 65536:
-            _SHAPE_TEXTS[shape] = text
-    return text
-
-
-def dtype_name(dtype: torch.dtype | None) -> str:
-    if dtype is None:
-        return NO_GRADIENT_DTYPE
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
-    return name
 
 
 def to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:

@@ -36,6 +36,7 @@ from hooktrace.recorder.calls import Calls
 from hooktrace.recorder.faults import fault_message
 from hooktrace.recorder.faults import warn as _warn
 from hooktrace.recorder.hooks import call_spec
+from hooktrace.recorder.layout import Layouts
 from hooktrace.recorder.names import Models, Names, name_roots, unwrap
 from hooktrace.recorder.observe import Histograms, Observer
 from hooktrace.recorder.patches import (
@@ -45,8 +46,8 @@ from hooktrace.recorder.patches import (
     replicas_recorded,
     warn_compiled,
 )
-from hooktrace.recorder.pending import Layouts, StagingPool
 from hooktrace.recorder.select import ModuleFilter, Sampling, StepSpec, module_matcher
+from hooktrace.recorder.staging import StagingPool
 from hooktrace.recorder.stats import route_taken
 from hooktrace.recorder.steps import Optimizers, Steps
 from hooktrace.trace import schema

@@ -1,7 +1,7 @@
 """Statistics of tensors, computed on their own device without waiting for it.
 
 Small CPU tensors (at most ``STAGED_MAX_VALUES`` values) are not summarised in the hook:
-the hook copies their values aside (into a reused float64 buffer, ``pending.Staging``) and
+the hook copies their values aside (into a reused float64 buffer, ``staging.Staging``) and
 the writer thread summarises all of a step's small tensors together, in float64
 (:func:`summarize_staged`). For them, the fixed cost of a handful of reductions, each a
 dispatch and a ``.item()``, outweighed the work; reading them in place with compiled kernels

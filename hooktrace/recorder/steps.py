@@ -24,8 +24,10 @@ import torch
 from hooktrace.errors import RecordingError
 from hooktrace.recorder import finite
 from hooktrace.recorder.hooks import Hooks
-from hooktrace.recorder.pending import Layouts, PendingStep, Staged, Staging, StagingPool
+from hooktrace.recorder.layout import Layouts
+from hooktrace.recorder.pending import PendingStep
 from hooktrace.recorder.select import Sampling
+from hooktrace.recorder.staging import Staged, Staging, StagingPool
 from hooktrace.trace.histograms import WIDTH as HISTOGRAM_WIDTH
 from hooktrace.trace.writer import TraceWriter
 

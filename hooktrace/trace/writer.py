@@ -42,7 +42,7 @@ _WAKE = object()  # a submitter waits for space: flush now rather than at the ne
 HOLD_STEPS = 8
 """Steps submitted before the writer is woken to take them, together (``_take_incoming``),
 unless they hold ``HOLD_BYTES`` first or the flush timer comes sooner. Each holds its staging
-buffer until then (``pending.StagingPool`` keeps enough)."""
+buffer until then (``staging.StagingPool`` keeps enough)."""
 HOLD_BYTES = 16 << 20
 
 
@@ -632,7 +632,7 @@ def _concat_columns(steps: list[StepData]) -> dict[str, Any]:
 
 def _concat(parts: list[Any]) -> Any:
     """One column from the steps' parts: numpy arrays, Arrow arrays or lists. A part that
-    steps share (a :class:`~hooktrace.recorder.pending.Layout`'s column) is repeated as a
+    steps share (a :class:`~hooktrace.recorder.layout.Layout`'s column) is repeated as a
     whole, not value by value."""
     runs: list[tuple[Any, int]] = []  # (part, how many steps in a row share it)
     for part in parts:
