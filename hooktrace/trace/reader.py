@@ -35,7 +35,7 @@ from hooktrace.errors import (
     TraceTooLarge,
     TraceWarning,
 )
-from hooktrace.trace import histograms, schema
+from hooktrace.trace import histograms, schema, timeline
 from hooktrace.trace.captures import capture_paths, capture_table, read_meta, read_tensors
 
 # torch dtypes numpy lacks: stored as unsigned integers of the same width (docs/FORMAT.md)
@@ -356,10 +356,8 @@ class Trace:
 
     def timeline(self, step: int, *, micro_step: int | None = None, rank: int = 0) -> pd.DataFrame:
         """The events of ``step`` in execution order, with nesting depth and parent call:
-        see :func:`hooktrace.analyze.timeline.timeline`."""
-        from hooktrace.analyze.timeline import timeline
-
-        return timeline(self, step, micro_step=micro_step, rank=rank)
+        see :func:`hooktrace.trace.timeline.timeline`."""
+        return timeline.timeline(self, step, micro_step=micro_step, rank=rank)
 
     # -- tensors -----------------------------------------------------------------------------
 
