@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 
 from hooktrace.trace import schema
-from hooktrace.trace.writer import StepData, TraceWriter
+from hooktrace.trace.step_data import StepData
+from hooktrace.trace.writer import TraceWriter
 
 LINEAR_TYPE = "torch.nn.modules.linear.Linear"
 RELU_TYPE = "torch.nn.modules.activation.ReLU"

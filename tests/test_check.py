@@ -9,7 +9,7 @@ import pytest
 from scale_runs import many_parts
 
 import hooktrace
-from hooktrace.trace import check as check_module
+from hooktrace.trace import check_parts
 from hooktrace.trace.reader import Trace
 
 
@@ -23,7 +23,7 @@ def test_check_never_loads_the_records_whole(run: Path, monkeypatch: pytest.Monk
         raise AssertionError("check read the records through Trace.query")
 
     monkeypatch.setattr(Trace, "query", refuse)
-    monkeypatch.setattr(check_module, "_BATCH_ROWS", 7)  # batches across steps and row groups
+    monkeypatch.setattr(check_parts, "_BATCH_ROWS", 7)  # batches across steps and row groups
     report = hooktrace.check(run)
     assert report.whole, report.problems
     assert report.steps == 40

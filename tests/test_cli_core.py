@@ -15,7 +15,7 @@ from torch import nn
 
 import hooktrace
 from hooktrace.cli import COMMANDS, cli
-from hooktrace.trace import check as check_module
+from hooktrace.trace import check_segments
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def test_check_reads_every_full_tensor_against_its_checksum(
     with hooktrace.record(model, run_dir, full_every=1):
         model(torch.randn(5, 4)).sum().backward()
     # (5, 8) float32 outputs: rows of 32 bytes, read whole, a row, 2 values or 1 at a time
-    monkeypatch.setattr(check_module, "_BLOCK_BYTES", block)
+    monkeypatch.setattr(check_segments, "_BLOCK_BYTES", block)
     assert CliRunner().invoke(cli, ["check", str(run_dir)]).exit_code == 0
 
     segment = next((run_dir / "tensors" / "rank=0").glob("seg-*.h5"))

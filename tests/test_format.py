@@ -61,7 +61,7 @@ def test_duckdb_queries_the_metadata(run: Path) -> None:
 
 
 def test_statistics_are_written_plain_and_names_as_dictionaries(run: Path) -> None:
-    """Statistics rarely repeat: a dictionary page of them is wasted work (writer.py)."""
+    """Statistics rarely repeat: a dictionary page of them is wasted work (crash_safe.py)."""
     part = next((run / "records" / "rank=0").glob("part-*.parquet"))
     group = pq.ParquetFile(part).metadata.row_group(0)
     encodings = {

@@ -51,6 +51,29 @@ def test_load_summary_and_check_work_without_torch(run_dir: Path) -> None:
         assert result.returncode == 0, (command, result.stderr)
 
 
+def test_every_analyzer_module_imports_without_torch() -> None:
+    """Each module of hooktrace.trace and hooktrace.analyze, and what it imports in turn,
+    loads where importing torch fails (tests/test_architecture.py reads their imports,
+    lazy ones included; this catches torch pulled in by another package)."""
+    package = Path(hooktrace.__file__).parent
+    names = sorted(
+        ".".join(p.relative_to(package.parent).with_suffix("").parts)
+        for room in ("trace", "analyze")
+        for p in (package / room).glob("*.py")
+        if p.stem != "__init__"
+    )
+    result = _run(
+        f"""
+        import importlib
+        for name in {names!r}:
+            importlib.import_module(name)
+        print(len({names!r}))
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(len(names))
+
+
 def test_help_does_not_import_pandas() -> None:
     result = subprocess.run(
         [

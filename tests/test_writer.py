@@ -19,7 +19,9 @@ from torch import nn
 
 import hooktrace
 from hooktrace.cli import cli
-from hooktrace.trace.writer import HOLD_BYTES, StepData, TraceWriter, _concat, _Sink
+from hooktrace.trace.crash_safe import _Sink
+from hooktrace.trace.step_data import StepData, _concat
+from hooktrace.trace.writer import HOLD_BYTES, TraceWriter
 
 
 def _train(run: Path, steps: int = 6, **options: object) -> None:

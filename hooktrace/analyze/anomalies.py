@@ -1,4 +1,5 @@
 """Gradient and numeric anomalies: :func:`anomalies`. Never imports torch.
+(Over 400 lines as one scan: a sixth of them is this docstring, which defines every check.)
 
 Statistics are enough (no full tensors). The records are read in chunks of whole steps, so
 memory stays bounded; what is kept between chunks is one number per module per step (the

@@ -31,7 +31,8 @@ from hooktrace.analyze.diff_result import Accumulator, DiffResult, Divergence, S
 from hooktrace.analyze.findings import module_pattern
 from hooktrace.errors import ConfigError, HooktraceError, TraceError
 from hooktrace.trace import schema
-from hooktrace.trace.reader import Trace, in_order, load
+from hooktrace.trace.filters import in_order
+from hooktrace.trace.reader import Trace, load
 
 __all__ = [
     "DEFAULT_ATOL",

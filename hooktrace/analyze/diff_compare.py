@@ -28,8 +28,8 @@ import numpy as np
 import pandas as pd
 
 from hooktrace.errors import TraceError
-from hooktrace.trace.reader import decode_dataset
 from hooktrace.trace.schema import COUNT_COLUMNS, STAT_COLUMNS
+from hooktrace.trace.tensors import decode_dataset
 
 KEYS = ("rank", "step", "micro_step", "phase", "module", "call", "kind", "slot")
 """Records align on these columns."""

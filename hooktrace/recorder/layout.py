@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from hooktrace.trace.schema import NO_GRADIENT_DTYPE, NOTE_SKIPPED, RECORD_SCHEMA
-from hooktrace.trace.writer import arrow_strings
+from hooktrace.trace.step_data import arrow_strings
 
 
 class Meta(NamedTuple):
@@ -42,7 +42,7 @@ class Layout:
     """The columns of a step's records that do not depend on the values recorded: where each
     record comes from (module, call, kind, slot), what it holds (dtype, shape, units) and its
     place in the step. Built once, shared by every step whose records line up the same way;
-    the writer repeats them without rebuilding (``writer._concat_columns``)."""
+    the writer repeats them without rebuilding (``step_data.concat_columns``)."""
 
     def __init__(self, meta: list[Meta]) -> None:
         n = len(meta)

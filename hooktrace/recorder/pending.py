@@ -26,7 +26,7 @@ from hooktrace.recorder.stats import (
     summarize_staged,
 )
 from hooktrace.trace.histograms import WIDTH as HISTOGRAM_WIDTH
-from hooktrace.trace.writer import StepData
+from hooktrace.trace.step_data import StepData
 
 
 @dataclass

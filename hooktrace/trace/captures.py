@@ -29,8 +29,9 @@ import h5py
 import numpy as np
 import pandas as pd
 
-from hooktrace.errors import TraceError
+from hooktrace.errors import TensorNotRecorded, TraceError
 from hooktrace.trace import schema
+from hooktrace.trace.tensors import decode_dataset
 
 CAPTURES_DIR = "captures"
 GROUPS = ("inputs", "outputs", "grad_outputs", "state")
@@ -99,6 +100,19 @@ def capture_paths(run: Path, rank: int | None = None) -> list[tuple[int, int, Pa
     return sorted(found)
 
 
+def capture_path(run: Path, capture: int, rank: int) -> Path:
+    """The file of capture ``capture`` of ``rank``; TensorNotRecorded says which it holds."""
+    for _, index, path in capture_paths(run, rank):
+        if index == capture:
+            return path
+    held = [index for _, index, _ in capture_paths(run, rank)]
+    have = f"it holds {', '.join(map(str, held))}" if held else "it holds none"
+    raise TensorNotRecorded(
+        f"{run} has no non-finite capture {capture} on rank {rank} ({have}); "
+        "`hooktrace replay RUN --nonfinite` lists them"
+    )
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     """The JSON attribute of one capture file; TraceError when it cannot be read."""
     try:
@@ -143,8 +157,6 @@ def capture_table(run: Path, rank: int | None = None) -> pd.DataFrame:
 def read_tensors(path: Path) -> dict[str, dict[str, np.ndarray]]:
     """Every tensor of one capture, by group and name, with exact dtypes (bfloat16 and float8
     as ml_dtypes)."""
-    from hooktrace.trace.reader import decode_dataset
-
     out: dict[str, dict[str, np.ndarray]] = {}
     try:
         with h5py.File(path, "r") as f:

@@ -8,33 +8,37 @@ temporary name, then renamed). A crash at any moment leaves only whole files beh
 
 Memory is bounded: ``submit`` blocks while more than ``max_buffer_bytes`` wait to be written
 (backpressure), so nothing is dropped silently. Nothing here imports torch.
+
+This module is the thread and its timing; how each file is written crash-safe is in
+:mod:`hooktrace.trace.crash_safe`, and how the steps become Arrow tables in
+:mod:`hooktrace.trace.step_data`.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import errno
-import io
-import json
 import os
 import queue
 import threading
 import time
 import warnings
-import zlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-import h5py
-import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from hooktrace.errors import RecordingError
 from hooktrace.trace import histograms, schema
+from hooktrace.trace.crash_safe import write_json_atomic, write_parquet, write_segment
+from hooktrace.trace.step_data import (
+    StepData,
+    concat_columns,
+    histograms_table,
+    steps_table,
+    table,
+)
 
 _CLOSE = object()
 _WAKE = object()  # a submitter waits for space: flush now rather than at the next timer
@@ -46,71 +50,12 @@ buffer until then (``staging.StagingPool`` keeps enough)."""
 HOLD_BYTES = 16 << 20
 
 
-@dataclass
-class StepData:
-    """One recorded step as numpy, ready to write.
-
-    ``columns`` holds the record columns the recorder knows (see ``RECORD_COLUMNS_IN``); the
-    writer adds where activity and tensors land. ``activity`` and ``tensors`` pair a row
-    index with its per-unit counts or its full tensor (with the tensor's own dtype name, which
-    for bfloat16 travels as uint16 bits). ``histogram_rows`` are the rows histogrammed, in
-    order, and ``histograms`` their counts, one row of ``histograms.WIDTH`` each.
-    """
-
-    step: int
-    micro_steps: int
-    skipped: bool
-    start_time: float
-    end_time: float
-    columns: dict[str, Any]
-    activity: list[tuple[int, np.ndarray]] = field(default_factory=list)
-    tensors: list[tuple[int, np.ndarray, str]] = field(default_factory=list)
-    dropped: int = 0
-    nonfinite: bool = False  # a record holds a NaN or Inf
-    histogram_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    histograms: np.ndarray = field(
-        default_factory=lambda: np.zeros((0, histograms.WIDTH), dtype=np.int64)
-    )
-    histograms_failed: int = 0  # histograms that could not be made: the records hold
-
-    @property
-    def rows(self) -> int:
-        return len(self.columns["step"])
-
-
-RECORD_COLUMNS_IN = (
-    "step", "micro_step", "phase", "seq", "module", "call", "kind", "slot", "dtype", "shape",
-    "numel", "mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count",
-    "units", "unit_size", "call_spec", "note",
-)  # fmt: skip
-_OPTIONAL: dict[str, list[str]] = {"call_spec": [], "note": []}
-
-
 class PendingStep(Protocol):
     """What the recorder submits: cheap to create, converted in the writer thread."""
 
     nbytes: int
 
     def materialize(self) -> StepData: ...
-
-
-def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
-    tmp = path.with_name(schema.temporary_name(path.name))
-    with _removed_on_failure(tmp):
-        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str))
-        os.replace(tmp, path)
-
-
-@contextlib.contextmanager
-def _removed_on_failure(tmp: Path) -> Any:
-    """A write that fails (disk full, directory gone) leaves no temporary file behind: on a
-    full disk it would hold space the training itself may need."""
-    try:
-        yield
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
 
 
 class TraceWriter:
@@ -364,12 +309,14 @@ class TraceWriter:
         index = self._part
         self._part += 1
         if steps:
-            columns = _concat_columns(steps)
-            segment = self._write_segment(index, steps, columns)
+            columns = concat_columns(steps)
+            segment = write_segment(
+                self.run_dir, self.rank, index, steps, columns, compression=self.compression
+            )
             ordered = {name: columns[name] for name in schema.RECORD_SCHEMA.names}
             try:
-                records = _table(ordered, schema.RECORD_SCHEMA)
-                self._write_parquet(records, self._dirs[schema.RECORDS_DIR], index)
+                records = table(ordered, schema.RECORD_SCHEMA)
+                write_parquet(records, self._dirs[schema.RECORDS_DIR], index)
             except BaseException:
                 if segment is not None:  # no record points into it: give its space back
                     with contextlib.suppress(OSError):
@@ -381,120 +328,23 @@ class TraceWriter:
             self.records_written += records.num_rows
             self.tensors_written += sum(len(d.tensors) for d in steps)
             self.bytes_written += segment.stat().st_size if segment is not None else 0
-            self._write_parquet(_steps_table(steps), self._dirs[schema.STEPS_DIR], index)
+            write_parquet(steps_table(steps), self._dirs[schema.STEPS_DIR], index)
             self._write_histograms(steps, records, index)
         if modules:
             columns = {k: [m[k] for m in modules] for k in schema.MODULE_SCHEMA.names}
-            table = _table(columns, schema.MODULE_SCHEMA)
-            self._write_parquet(table, self._dirs[schema.MODULES_DIR], index)
+            write_parquet(
+                table(columns, schema.MODULE_SCHEMA), self._dirs[schema.MODULES_DIR], index
+            )
 
     def _write_histograms(self, steps: list[StepData], records: pa.Table, index: int) -> None:
         """The steps' histograms, one row per histogrammed record, beside the records (the
         directory is made with the first: a trace without histograms has none)."""
-        if not any(len(d.histogram_rows) for d in steps):
+        found = histograms_table(steps, records)
+        if found is None:
             return
-        bases = np.cumsum([0] + [d.rows for d in steps[:-1]])
-        rows = np.concatenate(
-            [d.histogram_rows + base for d, base in zip(steps, bases, strict=True)]
-        )
-        counts = np.concatenate([d.histograms for d in steps])
-        keys = records.take(pa.array(rows)).select(
-            ["step", "seq", "module", "kind", "slot", "numel"]
-        )
-        columns = {name: keys.column(name) for name in keys.column_names}
-        table = _table({**columns, **histograms.columns(counts)}, histograms.HISTOGRAM_SCHEMA)
         directory = self.run_dir / schema.rank_dir(histograms.HISTOGRAMS_DIR, self.rank)
         directory.mkdir(parents=True, exist_ok=True)
-        self._write_parquet(table, directory, index)
-
-    def _write_segment(
-        self, index: int, steps: list[StepData], columns: dict[str, Any]
-    ) -> Path | None:
-        """Write activity and full tensors; fill the location columns. Returns the segment
-        written, or None when the steps hold neither."""
-        n = len(columns["step"])
-        offsets = np.full(n, -1, dtype=np.int64)
-        keys = [""] * n
-        activity: list[np.ndarray] = []
-        tensors: list[tuple[int, np.ndarray, str]] = []
-        base = 0
-        position = 0
-        for data in steps:
-            for row, counts in data.activity:
-                offsets[base + row] = position
-                activity.append(counts)
-                position += len(counts)
-            tensors.extend((base + row, array, dtype) for row, array, dtype in data.tensors)
-            base += data.rows
-        columns["activity_offset"] = offsets
-        segment_type = schema.RECORD_SCHEMA.field("segment").type
-        if not activity and not tensors:
-            columns["tensor_key"] = keys
-            columns["segment"] = pa.nulls(n, segment_type)
-            return None
-
-        name = schema.segment_name(index)
-        final = self._dirs[schema.TENSORS_DIR] / name
-        tmp = final.with_name(schema.temporary_name(name))
-        # h5py writes through a Python file object: a failed write (disk full, file too
-        # large) is then a plain OSError, where HDF5's own driver leaves a half-closed file
-        # behind that crashes the interpreter at exit. HDF5 1.10's file layout checksums its
-        # metadata, and each tensor carries a CRC-32 of its bytes (below): a flipped bit is
-        # then an error on reading, never a wrong value. (zlib computes it without holding the
-        # GIL, where HDF5's fletcher32 filter held it and cost the training 3x a plain step.)
-        with (
-            _removed_on_failure(tmp),
-            open(tmp, "w+b", buffering=0) as raw,  # HDF5 seeks between writes: no buffer
-            _Sink(raw) as sink,
-            h5py.File(sink, "w", libver=("v110", "latest")) as f,
-        ):
-            f.attrs["format"] = schema.FORMAT_NAME
-            f.attrs["format_version"] = schema.FORMAT_VERSION
-            if activity:
-                merged = np.concatenate(activity).astype(np.int64, copy=False)
-                # counts are small: shuffled, their high bytes compress away first (a third
-                # smaller and a third faster than gzip alone on the reference models)
-                f.create_dataset(
-                    "activity", data=merged, compression="gzip", compression_opts=1, shuffle=True
-                )
-            group = f.create_group("t") if tensors else None
-            for row, array, dtype in tensors:
-                key = f"t/{row}"
-                assert group is not None
-                checksum = np.uint32(zlib.crc32(array.data))
-                chunked = array.size > 1  # filters need chunks; a scalar has none
-                ds = group.create_dataset(
-                    str(row), data=array, compression=self.compression if chunked else None
-                )
-                ds.attrs["dtype"] = dtype
-                ds.attrs[schema.TENSOR_CHECKSUM] = checksum
-                keys[row] = key
-        with _removed_on_failure(tmp):
-            os.replace(tmp, final)
-        relative = f"{schema.rank_dir(schema.TENSORS_DIR, self.rank)}/{name}"
-        columns["tensor_key"] = keys
-        columns["segment"] = pa.DictionaryArray.from_arrays(
-            pa.array(np.zeros(n, dtype=np.int32)), arrow_strings([relative], pa.string())
-        ).cast(segment_type)
-        return final
-
-    def _write_parquet(self, table: pa.Table, directory: Path, index: int) -> None:
-        name = schema.part_name(index)
-        tmp = directory / schema.temporary_name(name)
-        with _removed_on_failure(tmp):
-            # row groups of 64k rows: a step-range query decodes little more than it needs;
-            # a CRC-32 in each page header, which the reader verifies. Statistics rarely
-            # repeat a value: a dictionary of them is built only to be thrown away (plain,
-            # they write a quarter faster and a quarter smaller)
-            pq.write_table(
-                table,
-                tmp,
-                compression="zstd",
-                row_group_size=1 << 16,
-                write_page_checksum=True,
-                use_dictionary=[f.name for f in table.schema if not pa.types.is_floating(f.type)],
-            )
-            os.replace(tmp, directory / name)
+        write_parquet(found, directory, index)
 
     def _write_status(
         self,
@@ -523,151 +373,6 @@ class TraceWriter:
         write_json_atomic(self._status_path, payload)
 
 
-class _Sink:
-    """The file h5py writes a segment through. Its first failed operation is kept, not
-    raised, and it does nothing after it (the segment is discarded anyway): an error raised
-    into HDF5 while it flushes its cache on closing is printed as an "Exception ignored"
-    traceback, one per write that follows. The kept error is raised once HDF5 is done."""
-
-    def __init__(self, raw: io.FileIO) -> None:
-        self._raw = raw
-        self._position = 0  # where HDF5 thinks it is, once the file is given up
-        self.failed: OSError | None = None
-
-    def __enter__(self) -> _Sink:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        if self.failed is not None and exc_info[0] is None:
-            raise self.failed
-
-    def _guard(self, operation: Callable[[], Any], otherwise: Any) -> Any:
-        if self.failed is not None:
-            return otherwise
-        try:
-            return operation()
-        except OSError as exc:
-            self.failed = exc
-            return otherwise
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-
-        def write_all() -> int:  # an unbuffered write may take less than it was given
-            written = 0
-            while written < len(view):
-                count = self._raw.write(view[written:])
-                if not count:
-                    raise OSError(errno.EIO, f"wrote nothing to {self._raw.name}")
-                written += count
-            return written
-
-        return int(self._guard(write_all, len(view)))
-
-    def truncate(self, size: int) -> int:
-        return int(self._guard(lambda: self._raw.truncate(size), size))
-
-    def flush(self) -> None:
-        self._guard(self._raw.flush, None)
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        self._position = offset if whence == 0 else self._position
-        return int(self._guard(lambda: self._raw.seek(offset, whence), self._position))
-
-    def tell(self) -> int:
-        return int(self._guard(self._raw.tell, self._position))
-
-    def read(self, size: int = -1) -> bytes:
-        return bytes(self._guard(lambda: self._raw.read(size), b""))
-
-    def readinto(self, buffer: Any) -> int:
-        return int(self._guard(lambda: self._raw.readinto(buffer), 0))
-
-
 def _describe(exc: BaseException) -> str:
     """``Type: message`` on one line (HDF5's messages can hold newlines)."""
     return " ".join(f"{type(exc).__name__}: {exc}".split())
-
-
-def _table(columns: dict[str, Any], table_schema: pa.Schema) -> pa.Table:
-    """The columns as a table of ``table_schema``. A name that is not valid Unicode (a lone
-    surrogate, from a name decoded with surrogateescape) has no UTF-8 form: it is written
-    with backslash escapes instead of failing the whole flush."""
-    try:
-        return pa.Table.from_pydict(columns).cast(table_schema)
-    except UnicodeEncodeError:
-        escaped = {
-            name: [_escape(v) for v in values] if isinstance(values, list) else values
-            for name, values in columns.items()
-        }
-        return pa.Table.from_pydict(escaped).cast(table_schema)
-
-
-def _escape(value: Any) -> Any:
-    if isinstance(value, str):
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
-    return value
-
-
-def arrow_strings(values: list[str], type: pa.DataType) -> pa.Array:
-    """``values`` as an Arrow array of ``type`` (a string or dictionary type), with names that
-    are not valid Unicode backslash-escaped as :func:`_table` does."""
-    try:
-        return pa.array(values, type=type)
-    except UnicodeEncodeError:
-        return pa.array([_escape(v) for v in values], type=type)
-
-
-def _concat_columns(steps: list[StepData]) -> dict[str, Any]:
-    columns: dict[str, Any] = {}
-    for name in RECORD_COLUMNS_IN:
-        parts = [d.columns.get(name, _OPTIONAL.get(name, [])) for d in steps]
-        if name in _OPTIONAL:  # may be left out by writers that have none
-            parts = [
-                p if len(p) == d.rows else [""] * d.rows for p, d in zip(parts, steps, strict=True)
-            ]
-        columns[name] = _concat(parts)
-    return columns
-
-
-def _concat(parts: list[Any]) -> Any:
-    """One column from the steps' parts: numpy arrays, Arrow arrays or lists. A part that
-    steps share (a :class:`~hooktrace.recorder.layout.Layout`'s column) is repeated as a
-    whole, not value by value."""
-    runs: list[tuple[Any, int]] = []  # (part, how many steps in a row share it)
-    for part in parts:
-        if runs and runs[-1][0] is part:
-            runs[-1] = (part, runs[-1][1] + 1)
-        else:
-            runs.append((part, 1))
-    if all(isinstance(p, np.ndarray) for p, _ in runs):
-        return np.concatenate([np.tile(p, k) if k > 1 else p for p, k in runs])
-    arrow = next((p.type for p, _ in runs if isinstance(p, pa.Array)), None)
-    if arrow is None:
-        return [v for p, k in runs for v in (p * k if k > 1 else p)]
-    arrays = []
-    for part, k in runs:
-        array = part if isinstance(part, pa.Array) else arrow_strings(list(part), arrow)
-        if k > 1:
-            array = array.take(np.tile(np.arange(len(array), dtype=np.int64), k))
-        arrays.append(array)
-    return pa.concat_arrays(arrays)
-
-
-def _steps_table(steps: list[StepData]) -> pa.Table:
-    return pa.Table.from_pylist(
-        [
-            {
-                "step": d.step,
-                "micro_steps": d.micro_steps,
-                "skipped": d.skipped,
-                "records": d.rows,
-                "full_tensors": len(d.tensors),
-                "dropped": d.dropped,
-                "start_time": d.start_time,
-                "end_time": d.end_time,
-            }
-            for d in steps
-        ],
-        schema=schema.STEP_SCHEMA,
-    )
