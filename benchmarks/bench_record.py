@@ -205,12 +205,25 @@ def patched(*patches: tuple[object, str, object]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def histnumpy(model: nn.Module, out: Path) -> Iterator[None]:
-    """stats with histograms counted by numpy instead of their compiled kernel."""
-    from hooktrace.recorder import histogram
+def smallstaged(model: nn.Module, out: Path) -> Iterator[None]:
+    """stats with every small CPU tensor staged and summarised by numpy in the writer: the
+    compiled kernels that read them in place, and the writer's, kept out."""
+    from hooktrace.recorder import compiled
 
     with (
-        patched((histogram, "_kernels", lambda: None)),
+        patched((compiled, "staged", lambda: None)),
+        hooktrace.record(model, out / "run", overwrite=True),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def histnumpy(model: nn.Module, out: Path) -> Iterator[None]:
+    """stats with histograms counted by numpy instead of their compiled kernel."""
+    from hooktrace.recorder import compiled
+
+    with (
+        patched((compiled, "histograms", lambda: None)),
         hooktrace.record(model, out / "run", overwrite=True),
     ):
         yield
@@ -229,6 +242,7 @@ VARIANTS: dict[str, Variant] = {
     "onethread": onethread,
     "eager": eager,
     "torchonly": torchonly,
+    "smallstaged": smallstaged,
     "histnumpy": histnumpy,
 }
 REFERENCE_MODELS = ["SmallCNN", "TinyTransformer"]  # issue 8's two, in tests/models.py

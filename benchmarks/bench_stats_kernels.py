@@ -23,8 +23,8 @@ default, every step), side by side with the statistics of the same tensors:
   torch route   the same counts by torch (frexp, where, bincount): the route of tensors on
                 other devices, and the CPU's before the two above
   statistics    what the recorder computes for those tensors anyway: ``summarize_with_activity``
-                for an activation; for parameters and gradients, the small ones staged and
-                summarised together by numpy (``summarize_staged``), the others by the kernel
+                for an activation; for parameters and gradients, the small ones read in place
+                in one call (``staged_kernels.summarize_tensors``), the others by the kernel
 
 with the histogram kernels' warm-up, cold and from numba's cache. With ``--inductor`` it also times single functions compiled by
 torch.compile (inductor, dynamic shapes) that compute the same sums, extremes, zero count
@@ -50,14 +50,12 @@ from typing import Any
 
 import torch
 
-from hooktrace.recorder import histogram, omp
-from hooktrace.recorder.staging import Staging
+from hooktrace.recorder import compiled, histogram, omp, staged_kernels
 from hooktrace.recorder.stats import (
     activity,
     route,
     stageable,
     summarize,
-    summarize_staged,
     summarize_with_activity,
 )
 from hooktrace.trace.histograms import reference
@@ -137,8 +135,8 @@ def histogram_warmup_seconds() -> tuple[float, float]:
     numba's cache empty, then filled."""
     probe = (
         "import time; from hooktrace.recorder.stats import route; route(); "
-        "from hooktrace.recorder import histogram; start = time.perf_counter(); "
-        "histogram.warm_up(); print(time.perf_counter() - start)"
+        "from hooktrace.recorder import compiled; start = time.perf_counter(); "
+        "compiled._load('histograms'); print(time.perf_counter() - start)"
     )
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache}
@@ -151,21 +149,18 @@ def histogram_warmup_seconds() -> tuple[float, float]:
 
 def without_numba(tensors: list[torch.Tensor]) -> None:
     """``histogram_many`` as it runs before numba is loaded: numpy, tensor by tensor."""
-    loaded = histogram.numba_loaded
-    histogram.numba_loaded = lambda: False  # what histogram asks before it picks a route
+    ready = compiled.histograms
+    compiled.histograms = lambda: None  # what histogram asks before it picks a route
     try:
         histogram.histogram_many(tensors)
     finally:
-        histogram.numba_loaded = loaded
+        compiled.histograms = ready
 
 
 def parameter_statistics(tensors: list[torch.Tensor]) -> None:
-    """What the recorder does for a kind's values: the small ones staged (one copy) and
-    summarised together by numpy, the others by the one-pass kernel."""
-    small = [t for t in tensors if stageable(t)]
-    staging = Staging()
-    staging.add_many(small)
-    summarize_staged(staging.values(), staging.lengths_array())
+    """What the recorder does for a kind's values once its kernels are ready: the small ones
+    read in place in one call, the others by the one-pass kernel."""
+    staged_kernels.summarize_tensors([t for t in tensors if stageable(t)])
     for t in tensors:
         if not stageable(t):
             summarize_with_activity(t, None)
@@ -199,7 +194,7 @@ def compare_histograms(reps: int) -> None:
     """Histograms against the torch route and against the statistics of the same tensors."""
     cold, warm = histogram_warmup_seconds()
     print(f"histogram warm-up, once per process: {cold:.2f} s compiling, {warm:.2f} s from cache")
-    histogram.warm_up()
+    compiled.warm_up()
     columns = ["histogram", "1 thread", "numpy", "torch route", "statistics"]
     header = "".join(f" {c + ' us':>15}" for c in columns)
     ratios = "".join(f" {'/' + c:>7}" for c in ("numpy", "torch", "stats"))

@@ -15,8 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hooktrace.recorder import histogram as histogram_module
-from hooktrace.recorder import histogram_kernel
+from hooktrace.recorder import compiled, histogram_kernel
 from hooktrace.recorder.histogram import (
     _histogram_torch,
     histogram,
@@ -55,10 +54,10 @@ def on_route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     here, not hide behind the other route). ``numpy``: as before that, or without numba."""
     if request.param == "compiled":
         assert route().one_pass is not None, route().description
-        histogram_module.warm_up()  # else they load in the background, numpy counting meanwhile
-        assert histogram_module._kernels() is histogram_kernel
+        compiled.warm_up()  # else they load in the background, numpy counting meanwhile
+        assert compiled.histograms() is histogram_kernel
     else:
-        monkeypatch.setattr(histogram_module, "numba_loaded", lambda: False)
+        monkeypatch.setattr(compiled, "histograms", lambda: None)
     yield request.param
 
 
@@ -349,9 +348,10 @@ def test_any_float32_values(values: list[float], dtype: torch.dtype) -> None:
 def _routes_agree(make: Callable[[], list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:
     tensors = make()
     assert route().one_pass is not None
-    compiled = histogram_many(tensors)
-    monkeypatch.setattr(histogram_module, "numba_loaded", lambda: False)
-    assert histogram_many(tensors).tolist() == compiled.tolist()
+    compiled.warm_up()
+    by_kernel = histogram_many(tensors)
+    monkeypatch.setattr(compiled, "histograms", lambda: None)
+    assert histogram_many(tensors).tolist() == by_kernel.tolist()
 
 
 @pytest.mark.parametrize("dtype", FLOATS + INTEGERS, ids=str)

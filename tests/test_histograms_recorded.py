@@ -405,12 +405,13 @@ def test_a_window_of_steps_reads_the_parts_that_hold_it(tmp_path: Path) -> None:
 
 
 def test_the_compiled_histograms_load_in_the_background(tmp_path: Path) -> None:
-    """Compiling the histogram kernels takes seconds where numba's cache lacks them: no step
-    waits for it. numpy counts (the same) until they are ready; then they are used."""
+    """Compiling the histogram kernels (and the small tensors' statistics kernels) takes
+    seconds where numba's cache lacks them: no step waits for it. numpy counts (the same)
+    until they are ready; then they are used."""
     script = """
 import sys, time, torch, hooktrace
 from torch import nn
-from hooktrace.recorder import histogram
+from hooktrace.recorder import compiled
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Linear(512, 4))  # 32k weights: numba
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -418,12 +419,12 @@ with hooktrace.record(model, sys.argv[1]):
     for step in range(40):
         model(torch.randn(32, 64)).sum().backward(); opt.step(); opt.zero_grad()
         if step == 0:
-            assert histogram._started, "loading did not start with numba"
+            assert compiled._started, "loading did not start with numba"
         if step == 20:
             deadline = time.time() + 120
-            while histogram._loaded is None and time.time() < deadline:
+            while len(compiled._ready) < 2 and time.time() < deadline:
                 time.sleep(0.1)
-            assert histogram._loaded is not None, "the kernels never became ready"
+            assert sorted(compiled._ready) == ["histograms", "staged"], "never ready"
 """
     out = tmp_path / "run"
     subprocess.run([sys.executable, "-c", script, str(out)], check=True)
@@ -538,7 +539,12 @@ def test_a_histogram_that_fails_costs_itself_only(
         monkeypatch.setattr(recorder_module, "histogram_many", broken)
         monkeypatch.setattr(recorder_module, "histogram_of", broken)
     else:
+        from hooktrace.recorder import compiled
+
         monkeypatch.setattr(pending, "histogram_staged", broken)
+        monkeypatch.setattr(
+            compiled, "staged", lambda: None
+        )  # small tensors staged, for the writer
     layer = nn.Linear(100, 100)  # 10,000 weights: histogrammed in the hook, not staged
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     warned = (

@@ -3,6 +3,7 @@ the recorder: which tensors take it, what falls back to the eager route, what a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -344,3 +346,321 @@ def test_numba_is_imported_at_the_first_large_cpu_tensor_only(tmp_path: Path) ->
 
 
 # --- the writer's kernels: a step's small tensors, all in one call ---------------------------
+
+
+def _segments_of(rng: np.random.Generator, lengths: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 segments of the given lengths, each of a different scale and kind: some with
+    a NaN, an infinity, many zeros, or one value repeated."""
+    parts = []
+    for i, n in enumerate(lengths):
+        a = rng.standard_normal(n) * 10.0 ** rng.uniform(-6, 6)
+        kind = i % 6
+        if kind == 1:
+            a[rng.integers(0, n)] = np.nan
+        elif kind == 2:
+            a[rng.integers(0, n)] = -np.inf if i % 4 else np.inf
+        elif kind == 3:
+            a[rng.random(n) < 0.6] = 0.0
+        elif kind == 4:
+            a[:] = 0.1  # a constant that float64 cannot hold exactly
+        parts.append(a)
+    bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=bounds[1:])
+    return np.concatenate(parts), bounds
+
+
+def test_the_writers_kernel_sums_exactly_as_numpy_does() -> None:
+    """Bit for bit, NaN where numpy has NaN: so which of the two summarises a step's small
+    tensors never shows in a trace. The lengths cross each branch of numpy's pairwise
+    summation (8 values, 128, a split)."""
+    from hooktrace.recorder.staged_kernels import summarize_segments
+    from hooktrace.recorder.stats import summarize_staged
+
+    rng = np.random.default_rng(0)
+    edges = [1, 2, 7, 8, 9, 15, 16, 17, 128, 129, 130, 255, 256, 257, 1000, 8191, 8192]
+    for trial in range(40):
+        lengths = edges if trial == 0 else rng.integers(1, 3000, rng.integers(1, 30)).tolist()
+        values, bounds = _segments_of(rng, lengths)
+        want = summarize_staged(values, np.diff(bounds))
+        got = summarize_segments(values, bounds)
+        assert np.array_equal(got, want, equal_nan=True), trial
+        assert np.isnan(got[1::6, 2]).all()  # each segment with a NaN has NaN extremes
+
+
+def test_tensors_read_in_place_sum_exactly_as_their_float64_copies() -> None:
+    """The parameters' route: float32, float64 and int64 tensors read where they lie, each
+    value widened as it is read, give the rows numpy gives their float64 copies, bit for bit,
+    with the dtypes mixed in one call."""
+    from hooktrace.recorder.staged_kernels import summarize_tensors
+    from hooktrace.recorder.stats import summarize_staged
+
+    rng = np.random.default_rng(2)
+    edges = [1, 2, 7, 8, 9, 15, 16, 17, 128, 129, 130, 255, 256, 257, 1000, 8191, 8192]
+    dtypes = [torch.float32, torch.float64, torch.int64]
+    for trial in range(20):
+        lengths = edges if trial == 0 else rng.integers(1, 3000, rng.integers(1, 30)).tolist()
+        values, bounds = _segments_of(rng, lengths)
+        tensors = []
+        for k, (lo, hi) in enumerate(itertools.pairwise(bounds.tolist())):
+            dtype = dtypes[(k + trial) % 3]
+            if dtype is torch.int64:  # magnitudes past 2**53 round as they widen
+                part = np.clip(np.nan_to_num(values[lo:hi]), -1e3, 1e3) * 2.0**52
+                tensors.append(torch.from_numpy(np.round(part).astype(np.int64)))
+            else:
+                tensors.append(torch.from_numpy(values[lo:hi]).to(dtype))
+        copies = np.concatenate([t.double().numpy() for t in tensors])
+        want = summarize_staged(copies, np.diff(bounds))
+        got = summarize_tensors(tensors)
+        assert all(row is not None for row in got), trial
+        assert np.array_equal(np.stack(got), want, equal_nan=True), trial
+
+
+def test_integers_read_in_place_at_the_ends_of_int64() -> None:
+    """Values no float64 holds exactly: the extremes and the sums are of the widened values,
+    as numpy makes them of a float64 copy. Checked against the copy, and by hand."""
+    from hooktrace.recorder.staged_kernels import summarize_tensors
+    from hooktrace.recorder.stats import summarize_staged
+
+    tensor = torch.tensor([2**63 - 1, -(2**63), 2**53 + 1, 0, 7])
+    (row,) = summarize_tensors([tensor])
+    want = summarize_staged(tensor.double().numpy(), np.array([5]))[0]
+    assert row is not None and np.array_equal(row, want)
+    assert row[2] == -(2.0**63) and row[3] == 2.0**63  # 2**63 - 1 widens to 2**63
+    assert row[5] == 1  # one zero
+    (scalar,) = summarize_tensors([torch.tensor(3)])  # num_batches_tracked, 0-dimensional
+    assert scalar is not None and scalar.tolist() == [3.0, 0.0, 3.0, 3.0, 3.0, 0, 0, 0]
+
+
+def test_only_plain_contiguous_cpu_tensors_of_three_dtypes_are_read_in_place() -> None:
+    """The kernel reads raw memory: a tensor it could misread is left to the staged route
+    (None in its place) and not read; the others in the same call still are."""
+    from hooktrace.recorder.staged_kernels import summarize_tensors
+    from hooktrace.recorder.stats import summarize_staged
+
+    class Tagged(torch.Tensor):
+        pass
+
+    good = torch.randn(4, 3)
+    want = summarize_staged(good.double().numpy().ravel(), np.array([12]))[0]
+    bad = [
+        good.t(),  # not contiguous
+        good.to(torch.bfloat16),
+        good.half(),
+        torch.ones(3, dtype=torch.int32),
+        torch.ones(3, dtype=torch.bool),
+        torch.ones(3, dtype=torch.int64).t().expand(2, 3),  # not contiguous either
+        torch.ones(0),
+        good.as_subclass(Tagged),
+        good.to_sparse(),
+        torch.empty(3, device="meta"),
+        # contiguous, but its memory holds the values before negation (a real parameter's
+        # gradient through complex conj() is one)
+        torch._neg_view(torch.tensor([2.0])),
+    ]
+    if hasattr(torch, "_to_functional_tensor"):
+        bad.append(torch._to_functional_tensor(torch.randn(3)))  # no memory of its own
+    for tensor in bad:
+        rows = summarize_tensors([good, tensor, torch.nn.Parameter(good.clone())])
+        assert rows[1] is None, tensor
+        assert rows[0] is not None and rows[2] is not None
+        assert np.array_equal(rows[0], want) and np.array_equal(rows[2], want)
+
+
+def test_the_writers_kernel_counts_units_as_numpy_does() -> None:
+    from hooktrace.recorder.staged_kernels import unit_counts
+    from hooktrace.recorder.stats import activity_staged
+
+    rng = np.random.default_rng(1)
+    shapes = [((3, 4, 2, 2), 1), ((2, 5, 6), 2), ((7,), 0), ((4, 3), 0), ((2, 3, 1), 1)]
+    tensors = [rng.standard_normal(int(np.prod(s))) for s, _ in shapes]
+    for t in tensors:
+        t[rng.random(t.size) < 0.3] = 0.0  # zero is not positive
+    values = np.concatenate(tensors)
+    starts = np.cumsum([0] + [t.size for t in tensors])[:-1]
+    segments = np.array(
+        [(start, int(np.prod(s[:d])), s[d], int(np.prod(s[d + 1 :])))
+         for start, (s, d) in zip(starts, shapes, strict=True)],
+        dtype=np.int64,
+    )  # fmt: skip
+    want = np.concatenate(
+        [activity_staged(t, s, d) for t, (s, d) in zip(tensors, shapes, strict=True)]
+    )
+    assert unit_counts(values, segments).tolist() == want.tolist()
+
+
+def test_a_step_materialises_the_same_with_and_without_the_writers_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real training step's small tensors, taken once by the kernel (this process took
+    the one-pass route) and once by numpy: the same statistics and activity, bit for bit."""
+    from hooktrace.recorder import compiled, pending, staging
+
+    route()  # the one-pass route is taken: the writer's kernels can be loaded
+    compiled.warm_up()
+    ready = compiled.staged
+    assert ready() is not None
+    # hooks stage their small tensors (as before the kernels are ready), for the writer
+    monkeypatch.setattr(compiled, "staged", lambda: None)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 36, 5)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kept: list[pending.PendingStep] = []
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        rec._writer.submit = kept.append  # the steps, before the writer takes them
+        for _ in range(2):
+            model(torch.randn(2, 3, 8, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    step = kept[-1]
+    assert sum(type(s) is staging.Staged for s in step.stats) >= 10
+    assert any(isinstance(a, staging.StagedUnits) for _, a in step.activity)
+    monkeypatch.setattr(compiled, "staged", ready)
+    by_kernel = (step._statistics(), step._activity())
+    monkeypatch.setattr(compiled, "staged", lambda: None)
+    plain = (step._statistics(), step._activity())
+    assert np.array_equal(by_kernel[0], plain[0], equal_nan=True)
+    assert [r for r, _ in by_kernel[1]] == [r for r, _ in plain[1]]
+    for (_, got), (_, want) in zip(by_kernel[1], plain[1], strict=True):
+        assert got.dtype == want.dtype == np.int64 and got.tolist() == want.tolist()
+
+
+def _small_outputs_model() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 36, 5),
+        torch.nn.Tanh(),
+    )
+
+
+def test_small_outputs_read_in_place_are_recorded_as_staged_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the kernels are loaded, a hook reads a small output or gradient where it lies
+    (statistics and per-unit counts) instead of copying it for the writer. The same training
+    recorded both ways (staged, the writer takes them with numpy): every record and every
+    activity count equal, bit for bit."""
+    from hooktrace.recorder import compiled, staged_kernels
+
+    route()
+    compiled.warm_up()
+    read: list[int] = []
+    real = staged_kernels.summarize_in_place
+
+    def counting(tensor: torch.Tensor, dim: int | None) -> object:
+        summed = real(tensor, dim)
+        read.append(summed is not None)
+        return summed
+
+    traces = {}
+    for name in ("in_place", "staged"):
+        if name == "in_place":
+            monkeypatch.setattr(staged_kernels, "summarize_in_place", counting)
+        else:
+            monkeypatch.setattr(compiled, "staged", lambda: None)
+        torch.manual_seed(0)
+        model = _small_outputs_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hooktrace.record(model, tmp_path / name, params=False):
+            for step in range(3):
+                x = torch.randn(2, 3, 8, 8)
+                if step == 2:  # the last: the weights stay finite until then
+                    x[0, 0, 0, :3] = torch.tensor([0.0, float("inf"), float("nan")])
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        traces[name] = hooktrace.load(tmp_path / name)
+    # a step: 5 outputs and their 5 gradients, all small (the Sequential's are Tanh's)
+    assert len(read) == 3 * 10 and all(read)
+    records = {
+        n: t.records.sort_values(["step", "seq"]).reset_index(drop=True) for n, t in traces.items()
+    }
+    assert records["staged"]["nan_count"].iloc[-10:].gt(0).any()
+    columns = ["step", "module", "kind", "slot", "shape", "mean", "std", "min", "max", "norm"]
+    columns += ["zero_fraction", "nan_count", "inf_count", "units", "unit_size"]
+    pd.testing.assert_frame_equal(
+        records["in_place"][columns], records["staged"][columns], check_exact=True
+    )
+    with_units = records["staged"][records["staged"]["units"] > 0]
+    assert len(with_units) >= 3 * 5
+    for row in with_units.itertuples():
+        got, want = (
+            traces[n].activity(row.module, row.kind, step=row.step, slot=row.slot)
+            for n in ("in_place", "staged")
+        )
+        assert got.dtype == want.dtype == np.int64 and got.tolist() == want.tolist()
+
+
+def test_denormals_read_in_place_count_as_the_staged_copy_counts_them() -> None:
+    """``torch.set_flush_denormal(True)`` makes the CPU treat denormals as zero: the staged
+    copy of a float32 tensor then holds zeros for them. The in-place read counts them as
+    zeros too (it counted their bits, none zero, while its min said -0.0). Without the flag,
+    both count them as the values they are."""
+    from hooktrace.recorder.staged_kernels import summarize_in_place, summarize_tensors
+    from hooktrace.recorder.staging import Staging
+    from hooktrace.recorder.stats import activity_staged, summarize_staged
+
+    tensor = torch.tensor([[1e-40, -1e-40, 1.0, 2.0], [0.0, 3e-39, -1.0, 5.0]])
+    for flush in (True, False):
+        if not torch.set_flush_denormal(flush):
+            assert flush, "turning the flag off cannot fail"
+            continue  # a CPU without the flag: nothing to check
+        try:
+            staging = Staging()
+            staging.add(tensor)
+            copy = staging.values().copy()
+            want = summarize_staged(copy, np.array([8]))[0]
+            (row,) = summarize_tensors([tensor])
+            summed = summarize_in_place(tensor, 1)
+        finally:
+            torch.set_flush_denormal(False)
+        assert summed is not None and row is not None
+        assert want[5] == (4 if flush else 1)  # zeros
+        assert np.array_equal(row, want) and np.array_equal(summed[0], want)
+        assert summed[1] is not None
+        assert summed[1].tolist() == activity_staged(copy, (2, 4), 1).tolist()
+
+
+def test_kernels_that_arrive_mid_run_change_no_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The small tensors' kernels load in the background: a run sees them arrive at some
+    call, in the hooks or in the writer. Whenever that is, the trace is the one numpy alone
+    makes, bit for bit (what makes loading them late safe: docs/PERFORMANCE.md)."""
+    from hooktrace.recorder import compiled
+
+    route()
+    compiled.warm_up()
+    ready = compiled.staged
+    records = {}
+    for name, arrives_at in (("numpy", None), ("late", 10), ("later", 40)):
+        calls = [0]
+
+        def staged(arrives_at: int | None = arrives_at, calls: list[int] = calls) -> object:
+            calls[0] += 1
+            return ready() if arrives_at is not None and calls[0] > arrives_at else None
+
+        monkeypatch.setattr(compiled, "staged", staged)
+        torch.manual_seed(0)
+        model = _small_outputs_model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hooktrace.record(model, tmp_path / name):
+            for _ in range(4):
+                model(torch.randn(2, 3, 8, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        if arrives_at is not None:
+            assert calls[0] > arrives_at  # the kernels did arrive, mid-run
+        loaded = hooktrace.load(tmp_path / name)
+        records[name] = (
+            loaded.records.drop(columns=["time"], errors="ignore")
+            .sort_values(["step", "seq"])
+            .reset_index(drop=True),
+            [loaded.activity(m, "output", step=3).tolist() for m in ("1", "4")],
+        )
+    for name in ("late", "later"):
+        pd.testing.assert_frame_equal(records[name][0], records["numpy"][0], check_exact=True)
+        assert records[name][1] == records["numpy"][1]

@@ -6,8 +6,8 @@ depends on a value); on the CPU, as a numpy array. Small CPU tensors staged for 
 are histogrammed there, from their float64 copies (:func:`histogram_staged`).
 
 On the CPU, a value's bin is read off its bits (:mod:`hooktrace.recorder.histogram_bits`):
-once the recorder has loaded numba for its statistics
-(:func:`hooktrace.recorder.stats.numba_loaded`), by a compiled kernel that reads each
+once the recorder has loaded numba for its statistics and the kernel is ready
+(:mod:`hooktrace.recorder.compiled`), by a compiled kernel that reads each
 value once (:mod:`hooktrace.recorder.histogram_kernel`), float32, float64, float16 and
 bfloat16 tensors where they lie, a list of them in one call; before that, or without numba,
 by numpy, in a few passes. Integers and bool are binned as their float64 values. On other
@@ -17,13 +17,10 @@ integers as float64: an exact conversion keeps the exponent).
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from types import ModuleType
-
 import numpy as np
 import torch
 
+from hooktrace.recorder import compiled
 from hooktrace.recorder.histogram_bits import (
     BFLOAT16,
     FLOAT16,
@@ -32,7 +29,6 @@ from hooktrace.recorder.histogram_bits import (
     counts,
     flushes_denormals,
 )
-from hooktrace.recorder.stats import numba_loaded
 from hooktrace.trace.histograms import (
     EXPONENT_MIN,
     MAGNITUDE_BINS,
@@ -67,7 +63,7 @@ def histogram_many(tensors: list[torch.Tensor]) -> np.ndarray:
     for t in tensors:
         if not t.is_cpu:
             raise ValueError(f"histogram_many takes CPU tensors, not {t.device}: use histogram()")
-    kernels = _kernels()
+    kernels = compiled.histograms()
     if kernels is None:
         rows = np.zeros((len(tensors), WIDTH), dtype=np.int64)
         flush = flushes_denormals()
@@ -81,7 +77,7 @@ def histogram_staged(values: np.ndarray, bounds: np.ndarray, positions: list[int
     """The histograms of staged tensors, one row of ``WIDTH`` each: tensor ``p`` of
     ``positions`` is ``values[bounds[p]:bounds[p + 1]]`` (float64 copies, exact; ``bounds``
     as :meth:`hooktrace.recorder.staging.Staging.bounds` gives them)."""
-    kernels = _kernels()
+    kernels = compiled.histograms()
     if kernels is not None:
         return kernels.histogram_segments(values, bounds, positions)
     rows = np.zeros((len(positions), WIDTH), dtype=np.int64)
@@ -90,53 +86,6 @@ def histogram_staged(values: np.ndarray, bounds: np.ndarray, positions: list[int
     for i, p in enumerate(positions):
         rows[i] = counts(bits[bounds[p] : bounds[p + 1]], FLOAT64, flush)
     return rows
-
-
-def warm_up() -> None:
-    """Compile the histogram kernels now (or load them from numba's cache), in this thread,
-    if numba is loaded; :func:`_kernels` otherwise does it in the background."""
-    if numba_loaded():
-        _load()
-
-
-_loaded: ModuleType | None = None
-_loading = threading.Lock()
-_started = False
-
-
-def _kernels() -> ModuleType | None:
-    """The compiled kernels' module once they are ready; until then None, and numpy counts
-    the same. They are made ready in a thread of their own, started once numba is loaded
-    (:func:`hooktrace.recorder.stats.numba_loaded`): compiling them takes some 12 s
-    on a machine where numba's cache does not hold them yet (0.1 s where it does), which no
-    training step should wait for."""
-    global _started
-    if not numba_loaded():
-        return None
-    if _loaded is not None or _started:
-        return _loaded
-    with _loading:
-        if not _started:
-            _started = True
-            threading.Thread(target=_load_quietly, name="hooktrace-histograms", daemon=True).start()
-    return None
-
-
-def _load() -> ModuleType:
-    global _loaded
-    with _loading:
-        if _loaded is None:
-            from hooktrace.recorder import histogram_kernel
-
-            histogram_kernel.warm_up()
-            _loaded = histogram_kernel
-    return _loaded
-
-
-def _load_quietly() -> None:
-    """:func:`_load`; where compiling fails, numpy goes on counting (the same counts)."""
-    with contextlib.suppress(Exception):
-        _load()
 
 
 def _histogram_bits(tensor: torch.Tensor, flush: bool) -> np.ndarray:

@@ -17,31 +17,17 @@ recorder has loaded numba for its statistics.
 
 from __future__ import annotations
 
-from typing import Any, no_type_check
+from typing import no_type_check
 
 import numba
 import numpy as np
 import torch
-from numba import types
 from numba.cpython.unsafe.numbers import leading_zeros
-from numba.extending import intrinsic
 
 from hooktrace.recorder import histogram_bits, omp
 from hooktrace.recorder.histogram_bits import COUNTERS, HIGH, LOW
+from hooktrace.recorder.kernel import _pointer_at
 from hooktrace.trace.histograms import NAN, NEG, NEG_INF, POS, POS_INF, WIDTH, ZERO
-
-
-@intrinsic
-def _pointer_at(typingctx: Any, address: Any, dtype: Any) -> Any:
-    """A pointer to values of ``dtype`` (a numpy scalar type) at the integer ``address``
-    (numba has no cast for it)."""
-    signature = types.CPointer(dtype.dtype)(types.int64, dtype)
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
-
-    return signature, codegen
-
 
 FLOAT32, FLOAT64, FLOAT16, BFLOAT16 = 0, 1, 2, 3
 """How the kernels name the dtypes they read."""

@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import no_type_check
+from typing import Any, no_type_check
 
 import numba
 import numpy as np
 import torch
+from numba import types
+from numba.extending import intrinsic
 
 from hooktrace.recorder import omp
 
@@ -126,6 +128,18 @@ def warm_up() -> str | None:
     one = np.zeros(1, dtype=np.float32)
     _one_pass(one, 1, 1, 1, 1, False)
     return omp.join(lambda: _one_pass_threads(one, 1, 1, 1, 1, False))
+
+
+@intrinsic
+def _pointer_at(typingctx: Any, address: Any, dtype: Any) -> Any:
+    """A pointer to values of ``dtype`` (a numpy scalar type) at the integer ``address``
+    (numba has no cast for it)."""
+    signature = types.CPointer(dtype.dtype)(types.int64, dtype)
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(sig.return_type))
+
+    return signature, codegen
 
 
 # The kernels are numba code: plain loops over blocks of values, which numba compiles for

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hooktrace.recorder import compiled
 from hooktrace.recorder.histogram import histogram as histogram_of
 from hooktrace.recorder.histogram import histogram_many
 from hooktrace.recorder.layout import Meta
@@ -128,10 +129,15 @@ class Observer:
                     dim = None
             stats: Any
             counts: torch.Tensor | np.ndarray | StagedUnits | None = None
-            if stageable(tensor):  # summarised later, with the step's other small tensors
-                stats = pending.stage(tensor)
-                if dim is not None:
-                    counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
+            if stageable(tensor):
+                kernels = compiled.staged()
+                summed = kernels.summarize_in_place(tensor, dim) if kernels is not None else None
+                if summed is not None:  # now, as the writer would from a copy
+                    stats, counts = summed
+                else:  # summarised later, with the step's other small tensors
+                    stats = pending.stage(tensor)
+                    if dim is not None:
+                        counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
             else:
                 scratch = self._scratch_for(tensor)
                 stats, counts = summarize_with_activity(tensor, dim, scratch=scratch)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hooktrace.recorder import compiled
 from hooktrace.recorder.layout import Meta
 from hooktrace.recorder.pending import PendingStep
 from hooktrace.recorder.staging import Staged, Staging
@@ -69,13 +70,24 @@ class ParamRecords:
     observed: tuple[int, ...]
 
     def stage(self, values: Sequence[torch.Tensor | None], staging: Staging) -> list[Any]:
-        """Each record's statistics: None (none, or an observed entry's), or the position of
-        its values staged (copied aside, one copy per dtype) for the writer."""
+        """Each record's statistics, or what stands for them until the writer computes them
+        (None: none, or an observed entry's). Once the compiled kernels are ready, the values
+        they read in place are summarised now, in one call, and the rest staged (copied
+        aside, one copy per dtype); before, all of them are staged. Both give the same rows,
+        bit for bit."""
         stats: list[Any] = [None] * len(self.metas)
+        kernels = compiled.staged()
+        if kernels is not None and self.together:
+            indices = [i for group in self.together for i in group]
+            rows = kernels.summarize_tensors([values[i] for i in indices])
+            for i, row in zip(indices, rows, strict=True):
+                stats[i] = row
         for group in self.together:
-            first = staging.add_many([values[i] for i in group])  # type: ignore[misc]
-            for k, i in enumerate(group):
-                stats[i] = Staged(first + k)
+            staged = [i for i in group if stats[i] is None]
+            if staged:
+                first = staging.add_many([values[i] for i in staged])  # type: ignore[misc]
+                for k, i in enumerate(staged):
+                    stats[i] = Staged(first + k)
         return stats
 
 

@@ -9,6 +9,7 @@ the writer thread calls.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from hooktrace.recorder import compiled
 from hooktrace.recorder.histogram import histogram_staged
 from hooktrace.recorder.layout import Layout, Layouts, Meta, dtype_name
 from hooktrace.recorder.staging import Staged, StagedUnits, Staging
@@ -142,7 +144,12 @@ class PendingStep:
         if computed:
             stats[computed_rows] = computed
         if staged_rows:
-            segments = summarize_staged(self.staging.values(), self.staging.lengths_array())
+            kernels = compiled.staged()  # the same rows as numpy's, once ready
+            values = self.staging.values()
+            if kernels is not None:
+                segments = kernels.summarize_segments(values, self.staging.bounds())
+            else:
+                segments = summarize_staged(values, self.staging.lengths_array())
             stats[staged_rows] = segments[positions]
         _wait_for_devices(on_device + [a for _, a in self.activity if isinstance(a, torch.Tensor)])
         if on_device:
@@ -208,10 +215,21 @@ class PendingStep:
         self, staged: list[tuple[int, StagedUnits]]
     ) -> list[tuple[int, np.ndarray]]:
         values, bounds = self.staging.values(), self.staging.bounds()
-        spans = [(bounds[c.position], bounds[c.position + 1]) for _, c in staged]
+        kernels = compiled.staged()  # the same counts as numpy's, once ready
+        if kernels is None:
+            spans = [(bounds[c.position], bounds[c.position + 1]) for _, c in staged]
+            return [
+                (row, activity_staged(values[lo:hi], c.shape, c.dim))
+                for (row, c), (lo, hi) in zip(staged, spans, strict=True)
+            ]
+        # each tensor as (first value, outer, units, inner): one call counts them all
+        segments = np.array(
+            [(bounds[c.position], *_around(c.shape, c.dim)) for _, c in staged], dtype=np.int64
+        )
+        merged = kernels.unit_counts(values, segments)
+        ends = np.cumsum(segments[:, 2]).tolist()
         return [
-            (row, activity_staged(values[lo:hi], c.shape, c.dim))
-            for (row, c), (lo, hi) in zip(staged, spans, strict=True)
+            (row, merged[end - c.units : end]) for (row, c), end in zip(staged, ends, strict=True)
         ]
 
 
@@ -255,6 +273,11 @@ def _gather_ragged(
         pieces = [merged[bounds[k] : bounds[k + 1]] for k in range(len(indices))]
         out.append(([rows[i] for i in indices], pieces))
     return out
+
+
+def _around(shape: tuple[int, ...], dim: int) -> tuple[int, int, int]:
+    """(values before, units, values after) of ``shape`` around ``dim``."""
+    return math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
 
 
 def to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:

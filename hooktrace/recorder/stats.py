@@ -4,8 +4,9 @@ Small CPU tensors (at most ``STAGED_MAX_VALUES`` values) are not summarised in t
 the hook copies their values aside (into a reused float64 buffer, ``staging.Staging``) and
 the writer thread summarises all of a step's small tensors together, in float64
 (:func:`summarize_staged`). For them, the fixed cost of a handful of reductions, each a
-dispatch and a ``.item()``, outweighed the work; reading them in place with compiled kernels
-instead saved nothing measurable (docs/PERFORMANCE.md, "tried and dropped").
+dispatch and a ``.item()``, outweighed the work. Once their compiled kernels are ready
+(loaded in the background: :mod:`hooktrace.recorder.compiled`), the hook reads them in
+place instead, with the very same float64 rows (:mod:`hooktrace.recorder.staged_kernels`).
 
 Larger contiguous CPU tensors with finite values take one pass for everything, the kernel
 compiled by numba in :mod:`hooktrace.recorder.kernel` (:func:`summarize_with_activity`).
