@@ -134,3 +134,21 @@ def test_a_recording_that_saw_training_but_wrote_no_step_is_not_complete(tmp_pat
         "an optimizer stepped 3 time(s), but no recorded model holds its parameters: "
         "nothing was recorded"
     )
+
+
+def test_an_optimizer_asked_before_its_parameters_are_known_is_owned_once_they_are() -> None:
+    """Under ``hooktrace record``, LBFGS steps before its closure's forward makes the model
+    known: a no given then must not stand for the rest of the run (it merged every later
+    step into the first)."""
+    from hooktrace.recorder.steps import Optimizers
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    param_ids: set[int] = set()
+    owners = Optimizers(param_ids)
+    assert not owners.owned(opt) and not owners.owned(other)
+    param_ids.update(id(p) for p in model.parameters())  # the first forward names the model
+    assert owners.owned(opt) and not owners.owned(other)
+    param_ids.clear()  # a yes stands
+    assert owners.owned(opt)

@@ -19,7 +19,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from hooktrace.recorder import compiled
@@ -121,32 +120,8 @@ class Observer:
         row = len(pending.meta)
         cached = self.lookup(tensor)
         if cached is None:
-            dim = None
-            if units and tensor.is_floating_point():
-                channels_first = tensor.dim() == 3 and tensor.shape in self.channel_shapes
-                dim = unit_dim(tensor, channels_first=channels_first)
-                if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
-                    dim = None
-            stats: Any
-            counts: torch.Tensor | np.ndarray | StagedUnits | None = None
-            if stageable(tensor):
-                kernels = compiled.staged()
-                summed = kernels.summarize_in_place(tensor, dim) if kernels is not None else None
-                if summed is not None:  # now, as the writer would from a copy
-                    stats, counts = summed
-                else:  # summarised later, with the step's other small tensors
-                    stats = pending.stage(tensor)
-                    if dim is not None:
-                        counts = StagedUnits(stats.position, tuple(tensor.shape), dim)
-            else:
-                scratch = self._scratch_for(tensor)
-                stats, counts = summarize_with_activity(tensor, dim, scratch=scratch)
-            if not tensor.is_inference():  # inference tensors keep no version counter
-                recent = self.recent  # (one C call each: hooks may fire in several threads)
-                recent.pop(id(tensor), None)  # an earlier version of it: now the latest
-                if len(recent) >= _RECENT:
-                    recent.popitem(last=False)  # the oldest
-                recent[id(tensor)] = (weakref.ref(tensor), tensor._version, stats, counts)
+            stats, counts = self._summarise(pending, tensor, units)
+            self._remember(tensor, stats, counts)
         else:
             stats, counts = cached
         n_units = unit_size = 0
@@ -166,6 +141,39 @@ class Observer:
         if full:
             self._snapshot(pending, row, tensor)
         return stats
+
+    def _summarise(
+        self, pending: PendingStep, tensor: torch.Tensor, units: bool
+    ) -> tuple[Any, Any]:
+        """The statistics of ``tensor`` and its per-unit positive counts (None where it has
+        no units): a small CPU tensor read in place where its kernels are ready, else staged
+        for the writer; any other by :func:`summarize_with_activity`, on its own device."""
+        dim = None
+        if units and tensor.is_floating_point():
+            channels_first = tensor.dim() == 3 and tensor.shape in self.channel_shapes
+            dim = unit_dim(tensor, channels_first=channels_first)
+            if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
+                dim = None
+        if not stageable(tensor):
+            return summarize_with_activity(tensor, dim, scratch=self._scratch_for(tensor))
+        kernels = compiled.staged()
+        summed = kernels.summarize_in_place(tensor, dim) if kernels is not None else None
+        if summed is not None:  # now, as the writer would from a copy
+            return summed
+        staged = pending.stage(tensor)  # summarised later, with the step's other small ones
+        return staged, StagedUnits(
+            staged.position, tuple(tensor.shape), dim
+        ) if dim is not None else None
+
+    def _remember(self, tensor: torch.Tensor, stats: Any, counts: Any) -> None:
+        """Keep what ``tensor`` was summarised to, for :meth:`lookup`."""
+        if tensor.is_inference():  # inference tensors keep no version counter
+            return
+        recent = self.recent  # (one C call each: hooks may fire in several threads)
+        recent.pop(id(tensor), None)  # an earlier version of it: now the latest
+        if len(recent) >= _RECENT:
+            recent.popitem(last=False)  # the oldest
+        recent[id(tensor)] = (weakref.ref(tensor), tensor._version, stats, counts)
 
     def lookup(self, tensor: torch.Tensor) -> tuple[Any, Any] | None:
         """Statistics already queued for this very tensor (a container's output is its last

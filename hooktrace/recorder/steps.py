@@ -16,6 +16,7 @@ recorder's per-step state throughout, and ``hooktrace record``'s ScriptRecorder 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -135,23 +136,32 @@ class Steps(Hooks):
 
 
 class Optimizers:
-    """Which optimizers hold a parameter of a recorded model (asked once each).
-    ``param_ids``: the ids of the recorded models' parameters, kept up to date by the
-    recorder's naming."""
+    """Which optimizers hold a parameter of a recorded model. ``param_ids``: the ids of the
+    recorded models' parameters, kept up to date by the recorder's naming.
+
+    A yes is remembered for the optimizer's life. A no only while the recorded parameters
+    stay as many as when it was given: under ``hooktrace record`` an optimizer may step
+    before its model's first forward has made it known (LBFGS's closure runs inside the
+    step), and a model may gain parameters mid-run."""
 
     def __init__(self, param_ids: set[int]) -> None:
         self._param_ids = param_ids
-        self._owned: dict[int, bool] = {}
+        # optimizer -> the number of recorded parameters when it was asked (-1: it holds one)
+        self._asked: weakref.WeakKeyDictionary[torch.optim.Optimizer, int] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def owned(self, optimizer: torch.optim.Optimizer) -> bool:
-        owned = self._owned.get(id(optimizer))
-        if owned is None:
-            owned = any(
-                id(p) in self._param_ids
-                for group in optimizer.param_groups
-                for p in group["params"]
-            )
-            self._owned[id(optimizer)] = owned
+        asked = self._asked.get(optimizer)
+        if asked == -1:
+            return True
+        known = len(self._param_ids)
+        if asked == known:
+            return False
+        owned = any(
+            id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]
+        )
+        self._asked[optimizer] = -1 if owned else known
         return owned
 
 
