@@ -26,6 +26,16 @@ as any variant):
                fire for every module call and return at once; what unrecorded modules pay
   onethread    stats, with the kernel kept to one thread instead of torch's OpenMP threads
                (not run unless asked for: what reading on torch's threads saves)
+  eager        stats without numba: large CPU tensors by torch's reductions, small ones staged
+               and summarised by numpy, histograms by numpy (asked for only: what the
+               compiled kernels save, all together)
+  torchonly    eager with nothing staged: every CPU tensor by torch's reductions in the hook
+  smallstaged  stats with the small tensors' kernels kept out: staged, numpy in the writer
+               (asked for only: what reading them in place saves)
+  histnumpy    stats with the histograms counted by numpy (what their kernel saves)
+
+Each compiled piece is weighed by the variant that leaves it out, paired with stats by
+repetition ("stats / eager" and so on, printed below each table).
 
 Each repetition times a window of steady training: a variant's recording is started, takes
 WARM_UP_STEPS untimed steps (its first steps build what later steps reuse), then as many
