@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import duckdb
@@ -563,3 +564,30 @@ def test_a_histogram_that_fails_costs_itself_only(
     assert len(trace.records) == 3 * 6  # output and its gradient, two params, two gradients
     assert trace.manifest["ranks"]["0"]["histograms_failed"] > 0
     assert hooktrace.check(trace).whole
+
+
+def test_a_run_that_ends_before_its_kernels_are_ready_leaves_them_compiling_for_the_next(
+    tmp_path: Path,
+) -> None:
+    """On a fresh machine the kernels that load in the background take some 30 s to compile.
+    A shorter run must not take that work with it at its exit (every short run would compile
+    them again, and run slower for it): a detached process finishes it, into numba's cache."""
+    cache = tmp_path / "numba-cache"
+    script = """
+import sys, torch, hooktrace
+from torch import nn
+model = nn.Linear(256, 256)  # 65k weights: the first large tensor loads numba
+with hooktrace.record(model, sys.argv[1], histograms="param"):
+    model(torch.randn(4, 256)).sum().backward()
+"""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "run")], check=True, env=env)
+    assert hooktrace.load(tmp_path / "run").status == "complete"
+    deadline = time.time() + 300
+    names = ""
+    while time.time() < deadline:
+        names = " ".join(p.name for p in cache.rglob("*.nbi"))
+        if "staged_kernels" in names and "histogram_kernel" in names:
+            break
+        time.sleep(1)
+    assert "staged_kernels" in names and "histogram_kernel" in names, names

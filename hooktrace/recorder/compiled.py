@@ -9,6 +9,11 @@ tensors (:func:`hooktrace.recorder.stats.numba_loaded`), one thread of their own
 and until a set is ready the callers take numpy's route. Because the results are the same,
 when a set arrives changes the time a step takes, never what it records.
 
+A process that ends before they are ready (a short run on a fresh machine) would leave
+numba's cache without them, and the next run would compile them again: at its exit, a
+detached process of their own finishes the work (``python -m hooktrace.recorder.compiled``),
+so that the next run loads them from the cache in a fraction of a second.
+
 The one-pass kernel of large tensors is not among them: its sums differ from torch's in the
 last bits, so it is loaded before the first large tensor is summarised
 (:func:`hooktrace.recorder.stats.route`), never switched in mid-run.
@@ -16,7 +21,11 @@ last bits, so it is loaded before the first large tensor is summarised
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import os
+import subprocess
+import sys
 import threading
 from types import ModuleType
 
@@ -25,6 +34,11 @@ from hooktrace.recorder.stats import numba_loaded
 _ready: dict[str, ModuleType] = {}
 _lock = threading.Lock()
 _started = False
+_loader: threading.Thread | None = None
+
+_EXIT_WAIT_S = 1.0
+"""How long a process's exit waits for the loading thread: enough to load from numba's cache
+(a fraction of a second), so that a detached compile is started only where one is needed."""
 
 
 def staged() -> ModuleType | None:
@@ -47,14 +61,16 @@ def warm_up() -> None:
 
 def _start() -> bool:
     """Whether numba is loaded; the first time it is, start the thread that loads them."""
-    global _started
+    global _started, _loader
     if not numba_loaded():
         return False
     if not _started:
         with _lock:
             if not _started:
                 _started = True
-                threading.Thread(target=_load_all, name="hooktrace-kernels", daemon=True).start()
+                atexit.register(_finish_elsewhere, os.getpid())
+                _loader = threading.Thread(target=_load_all, name="hooktrace-kernels", daemon=True)
+                _loader.start()
     return True
 
 
@@ -76,3 +92,46 @@ def _load_all() -> None:
     for name in ("staged", "histograms"):
         with contextlib.suppress(Exception):
             _load(name)
+
+
+def _finish_elsewhere(started_in: int) -> None:
+    """At the exit of the process that started loading them, if they are not all ready yet:
+    compile them in a detached process, into numba's cache, for the next run."""
+    if os.getpid() != started_in or _loader is None:
+        return
+    _loader.join(timeout=_EXIT_WAIT_S)
+    if len(_ready) == 2 or not _loader.is_alive():  # ready, or failed: nothing to finish
+        return
+    with contextlib.suppress(Exception):  # the cache is an optimisation; never fail an exit
+        subprocess.Popen(
+            [sys.executable, "-m", "hooktrace.recorder.compiled"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # outlives this process, and its terminal's signals
+        )
+
+
+def _compile_into_cache() -> None:
+    """The detached process's work; one such process at a time per cache (a test suite's
+    short recordings would start several), the others leave at once."""
+    import fcntl
+    import hashlib
+    import tempfile
+
+    cache = os.environ.get("NUMBA_CACHE_DIR") or os.path.dirname(os.path.abspath(__file__))
+    key = hashlib.sha1(cache.encode()).hexdigest()[:12]
+    lock = os.path.join(tempfile.gettempdir(), f"hooktrace-kernels-{os.getuid()}-{key}.lock")
+    with open(lock, "w") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return
+        from hooktrace.recorder import histogram_kernel, staged_kernels
+
+        staged_kernels.warm_up()
+        histogram_kernel.warm_up()
+
+
+if __name__ == "__main__":
+    _compile_into_cache()
