@@ -498,3 +498,24 @@ def test_without_torch_record_says_to_install_it(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert "needs PyTorch" in result.stderr and "pip install torch" in result.stderr
+
+
+def test_an_unhashable_optimizer_is_found_and_steps(tmp_path: Path) -> None:
+    """``hooktrace record`` keeps the optimizers it sees; one whose class defines ``__eq__``
+    without ``__hash__`` (a dataclass's) made the script's own constructor fail (found in
+    review)."""
+    body = """
+    class Compared(torch.optim.SGD):
+        def __eq__(self, other):
+            return self is other
+    opt = Compared(model.parameters(), lr=0.1)
+    for i in range(3):
+        x, y = batch(i)
+        criterion(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    run = tmp_path / "run"
+    result = _record("-q", "-o", str(run), str(_script(tmp_path, body)))
+    assert result.returncode == 0, result.stderr
+    assert list(hooktrace.load(run).steps["step"]) == [0, 1, 2]

@@ -664,3 +664,41 @@ def test_kernels_that_arrive_mid_run_change_no_record(
     for name in ("late", "later"):
         pd.testing.assert_frame_equal(records[name][0], records["numpy"][0], check_exact=True)
         assert records[name][1] == records["numpy"][1]
+
+
+def test_float64_denormals_are_not_read_in_place_where_the_thread_flushes_them() -> None:
+    """A staged float64 copy keeps denormals (a byte copy), which a flushing thread's
+    in-place read would take as zeros: there the tensor is staged, so the trace does not
+    depend on when the kernels arrived (found in review)."""
+    from hooktrace.recorder.staged_kernels import summarize_in_place, summarize_tensors
+
+    tensor = torch.tensor([[1e-310, 2e-310, 1.0], [0.0, 3e-310, -1.0]], dtype=torch.float64)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        assert summarize_tensors([tensor]) == [None]
+        assert summarize_in_place(tensor, 1) is None
+    finally:
+        torch.set_flush_denormal(False)
+    (row,) = summarize_tensors([tensor])
+    assert row is not None and row[5] == 1  # one zero, the denormals counted as values
+
+
+def test_no_thread_to_load_the_kernels_leaves_numpy_at_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where no thread can be started (a process limit), the kernels never arrive and
+    nothing raises into the hooks or the writer (found in review)."""
+    from hooktrace.recorder import compiled
+
+    route()
+
+    def refuse(self: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(compiled, "_started", False)
+    monkeypatch.setattr(compiled, "_loader", None)
+    monkeypatch.setattr(compiled, "_ready", {})
+    monkeypatch.setattr(compiled.threading.Thread, "start", refuse)
+    assert compiled.staged() is None and compiled.histograms() is None
+    compiled._finish_elsewhere(os.getpid())  # nothing started: nothing to finish

@@ -152,3 +152,23 @@ def test_an_optimizer_asked_before_its_parameters_are_known_is_owned_once_they_a
     assert owners.owned(opt) and not owners.owned(other)
     param_ids.clear()  # a yes stands
     assert owners.owned(opt)
+
+
+def test_an_unhashable_optimizer_steps_as_it_would_without_recording(tmp_path: Path) -> None:
+    """An optimizer subclass with ``__eq__`` and no ``__hash__`` (a dataclass's) cannot key
+    a cache: the recorder asks about it each time instead of failing its step (found in
+    review)."""
+
+    class Compared(torch.optim.SGD):
+        def __eq__(self, other: object) -> bool:
+            return self is other
+
+    assert Compared.__hash__ is None
+    model = nn.Linear(3, 2)
+    opt = Compared(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run"):
+        for _ in range(3):
+            model(torch.randn(4, 3)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert list(hooktrace.load(tmp_path / "run").steps["step"]) == [0, 1, 2]

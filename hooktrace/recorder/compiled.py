@@ -32,7 +32,8 @@ from types import ModuleType
 from hooktrace.recorder.stats import numba_loaded
 
 _ready: dict[str, ModuleType] = {}
-_lock = threading.Lock()
+_lock = threading.Lock()  # held while a set loads (seconds, where it compiles)
+_start_lock = threading.Lock()  # held while the loading thread starts (never long)
 _started = False
 _loader: threading.Thread | None = None
 
@@ -65,12 +66,16 @@ def _start() -> bool:
     if not numba_loaded():
         return False
     if not _started:
-        with _lock:
+        with _start_lock:
             if not _started:
-                _started = True
+                _started = True  # tried once: where no thread starts, numpy does the work
+                loader = threading.Thread(target=_load_all, name="hooktrace-kernels", daemon=True)
+                try:
+                    loader.start()
+                except RuntimeError:  # no thread to be had (a process limit, shutdown)
+                    return True
+                _loader = loader
                 atexit.register(_finish_elsewhere, os.getpid())
-                _loader = threading.Thread(target=_load_all, name="hooktrace-kernels", daemon=True)
-                _loader.start()
     return True
 
 
@@ -99,10 +104,12 @@ def _finish_elsewhere(started_in: int) -> None:
     compile them in a detached process, into numba's cache, for the next run."""
     if os.getpid() != started_in or _loader is None:
         return
-    _loader.join(timeout=_EXIT_WAIT_S)
-    if len(_ready) == 2 or not _loader.is_alive():  # ready, or failed: nothing to finish
+    if getattr(sys, "frozen", False) or not sys.executable:  # no Python to run it with
         return
     with contextlib.suppress(Exception):  # the cache is an optimisation; never fail an exit
+        _loader.join(timeout=_EXIT_WAIT_S)
+        if len(_ready) == 2 or not _loader.is_alive():  # ready, or failed: nothing to finish
+            return
         subprocess.Popen(
             [sys.executable, "-m", "hooktrace.recorder.compiled"],
             stdin=subprocess.DEVNULL,

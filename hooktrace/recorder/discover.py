@@ -34,7 +34,9 @@ class ScriptRecorder(Recorder):
     def __init__(self, out: str, **options: Any) -> None:
         self._depth = 0
         self._primary: str | None = None
-        self._optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+        # id -> a weak reference: a WeakSet would hash the optimizer, which a subclass with
+        # __eq__ and no __hash__ (a dataclass's) refuses
+        self._optimizers: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
         self._stepped_in_call = False
         self._in_optimizer_step = False  # LBFGS calls zero_grad() inside step()
         self._saw_backward = False
@@ -128,7 +130,8 @@ class ScriptRecorder(Recorder):
     # -- steps -----------------------------------------------------------------------------
 
     def _owns_an_optimizer(self) -> bool:
-        return any(self._optimizer_holds_ours(opt) for opt in list(self._optimizers))
+        alive = [ref() for ref in list(self._optimizers.values())]
+        return any(self._optimizer_holds_ours(opt) for opt in alive if opt is not None)
 
     def _optimizer_holds_ours(self, optimizer: torch.optim.Optimizer) -> bool:
         return any(
@@ -142,7 +145,7 @@ class ScriptRecorder(Recorder):
 
     def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._in_optimizer_step = True
-        self._optimizers.add(optimizer)  # however it was made
+        self._keep_optimizer(optimizer)  # however it was made
         super()._optimizer_stepping(optimizer, args, kwargs)
 
     def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -156,10 +159,15 @@ class ScriptRecorder(Recorder):
         if not self._owns_an_optimizer():
             self._end_step()
 
+    def _keep_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        key, optimizers = id(optimizer), self._optimizers
+        if key not in optimizers or optimizers[key]() is not optimizer:
+            optimizers[key] = weakref.ref(optimizer, lambda _: optimizers.pop(key, None))
+
     def _wrap_optimizer_init(self, original: Callable[..., None]) -> Callable[..., None]:
         def __init__(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
             original(optimizer, *args, **kwargs)
-            self._optimizers.add(optimizer)
+            self._keep_optimizer(optimizer)
 
         return __init__
 

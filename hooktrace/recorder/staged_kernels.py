@@ -30,7 +30,6 @@ from hooktrace.recorder.kernel import (
     _KEY_POS_INF,
     _LOWEST,
     _float_of,
-    _inline,
     _key,
     _plan,
     _pointer_at,
@@ -110,6 +109,10 @@ def _address(t: torch.Tensor) -> int:
     (``_IN_PLACE``) one after the other: a plain contiguous CPU tensor with values, not a
     view that negates its memory (``is_neg``), and with memory of its own (a functional
     tensor has none: 0). Else 0."""
+    if t.dtype is torch.float64 and _flushes_denormals():
+        # a staged copy keeps float64 denormals as they are (a byte copy) where this thread
+        # would read them as zeros: the two routes must agree, whenever the kernels arrive
+        return 0
     if not (
         type(t) in _PLAIN
         and t.dtype in _IN_PLACE
@@ -146,6 +149,7 @@ def _flushes_denormals() -> bool:
 # equal numpy's (``stats.summarize_staged``), so they do what numpy does in the order numpy
 # does it: no fastmath, and numpy's pairwise summation (:func:`_pairwise`).
 _exact = numba.njit(nogil=True, cache=True, boundscheck=False)
+_inline = numba.njit(inline="always", boundscheck=False)  # no fastmath: numpy's order
 
 
 @_exact

@@ -152,17 +152,23 @@ class Optimizers:
         )
 
     def owned(self, optimizer: torch.optim.Optimizer) -> bool:
-        asked = self._asked.get(optimizer)
+        try:
+            asked = self._asked.get(optimizer)
+        except TypeError:  # unhashable (an __eq__ without __hash__): asked every time
+            return self._holds(optimizer)
         if asked == -1:
             return True
         known = len(self._param_ids)
         if asked == known:
             return False
-        owned = any(
-            id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]
-        )
+        owned = self._holds(optimizer)
         self._asked[optimizer] = -1 if owned else known
         return owned
+
+    def _holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        return any(
+            id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]
+        )
 
 
 def seal(pending: PendingStep, *, micro_steps: int) -> None:
