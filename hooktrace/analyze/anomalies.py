@@ -157,7 +157,12 @@ def anomalies(
     trace = run if isinstance(run, Trace) else load(run)
     scan = _Scan(trace, saturation)
     for chunk in step_chunks(trace, step_filter(steps), chunk_rows):
-        scan.add(trace.query(columns=_COLUMNS, steps=chunk))
+        frame = trace.query(columns=scan.columns, steps=chunk)
+        rare = [c for c in _COLUMNS if c not in scan.columns]
+        if rare and _nonfinite(frame):  # the origins need them: the same rows, in order
+            more = trace.query(columns=["rank", "step", "seq", *rare], steps=chunk)
+            frame = frame.assign(**{c: more[c].to_numpy() for c in rare})
+        scan.add(frame)
     config = series.Config(window, spike_factor, explode_factor, exploding_above)
     found = scan.nonfinite.findings()
     try:
@@ -209,6 +214,10 @@ class _Scan:
             **dict.fromkeys(modules_of_type(trace.modules, SIGMOID_RANGE), "sigmoid"),
         }
         self.saturation = saturation
+        # what every chunk reads: micro_step only where a NaN or Inf is (see anomalies()),
+        # and numel too unless there are outputs to check for saturation (with mean and std)
+        rare = {"micro_step"} | (set() if self.ranges else {"numel", "mean", "std"})
+        self.columns = [c for c in _COLUMNS if c not in rare]
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
         self.steps = 0
@@ -332,6 +341,13 @@ def _norms(frame: pd.DataFrame, rows: np.ndarray, module: np.ndarray, *, how: st
         {"rank": rank, "module": module, "step": step, "value": np.sqrt(total),
          "seq": groups.min(frame["seq"].to_numpy()[rows])}
     )  # fmt: skip
+
+
+def _nonfinite(frame: pd.DataFrame) -> bool:
+    """Whether a record of ``frame`` holds a NaN or an Inf."""
+    return bool(
+        (frame["nan_count"].fillna(0) > 0).any() or (frame["inf_count"].fillna(0) > 0).any()
+    )
 
 
 def _is(column: pd.Series, value: str) -> np.ndarray:
