@@ -15,7 +15,11 @@ from hooktrace.analyze.series_store import SeriesStore
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 
 
-def test_values_come_back_whole_per_module_in_order() -> None:
+@pytest.mark.parametrize("memory_rows", [series_store.MEMORY_ROWS, 20], ids=["numpy", "duckdb"])
+def test_values_come_back_whole_per_module_in_order(
+    memory_rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(series_store, "MEMORY_ROWS", memory_rows)  # 20: DuckDB from chunk 2
     store = SeriesStore()
     names = [f"m{i}" for i in range(7)]
     for first in range(0, 30, 4):  # chunks of 4 steps, every module in each
@@ -42,4 +46,6 @@ def test_values_come_back_whole_per_module_in_order() -> None:
 def test_findings_do_not_depend_on_the_batch(run: str, monkeypatch: pytest.MonkeyPatch) -> None:
     whole = hooktrace.anomalies(SAMPLES / run).findings
     monkeypatch.setattr(series_store, "BATCH_ROWS", 7)  # a module in several batches
+    pd.testing.assert_frame_equal(hooktrace.anomalies(SAMPLES / run).findings, whole)
+    monkeypatch.setattr(series_store, "MEMORY_ROWS", 10)  # in DuckDB, as a long run's are
     pd.testing.assert_frame_equal(hooktrace.anomalies(SAMPLES / run).findings, whole)

@@ -76,6 +76,7 @@ from hooktrace.analyze.captured import (
 from hooktrace.analyze.findings import (
     Finding,
     StepsSpec,
+    codes,
     findings_frame,
     fmt,
     keys,
@@ -84,6 +85,7 @@ from hooktrace.analyze.findings import (
     step_filter,
     strings,
 )
+from hooktrace.analyze.grouped import Groups
 from hooktrace.analyze.nonfinite import NonFinite
 from hooktrace.analyze.series_store import SeriesStore
 from hooktrace.errors import ConfigError
@@ -155,7 +157,12 @@ def anomalies(
     trace = run if isinstance(run, Trace) else load(run)
     scan = _Scan(trace, saturation)
     for chunk in step_chunks(trace, step_filter(steps), chunk_rows):
-        scan.add(trace.query(columns=_COLUMNS, steps=chunk))
+        frame = trace.query(columns=scan.columns, steps=chunk)
+        rare = [c for c in _COLUMNS if c not in scan.columns]
+        if rare and _nonfinite(frame):  # the origins need them: the same rows, in order
+            more = trace.query(columns=["rank", "step", "seq", *rare], steps=chunk)
+            frame = frame.assign(**{c: more[c].to_numpy() for c in rare})
+        scan.add(frame)
     config = series.Config(window, spike_factor, explode_factor, exploding_above)
     found = scan.nonfinite.findings()
     try:
@@ -207,6 +214,10 @@ class _Scan:
             **dict.fromkeys(modules_of_type(trace.modules, SIGMOID_RANGE), "sigmoid"),
         }
         self.saturation = saturation
+        # what every chunk reads: micro_step only where a NaN or Inf is (see anomalies()),
+        # and numel too unless there are outputs to check for saturation (with mean and std)
+        rare = {"micro_step"} | (set() if self.ranges else {"numel", "mean", "std"})
+        self.columns = [c for c in _COLUMNS if c not in rare]
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
         self.steps = 0
@@ -220,22 +231,24 @@ class _Scan:
         """One chunk of whole steps, in (rank, step, seq) order."""
         if frame.empty:
             return
-        self.steps += len(frame[["rank", "step"]].drop_duplicates())
-        kind = strings(frame["kind"])
-        self.nonfinite.add(frame, kind)
-        frame = frame.assign(module=self._module_ids(frame["module"]))
-        grad_param = frame[kind == "grad_param"]
-        if not grad_param.empty:
-            self._tally_params(grad_param)
-            has = grad_param[strings(grad_param["dtype"]) != "None"]
-            self.norms.add("grads", _norms(has, how="sum"))
-        train_out = frame[(kind == "output") & (strings(frame["phase"]) == "train")]
-        if not train_out.empty:
-            self.norms.add("outputs", _norms(train_out, how="mean"))
+        rank, step = frame["rank"].to_numpy(np.int64), frame["step"].to_numpy(np.int64)
+        rank_step = rank << 40 | step  # in (rank, step) order: a change is a new step
+        self.steps += int(np.count_nonzero(rank_step[1:] != rank_step[:-1])) + 1
+        self.nonfinite.add(frame)
+        module = self._module_ids(frame["module"])
+        grad_param = _is(frame["kind"], "grad_param")
+        if grad_param.any():
+            none = _is(frame["dtype"], "None")
+            self._tally_params(frame, np.flatnonzero(grad_param), module, none)
+            has = np.flatnonzero(grad_param & ~none)
+            self.norms.add("grads", _norms(frame, has, module, how="sum"))
+        train_out = _is(frame["kind"], "output") & _is(frame["phase"], "train")
+        if train_out.any():
+            self.norms.add("outputs", _norms(frame, np.flatnonzero(train_out), module, how="mean"))
             ranged = [self._ids[m] for m in self.ranges if m in self._ids]
-            rows = train_out[train_out["module"].isin(ranged).to_numpy()]
-            if not rows.empty:
-                self._tally_saturation(rows)
+            saturating = train_out & np.isin(module, ranged)
+            if saturating.any():
+                self._tally_saturation(frame[saturating].assign(module=module[saturating]))
 
     def _module_ids(self, column: pd.Series) -> np.ndarray:
         """Integer ids for a module column: only its distinct names are looked at."""
@@ -251,23 +264,31 @@ class _Scan:
             self.names.append(name)
         return self._ids[name]
 
-    def _tally_params(self, rows: pd.DataFrame) -> None:
-        none = strings(rows["dtype"]) == "None"
-        table = pd.DataFrame(
-            {"rank": rows["rank"].to_numpy(), "module": rows["module"].to_numpy(),
-             "slot": strings(rows["slot"]), "step": rows["step"].to_numpy(),
-             "none": none, "zero": rows["norm"].eq(0).to_numpy() & ~none}
-        )  # fmt: skip
+    def _tally_params(
+        self, frame: pd.DataFrame, rows: np.ndarray, module: np.ndarray, none: np.ndarray
+    ) -> None:
+        """Per (rank, module, slot) of the grad_param ``rows``: steps, steps with .grad None,
+        first and last step; and the steps whose gradient was exactly zero."""
+        rank, step = frame["rank"].to_numpy(np.int64)[rows], frame["step"].to_numpy()[rows]
+        slot, slot_names = codes(frame["slot"])
+        module, slot, none = module[rows], slot[rows], none[rows]
+        groups = Groups(rank, module, slot)
         self.per_slot.append(
-            table.groupby(["rank", "module", "slot"]).agg(
-                steps=("step", "nunique"),
-                none=("none", "sum"),
-                first=("step", "min"),
-                last=("step", "max"),
+            pd.DataFrame(
+                {"steps": groups.count_distinct(step), "none": groups.count(none),
+                 "first": groups.min(step), "last": groups.max(step)},
+                index=pd.MultiIndex.from_arrays(
+                    [groups.keys[0], groups.keys[1], slot_names[groups.keys[2]]],
+                    names=["rank", "module", "slot"],
+                ),
             )
-        )
-        zero = table[table["zero"]]
-        if not zero.empty:
+        )  # fmt: skip
+        at = (frame["norm"].to_numpy()[rows] == 0) & ~none
+        if at.any():
+            zero = pd.DataFrame(
+                {"rank": rank[at], "module": module[at], "slot": slot_names[slot[at]],
+                 "step": step[at]}
+            )  # fmt: skip
             self.zero.append(
                 zero.groupby(["rank", "module"]).agg(
                     steps=("step", "nunique"),
@@ -305,20 +326,38 @@ class _Scan:
         self.saturated.append(tally.join(found, how="left"))
 
 
-def _norms(rows: pd.DataFrame, *, how: str) -> pd.DataFrame:
-    """Per (rank, module, step): the norm of all of ``rows``' values together (``how="sum"``:
-    the root of the summed squares) or their root mean square over records (``"mean"``),
-    NaN if any norm was; with the first seq, to order modules by execution."""
-    squares = rows["norm"].to_numpy(dtype=np.float64) ** 2
-    frame = pd.DataFrame(
-        {"rank": rows["rank"].to_numpy(), "module": rows["module"].to_numpy(),
-         "step": rows["step"].to_numpy(), "sq": squares, "nan": np.isnan(squares),
-         "seq": rows["seq"].to_numpy()}
+def _norms(frame: pd.DataFrame, rows: np.ndarray, module: np.ndarray, *, how: str) -> pd.DataFrame:
+    """Per (rank, module, step) of ``rows``: the norm of all their values together
+    (``how="sum"``: the root of the summed squares) or their root mean square over records
+    (``"mean"``), NaN if any norm was; with the first seq, to order modules by execution."""
+    squares = frame["norm"].to_numpy(dtype=np.float64)[rows] ** 2
+    groups = Groups(
+        frame["rank"].to_numpy(np.int64)[rows], module[rows], frame["step"].to_numpy()[rows]
+    )
+    total = groups.sum(squares) if how == "sum" else groups.mean(squares)
+    total[groups.any(np.isnan(squares))] = np.nan
+    rank, module, step = groups.keys
+    return pd.DataFrame(
+        {"rank": rank, "module": module, "step": step, "value": np.sqrt(total),
+         "seq": groups.min(frame["seq"].to_numpy()[rows])}
     )  # fmt: skip
-    grouped = frame.groupby(["rank", "module", "step"])
-    total = grouped["sq"].sum() if how == "sum" else grouped["sq"].mean()
-    total[grouped["nan"].any()] = np.nan
-    return pd.DataFrame({"value": np.sqrt(total), "seq": grouped["seq"].min()}).reset_index()
+
+
+def _nonfinite(frame: pd.DataFrame) -> bool:
+    """Whether a record of ``frame`` holds a NaN or an Inf."""
+    return bool(
+        (frame["nan_count"].fillna(0) > 0).any() or (frame["inf_count"].fillna(0) > 0).any()
+    )
+
+
+def _is(column: pd.Series, value: str) -> np.ndarray:
+    """Where a string column (a categorical, as Parquet's dictionaries read) equals ``value``."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        categories = list(column.cat.categories)
+        if value not in categories:
+            return np.zeros(len(column), dtype=bool)
+        return column.cat.codes.to_numpy() == categories.index(value)
+    return strings(column) == value
 
 
 def _parameter_findings(scan: _Scan) -> list[Finding]:

@@ -16,8 +16,8 @@ once per micro-step, e.g. one ``nn.ReLU`` shared by several layers):
 - a layer is *flagged* when its dead fraction passes ``layer_threshold``.
 
 Memory stays bounded: steps are read in chunks, only the metadata of ReLU outputs, each HDF5
-segment once per chunk, and the per-unit state is a few arrays per layer, whatever the
-number of steps.
+segment once, and the state is a few numbers per unit, whatever the number of steps. Layers
+read at the same steps (usually all of them) are updated together, in one numpy operation.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ import pandas as pd
 from hooktrace.analyze.findings import (
     Finding,
     StepsSpec,
+    codes,
     findings_frame,
     fmt,
     modules_of_type,
     step_chunks,
     step_filter,
 )
+from hooktrace.analyze.unit_state import LayerKey, UnitState
 from hooktrace.errors import ConfigError, TraceError
 from hooktrace.trace.reader import Trace, load
 
@@ -54,8 +56,6 @@ UNIT_DTYPES = {
     "module": "str", "call": "int64", "unit": "int64", "activity": "float64", "since": "int64",
     "dead_steps": "int64",
 }  # fmt: skip
-
-LayerKey = tuple[str, int, int]  # module, call, units
 Pending = dict[LayerKey, dict[int, tuple[np.ndarray, int]]]
 
 
@@ -153,7 +153,8 @@ def dead_relus(
     if not types:
         result.notes.append("the trace has no ReLU-family modules (" + ", ".join(RELU_FAMILY) + ")")
         return result
-    states: dict[LayerKey, _LayerState] = {}
+    state = UnitState()
+    arrays: dict[str, np.ndarray] = {}  # the activity of the segments the last chunk read
     with_nan = 0
     for chunk in step_chunks(trace, step_filter(steps), chunk_rows):
         rows = trace.query(
@@ -168,169 +169,141 @@ def dead_relus(
         with_nan += int((nan & (rows["units"] > 0).to_numpy()).sum())
         rows = rows[(rows["units"] > 0).to_numpy() & ~nan]
         if not rows.empty:
-            _scan(trace, rows, threshold, states)
+            _scan(trace, rows, threshold, state, arrays)
     if with_nan:
         result.notes.append(
             f"{with_nan} ReLU output record(s) holding NaN were left out (NaN is not inactivity): "
             "see `hooktrace anomalies`"
         )
-    if not states:
+    if not state.keys:
         result.notes.append(
             "no per-unit activity was recorded for the ReLU outputs in the steps read"
         )
         return result
-    layers, units = _tables(states, types, min_steps, layer_threshold)
+    layers, units = _tables(state, types, min_steps, layer_threshold)
     result.layers, result.units = layers, units
     return result
 
 
-class _LayerState:
-    """Running per-unit state of one layer, updated one step at a time in step order."""
-
-    def __init__(self, units: int) -> None:
-        self.positive = np.zeros(units, dtype=np.int64)
-        self.values = 0
-        self.since = np.full(units, -1, dtype=np.int64)  # start of the current run below
-        self.run = np.zeros(units, dtype=np.int64)  # recorded steps in that run
-        self.steps = 0
-        self.first_step = self.last_step = -1
-
-    def update(
-        self, steps: np.ndarray, positive: np.ndarray, values: np.ndarray, threshold: float
-    ) -> None:
-        """Steps in increasing order; ``positive`` (steps, units); ``values`` (steps,)."""
-        self.positive += positive.sum(axis=0)
-        self.values += int(values.sum())
-        below = positive < threshold * values[:, None]
-        n = len(steps)
-        # the last step of this block at which each unit was above (-1: none)
-        above_at = np.where(~below, np.arange(n)[:, None], -1).max(axis=0)
-        fresh = above_at >= 0
-        trailing = n - 1 - above_at  # steps below after the last step above
-        start = np.minimum(above_at + 1, n - 1)
-        self.since = np.where(
-            fresh,
-            np.where(trailing > 0, steps[start], -1),
-            np.where(self.since >= 0, self.since, steps[0]),
-        )
-        self.run = np.where(fresh, trailing, self.run + n)
-        self.first_step = int(steps[0]) if self.steps == 0 else self.first_step
-        self.last_step = int(steps[-1])
-        self.steps += n
-
-
 def _scan(
-    trace: Trace, rows: pd.DataFrame, threshold: float, states: dict[LayerKey, _LayerState]
+    trace: Trace,
+    rows: pd.DataFrame,
+    threshold: float,
+    state: UnitState,
+    arrays: dict[str, np.ndarray],
 ) -> None:
-    """Fold the activity of ``rows`` (whole steps, after every step already in ``states``)
-    into ``states``, one segment at a time, in step order (all ranks together)."""
-    rows = rows.assign(module=rows["module"].astype(str), segment=rows["segment"].astype(str))
-    segments = rows.groupby("segment", sort=False)["step"].min().sort_values(kind="stable")
-    order = list(segments.index)
+    """Fold the activity of ``rows`` (whole steps, after every step already in ``state``)
+    into ``state``, one segment at a time, in step order (all ranks together). ``arrays``
+    keeps the activity of the segments read, for the next chunk: a segment is read once."""
+    segment, segment_names = codes(rows["segment"])
+    module, module_names = codes(rows["module"])
+    step, call, units = (rows[c].to_numpy().astype(np.int64) for c in ("step", "call", "units"))
+    offsets = rows["activity_offset"].to_numpy().astype(np.int64)
+    values = rows["unit_size"].to_numpy().astype(np.int64)
+    layer = (module * (call.max() + 1) + call) * (units.max() + 1) + units  # module, call, width
+    firsts = pd.Series(step).groupby(segment, sort=False).min().sort_values(kind="stable")
+    order = firsts.index.to_numpy()
+    for done in set(arrays) - {str(segment_names[c]) for c in order}:
+        del arrays[done]
     # layer -> step -> (positive counts, value count), for steps later segments may add to
     pending: Pending = defaultdict(dict)
-    by_segment = dict(tuple(rows.groupby("segment", sort=False)))
-    for i, segment in enumerate(order):
-        part = by_segment[segment]
-        horizon = int(segments.iloc[i + 1]) if i + 1 < len(order) else None
-        counts = _activity_block(trace, segment, part)
-        # rows by layer, then step: each layer's rows one contiguous run
-        layer = pd.MultiIndex.from_arrays(
-            [part["module"], part["call"], part["units"]]
-        ).factorize()[0]
-        steps = part["step"].to_numpy()
-        order_rows = np.lexsort((steps, layer))
-        layer, steps = layer[order_rows], steps[order_rows]
-        counts = counts[order_rows]
-        unit_size = part["unit_size"].to_numpy()[order_rows]
-        modules = part["module"].to_numpy()[order_rows]
-        calls = part["call"].to_numpy()[order_rows]
-        units_of = part["units"].to_numpy()[order_rows]
-        starts = np.flatnonzero(np.r_[True, layer[1:] != layer[:-1]])
-        ends = np.r_[starts[1:], len(layer)]
-        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
-            units = int(units_of[start])
-            key = (str(modules[start]), int(calls[start]), units)
-            reduced = _per_step(steps[start:end], counts[start:end, :units], unit_size[start:end])
-            held = pending.get(key)
-            if not held and (horizon is None or int(steps[end - 1]) < horizon):
-                # the usual case: no step of this layer is waiting on another segment
-                state = states.get(key) or states.setdefault(key, _LayerState(units))
-                state.update(*reduced, threshold)
-                continue
-            for step, positive, values in zip(*reduced, strict=True):
-                before = pending[key].get(step)
-                pending[key][step] = (
-                    (positive, values)
+    for i, code in enumerate(order.tolist()):
+        horizon = int(firsts.iloc[i + 1]) if i + 1 < len(order) else None
+        mine = np.flatnonzero(segment == code)
+        # by layer (numbered in the order they first appear), then step
+        mine = mine[np.lexsort((step[mine], pd.factorize(layer[mine])[0]))]
+        counts = _activity_block(
+            trace, str(segment_names[code]), offsets[mine], units[mine], arrays
+        )
+        # one row per layer and step: its calls and micro-steps summed
+        lay, steps, sizes = layer[mine], step[mine], values[mine]
+        first = np.flatnonzero(np.r_[True, (lay[1:] != lay[:-1]) | (steps[1:] != steps[:-1])])
+        if len(first) < len(mine):
+            counts = np.add.reduceat(counts, first, axis=0)
+            sizes = np.add.reduceat(sizes, first)
+        lay, steps, row = lay[first], steps[first], mine[first]
+        starts = np.flatnonzero(np.r_[True, lay[1:] != lay[:-1]])
+        ends = np.r_[starts[1:], len(lay)]
+        keys = [
+            (str(module_names[module[r]]), int(call[r]), int(units[r]))
+            for r in row[starts].tolist()
+        ]
+        # the usual case: no step of the layer is waiting on another segment
+        ready = np.array([not pending.get(key) for key in keys], dtype=bool)
+        if horizon is not None:
+            ready &= steps[ends - 1] < horizon
+        for j in np.flatnonzero(~ready).tolist():
+            key, width = keys[j], keys[j][2]
+            for r in range(starts[j], ends[j]):
+                before = pending[key].get(int(steps[r]))
+                positive, value = counts[r, :width], int(sizes[r])
+                pending[key][int(steps[r])] = (
+                    (positive, value)
                     if before is None
-                    else (before[0] + positive, before[1] + values)
+                    else (before[0] + positive, before[1] + value)
                 )
-        _finalize(pending, states, horizon, threshold)
+        taken = np.flatnonzero(ready)
+        if len(taken):
+            ids = state.ids([keys[j] for j in taken.tolist()])
+            state.fold(ids, starts[taken], ends[taken], steps, counts, sizes, threshold)
+        _finalize(pending, state, horizon, threshold)
 
 
-def _activity_block(trace: Trace, segment: str, part: pd.DataFrame) -> np.ndarray:
-    """The per-unit counts of ``part``'s rows, one row each, as wide as the widest (a row
-    of fewer units has garbage past them, never read)."""
-    width = int(part["units"].max())
-    merged = trace.activity_array(segment)
-    offsets = part["activity_offset"].to_numpy()
-    if (offsets < 0).any() or int((offsets + part["units"].to_numpy()).max()) > len(merged):
+def _activity_block(
+    trace: Trace,
+    segment: str,
+    offsets: np.ndarray,
+    units: np.ndarray,
+    arrays: dict[str, np.ndarray],
+) -> np.ndarray:
+    """The per-unit counts of the records at ``offsets`` of ``units`` each, a row each, as
+    wide as the widest (a row of fewer units has garbage past them, never read)."""
+    merged = arrays.get(segment)
+    if merged is None:
+        merged = arrays[segment] = trace.activity_array(segment)
+    if (offsets < 0).any() or int((offsets + units).max()) > len(merged):
         raise TraceError(
             f"records point past the end of the activity of segment {segment}: run "
             "`hooktrace check`"
         )
-    index = np.minimum(offsets[:, None] + np.arange(width), len(merged) - 1)
-    return merged[index]
-
-
-def _per_step(
-    steps: np.ndarray, block: np.ndarray, unit_size: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sum the rows of ``block`` that share a step (calls, micro-steps): the steps in order,
-    the positive counts (steps, units) and the values counted per step."""
-    if len(steps) < 2 or (steps[1:] > steps[:-1]).all():  # a row a step, in order: as is
-        return steps.astype(np.int64), block, unit_size.astype(np.int64)
-    order = np.argsort(steps, kind="stable")
-    steps, block, unit_size = steps[order], block[order], unit_size[order]
-    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
-    positive = np.add.reduceat(block, starts, axis=0)
-    values = np.add.reduceat(unit_size, starts)
-    return steps[starts].astype(np.int64), positive, values.astype(np.int64)
+    return merged.take(offsets[:, None] + np.arange(int(units.max())), mode="clip")
 
 
 def _finalize(
     pending: Pending,
-    states: dict[LayerKey, _LayerState],
+    state: UnitState,
     horizon: int | None,
     threshold: float,
 ) -> None:
-    """Fold every pending step before ``horizon`` (all of them when None) into the states."""
+    """Fold every pending step before ``horizon`` (all of them when None) into the state."""
     for key, by_step in pending.items():
         ready = sorted(s for s in by_step if horizon is None or s < horizon)
         if not ready:
             continue
         positive = np.stack([by_step[s][0] for s in ready])
-        values = np.array([by_step[s][1] for s in ready], dtype=np.int64)
-        state = states.get(key) or states.setdefault(key, _LayerState(key[2]))
-        state.update(np.array(ready, dtype=np.int64), positive, values, threshold)
+        values = np.array([[by_step[s][1] for s in ready]], dtype=np.int64)
+        steps = np.array(ready, dtype=np.int64)
+        state.update(state.ids([key]), steps, positive, values, threshold)
         for s in ready:
             del by_step[s]
 
 
 def _tables(
-    states: dict[LayerKey, _LayerState],
+    state: UnitState,
     types: dict[str, str],
     min_steps: int,
     layer_threshold: float,
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     layer_rows = []
     unit_frames = []
-    for (module, call, units), state in states.items():
-        needed = min(min_steps, state.steps)
-        dead = (state.since >= 0) & (state.run >= needed)
-        activity = state.positive / max(state.values, 1)
+    for layer, (module, call, units) in enumerate(state.keys):
+        mine = slice(int(state.offset[layer]), int(state.offset[layer]) + units)
+        steps = int(state.steps[layer])
+        run = state.run[mine]
+        dead = (state.since[mine] >= 0) & (run >= min(min_steps, steps))
+        activity = state.positive[mine] / max(int(state.values[layer]), 1)
         n_dead = int(dead.sum())
-        since = state.since[dead]
+        since = state.since[mine][dead]
         layer_rows.append(
             {
                 "module": module,
@@ -343,9 +316,9 @@ def _tables(
                 "since": int(since.min()) if n_dead else None,
                 "last_since": int(since.max()) if n_dead else None,
                 "activity": float(activity.mean()),
-                "steps": state.steps,
-                "first_step": state.first_step,
-                "last_step": state.last_step,
+                "steps": steps,
+                "first_step": int(state.first_step[layer]),
+                "last_step": int(state.last_step[layer]),
             }
         )
         if n_dead:
@@ -358,7 +331,7 @@ def _tables(
                         "unit": index,
                         "activity": activity[index],
                         "since": since,
-                        "dead_steps": state.run[index],
+                        "dead_steps": run[index],
                     }
                 )
             )

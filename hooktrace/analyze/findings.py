@@ -210,3 +210,12 @@ def strings(column: pd.Series) -> np.ndarray:
         names = np.array([str(c) for c in column.cat.categories], dtype=object)
         return names[column.cat.codes.to_numpy()]
     return column.astype(str).to_numpy(dtype=object)
+
+
+def codes(column: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """A string column as integer codes (int64) and the names (str) they index."""
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        names = np.array([str(c) for c in column.cat.categories], dtype=object)
+        return column.cat.codes.to_numpy().astype(np.int64), names
+    found, uniques = pd.factorize(strings(column))
+    return found.astype(np.int64), np.asarray(uniques, dtype=object)

@@ -69,7 +69,7 @@ class NonFinite:
         self.origins: list[Origin] = []
         self.recorded: dict[int, list[int]] = {}  # rank -> its recorded steps, in order
 
-    def add(self, frame: pd.DataFrame, kind: np.ndarray) -> None:
+    def add(self, frame: pd.DataFrame) -> None:
         """One chunk: every record of some whole steps, in (rank, step, seq) order.
 
         A step's params, forward and backward are all in its chunk, so the consequences are
@@ -77,13 +77,15 @@ class NonFinite:
         non-finite, and a backward origin at a module whose forward was already non-finite in
         the same micro-step, are not kept."""
         rank_step = frame["rank"].to_numpy(np.int64) << 40 | frame["step"].to_numpy(np.int64)
-        for rs in np.unique(rank_step).tolist():
+        firsts = np.r_[True, rank_step[1:] != rank_step[:-1]]  # in order: one per (rank, step)
+        for rs in rank_step[firsts].tolist():
             self.recorded.setdefault(rs >> 40, []).append(rs & ((1 << 40) - 1))
         nan = frame["nan_count"].fillna(0).to_numpy(np.int64)
         inf = frame["inf_count"].fillna(0).to_numpy(np.int64)
         bad = (nan > 0) | (inf > 0)
         if not bad.any():
             return
+        kind = strings(frame["kind"])
         rows = _Rows(
             rank_step, np.array([_PASS.get(k, 0) for k in kind], dtype=np.int64), bad, nan, inf,
             strings(frame["module"]), kind, strings(frame["slot"]),

@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
+from numpy.lib.stride_tricks import sliding_window_view
 
 from hooktrace.analyze.findings import Finding, fmt, keys
+from hooktrace.trace.filters import in_order
 
 MADS = 5.0
 """A high step is also this many (scaled) MADs above the baseline: noisy series need more."""
@@ -62,7 +64,10 @@ def episodes(values: np.ndarray, config: Config) -> list[Episode]:
     judged = ~np.isnan(z)
     if judged.sum() <= MIN_HISTORY:
         return []
-    # fast screen: until its first high step, a series' baseline is the plain rolling median
+    # fast screens: until its first high step, a series' baseline is the plain rolling median,
+    # which is never below the smallest value of its window
+    if not _rises(z[judged], config.window, jump):
+        return []
     finite = pd.Series(z[judged])
     plain = finite.rolling(config.window, min_periods=MIN_HISTORY).median().shift(1)
     if not ((finite - plain) >= jump).any():
@@ -103,6 +108,17 @@ def episodes(values: np.ndarray, config: Config) -> list[Episode]:
         episode.start, floor = int(positions[k]), episode.end
         episode.reaches_end = episode.end == last_judged
     return found
+
+
+def _rises(values: np.ndarray, window: int, jump: float) -> bool:
+    """Whether some value is ``jump`` above the smallest of the ``window`` values before it
+    (with MIN_HISTORY 1: any before it, at the start)."""
+    if len(values) < 2:
+        return False
+    low = np.minimum.accumulate(values[:-1])  # low[j]: the smallest before values[j + 1]
+    if len(values) > window:
+        low[window - 1 :] = sliding_window_view(values[:-1], window).min(axis=1)
+    return bool((values[1:] - low >= jump).any())
 
 
 def is_exploding(episode: Episode, values: np.ndarray, config: Config) -> bool:
@@ -192,6 +208,15 @@ def activation_findings(tables: Iterable[pd.DataFrame], config: Config) -> list[
 
 def _series(table: pd.DataFrame) -> list[tuple[int, str, int, np.ndarray, np.ndarray]]:
     """(rank, module, first seq, steps, values) per rank and module, in step order."""
+    module = table["module"]
+    if isinstance(module.dtype, pd.CategoricalDtype) and len(table):
+        # as SeriesStore gives them: sorted by (rank, module, step), one row a step
+        rank, code = table["rank"].to_numpy(), module.cat.codes.to_numpy()
+        steps = table["step"].to_numpy()
+        if in_order(
+            pd.DataFrame({"rank": rank, "code": code, "step": steps}), ["rank", "code", "step"]
+        ):
+            return _sorted_series(table, rank, code, steps)
     found = []
     for key, group in table.groupby(["rank", "module"], sort=True, observed=True):
         rank, module = keys(key)
@@ -200,6 +225,22 @@ def _series(table: pd.DataFrame) -> list[tuple[int, str, int, np.ndarray, np.nda
         steps, values = group["step"].to_numpy(), group["value"].to_numpy(dtype=np.float64)
         found.append((int(rank), str(module), first, steps, values))
     return found
+
+
+def _sorted_series(
+    table: pd.DataFrame, rank: np.ndarray, code: np.ndarray, steps: np.ndarray
+) -> list[tuple[int, str, int, np.ndarray, np.ndarray]]:
+    """What :func:`_series` finds, from a table already in (rank, module, step) order."""
+    starts = np.flatnonzero(np.r_[True, (rank[1:] != rank[:-1]) | (code[1:] != code[:-1])])
+    ends = np.r_[starts[1:], len(table)]
+    values = table["value"].to_numpy(dtype=np.float64)
+    seq = table["seq"].to_numpy() if "seq" in table else np.zeros(len(table), dtype=np.int64)
+    first = np.minimum.reduceat(seq, starts)
+    names = table["module"].cat.categories
+    return [
+        (int(rank[a]), str(names[code[a]]), int(f), steps[a:b], values[a:b])
+        for a, b, f in zip(starts.tolist(), ends.tolist(), first.tolist(), strict=True)
+    ]
 
 
 def _exploding(

@@ -3,10 +3,11 @@ collects while it reads a trace, for the series checks it runs at the end. Never
 torch.
 
 At 10,000 steps of 2,500 modules that is 25 million values, more than should sit in pandas.
-The chunks go into a DuckDB table instead (in memory up to DuckDB's limit, spilled to disk
-past it), and come back a few modules at a time, in (rank, module) order, each module's
-steps whole and in order: a series check then holds one batch of modules, whatever the
-trace's length.
+Past :data:`MEMORY_ROWS` values the chunks go into a DuckDB table instead (in memory up to
+DuckDB's limit, spilled to disk past it); below it they stay in numpy, and DuckDB is not even
+imported. Either way they come back a few modules at a time, in (rank, module) order, each
+module's steps whole and in order: a series check then holds one batch of modules, whatever
+the trace's length.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from hooktrace.trace import sql
@@ -24,21 +26,38 @@ COLUMNS = ("rank", "module", "step", "value", "seq")
 BATCH_ROWS = 1 << 20
 """About how many values a batch holds (whole modules: more where one module has more)."""
 
+MEMORY_ROWS = 1 << 21
+"""How many values (of all series) are held in memory, some 80 MB, before DuckDB holds them."""
+
 
 class SeriesStore:
     """Named series (``grads``, ``outputs``): append chunks of (rank, module, step, value,
-    seq) to one, read it back by module. One DuckDB database holds them all, so they share
-    its memory limit."""
+    seq) to one, read it back by module. Past :data:`MEMORY_ROWS` values together, one DuckDB
+    database holds them all, so they share its memory limit."""
 
     def __init__(self) -> None:
         self._con: Any = None
         self._made: set[str] = set()
+        self._held: dict[str, list[pd.DataFrame]] = {}  # until MEMORY_ROWS are held
+        self._rows = 0
 
     def add(self, series: str, frame: pd.DataFrame) -> None:
         if frame.empty:
             return
         if self._con is None:
+            self._held.setdefault(series, []).append(frame[list(COLUMNS)])
+            self._rows += len(frame)
+            if self._rows <= MEMORY_ROWS:
+                return
             self._con = sql.open_connection()
+            held, self._held = self._held, {}
+            for name, frames in held.items():
+                for part in frames:
+                    self._insert(name, part)
+            return
+        self._insert(series, frame)
+
+    def _insert(self, series: str, frame: pd.DataFrame) -> None:
         if series not in self._made:
             self._con.execute(
                 f'CREATE TABLE "{series}" (rank BIGINT, module BIGINT, step BIGINT, '
@@ -55,9 +74,12 @@ class SeriesStore:
         """Tables of whole modules, in (rank, module) order, each module's steps in order;
         ``module`` as a categorical of ``names`` (ids index it). About ``rows`` values a
         table (:data:`BATCH_ROWS`), more where one module has more."""
+        rows = BATCH_ROWS if rows is None else rows
+        if series in self._held:
+            yield from _batches(self._held[series], names, rows)
+            return
         if series not in self._made:
             return
-        rows = BATCH_ROWS if rows is None else rows
         ordered = self._con.sql(f'SELECT * FROM "{series}" ORDER BY rank, module, step')
         carry: pd.DataFrame | None = None
         for record_batch in ordered.to_arrow_reader(max(1, rows)):
@@ -77,10 +99,27 @@ class SeriesStore:
             yield _named(carry, names)
 
     def close(self) -> None:
+        self._held.clear()
         if self._con is not None:
             self._con.close()
             self._con = None
             self._made.clear()
+
+
+def _batches(frames: list[pd.DataFrame], names: list[str], rows: int) -> Iterator[pd.DataFrame]:
+    """The held chunks in (rank, module, step) order, as tables of whole modules of about
+    ``rows`` values: what DuckDB's ORDER BY gives (a (rank, module, step) is in one chunk)."""
+    table = pd.concat(frames, ignore_index=True)
+    table = table.iloc[
+        np.lexsort((table["step"].to_numpy(), table["module"].to_numpy(), table["rank"].to_numpy()))
+    ]
+    rank, module = table["rank"].to_numpy(), table["module"].to_numpy()
+    starts = np.flatnonzero(np.r_[True, (rank[1:] != rank[:-1]) | (module[1:] != module[:-1])])
+    begin = 0
+    for end in [*starts[1:].tolist(), len(table)]:
+        if end - begin >= max(1, rows) or end == len(table):
+            yield _named(table.iloc[begin:end], names)
+            begin = end
 
 
 def _named(table: pd.DataFrame, names: list[str]) -> pd.DataFrame:
