@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from models import default_loss, make_batch, make_model
 
 import hooktrace
-from hooktrace.recorder import omp
+from hooktrace.recorder import compiled, omp
 from hooktrace.recorder import stats as stats_module
 from hooktrace.recorder.stats import route_taken
 
@@ -167,76 +167,50 @@ def bystander(model: nn.Module, out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def onethread(model: nn.Module, out: Path) -> Iterator[None]:
-    threads = omp.threads
-    omp.threads = lambda: 1  # what kernel.one_pass asks before each large tensor
-    try:
-        with hooktrace.record(model, out / "run", overwrite=True):
-            yield
-    finally:
-        omp.threads = threads
-
-
-@contextlib.contextmanager
-def eager(model: nn.Module, out: Path) -> Iterator[None]:
-    """stats without numba: small CPU tensors staged and summarised by numpy in the writer,
-    larger ones by torch's reductions in the hook, histograms by numpy."""
-    taken = stats_module._route
-    stats_module._route = stats_module.Route("eager (benchmark)", 0.0, None)
-    try:
-        with hooktrace.record(model, out / "run", overwrite=True):
-            yield
-    finally:
-        stats_module._route = taken
-
-
-@contextlib.contextmanager
-def torchonly(model: nn.Module, out: Path) -> Iterator[None]:
-    """eager, and no staging: every CPU tensor summarised by torch's reductions in the hook."""
-    staged_max = stats_module.STAGED_MAX_VALUES
-    stats_module.STAGED_MAX_VALUES = 0
-    try:
-        with eager(model, out):
-            yield
-    finally:
-        stats_module.STAGED_MAX_VALUES = staged_max
-
-
-@contextlib.contextmanager
-def patched(*patches: tuple[object, str, object]) -> Iterator[None]:
+def patched(model: nn.Module, out: Path, *patches: tuple[object, str, object]) -> Iterator[None]:
+    """stats with each ``(owner, name, value)`` set for the recording's life: the route
+    variants below, each leaving one compiled piece out."""
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
     try:
-        yield
+        with hooktrace.record(model, out / "run", overwrite=True):
+            yield
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
 
 
-@contextlib.contextmanager
-def smallstaged(model: nn.Module, out: Path) -> Iterator[None]:
+def onethread(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[None]:
+    # what kernel.one_pass asks before each large tensor
+    return patched(model, out, (omp, "threads", lambda: 1))
+
+
+def eager(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[None]:
+    """stats without numba: small CPU tensors staged and summarised by numpy in the writer,
+    larger ones by torch's reductions in the hook, histograms by numpy."""
+    return patched(model, out, (stats_module, "_route", EAGER))
+
+
+def torchonly(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[None]:
+    """eager, and no staging: every CPU tensor summarised by torch's reductions in the hook."""
+    return patched(
+        model, out, (stats_module, "_route", EAGER), (stats_module, "STAGED_MAX_VALUES", 0)
+    )
+
+
+def smallstaged(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[None]:
     """stats with every small CPU tensor staged and summarised by numpy in the writer: the
     compiled kernels that read them in place, and the writer's, kept out."""
-    from hooktrace.recorder import compiled
-
-    with (
-        patched((compiled, "staged", lambda: None)),
-        hooktrace.record(model, out / "run", overwrite=True),
-    ):
-        yield
+    return patched(model, out, (compiled, "staged", lambda: None))
 
 
-@contextlib.contextmanager
-def histnumpy(model: nn.Module, out: Path) -> Iterator[None]:
+def histnumpy(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[None]:
     """stats with histograms counted by numpy instead of their compiled kernel."""
-    from hooktrace.recorder import compiled
+    return patched(model, out, (compiled, "histograms", lambda: None))
 
-    with (
-        patched((compiled, "histograms", lambda: None)),
-        hooktrace.record(model, out / "run", overwrite=True),
-    ):
-        yield
+
+EAGER = stats_module.Route("eager (benchmark)", 0.0, None)
 
 
 VARIANTS: dict[str, Variant] = {
