@@ -135,8 +135,8 @@ def histogram_warmup_seconds() -> tuple[float, float]:
     numba's cache empty, then filled."""
     probe = (
         "import time; from hooktrace.recorder.stats import route; route(); "
-        "from hooktrace.recorder import compiled; start = time.perf_counter(); "
-        "compiled._load('histograms'); print(time.perf_counter() - start)"
+        "from hooktrace.recorder import histogram_kernel; start = time.perf_counter(); "
+        "histogram_kernel.warm_up(); print(time.perf_counter() - start)"
     )
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache}

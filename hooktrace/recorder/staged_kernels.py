@@ -12,9 +12,8 @@ tensor's smallest or largest value is a zero of both signs, they order -0.0 befo
 numpy returns either.) Side by side they take about 5% off the reference CNN's recorded
 step (docs/PERFORMANCE.md).
 
-Compiling them takes some 20 s where numba's cache lacks them, so they are loaded in the
-background and used once ready (:mod:`hooktrace.recorder.compiled`); their results being
-numpy's, when they arrive changes the time only.
+They are compiled (or loaded from numba's cache) with the one-pass kernel, before the first
+large CPU tensor (:func:`hooktrace.recorder.stats.route`, :mod:`hooktrace.recorder.compiled`).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Small CPU tensors (at most ``STAGED_MAX_VALUES`` values) are not summarised in t
 the hook copies their values aside (into a reused float64 buffer, ``staging.Staging``) and
 the writer thread summarises all of a step's small tensors together, in float64
 (:func:`summarize_staged`). For them, the fixed cost of a handful of reductions, each a
-dispatch and a ``.item()``, outweighed the work. Once their compiled kernels are ready
-(loaded in the background: :mod:`hooktrace.recorder.compiled`), the hook reads them in
-place instead, with the very same float64 rows (:mod:`hooktrace.recorder.staged_kernels`).
+dispatch and a ``.item()``, outweighed the work. Where this process took the one-pass
+route (below), which loads their compiled kernels too, the hook reads them in place
+instead, with the very same float64 rows (:mod:`hooktrace.recorder.staged_kernels`).
 
 Larger contiguous CPU tensors with finite values take one pass for everything, the kernel
 compiled by numba in :mod:`hooktrace.recorder.kernel` (:func:`summarize_with_activity`).
@@ -251,9 +251,10 @@ def route() -> Route:
             return _route
         start = time.perf_counter()
         try:
-            from hooktrace.recorder import kernel
+            from hooktrace.recorder import kernel, staged_kernels
 
             single = kernel.warm_up()
+            staged_kernels.warm_up()  # the small tensors' kernels, with it
         except Exception as exc:  # numba missing, or unable to compile here
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             _route = Route(f"eager (no one-pass kernel: {reason})", 0.0, None)
