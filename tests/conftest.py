@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -8,6 +9,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# The tests check the one-pass kernel, so recordings here (and in the scripts they start)
+# compile it where numba's cache lacks it instead of taking the eager route while a process of
+# its own compiles it; tests/test_kernel_cache.py checks that default, unset.
+os.environ.setdefault("HOOKTRACE_ONE_PASS", "wait")
 
 
 @pytest.fixture

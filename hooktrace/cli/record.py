@@ -301,7 +301,8 @@ def _report(out: Path) -> None:
             if "stats_route" in s
         }
         for route, warmup in sorted(routes)[:1]:  # ranks on one machine agree
-            click.echo(f"hooktrace: statistics: {route}, {warmup:.2f} s to load, once", err=True)
+            paid = f", {warmup:.2f} s to load, once" if route.startswith("one-pass") else ""
+            click.echo(f"hooktrace: statistics: {route}{paid}", err=True)
         _report_captures(trace, out, rank)
     except Exception as exc:  # the report is a courtesy; the script's exit code matters
         click.echo(f"hooktrace: wrote {out} ({exc})", err=True)

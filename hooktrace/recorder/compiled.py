@@ -2,31 +2,27 @@
 
 Two sets of numba kernels do what numpy already does, faster, with the same results bit for
 bit: the small tensors' statistics (:mod:`hooktrace.recorder.staged_kernels`) and the
-histograms (:mod:`hooktrace.recorder.histogram_kernel`).
+histograms (:mod:`hooktrace.recorder.histogram_kernel`). Both are loaded from numba's cache,
+never compiled in the recording's process (:mod:`hooktrace.recorder.kernel_cache`):
 
-- The small tensors' kernels are compiled (or loaded from numba's cache) with the one-pass
-  kernel, before the first large CPU tensor is summarised (:func:`hooktrace.recorder.stats.route`).
-- The histogram kernels are made ready in a thread of their own once numba is loaded:
-  compiling them takes some 14 s where numba's cache lacks them (0.1 s where it holds
-  them), which no training step should wait for; numpy counts (the same) until then.
-
-Compiling the small tensors' kernels in the background too was tried and dropped: a short
-run that exits while such a thread compiles, or while a detached compile it started runs,
-ended with ``terminate called without an active exception`` (SIGABRT) in about one cold
-start in three (docs/PERFORMANCE.md).
+- the small tensors' kernels with the one-pass kernel (:func:`hooktrace.recorder.stats.route`);
+- the histogram kernels at the first histogram once that has happened (a tenth of a second).
+  Where the cache lacks them, numpy counts (the same) until the process that fills the
+  cache has ended, and the kernels are loaded then.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from types import ModuleType
 
+from hooktrace.recorder import kernel_cache
 from hooktrace.recorder.stats import numba_loaded
 
 _histograms: ModuleType | None = None
 _loading = threading.Lock()
-_started = False
+_tries = 0
+"""Loads tried: one at the first histogram, one more once the filler has ended."""
 
 
 def staged() -> ModuleType | None:
@@ -40,41 +36,37 @@ def staged() -> ModuleType | None:
 
 
 def histograms() -> ModuleType | None:
-    """:mod:`hooktrace.recorder.histogram_kernel` once ready, else None (numpy's route); the
-    first call once numba is loaded starts the thread that makes them ready."""
-    global _started
-    if not numba_loaded():
-        return None
-    if _histograms is not None or _started:
-        return _histograms
-    with _loading:
-        if not _started:
-            _started = True
-            thread = threading.Thread(target=_load_quietly, name="hooktrace-histograms")
-            thread.daemon = True
-            with contextlib.suppress(RuntimeError):  # no thread to be had: numpy counts
-                thread.start()
-    return None
+    """:mod:`hooktrace.recorder.histogram_kernel` once loaded, else None (numpy's route)."""
+    if _histograms is None and numba_loaded():
+        _load(compile_here=kernel_cache.compile_here(), strict=False)
+    return _histograms
 
 
 def warm_up() -> None:
-    """Make both sets ready now, in this thread, if numba is loaded (benchmarks and tests,
-    which must know which route they time or check)."""
+    """Make both sets ready now, compiling what numba's cache lacks, if numba is loaded
+    (benchmarks and tests, which must know which route they time or check)."""
     if numba_loaded():
-        _load()
+        _load(compile_here=True, strict=True)
 
 
-def _load() -> None:
-    global _histograms
+def _load(compile_here: bool, strict: bool) -> None:
+    global _histograms, _tries
     with _loading:
-        if _histograms is None:
-            from hooktrace.recorder import histogram_kernel
+        if _histograms is not None:
+            return
+        if not strict and not (_tries == 0 or (_tries == 1 and kernel_cache.filled())):
+            return  # tried: numpy counts until the filler has ended, or for good after
+        _tries += 1
+        from hooktrace.recorder import histogram_kernel
 
-            histogram_kernel.warm_up()
-            _histograms = histogram_kernel
-
-
-def _load_quietly() -> None:
-    """:func:`_load`; where compiling fails, numpy goes on counting (the same counts)."""
-    with contextlib.suppress(Exception):
-        _load()
+        try:
+            if compile_here:
+                histogram_kernel.warm_up()
+            elif not kernel_cache.load(histogram_kernel.warm_up):
+                kernel_cache.fill()
+                return
+        except Exception:  # unable to load here: numpy goes on counting (the same counts)
+            if strict:
+                raise
+            return
+        _histograms = histogram_kernel

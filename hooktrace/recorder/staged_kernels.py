@@ -12,8 +12,8 @@ tensor's smallest or largest value is a zero of both signs, they order -0.0 befo
 numpy returns either.) Side by side they take about 5% off the reference CNN's recorded
 step (docs/PERFORMANCE.md).
 
-They are compiled (or loaded from numba's cache) with the one-pass kernel, before the first
-large CPU tensor (:func:`hooktrace.recorder.stats.route`, :mod:`hooktrace.recorder.compiled`).
+They are loaded from numba's cache with the one-pass kernel, at the first large CPU tensor
+(:func:`hooktrace.recorder.stats.route`, :mod:`hooktrace.recorder.kernel_cache`).
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from torch.nn.parameter import UninitializedTensorMixin as _LAZY  # type: ignore[attr-defined]
 
+from hooktrace.recorder import kernel_cache
+
 STATS_WIDTH = 8
 """mean, std, min, max, norm, zero count, NaN count, Inf count (float64)."""
 
@@ -230,40 +232,75 @@ class Route:
     description: str
     warmup_s: float
     one_pass: Callable[..., Any] | None
+    filling: bool = False
+    """numba's cache lacked the kernels and a process of their own compiles them into it:
+    :func:`route` loads them once it has ended."""
 
 
 _route: Route | None = None
 _route_lock = threading.Lock()
+_first_asked = 0.0
 
 
 def route() -> Route:
     """The route, decided on first use and kept for the life of the process; on first use it
-    also compiles the kernel (or loads it from numba's cache), which :attr:`Route.warmup_s`
-    reports. ``HOOKTRACE_ONE_PASS=0`` in the environment keeps to the eager route."""
-    global _route
-    if _route is not None:
-        return _route
-    with _route_lock:  # hooks may fire in several threads; compile once
-        if _route is not None:
-            return _route
-        if os.environ.get("HOOKTRACE_ONE_PASS", "1") == "0":
-            _route = Route("eager (HOOKTRACE_ONE_PASS=0)", 0.0, None)
-            return _route
-        start = time.perf_counter()
-        try:
-            from hooktrace.recorder import kernel, staged_kernels
+    also loads the kernels from numba's cache, which :attr:`Route.warmup_s` reports.
 
-            single = kernel.warm_up()
+    Where the cache lacks them, large tensors take the eager route while a process of their
+    own compiles them (:mod:`hooktrace.recorder.kernel_cache`), and the route changes once,
+    to the one-pass kernel, when it has ended: a first recording starts at once, and its
+    statistics on either side agree to float32 rounding. ``HOOKTRACE_ONE_PASS=0`` keeps to
+    the eager route; ``HOOKTRACE_ONE_PASS=wait`` compiles here, before the first large
+    tensor (benchmarks, and tests that check the kernel).
+    """
+    global _route
+    taken = _route
+    if taken is None or (taken.filling and kernel_cache.filled()):
+        with _route_lock:  # hooks may fire in several threads; load once
+            if _route is None or (_route.filling and kernel_cache.filled()):
+                _route = _decide(_route)
+            taken = _route
+    return taken
+
+
+def _decide(before: Route | None) -> Route:
+    """The route now: ``before`` is the eager route taken while the kernels compiled aside."""
+    global _first_asked
+    if os.environ.get("HOOKTRACE_ONE_PASS", "1") == "0":
+        return Route("eager (HOOKTRACE_ONE_PASS=0)", 0.0, None)
+    start = time.perf_counter()
+    _first_asked = _first_asked or start
+    try:
+        from hooktrace.recorder import kernel, staged_kernels
+
+        def load() -> None:
+            threads.append(kernel.warm_up())
             staged_kernels.warm_up()  # the small tensors' kernels, with it
-        except Exception as exc:  # numba missing, or unable to compile here
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            _route = Route(f"eager (no one-pass kernel: {reason})", 0.0, None)
-        else:
-            version = kernel.numba.__version__
-            warmup = time.perf_counter() - start
-            threads = "on torch's OpenMP threads" if single is None else f"one thread: {single}"
-            _route = Route(f"one-pass (numba {version}, {threads})", warmup, kernel.one_pass)
-    return _route
+
+        threads: list[str | None] = []  # why the kernel keeps to one thread, if it does
+        if kernel_cache.compile_here():
+            load()
+        elif not kernel_cache.load(load):
+            if before is not None:
+                return Route("eager (numba's cache lacked the kernels even once compiled)", 0, None)
+            if not kernel_cache.fill():
+                return Route(
+                    "eager (numba's cache lacked the kernels; none could compile)", 0, None
+                )
+            return Route(
+                "eager (numba's cache lacked the one-pass kernel; compiling it for later)",
+                0.0,
+                None,
+                filling=True,
+            )
+    except Exception as exc:  # numba missing, or unable to compile here
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return Route(f"eager (no one-pass kernel: {reason})", 0.0, None)
+    version = kernel.numba.__version__
+    on = "on torch's OpenMP threads" if threads[0] is None else f"one thread: {threads[0]}"
+    if before is not None:
+        on += f", from {start - _first_asked:.1f} s after the first large tensor, eager before"
+    return Route(f"one-pass (numba {version}, {on})", time.perf_counter() - start, kernel.one_pass)
 
 
 def route_taken() -> Route | None:

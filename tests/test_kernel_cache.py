@@ -1,0 +1,183 @@
+"""numba's cache of the kernels (hooktrace.recorder.kernel_cache): a recording on a machine
+whose cache lacks them starts at once on the eager route, a process of its own fills the
+cache, the recording takes the one-pass kernel once it has, and the next run loads it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numba
+import numpy as np
+import pytest
+
+import hooktrace
+from hooktrace.recorder import kernel_cache
+
+_SCRIPT = """
+import json, sys, threading, time
+import torch, hooktrace
+from torch import nn
+from hooktrace.recorder import compiled, stats
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the same tensors every step
+x = torch.randn(64, 256)
+routes, histograms, deadline = [], [], time.monotonic() + 300
+with hooktrace.record(model, sys.argv[1], histograms="param,output") as rec:
+    while True:
+        model(x).sum().backward(); opt.step(); opt.zero_grad(); rec.step()
+        routes.append(stats.route_taken().description)
+        histograms.append(compiled.histograms() is not None)
+        if routes[-1].startswith("one-pass") and histograms[-1] or time.monotonic() > deadline:
+            break
+        if sys.argv[2] == "short":
+            break
+        time.sleep(0.2)
+print(json.dumps({"routes": routes, "histograms": histograms,
+                  "threads": [t.name for t in threading.enumerate()]}))
+"""
+
+
+def _record(out: Path, cache: Path, length: str) -> dict[str, list]:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
+    env.pop("HOOKTRACE_ONE_PASS")  # the default, not the suite's (conftest.py)
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, str(out), length],
+        env=env, capture_output=True, text=True, timeout=400,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_cold_cache_is_filled_aside_and_the_run_takes_the_kernel_once_it_is(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "numba-cache"
+    cache.mkdir()
+    seen = _record(tmp_path / "cold", cache, "long")
+    routes = seen["routes"]
+    assert routes[0] == "eager (numba's cache lacked the one-pass kernel; compiling it for later)"
+    assert routes[-1].startswith("one-pass (numba ") and "eager before" in routes[-1]
+    assert seen["histograms"][0] is False and seen["histograms"][-1] is True
+    # nothing of hooktrace's outlives the recording: no thread in the middle of a compile
+    # when the interpreter exits (that ended cold runs with SIGABRT)
+    assert seen["threads"] == ["MainThread"]
+    trace = hooktrace.load(tmp_path / "cold")
+    assert trace.manifest["ranks"]["0"]["stats_route"] == routes[-1]
+    # the same tensors every step, summarised on both routes: the same within the last bits
+    weight = trace.query(modules=["0"], kinds=["param"], columns=["step", "slot", "norm", "mean"])
+    weight = weight[weight["slot"] == "weight"]
+    assert len(weight) == len(routes) > 1
+    np.testing.assert_allclose(weight["norm"], weight["norm"].iloc[0], rtol=1e-6)
+    np.testing.assert_allclose(weight["mean"], weight["mean"].iloc[0], rtol=1e-5, atol=1e-9)
+    counts = trace.histograms()
+    first, last = counts[counts["step"] == 0], counts[counts["step"] == counts["step"].max()]
+    assert len(first) == len(last) > 0
+    np.testing.assert_array_equal(np.stack(first["pos"]), np.stack(last["pos"]))
+
+    warm = _record(tmp_path / "warm", cache, "short")  # the next run loads what was filled
+    assert warm["routes"][0].startswith("one-pass (numba ")
+    assert "eager before" not in warm["routes"][0]
+    assert warm["histograms"] == [True]
+
+
+def test_load_runs_a_warm_up_only_where_nothing_needs_compiling() -> None:
+    @numba.njit
+    def twice(x: float) -> float:
+        return 2 * x
+
+    assert kernel_cache.load(lambda: twice(1.0)) is False
+    assert twice.signatures == []  # stopped before compiling
+    assert twice(1.0) == 2.0  # outside load, numba compiles as ever
+    assert kernel_cache.load(lambda: twice(3.0)) is True
+
+
+def test_load_refuses_compiles_in_its_own_thread_only() -> None:
+    @numba.njit
+    def elsewhere(x: float) -> float:
+        return x + 1
+
+    @numba.njit
+    def here(x: float) -> float:
+        return x - 1
+
+    results: list[float] = []
+
+    def warm_up() -> None:
+        other = threading.Thread(target=lambda: results.append(elsewhere(1.0)))
+        other.start()
+        other.join()
+        here(1.0)
+
+    assert kernel_cache.load(warm_up) is False
+    assert results == [2.0]  # the script's own numba code, compiled in another thread
+    assert here.signatures == []
+
+
+def test_other_exceptions_of_a_warm_up_propagate() -> None:
+    def broken() -> None:
+        raise ImportError("no numba here")
+
+    with pytest.raises(ImportError):
+        kernel_cache.load(broken)
+
+
+def test_the_filler_runs_alone_and_fills_the_cache(tmp_path: Path) -> None:
+    """Two fillers at once (two ranks' recordings): the second waits on the lock, and both end
+    with the cache full."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    fillers = [
+        subprocess.Popen([sys.executable, "-m", "hooktrace.recorder.kernel_cache"], env=env)
+        for _ in range(2)
+    ]
+    assert [f.wait(timeout=400) for f in fillers] == [0, 0]
+    probe = "from hooktrace.recorder import kernel_cache as c;print(c.load(c._compile_all))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert loaded.stdout.strip() == "True"
+
+
+_NO_PROCESS = """
+import os, sys, torch, hooktrace
+from torch import nn
+from hooktrace.recorder import kernel_cache, stats
+
+def refuse(*args, **kwargs):
+    raise OSError("no more processes")
+
+os.posix_spawn = refuse  # as where a process limit is reached
+model = nn.Linear(256, 256)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+with hooktrace.record(model, sys.argv[1], histograms="param,output"):
+    for _ in range(3):
+        model(torch.randn(64, 256)).sum().backward(); opt.step(); opt.zero_grad()
+print(stats.route_taken().description, kernel_cache._state)
+"""
+
+
+def test_no_process_to_fill_the_cache_leaves_the_eager_routes_at_work(tmp_path: Path) -> None:
+    """Where the filler cannot start, nothing raises into the hooks or the writer (the case
+    that once raised from a thread that could not start): torch and numpy give the numbers."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "empty")}
+    env.pop("HOOKTRACE_ONE_PASS")
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_PROCESS, str(tmp_path / "run")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = "eager (numba's cache lacked the kernels; none could compile) off"
+    assert done.stdout.split() == said.split()
+    trace = hooktrace.load(tmp_path / "run")
+    assert hooktrace.check(trace).whole
+    counts = trace.histograms()
+    assert len(counts) == 3 * 3  # weight, bias, output at each of 3 steps
+    counted = counts[["zero", "nan", "pos_inf", "neg_inf"]].sum(axis=1)
+    counted += np.stack(counts["pos"]).sum(axis=1) + np.stack(counts["neg"]).sum(axis=1)
+    assert (counted == counts["numel"]).all()
