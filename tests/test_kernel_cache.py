@@ -181,3 +181,13 @@ def test_no_process_to_fill_the_cache_leaves_the_eager_routes_at_work(tmp_path: 
     counted = counts[["zero", "nan", "pos_inf", "neg_inf"]].sum(axis=1)
     counted += np.stack(counts["pos"]).sum(axis=1) + np.stack(counts["neg"]).sum(axis=1)
     assert (counted == counts["numel"]).all()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling classes")
+def test_the_filler_yields_every_core_a_training_wants() -> None:
+    probe = (
+        "import os; from hooktrace.recorder import kernel_cache as c; c._yield_to_training();"
+        "print(os.sched_getscheduler(0) == os.SCHED_IDLE, os.nice(0))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True", "19"]
