@@ -21,6 +21,8 @@ as any variant):
                where everything is finite
   nohist       stats with histograms=None: no histograms. stats / nohist, paired by
                repetition, is what the histograms of every parameter and gradient cost
+  bare         stats with neither: what the recorder did before histograms and capture
+               existed (asked for only: to compare with a commit of that time)
   full         hooktrace.record with full tensors of every module at every step
   bystander    hooktrace.record of another model: the process-wide hooks (recorder/attach.py)
                fire for every module call and return at once; what unrecorded modules pay
@@ -157,6 +159,14 @@ def nohist(model: nn.Module, out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def bare(model: nn.Module, out: Path) -> Iterator[None]:
+    with hooktrace.record(
+        model, out / "run", overwrite=True, histograms=None, capture_nonfinite=False
+    ):
+        yield
+
+
+@contextlib.contextmanager
 def full(model: nn.Module, out: Path) -> Iterator[None]:
     with hooktrace.record(model, out / "run", overwrite=True, full_every=1):
         yield
@@ -225,6 +235,7 @@ VARIANTS: dict[str, Variant] = {
     "stats": stats,
     "nocapture": nocapture,
     "nohist": nohist,
+    "bare": bare,
     "full": full,
     "bystander": bystander,
     "onethread": onethread,

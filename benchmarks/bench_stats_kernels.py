@@ -26,7 +26,7 @@ default, every step), side by side with the statistics of the same tensors:
                 for an activation; for parameters and gradients, the small ones read in place
                 in one call (``staged_kernels.summarize_tensors``), the others by the kernel
 
-with the histogram kernels' warm-up, cold and from numba's cache. With ``--inductor`` it also times single functions compiled by
+With ``--inductor`` it also times single functions compiled by
 torch.compile (inductor, dynamic shapes) that compute the same sums, extremes, zero count
 and per-unit positive counts, accumulating in float64 and in float32, and what compiling
 them cost (the route docs/PERFORMANCE.md weighed first).
@@ -157,23 +157,6 @@ def warmup_seconds() -> dict[str, float]:
         }
 
 
-def histogram_warmup_seconds() -> tuple[float, float]:
-    """The histogram kernels' warm-up in a fresh process (the statistics kernel's first):
-    numba's cache empty, then filled."""
-    probe = (
-        "import time; from hooktrace.recorder.stats import route; route(); "
-        "from hooktrace.recorder import histogram_kernel; start = time.perf_counter(); "
-        "histogram_kernel.warm_up(); print(time.perf_counter() - start)"
-    )
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "NUMBA_CACHE_DIR": cache, "HOOKTRACE_ONE_PASS": "wait"}
-        cold, warm = (
-            float(subprocess.check_output([sys.executable, "-c", probe], env=env, text=True))
-            for _ in range(2)
-        )
-    return cold, warm
-
-
 def without_numba(tensors: list[torch.Tensor]) -> None:
     """``histogram_many`` as it runs before numba is loaded: numpy, tensor by tensor."""
     ready = compiled.histograms
@@ -219,9 +202,7 @@ def parameters_and_gradients(name: str) -> list[torch.Tensor]:
 
 def compare_histograms(reps: int) -> None:
     """Histograms against the torch route and against the statistics of the same tensors."""
-    cold, warm = histogram_warmup_seconds()
-    print(f"histogram warm-up, once per process: {cold:.2f} s compiling, {warm:.2f} s from cache")
-    compiled.warm_up()
+    route()  # loads the histogram kernels with the one-pass kernel
     columns = ["histogram", "1 thread", "numpy", "torch route", "statistics"]
     header = "".join(f" {c + ' us':>15}" for c in columns)
     ratios = "".join(f" {'/' + c:>7}" for c in ("numpy", "torch", "stats"))

@@ -54,7 +54,6 @@ def on_route(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     here, not hide behind the other route). ``numpy``: as before that, or without numba."""
     if request.param == "compiled":
         assert route().one_pass is not None, route().description
-        compiled.warm_up()  # else they load in the background, numpy counting meanwhile
         assert compiled.histograms() is histogram_kernel
     else:
         monkeypatch.setattr(compiled, "histograms", lambda: None)
@@ -348,7 +347,6 @@ def test_any_float32_values(values: list[float], dtype: torch.dtype) -> None:
 def _routes_agree(make: Callable[[], list[torch.Tensor]], monkeypatch: pytest.MonkeyPatch) -> None:
     tensors = make()
     assert route().one_pass is not None
-    compiled.warm_up()
     by_kernel = histogram_many(tensors)
     monkeypatch.setattr(compiled, "histograms", lambda: None)
     assert histogram_many(tensors).tolist() == by_kernel.tolist()

@@ -496,7 +496,6 @@ def test_a_step_materialises_the_same_with_and_without_the_writers_kernel(
     from hooktrace.recorder import compiled, pending, staging
 
     route()  # the one-pass route is taken: the writer's kernels can be loaded
-    compiled.warm_up()
     ready = compiled.staged
     assert ready() is not None
     # hooks stage their small tensors (as before the kernels are ready), for the writer
@@ -546,7 +545,6 @@ def test_small_outputs_read_in_place_are_recorded_as_staged_ones(
     from hooktrace.recorder import compiled, staged_kernels
 
     route()
-    compiled.warm_up()
     read: list[int] = []
     real = staged_kernels.summarize_in_place
 
@@ -627,13 +625,13 @@ def test_denormals_read_in_place_count_as_the_staged_copy_counts_them() -> None:
 def test_kernels_that_arrive_mid_run_change_no_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The small tensors' kernels load in the background: a run sees them arrive at some
-    call, in the hooks or in the writer. Whenever that is, the trace is the one numpy alone
-    makes, bit for bit (what makes loading them late safe: docs/PERFORMANCE.md)."""
+    """On a first run, the small tensors' kernels load once compiled aside
+    (recorder/kernel_cache.py): a run sees them arrive at some call, in the hooks or in the
+    writer. Whenever that is, the trace is the one numpy alone makes, bit for bit (what makes
+    loading them late safe: docs/PERFORMANCE.md)."""
     from hooktrace.recorder import compiled
 
     route()
-    compiled.warm_up()
     ready = compiled.staged
     records = {}
     for name, arrives_at in (("numpy", None), ("late", 10), ("later", 40)):

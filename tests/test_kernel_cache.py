@@ -4,6 +4,7 @@ cache, the recording takes the one-pass kernel once it has, and the next run loa
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
@@ -16,10 +17,11 @@ import numpy as np
 import pytest
 
 import hooktrace
-from hooktrace.recorder import kernel_cache
+from hooktrace.recorder import kernel_cache, omp
+from hooktrace.recorder.stats import route
 
 _SCRIPT = """
-import json, sys, threading, time
+import json, os, sys, threading, time
 import torch, hooktrace
 from torch import nn
 from hooktrace.recorder import compiled, stats
@@ -39,7 +41,12 @@ with hooktrace.record(model, sys.argv[1], histograms="param,output") as rec:
         if sys.argv[2] == "short":
             break
         time.sleep(0.2)
-print(json.dumps({"routes": routes, "histograms": histograms,
+try:
+    os.waitpid(-1, os.WNOHANG)
+    children = True
+except ChildProcessError:
+    children = False
+print(json.dumps({"routes": routes, "histograms": histograms, "children": children,
                   "threads": [t.name for t in threading.enumerate()]}))
 """
 
@@ -68,6 +75,7 @@ def test_a_cold_cache_is_filled_aside_and_the_run_takes_the_kernel_once_it_is(
     # nothing of hooktrace's outlives the recording: no thread in the middle of a compile
     # when the interpreter exits (that ended cold runs with SIGABRT)
     assert seen["threads"] == ["MainThread"]
+    assert seen["children"] is False  # the filler is no child a script's os.wait() could meet
     trace = hooktrace.load(tmp_path / "cold")
     assert trace.manifest["ranks"]["0"]["stats_route"] == routes[-1]
     # the same tensors every step, summarised on both routes: the same within the last bits
@@ -128,20 +136,69 @@ def test_other_exceptions_of_a_warm_up_propagate() -> None:
         kernel_cache.load(broken)
 
 
-def test_the_filler_runs_alone_and_fills_the_cache(tmp_path: Path) -> None:
-    """Two fillers at once (two ranks' recordings): the second waits on the lock, and both end
-    with the cache full."""
+def test_a_filler_waits_for_the_one_compiling_then_fills_the_cache(tmp_path: Path) -> None:
+    """Another rank's filler holds the lock: this one compiles nothing until it is released.
+    It runs with torch on one thread (torchrun's OMP_NUM_THREADS=1), and still compiles what a
+    run on two threads loads (found in review: the threaded histogram kernel was left out)."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    fillers = [
-        subprocess.Popen([sys.executable, "-m", "hooktrace.recorder.kernel_cache"], env=env)
-        for _ in range(2)
-    ]
-    assert [f.wait(timeout=400) for f in fillers] == [0, 0]
-    probe = "from hooktrace.recorder import kernel_cache as c;print(c.load(c._compile_all))"
+    with open(_lock_path_for(env), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        filler = subprocess.Popen(
+            [sys.executable, "-m", "hooktrace.recorder.kernel_cache"],
+            env={**env, "OMP_NUM_THREADS": "1"},
+        )
+        with pytest.raises(subprocess.TimeoutExpired):
+            filler.wait(timeout=8)  # long enough to have compiled something, unlocked
+        assert not any(tmp_path.rglob("*.nbi"))
+    assert filler.wait(timeout=400) == 0
+    probe = (
+        "import torch; torch.set_num_threads(2); from hooktrace.recorder import kernel_cache as c;"
+        "print(c.load(c._compile_all))"
+    )
     loaded = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
     assert loaded.stdout.strip() == "True"
+
+
+def _lock_path_for(env: dict[str, str]) -> str:
+    probe = "from hooktrace.recorder import kernel_cache as c; print(c._lock_path())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+def test_a_forked_child_neither_waits_for_nor_starts_a_filler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    read, write = os.pipe()
+    monkeypatch.setattr(kernel_cache, "_state", "running")
+    monkeypatch.setattr(kernel_cache, "_report", read)
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say
+        quiet = kernel_cache._state == "off" and not kernel_cache.fill()
+        os._exit(0 if quiet and not kernel_cache.filled() else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    assert kernel_cache._state == "running"  # the parent still waits for its filler
+    os.close(write)
+    os.close(read)
+
+
+def test_a_load_stopped_inside_join_leaves_the_threads_count_at_numbas_limit() -> None:
+    """numba's thread count is per thread: a load stopped at a compile inside omp.join must
+    not leave this thread's kernels on one thread (found in review)."""
+    route()
+    if omp.started() < 2:
+        pytest.skip("numba's threads run on one thread here")
+
+    class Stop(BaseException):
+        pass
+
+    def start() -> None:
+        raise Stop
+
+    with pytest.raises(Stop):
+        omp.join(start)
+    assert numba.get_num_threads() == numba.config.NUMBA_NUM_THREADS
 
 
 _NO_PROCESS = """

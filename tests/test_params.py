@@ -53,7 +53,6 @@ def test_values_are_summarised_in_place_once_the_kernels_are_loaded() -> None:
     """No copy: float32, float64 and int64 rows come back now, equal bit for bit to what the
     writer makes of the staged copies; other dtypes are still staged."""
     route()  # loads numba, as the first large tensor of a run does
-    compiled.warm_up()  # else the kernels load in the background
     assert compiled.staged() is not None
     entries = _entries("a.weight", "a.bias", "b.weight", "b.count", "b.scale", "b.mask")
     generator = torch.Generator().manual_seed(0)
@@ -262,7 +261,6 @@ def test_parameters_read_in_place_are_recorded_as_staged_ones(
     from hooktrace.recorder import compiled, staged_kernels
 
     route()
-    compiled.warm_up()
     read: list[int] = []
     real = staged_kernels.summarize_tensors
 

@@ -88,11 +88,13 @@ def warm_up() -> None:
     """Compile the kernels (or load them from numba's cache)."""
     histogram_tensors([torch.zeros(1)])  # one kernel for every dtype
     histogram_segments(np.zeros(1), np.array([0, 1], dtype=np.int64), [0])
-    threads = omp.threads()
-    if threads > 1:  # else numba's threads did not start (omp.join), and are never used
+    # the threaded kernel wherever numba's threads started (omp.join), whatever torch's
+    # count is now (it may grow later in the run); compiled on a team of one, which waits for
+    # no thread (a forked child's team may lack them)
+    if omp.started() > 1:
         row = np.zeros(WIDTH, dtype=np.int64)
         one = torch.zeros(1)
-        omp.run(_in_place_threads, threads, one.data_ptr(), 1, FLOAT32, threads, row, False)
+        omp.run(_in_place_threads, 1, one.data_ptr(), 1, FLOAT32, 1, row, False)
 
 
 def _readable(t: torch.Tensor) -> tuple[torch.Tensor, int]:

@@ -13,9 +13,12 @@ infinities are NaN; keys equal to them are infinities. Such tensors are left to 
 route, which counts them (:func:`one_pass` returns None).
 
 Sums are float32 within a block of ``_BLOCK`` values, then float64 across blocks. Where the
-sums come from matters to their last bits, so the choice of route never depends on timing:
-a tensor takes the kernel whenever numba is installed and the tensor is a contiguous float32
-CPU tensor with finite values (:func:`hooktrace.recorder.stats.summarize_with_activity`).
+sums come from matters to their last bits: a tensor takes the kernel whenever it is loaded
+and the tensor is a contiguous float32 CPU tensor with finite values
+(:func:`hooktrace.recorder.stats.summarize_with_activity`). It is loaded from numba's cache
+before the first large tensor, or, where the cache lacked it, once a process of its own has
+compiled it (:mod:`hooktrace.recorder.kernel_cache`): then, and only then, the route changes
+mid-run, and the statistics on either side agree to float32 rounding.
 
 Large tensors are read by several threads: torch's own OpenMP threads, which otherwise spin
 between torch's operators (:mod:`hooktrace.recorder.omp`). The chunks a tensor is cut into

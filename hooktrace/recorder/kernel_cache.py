@@ -9,12 +9,13 @@ process (unless ``HOOKTRACE_ONE_PASS=wait`` asks it to):
   cache. At the first kernel missing it stops, having compiled nothing, and says so: numba
   announces each compile with a ``numba:compile`` event (numba's event API) before it
   starts, and the listener installed here raises there, in this thread only.
-- :func:`fill` then starts a process of its own (this module, run as ``python -m``) that
-  compiles every kernel into the cache, detached: it runs on after the recording ends, and
-  the next run loads. One filler runs at a time per machine and user (a file lock); the
-  others wait for it, then find the cache full.
+- :func:`fill` then starts a process of its own (:func:`main`) that compiles every kernel
+  into the cache, detached and at idle priority: it runs on after the recording ends, and
+  the next run loads. One compiles at a time per user and cache (a file lock): the fillers
+  of other ranks wait for it, then load what it compiled, a few seconds.
 - :func:`filled` says when the filler this process started has ended, so that the recorder
-  loads the kernels then, mid-run (:func:`hooktrace.recorder.stats.route`).
+  loads the kernels then, mid-run (:func:`hooktrace.recorder.stats.route`). Beside a training
+  that keeps every core busy, an idle-priority filler may only get to run once it has ended.
 
 Why not compile in a thread of the recording's own process: short runs on a cold cache that
 exited while such a thread compiled ended with ``terminate called without an active
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import sys
 import tempfile
@@ -38,8 +40,10 @@ from collections.abc import Callable
 _state = "idle"
 """The filler, as this process knows it: ``idle`` (not needed yet), ``running`` (started
 here), ``ended``, or ``off`` (it could not start, or a fork's parent started it)."""
-_filler = 0
+_report = -1
+"""The read end of the filler's report pipe while it runs."""
 _polled = 0.0
+_succeeded = False
 
 
 class _Cold(BaseException):
@@ -77,52 +81,98 @@ def load(warm_up: Callable[[], object]) -> bool:
     return True
 
 
+_LAUNCH = """
+import os, sys
+os.posix_spawn(sys.executable, [sys.executable, "-c", *sys.argv[1:]], os.environ, setsid=True)
+"""
+"""Run by a short-lived process that starts the filler and ends at once: the filler is then
+no child of the recording's process, which a script's own ``os.wait()`` or SIGCHLD handler
+would otherwise meet. ``setsid``: a Ctrl-C meant for the training does not stop it."""
+
+_FILL = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "import hooktrace.recorder.kernel_cache as c; c.main(int(sys.argv[2]))"
+)
+"""The filler, given where this process found hooktrace (not a hooktrace the working folder
+holds: it would compile another file, and numba's cache would never match this one)."""
+
+_REPORT_FD = 3
+"""The filler's end of a pipe to the recording's process: it writes ``ok`` there once the
+cache is full, and the pipe's end of file says it has ended, whatever became of it."""
+
+
 def fill() -> bool:
     """Start the process that compiles the kernels into numba's cache, once per process, and
-    say whether it runs; where it cannot start, the kernels stay unloaded (the eager routes
-    give the statistics)."""
-    global _state, _filler
+    say whether it runs; where it cannot start (a frozen application, a process limit), the
+    kernels stay unloaded and the eager routes give the statistics."""
+    global _state, _report
     if _state != "idle":
         return _state == "running"
+    _state = "off"
+    if getattr(sys, "frozen", False) or not sys.executable:
+        return False  # sys.executable is the application itself, or nothing
+    import hooktrace
+
+    read, write = os.pipe()
     try:
-        _filler = os.posix_spawn(
+        if write == _REPORT_FD:  # dup2 onto itself would keep close-on-exec
+            write, old = os.dup(write), write
+            os.close(old)
+        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(hooktrace.__file__)))
+        launcher = os.posix_spawn(
             sys.executable,
-            [sys.executable, "-m", __name__],
-            # where this process found hooktrace and numba (a script's own folder, say)
-            {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
-            file_actions=[(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)],
-            setsid=True,  # its own session: a Ctrl-C meant for the training does not stop it
+            [sys.executable, "-I", "-S", "-c", _LAUNCH, _FILL, package_parent, str(_REPORT_FD)],
+            os.environ,
+            file_actions=[
+                *((os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)),
+                (os.POSIX_SPAWN_DUP2, write, _REPORT_FD),
+            ],
         )
-    except (OSError, AttributeError, TypeError):  # no posix_spawn or no setsid here
-        _state = "off"
-    else:
-        _state = "running"
-    return _state == "running"
+        with contextlib.suppress(ChildProcessError):  # the script's SIGCHLD handler took it
+            os.waitpid(launcher, 0)
+    except (OSError, AttributeError, TypeError):  # no posix_spawn, or no process to be had
+        os.close(read)
+        return False
+    finally:
+        os.close(write)
+    os.set_blocking(read, False)
+    _report, _state = read, "running"
+    return True
 
 
 def filled() -> bool:
     """Whether the filler this process started has ended (successfully or not): checked at
     most once a second, so that the hot path may ask on every call."""
-    global _state, _polled
+    global _state, _polled, _succeeded
     if _state != "running":
         return _state == "ended"
     now = time.monotonic()
     if now - _polled < 1.0:
         return False
     _polled = now
+    said = b""
     try:
-        ended = os.waitpid(_filler, os.WNOHANG)[0] != 0
-    except ChildProcessError:  # reaped by the script's own os.wait()
-        ended = True
-    if ended:
-        _state = "ended"
-    return ended
+        while chunk := os.read(_report, 16):
+            said += chunk
+    except BlockingIOError:
+        if not said:
+            return False  # still compiling
+    os.close(_report)
+    _state, _succeeded = "ended", said.startswith(b"ok")
+    return True
+
+
+def succeeded() -> bool:
+    """Whether the filler this process started said it filled the cache."""
+    return _succeeded
 
 
 def _forget() -> None:
     """A forked child neither waits for its parent's filler nor starts one of its own."""
     global _state
     if _state == "running":
+        with contextlib.suppress(OSError):
+            os.close(_report)
         _state = "off"
 
 
@@ -130,7 +180,9 @@ os.register_at_fork(after_in_child=_forget)
 
 
 def _lock_path() -> str:
-    return os.path.join(tempfile.gettempdir(), f"hooktrace-kernels-{os.getuid()}.lock")
+    """One filler at a time per user and numba cache."""
+    cache = hashlib.sha256(os.environ.get("NUMBA_CACHE_DIR", "").encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), f"hooktrace-kernels-{os.getuid()}-{cache}.lock")
 
 
 def _compile_all() -> None:
@@ -152,8 +204,16 @@ def _yield_to_training() -> None:
         os.nice(19)
 
 
-if __name__ == "__main__":
+def main(report: int | None = None) -> None:
+    """The filler: wait for any other (another rank's), then compile what the cache lacks
+    (loading what it holds), and say so on the ``report`` pipe where :func:`fill` gave one."""
     _yield_to_training()
     with open(_lock_path(), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one filler at a time; a later one finds the cache full
+        fcntl.flock(lock, fcntl.LOCK_EX)
         _compile_all()
+    if report is not None:
+        os.write(report, b"ok")
+
+
+if __name__ == "__main__":
+    main()

@@ -36,6 +36,12 @@ T = TypeVar("T")
 _limit = 1  # threads numba's layer started with, once joined; 1 while not
 
 
+def started() -> int:
+    """Threads numba's layer started with once :func:`join` succeeded, else 1: the most a
+    kernel call may take, whatever torch uses now."""
+    return _limit
+
+
 def threads() -> int:
     """Threads a kernel call may take now: as many as torch uses, or one where that is one
     or more than numba started with (a smaller team would make libgomp end torch's extra
@@ -64,7 +70,7 @@ def join(start: Callable[[], object]) -> str | None:
     """Start numba's threading layer and compile (or load) the parallel kernel by calling
     ``start`` on a team of one, and let kernel calls use more threads if the layer runs on
     torch's OpenMP team. Returns None if so, else why not: the kernel then keeps to one
-    thread. Never raises."""
+    thread. Raises only what ``start`` raises that is not an Exception."""
     global _limit
     try:
         import numba
@@ -80,11 +86,14 @@ def join(start: Callable[[], object]) -> str | None:
             return "torch's OpenMP library was not found"
         saved = gomp.omp_get_max_threads(), gomp.omp_get_max_active_levels()
         nested = gomp.omp_get_nested()
+        numba.set_num_threads(1)  # starts the layer; the first call needs no team
         try:
-            numba.set_num_threads(1)  # starts the layer; the first call needs no team
             start()
-            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
         finally:
+            # numba's count is per thread: back to its limit in this one, also where start()
+            # was stopped (a load that found numba's cache cold), else this thread's kernels
+            # would keep to one thread once another thread joined
+            numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
             # numba's OpenMP layer sets the thread count to its own and allows nested
             # parallel regions as it starts: in torch's library too, whose settings they are
             # (torch reads its thread count from there)

@@ -244,7 +244,8 @@ _first_asked = 0.0
 
 def route() -> Route:
     """The route, decided on first use and kept for the life of the process; on first use it
-    also loads the kernels from numba's cache, which :attr:`Route.warmup_s` reports.
+    also loads the kernels from numba's cache (the one-pass kernel, the small tensors' and
+    the histograms'), which :attr:`Route.warmup_s` reports.
 
     Where the cache lacks them, large tensors take the eager route while a process of their
     own compiles them (:mod:`hooktrace.recorder.kernel_cache`), and the route changes once,
@@ -271,18 +272,25 @@ def _decide(before: Route | None) -> Route:
     start = time.perf_counter()
     _first_asked = _first_asked or start
     try:
-        from hooktrace.recorder import kernel, staged_kernels
+        from hooktrace.recorder import histogram_kernel, kernel, staged_kernels
 
         def load() -> None:
             threads.append(kernel.warm_up())
-            staged_kernels.warm_up()  # the small tensors' kernels, with it
+            staged_kernels.warm_up()  # the small tensors' kernels, and the histograms', with it
+            histogram_kernel.warm_up()
 
         threads: list[str | None] = []  # why the kernel keeps to one thread, if it does
         if kernel_cache.compile_here():
             load()
         elif not kernel_cache.load(load):
             if before is not None:
-                return Route("eager (numba's cache lacked the kernels even once compiled)", 0, None)
+                why = (
+                    "numba's cache lacked the kernels even once compiled"
+                    if kernel_cache.succeeded()
+                    else "compiling the kernels failed: python -m hooktrace.recorder.kernel_cache"
+                    " says why"
+                )
+                return Route(f"eager ({why})", 0.0, None)
             if not kernel_cache.fill():
                 return Route(
                     "eager (numba's cache lacked the kernels; none could compile)", 0, None
