@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -377,6 +378,28 @@ def test_a_trace_without_histograms_says_how_to_record_them(tmp_path: Path) -> N
         assert result.stderr.startswith(f"hooktrace: error: {run} holds no histograms")
         assert "--histograms param,grad_param" in result.stderr
         assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.filterwarnings("ignore::hooktrace.errors.TraceWarning")
+@pytest.mark.parametrize("fmt", ["table", "csv"])
+def test_histograms_whose_pages_are_damaged_get_a_one_line_error(
+    known: Path, tmp_path: Path, fmt: str
+) -> None:
+    """The footer of the only histograms part reads, its pages do not (found by the fuzzer:
+    the text view then failed with an IndexError on no rows)."""
+    run = tmp_path / "run"
+    shutil.copytree(known, run)
+    (part,) = (run / "histograms").rglob("*.parquet")
+    data = bytearray(part.read_bytes())
+    at = int(len(data) * 0.09)
+    data[at : at + 12] = bytes(12)
+    part.write_bytes(bytes(data))
+    with pytest.raises(TraceError, match=r"no histogram of .* could be read: the parts holding"):
+        hist(run)
+    result = invoke("hist", run, "--format", fmt)
+    assert result.exit_code == 2
+    error = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(error) == 1 and "hooktrace check" in error[0]
 
 
 # --- the command -------------------------------------------------------------------------------

@@ -248,3 +248,31 @@ def test_the_filler_yields_every_core_a_training_wants() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["True", "19"]
+
+
+_CLOSED_STDIO = """
+import os, sys, time
+from hooktrace.recorder import kernel_cache
+os.close(0)
+os.close(1)  # a daemon's: the report pipe's descriptors may take these numbers
+started = kernel_cache.fill()
+seen = []
+deadline = time.monotonic() + 400
+while not kernel_cache.filled() and time.monotonic() < deadline:
+    seen.append(time.monotonic())
+    time.sleep(0.5)
+print(started, len(seen) > 10, kernel_cache.succeeded(), file=sys.stderr)
+"""
+
+
+def test_the_filler_reports_success_from_a_process_without_stdin_or_stdout(
+    tmp_path: Path,
+) -> None:
+    """The report pipe survives its descriptors being 0 and 1 (found in review): the filler
+    is seen to run for a while, then to have filled the cache."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _CLOSED_STDIO], env=env, capture_output=True, text=True, timeout=500
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.split()[-3:] == ["True", "True", "True"], done.stderr

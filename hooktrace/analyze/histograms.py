@@ -92,12 +92,19 @@ def hist(
     matched = [int(s) for s in per_step_rows.index]
     chosen = sample_steps(matched, max_steps)
     parts = []
+    found = 0
     for chunk in chunks(per_step_rows.loc[chosen], CHUNK_RECORDS):
         frame = tidy(read(trace, where, chunk, sampled=len(chosen) < len(matched)))
+        found += len(frame)
         if sink is not None:
             sink(frame)
         else:
             parts.append(frame)
+    if not found and trace.skipped:  # the footers promised histograms; their pages are damaged
+        raise TraceError(
+            f"no histogram of {trace.path} could be read: the parts holding them are damaged "
+            f"(left out: {', '.join(trace.skipped)}); `hooktrace check {trace.path}` says what"
+        )
     out = pd.concat(parts, ignore_index=True) if len(parts) > 1 else (parts or [empty()])[0]
     out.attrs["steps"] = len(matched)
     return out if sink is None else empty(attrs={"steps": len(matched)})

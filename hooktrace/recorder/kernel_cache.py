@@ -123,9 +123,9 @@ def fill() -> bool:
             sys.executable,
             [sys.executable, "-I", "-S", "-c", _LAUNCH, _FILL, package_parent, str(_REPORT_FD)],
             os.environ,
-            file_actions=[
-                *((os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)),
+            file_actions=[  # the pipe first: in a process without stdout it may be fd 1
                 (os.POSIX_SPAWN_DUP2, write, _REPORT_FD),
+                *((os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_RDWR, 0) for fd in (0, 1, 2)),
             ],
         )
         with contextlib.suppress(ChildProcessError):  # the script's SIGCHLD handler took it
