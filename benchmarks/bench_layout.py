@@ -10,8 +10,8 @@ parts in other layouts beside it, everything else shared:
                   records together, so its statistics prune by module; steps spread
 
 and times, interleaved repetition by repetition (variants in a new order each time), what the
-analyzer asks most: a window of 35 steps (``trace.query(steps=...)``, as ``diff --steps`` and
-``replay`` read), one module's history (``trace.query(modules=...)``), and ``summary`` (a
+analyzer asks most: one step and a window of 35 (``trace.query(steps=...)``, as ``replay`` and
+``diff --steps`` read), one module's history (``trace.query(modules=...)``), and ``summary`` (a
 scan of three dictionary columns). It prints the medians, their ratio to the written layout,
 and the records' size on disk.
 
@@ -48,6 +48,9 @@ LAYOUTS: dict[str, tuple[int, bool]] = {  # row group size, sorted by module
 }
 
 
+_ORDER = ("module", "step", "seq")
+
+
 def rewrite(run: Path, out: Path, row_group_size: int, by_module: bool) -> None:
     """``run`` with its records parts rewritten in a layout; the rest linked."""
     if out.exists():
@@ -59,10 +62,10 @@ def rewrite(run: Path, out: Path, row_group_size: int, by_module: bool) -> None:
     for part in sorted((run / "records").rglob("*.parquet")):
         table = pq.read_table(part)
         if by_module:
-            order = pc.sort_indices(
-                table,
-                sort_keys=[("module", "ascending"), ("step", "ascending"), ("seq", "ascending")],
+            keys = pa.table(  # arrow sorts no dictionary column: by the names themselves
+                {n: pc.cast(table[n], pa.string()) if n == "module" else table[n] for n in _ORDER}
             )
+            order = pc.sort_indices(keys, sort_keys=[(n, "ascending") for n in _ORDER])
             table = table.take(order)
         target = out / part.relative_to(run)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +84,9 @@ def questions(trace: hooktrace.Trace) -> dict[str, Callable[[], object]]:
     middle = int(steps.median())
     module = str(trace.modules["module"].iloc[len(trace.modules) // 2])
     return {
+        "1 step": lambda: trace.query(
+            steps=(middle, middle), columns=["step", "module", "kind", "norm"]
+        ),
         "35 steps": lambda: trace.query(
             steps=(middle, middle + 34), columns=["step", "module", "kind", "norm"]
         ),
