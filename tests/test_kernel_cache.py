@@ -153,7 +153,7 @@ def test_a_filler_waits_for_the_one_compiling_then_fills_the_cache(tmp_path: Pat
     assert filler.wait(timeout=400) == 0
     probe = (
         "import torch; torch.set_num_threads(2); from hooktrace.recorder import kernel_cache as c;"
-        "print(c.load(c._compile_all))"
+        "print(c.load(c.warm_up))"
     )
     loaded = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True

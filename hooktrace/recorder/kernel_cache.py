@@ -185,13 +185,16 @@ def _lock_path() -> str:
     return os.path.join(tempfile.gettempdir(), f"hooktrace-kernels-{os.getuid()}-{cache}.lock")
 
 
-def _compile_all() -> None:
-    """Compile every kernel hooktrace loads into numba's cache (what :func:`load` would find)."""
+def warm_up() -> str | None:
+    """Compile, or load from numba's cache, every kernel the recorder uses: what the filler
+    compiles is what the recording loads. Returns why the one-pass kernel keeps to one
+    thread, or None (:func:`hooktrace.recorder.kernel.warm_up`)."""
     from hooktrace.recorder import histogram_kernel, kernel, staged_kernels
 
-    kernel.warm_up()
-    staged_kernels.warm_up()
+    single = kernel.warm_up()
+    staged_kernels.warm_up()  # the small tensors' kernels, and the histograms', with it
     histogram_kernel.warm_up()
+    return single
 
 
 def _yield_to_training() -> None:
@@ -210,7 +213,7 @@ def main(report: int | None = None) -> None:
     _yield_to_training()
     with open(_lock_path(), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _compile_all()
+        warm_up()
     if report is not None:
         os.write(report, b"ok")
 

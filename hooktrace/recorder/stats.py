@@ -272,12 +272,10 @@ def _decide(before: Route | None) -> Route:
     start = time.perf_counter()
     _first_asked = _first_asked or start
     try:
-        from hooktrace.recorder import histogram_kernel, kernel, staged_kernels
+        from hooktrace.recorder import kernel
 
         def load() -> None:
-            threads.append(kernel.warm_up())
-            staged_kernels.warm_up()  # the small tensors' kernels, and the histograms', with it
-            histogram_kernel.warm_up()
+            threads.append(kernel_cache.warm_up())
 
         threads: list[str | None] = []  # why the kernel keeps to one thread, if it does
         if kernel_cache.compile_here():
