@@ -7,6 +7,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pytest
 import torch
 from diff_runs import Net, perturb_weight, scale_grad_from, scale_on_from, train
@@ -269,13 +270,13 @@ def test_a_window_and_a_stop_at_the_first_read_only_the_steps_they_need(
     from hooktrace.trace.reader import Trace
 
     asked: list[object] = []
-    query = Trace.query
+    query_table = Trace.query_table  # what query() reads through too
 
-    def watched(self: Trace, **kwargs: object) -> pd.DataFrame:
+    def watched(self: Trace, **kwargs: object) -> pa.Table:
         asked.append(kwargs.get("steps"))
-        return query(self, **kwargs)  # type: ignore[arg-type]
+        return query_table(self, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Trace, "query", watched)
+    monkeypatch.setattr(Trace, "query_table", watched)
     window = hooktrace.diff(*many, steps="14-15")
     assert (window.first_step, window.last_step, window.records) == (14, 15, 80)
     assert asked and all(steps is not None for steps in asked), asked

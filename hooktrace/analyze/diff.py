@@ -17,7 +17,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from hooktrace.analyze.diff_compare import (
     KEYS,
@@ -28,11 +31,12 @@ from hooktrace.analyze.diff_compare import (
     compare,
 )
 from hooktrace.analyze.diff_result import Accumulator, DiffResult, Divergence, Structure
+from hooktrace.analyze.diff_same import same_rows
 from hooktrace.analyze.findings import module_pattern
 from hooktrace.errors import ConfigError, HooktraceError, TraceError
 from hooktrace.trace import schema
 from hooktrace.trace.filters import in_order
-from hooktrace.trace.reader import Trace, load
+from hooktrace.trace.reader import Trace, load, records_frame
 
 __all__ = [
     "DEFAULT_ATOL",
@@ -72,7 +76,7 @@ def diff(
     rows: Literal["differing", "all"] = "differing",
     sink: Callable[[pd.DataFrame], None] | None = None,
     stop_at_first: bool = False,
-    chunk_rows: int = 100_000,
+    chunk_rows: int = 250_000,
 ) -> DiffResult:
     """Compare two runs record by record, in execution order.
 
@@ -119,17 +123,25 @@ def diff(
     acc = Accumulator(last_step=common[-1])
     kept: list[pd.DataFrame] = []
     tensors = TensorPair(trace_a.path, trace_b.path)
+    empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
     try:
         for chunk in _chunks(common, size, max(1, chunk_rows) * 2):
-            frames = []
-            for trace, side_ranks in ((trace_a, ranks_a), (trace_b, ranks_b)):
-                frame = trace.query(
-                    columns=[*KEYS, *VALUES], steps=(chunk[0], chunk[-1]), modules=names,
-                    kinds=kinds, ranks=side_ranks,
-                )  # fmt: skip
-                if len(chunk) != chunk[-1] - chunk[0] + 1:
-                    frame = frame[frame["step"].isin(chunk)]
-                frames.append(frame.drop(columns="rank") if pair else frame)
+            tables = [
+                _read(trace, chunk, side_ranks, names, kinds, drop_rank=pair)
+                for trace, side_ranks in ((trace_a, ranks_a), (trace_b, ranks_b))
+            ]
+            # rows both runs hold bit for bit are equal: counted here, never compared
+            same = same_rows(tables[0], tables[1], keys) if rows == "differing" else None
+            if same is not None:
+                acc.add_same(tables[0], same)
+                if same.all():
+                    if sink is not None:
+                        sink(empty.copy())
+                    continue
+                rest = pa.array(np.flatnonzero(~same))
+                tables = [table.take(rest) for table in tables]
+            frames = [records_frame(table) for table in tables]
+            del tables
             merged = align(frames[0], frames[1], keys)
             del frames
             if pair:
@@ -157,7 +169,6 @@ def diff(
             f"{tensors.unreadable[0]}): their records were compared on statistics only; "
             "`hooktrace check` says what is damaged"
         )
-    empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
     table = pd.concat([empty, *kept], ignore_index=True).astype(TABLE_DTYPES)
     return DiffResult(
         run_a=trace_a.path, run_b=trace_b.path, rtol=rtol, atol=atol, first=acc.first,
@@ -167,6 +178,25 @@ def diff(
         complete=acc.stopped_at is None, ranks=(rank or 0, against_rank) if pair else (None, None),
         notes=notes,
     )  # fmt: skip
+
+
+def _read(
+    trace: Trace,
+    chunk: list[int],
+    ranks: list[int] | None,
+    names: list[str] | None,
+    kinds: list[str] | None,
+    *,
+    drop_rank: bool,
+) -> pa.Table:
+    """The records of ``chunk``'s steps that the filters select, as pyarrow read them."""
+    table = trace.query_table(
+        columns=[*KEYS, *VALUES], steps=(chunk[0], chunk[-1]), modules=names, kinds=kinds,
+        ranks=ranks,
+    )  # fmt: skip
+    if len(chunk) != chunk[-1] - chunk[0] + 1:
+        table = table.filter(pc.is_in(table.column("step"), pa.array(chunk, pa.int64())))
+    return table.drop_columns(["rank"]) if drop_rank else table
 
 
 @dataclass

@@ -13,7 +13,8 @@ element is ``max(|a|, |b|)``; for statistics it is the size of the tensor's valu
 mean near zero is not judged relative to itself: ``max(rms_a, rms_b)`` (rms = norm / sqrt(numel))
 for mean, std, min and max, ``max(norm_a, norm_b)`` for norm, 1 for zero_fraction. NaN equals
 NaN (both runs NaN at the same place is no divergence) and inf equals an inf of the same sign.
-numel, nan_count and inf_count must be equal.
+numel, nan_count and inf_count must be equal (a record hooktrace could not summarise has no
+counts: two such records match).
 """
 
 from __future__ import annotations
@@ -146,8 +147,9 @@ def compare(
             rel = np.fmax(rel, np.where(gap == 0, 0.0, gap / scale))
             out[f"d_{stat}"] = delta
         for count in ("numel", *COUNT_COLUMNS):
-            delta = num(f"{count}_b") - num(f"{count}_a")
-            bad[count] = delta != 0
+            ca, cb = num(f"{count}_a"), num(f"{count}_b")
+            delta = cb - ca
+            bad[count] = (delta != 0) & ~(np.isnan(ca) & np.isnan(cb))  # both unknown: no gap
             out[f"d_{count}"] = delta
     stats_differ = np.zeros(n, dtype=bool)
     for mask in bad.values():

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from hooktrace.analyze.diff_compare import TENSOR_METRICS
 from hooktrace.trace import schema
@@ -167,7 +169,25 @@ class Accumulator:
         self.changed: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.first_step: dict[str, int] = {}
         self.count: dict[str, int] = {}
-        self.last: pd.DataFrame | None = None
+        self.last: list[pd.DataFrame] = []  # per module at last_step, from each chunk
+
+    def add_same(self, table: pa.Table, same: np.ndarray) -> None:
+        """A chunk whose records pair row by row (``table``: run A's), ``same`` where both
+        runs hold them bit for bit: those are equal, and are counted without a comparison.
+        The others go to :meth:`add`."""
+        self.records += int(np.count_nonzero(same))
+        found = {(m, k, s) for m, k, s in _distinct(table, ["module", "kind", "slot"])}
+        for side in ("A", "B"):  # both runs hold every key of a chunk that pairs row by row
+            self.seen[side].update(found)
+        at_last = same & (table.column("step").to_numpy() == self.last_step)
+        if at_last.any():
+            modules = [m for (m,) in _distinct(table.filter(pa.array(at_last)), ["module"])]
+            self.last.append(
+                pd.DataFrame(
+                    {"last_differing": 0, "last_rel_diff": 0.0, "last_max_abs_error": np.nan},
+                    index=pd.Index(modules, name="module"),
+                )
+            )
 
     def add(self, part: pd.DataFrame, merged: pd.DataFrame) -> None:
         status = part["status"]
@@ -196,9 +216,11 @@ class Accumulator:
                 self.first = _divergence(order.iloc[0], merged.loc[order.index[0]])
         at_last = part[part["step"] == self.last_step]
         if len(at_last):
-            self.last = (
-                at_last.assign(differing=at_last["status"] != "equal")
-                .groupby("module", observed=True)
+            self.last.append(
+                at_last.assign(
+                    differing=at_last["status"] != "equal", module=at_last["module"].astype(str)
+                )
+                .groupby("module")
                 .agg(
                     last_differing=("differing", "sum"),
                     last_rel_diff=("rel_diff", "max"),
@@ -213,8 +235,13 @@ class Accumulator:
                 "differing": pd.Series(self.count, dtype="int64"),
             }
         )
-        if self.last is not None:
-            table = table.join(self.last, how="outer")
+        if self.last:
+            last = (
+                pd.concat(self.last)
+                .groupby(level=0)
+                .agg({"last_differing": "sum", "last_rel_diff": "max", "last_max_abs_error": "max"})
+            )
+            table = table.join(last, how="outer")
         for col in ("last_differing", "last_rel_diff", "last_max_abs_error"):
             if col not in table.columns:
                 table[col] = float("nan")
@@ -246,6 +273,25 @@ class Accumulator:
             changed=changed.reset_index(drop=True),
             records_only_a=self.only["only_a"], records_only_b=self.only["only_b"],
         )  # fmt: skip
+
+
+def _distinct(table: pa.Table, columns: list[str]) -> set[tuple[str, ...]]:
+    """The distinct combinations of some dictionary (string) columns of ``table``."""
+    if table.num_rows == 0:
+        return set()
+    names, code = [], np.zeros(table.num_rows, dtype=np.int64)
+    for column in columns:
+        values = table.column(column).combine_chunks()
+        names.append(values.dictionary.to_pylist())
+        code = code * len(names[-1]) + values.indices.to_numpy().astype(np.int64)
+    found = set()
+    for combined in np.unique(code).tolist():
+        parts = []
+        for dictionary in reversed(names):
+            combined, at = divmod(combined, len(dictionary))
+            parts.append(str(dictionary[at]))
+        found.add(tuple(reversed(parts)))
+    return found
 
 
 def _divergence(row: pd.Series, merged: pd.Series) -> Divergence:

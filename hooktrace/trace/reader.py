@@ -40,7 +40,7 @@ from hooktrace.trace.manifest import read_manifest, read_statuses
 from hooktrace.trace.paths import one_line, printable, rank_of, utf8
 from hooktrace.trace.tensors import decode_dataset, read_dataset
 
-__all__ = ["MAX_RECORDS", "Trace", "decode_dataset", "in_order", "load"]
+__all__ = ["MAX_RECORDS", "Trace", "decode_dataset", "in_order", "load", "records_frame"]
 # decode_dataset and in_order live in tensors.py and filters.py; imported from here too
 
 MAX_RECORDS = 4_000_000
@@ -227,6 +227,24 @@ class Trace:
         ``steps`` is either an iterable of step numbers or an inclusive ``(first, last)``
         range given as a tuple of two ints. Rows come in (rank, step, seq) order.
         """
+        table = self.query_table(
+            columns=columns, steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases
+        )
+        return records_frame(table)
+
+    def query_table(
+        self,
+        *,
+        columns: Sequence[str] | None = None,
+        steps: Iterable[int] | tuple[int, int] | None = None,
+        modules: Iterable[str] | None = None,
+        kinds: Iterable[str] | None = None,
+        ranks: Iterable[int] | None = None,
+        phases: Iterable[str] | None = None,
+    ) -> pa.Table:
+        """The records :meth:`query` returns, as the pyarrow Table read, in the order the
+        parts hold them (rank by rank, each part in (step, seq) order): for a question that
+        needs no pandas for most rows. :func:`records_frame` makes it :meth:`query`'s frame."""
         steps = steps_given(steps)
         expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases)
         span = step_range(steps)
@@ -239,17 +257,10 @@ class Trace:
                     f"unknown record column(s) {sorted(unknown)}: choose from "
                     f"{', '.join(['rank', *schema.RECORD_SCHEMA.names])}"
                 )
-        table = self._read(
+        return self._read(
             schema.RECORDS_DIR, schema.RECORD_SCHEMA, columns=wanted, filter=expr,
             parts=None if span is None else self._parts_holding(*span),
         )  # fmt: skip
-        frame = table.to_pandas()
-        if "note" in frame.columns and frame["note"].hasnans:  # a 1.0 trace has no notes
-            frame["note"] = _no_notes(frame["note"])
-        order = [c for c in ("rank", "step", "seq") if c in frame.columns]
-        if order and not in_order(frame, order):
-            frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
-        return frame
 
     @property
     def has_histograms(self) -> bool:
@@ -537,6 +548,18 @@ class Trace:
         steps = of_kind["step"]
         slots = sorted(of_kind["slot"].astype(str).unique())
         return f"it has steps {steps.min()}–{steps.max()} and slots {', '.join(slots)}"
+
+
+def records_frame(table: pa.Table) -> pd.DataFrame:
+    """Records read as a pyarrow Table (:meth:`Trace.query_table`) as :meth:`Trace.query`
+    returns them: a DataFrame in (rank, step, seq) order, notes "" where a 1.0 trace has none."""
+    frame = table.to_pandas()
+    if "note" in frame.columns and frame["note"].hasnans:  # a 1.0 trace has no notes
+        frame["note"] = _no_notes(frame["note"])
+    order = [c for c in ("rank", "step", "seq") if c in frame.columns]
+    if order and not in_order(frame, order):
+        frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
+    return frame
 
 
 def _no_notes(notes: pd.Series) -> pd.Series:
