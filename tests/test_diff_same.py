@@ -167,3 +167,24 @@ def test_same_rows_reads_dictionaries_nan_and_missing_values_as_compare_does() -
     assert same_rows(_table(rows), _table(bits), KEYS).tolist() == [False, True, True, True]  # type: ignore[union-attr]
     none = _table(rows).slice(0, 0)
     assert same_rows(none, none, KEYS).tolist() == []  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("marks", [0, 1 << 24])
+def test_the_slots_both_runs_hold_are_named_whichever_way_they_are_kept(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, marks: int
+) -> None:
+    from hooktrace.analyze.diff_result import _Slots
+
+    monkeypatch.setattr(_Slots, "MAX_MARKS", marks)  # 0: named chunk by chunk
+
+    def drop_extra(step: int, model: Net) -> None:
+        if step == 3:
+            model.extra = None  # B's last steps lack a module that its first steps had
+
+    a = train(tmp_path / "a", n_steps=5, extra=True)
+    b = train(tmp_path / "b", n_steps=5, extra=True, before_step=drop_extra)
+    for chunk_rows in (1, 7, 250_000):  # dictionaries that change between chunks, or not
+        counted = hooktrace.diff(a, b, chunk_rows=chunk_rows)
+        _same_answer(counted, hooktrace.diff(a, b, chunk_rows=chunk_rows, rows="all"))
+        assert counted.structure.modules_only_a == counted.structure.modules_only_b == []
+        assert counted.structure.records_only_a > 0

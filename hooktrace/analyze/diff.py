@@ -13,9 +13,10 @@ runs); give a ``sink`` to receive each chunk's rows instead of keeping them, as 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -47,6 +48,9 @@ __all__ = [
     "Structure",
     "diff",
 ]
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 DEFAULT_RTOL = 1e-5
 DEFAULT_ATOL = 1e-8
@@ -125,11 +129,17 @@ def diff(
     tensors = TensorPair(trace_a.path, trace_b.path)
     empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
     try:
-        for chunk in _chunks(common, size, max(1, chunk_rows) * 2):
-            tables = [
+
+        def read(chunk: list[int]) -> list[pa.Table]:
+            return [
                 _read(trace, chunk, side_ranks, names, kinds, drop_rank=pair)
                 for trace, side_ranks in ((trace_a, ranks_a), (trace_b, ranks_b))
             ]
+
+        chunks = _chunks(common, size, max(1, chunk_rows) * 2)
+        # the next chunk is read while this one is compared; a stop at the first divergence
+        # reads no step past the chunk that holds it
+        for chunk, tables in _each(chunks, read) if stop_at_first else _ahead(chunks, read):
             # rows both runs hold bit for bit are equal: counted here, never compared
             same = same_rows(tables[0], tables[1], keys) if rows == "differing" else None
             if same is not None:
@@ -178,6 +188,25 @@ def diff(
         complete=acc.stopped_at is None, ranks=(rank or 0, against_rank) if pair else (None, None),
         notes=notes,
     )  # fmt: skip
+
+
+def _each(chunks: Iterable[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+    for chunk in chunks:
+        yield chunk, read(chunk)
+
+
+def _ahead(chunks: Iterable[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+    """``(chunk, read(chunk))`` for each chunk, the next read in a thread meanwhile: pyarrow
+    decodes without the GIL, so reading overlaps the comparison on another core."""
+    with ThreadPoolExecutor(1, thread_name_prefix="hooktrace-diff-read") as pool:
+        pending: tuple[T, Future[R]] | None = None
+        for chunk in chunks:
+            future = pool.submit(read, chunk)
+            if pending is not None:
+                yield pending[0], pending[1].result()
+            pending = (chunk, future)
+        if pending is not None:
+            yield pending[0], pending[1].result()
 
 
 def _read(

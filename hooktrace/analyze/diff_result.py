@@ -166,6 +166,7 @@ class Accumulator:
         self.records = self.differing = 0
         self.only = {"only_a": 0, "only_b": 0}
         self.seen: dict[str, set[tuple[str, str, str]]] = {"A": set(), "B": set()}
+        self.paired = _Slots()  # what both runs hold, of chunks that pair row by row
         self.changed: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.first_step: dict[str, int] = {}
         self.count: dict[str, int] = {}
@@ -176,12 +177,12 @@ class Accumulator:
         runs hold them bit for bit: those are equal, and are counted without a comparison.
         The others go to :meth:`add`."""
         self.records += int(np.count_nonzero(same))
-        found = {(m, k, s) for m, k, s in _distinct(table, ["module", "kind", "slot"])}
-        for side in ("A", "B"):  # both runs hold every key of a chunk that pairs row by row
-            self.seen[side].update(found)
+        self.paired.add(table)  # both runs hold every key of a chunk that pairs row by row
         at_last = same & (table.column("step").to_numpy() == self.last_step)
         if at_last.any():
-            modules = [m for (m,) in _distinct(table.filter(pa.array(at_last)), ["module"])]
+            module = table.column("module").combine_chunks()
+            at = np.unique(module.indices.to_numpy()[at_last])
+            modules = [str(m) for m in np.asarray(module.dictionary.to_pylist(), dtype=object)[at]]
             self.last.append(
                 pd.DataFrame(
                     {"last_differing": 0, "last_rel_diff": 0.0, "last_max_abs_error": np.nan},
@@ -256,7 +257,8 @@ class Accumulator:
     def structure(
         self, steps_a: Iterable[int], steps_b: Iterable[int], common: list[int]
     ) -> Structure:
-        a, b = self.seen["A"], self.seen["B"]
+        paired = self.paired.found()
+        a, b = self.seen["A"] | paired, self.seen["B"] | paired
         mods_a, mods_b = {m for m, _, _ in a}, {m for m, _, _ in b}
         kinds_a, kinds_b = {k for _, k, _ in a}, {k for _, k, _ in b}
         changed = pd.DataFrame(list(self.changed.values()))
@@ -275,23 +277,52 @@ class Accumulator:
         )  # fmt: skip
 
 
-def _distinct(table: pa.Table, columns: list[str]) -> set[tuple[str, ...]]:
-    """The distinct combinations of some dictionary (string) columns of ``table``."""
-    if table.num_rows == 0:
-        return set()
-    names, code = [], np.zeros(table.num_rows, dtype=np.int64)
-    for column in columns:
-        values = table.column(column).combine_chunks()
-        names.append(values.dictionary.to_pylist())
-        code = code * len(names[-1]) + values.indices.to_numpy().astype(np.int64)
-    found = set()
-    for combined in np.unique(code).tolist():
+class _Slots:
+    """The distinct (module, kind, slot) of chunks. Marked by dictionary code, and named
+    only when a chunk's dictionaries differ from the last one's, or at the end: chunk after
+    chunk holds the same few thousand, and naming them each time was most of a diff."""
+
+    MAX_MARKS = 1 << 24
+    """Past this many combinations of names (16 MB of marks), each chunk's are named."""
+
+    def __init__(self) -> None:
+        self.names: list[pa.Array] = []
+        self.marks = np.zeros(0, dtype=bool)
+        self._found: set[tuple[str, str, str]] = set()
+
+    def add(self, table: pa.Table) -> None:
+        if table.num_rows == 0:
+            return
+        columns = [table.column(c).combine_chunks() for c in ("module", "kind", "slot")]
+        names = [c.dictionary for c in columns]
+        code = np.zeros(table.num_rows, dtype=np.int64)
+        for column, dictionary in zip(columns, names, strict=True):
+            code = code * len(dictionary) + column.indices.to_numpy()
+        size = int(np.prod([len(n) for n in names]))
+        if size > self.MAX_MARKS:
+            self._name(np.unique(code), names)
+            return
+        if len(names) != len(self.names) or not all(
+            new.equals(old) for new, old in zip(names, self.names, strict=True)
+        ):
+            self._name(np.flatnonzero(self.marks), self.names)
+            self.names = names
+            self.marks = np.zeros(size, dtype=bool)
+        self.marks[code] = True
+
+    def found(self) -> set[tuple[str, str, str]]:
+        self._name(np.flatnonzero(self.marks), self.names)
+        self.marks[:] = False
+        return self._found
+
+    def _name(self, code: np.ndarray, names: list[pa.Array]) -> None:
         parts = []
         for dictionary in reversed(names):
-            combined, at = divmod(combined, len(dictionary))
-            parts.append(str(dictionary[at]))
-        found.add(tuple(reversed(parts)))
-    return found
+            code, at = np.divmod(code, len(dictionary))
+            parts.append(np.asarray(dictionary.to_pylist(), dtype=object)[at].tolist())
+        if parts:
+            module, kind, slot = reversed(parts)
+            self._found.update(zip(module, kind, slot, strict=True))
 
 
 def _divergence(row: pd.Series, merged: pd.Series) -> Divergence:

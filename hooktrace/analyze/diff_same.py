@@ -47,24 +47,34 @@ def same_rows(a: pa.Table, b: pa.Table, keys: Sequence[str]) -> np.ndarray | Non
 def _equal(x: pa.ChunkedArray, y: pa.ChunkedArray) -> np.ndarray:
     """Element-wise identity of two columns of one type (NaN and null match themselves)."""
     if pa.types.is_dictionary(x.type):
-        # each part has its own dictionary: compare indices into x's, one lookup per name
-        xs, ys = x.combine_chunks(), y.combine_chunks()
-        into_x = pc.index_in(ys.dictionary, value_set=xs.dictionary).fill_null(-1)
-        lookup = into_x.to_numpy().astype(np.int64)
-        x_codes = xs.indices.fill_null(-1).to_numpy().astype(np.int64)
-        y_codes = ys.indices.fill_null(-1).to_numpy().astype(np.int64)
-        # a null matches a null only (-2 never equals an index, -1 a missing lookup)
-        y_codes = np.where(y_codes < 0, -2, lookup[np.maximum(y_codes, 0)])
-        x_codes = np.where(x_codes < 0, -2, x_codes)
-        return np.asarray(x_codes == y_codes)
+        return _equal_names(x.combine_chunks(), y.combine_chunks())
     if pa.types.is_string(x.type) or pa.types.is_large_string(x.type):
         equal = pc.equal(x, y)
         both_null = pc.and_(x.is_null(), y.is_null())
         return np.asarray(pc.or_kleene(equal, both_null).fill_null(False).to_numpy())
+    if x.null_count == 0 and y.null_count == 0 and pa.types.is_floating(x.type):
+        # bit patterns: one comparison, NaN matching the same NaN (-0.0 and 0.0 do not
+        # match here, and are compared)
+        xv, yv = x.to_numpy(), y.to_numpy()
+        return np.asarray(xv.view(np.int64) == yv.view(np.int64))
     xv, yv = x.to_numpy(), y.to_numpy()  # nulls read as NaN
     if xv.dtype.kind == "f" or yv.dtype.kind == "f":
         return np.asarray((xv == yv) | (np.isnan(xv) & np.isnan(yv)))
     return np.asarray(xv == yv)
+
+
+def _equal_names(x: pa.DictionaryArray, y: pa.DictionaryArray) -> np.ndarray:
+    """Element-wise identity of two dictionary-encoded string columns."""
+    x_codes, y_codes = x.indices, y.indices
+    if x.null_count == 0 and y.null_count == 0 and x.dictionary.equals(y.dictionary):
+        return np.asarray(x_codes.to_numpy() == y_codes.to_numpy())
+    # each part has its own dictionary: y's names as indices into x's, one lookup per name
+    lookup = pc.index_in(y.dictionary, value_set=x.dictionary).fill_null(-1)
+    xc = x_codes.fill_null(-1).to_numpy().astype(np.int64)
+    yc = y_codes.fill_null(-1).to_numpy().astype(np.int64)
+    # a null matches a null only (-2 never equals an index, -1 a name x lacks)
+    yc = np.where(yc < 0, -2, lookup.to_numpy().astype(np.int64)[np.maximum(yc, 0)])
+    return np.asarray(np.where(xc < 0, -2, xc) == yc)
 
 
 def _saved(tensor_key: pa.ChunkedArray) -> np.ndarray:
