@@ -5,32 +5,33 @@ slot); ``hooktrace.analyze.diff_compare`` says what "equal within tolerance" mea
 execution order: the smallest (step, seq) of run A (seq of run B for records only B has).
 
 Memory stays bounded: both runs are read a few steps at a time (about ``chunk_rows`` records
-of each), and only what differs is kept. ``DiffResult.table`` holds the records that differ
+of each, the next chunk read while this one is compared), and only what differs is kept.
+Records both runs hold bit for bit (``hooktrace.analyze.diff_same``) are counted as equal
+without being aligned or compared. ``DiffResult.table`` holds the records that differ
 (``rows="differing"``, the default) or every aligned record (``rows="all"``, as large as the
-runs); give a ``sink`` to receive each chunk's rows instead of keeping them, as the CLI does.
+runs, each compared); give a ``sink`` to receive each chunk's rows instead of keeping them,
+as the CLI does.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from hooktrace.analyze.diff_compare import (
     KEYS,
     TABLE_DTYPES,
-    VALUES,
     TensorPair,
     align,
     compare,
 )
+from hooktrace.analyze.diff_read import each, in_chunks, read_ahead, read_chunk
 from hooktrace.analyze.diff_result import Accumulator, DiffResult, Divergence, Structure
 from hooktrace.analyze.diff_same import same_rows
 from hooktrace.analyze.findings import module_pattern
@@ -48,9 +49,6 @@ __all__ = [
     "Structure",
     "diff",
 ]
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 DEFAULT_RTOL = 1e-5
 DEFAULT_ATOL = 1e-8
@@ -132,14 +130,14 @@ def diff(
 
         def read(chunk: list[int]) -> list[pa.Table]:
             return [
-                _read(trace, chunk, side_ranks, names, kinds, drop_rank=pair)
+                read_chunk(trace, chunk, side_ranks, names, kinds, drop_rank=pair)
                 for trace, side_ranks in ((trace_a, ranks_a), (trace_b, ranks_b))
             ]
 
-        chunks = _chunks(common, size, max(1, chunk_rows) * 2)
+        chunks = in_chunks(common, size, max(1, chunk_rows) * 2)
         # the next chunk is read while this one is compared; a stop at the first divergence
         # reads no step past the chunk that holds it
-        for chunk, tables in _each(chunks, read) if stop_at_first else _ahead(chunks, read):
+        for chunk, tables in each(chunks, read) if stop_at_first else read_ahead(chunks, read):
             # rows both runs hold bit for bit are equal: counted here, never compared
             same = same_rows(tables[0], tables[1], keys) if rows == "differing" else None
             if same is not None:
@@ -188,44 +186,6 @@ def diff(
         complete=acc.stopped_at is None, ranks=(rank or 0, against_rank) if pair else (None, None),
         notes=notes,
     )  # fmt: skip
-
-
-def _each(chunks: Iterable[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
-    for chunk in chunks:
-        yield chunk, read(chunk)
-
-
-def _ahead(chunks: Iterable[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
-    """``(chunk, read(chunk))`` for each chunk, the next read in a thread meanwhile: pyarrow
-    decodes without the GIL, so reading overlaps the comparison on another core."""
-    with ThreadPoolExecutor(1, thread_name_prefix="hooktrace-diff-read") as pool:
-        pending: tuple[T, Future[R]] | None = None
-        for chunk in chunks:
-            future = pool.submit(read, chunk)
-            if pending is not None:
-                yield pending[0], pending[1].result()
-            pending = (chunk, future)
-        if pending is not None:
-            yield pending[0], pending[1].result()
-
-
-def _read(
-    trace: Trace,
-    chunk: list[int],
-    ranks: list[int] | None,
-    names: list[str] | None,
-    kinds: list[str] | None,
-    *,
-    drop_rank: bool,
-) -> pa.Table:
-    """The records of ``chunk``'s steps that the filters select, as pyarrow read them."""
-    table = trace.query_table(
-        columns=[*KEYS, *VALUES], steps=(chunk[0], chunk[-1]), modules=names, kinds=kinds,
-        ranks=ranks,
-    )  # fmt: skip
-    if len(chunk) != chunk[-1] - chunk[0] + 1:
-        table = table.filter(pc.is_in(table.column("step"), pa.array(chunk, pa.int64())))
-    return table.drop_columns(["rank"]) if drop_rank else table
 
 
 @dataclass
@@ -335,19 +295,6 @@ def _engine_failed(exc: TraceError) -> bool:
     import duckdb
 
     return isinstance(exc.__cause__, duckdb.Error)
-
-
-def _chunks(steps: list[int], sizes: Any, budget: int) -> Iterable[list[int]]:
-    chunk: list[int] = []
-    total = 0
-    for step, n in zip(steps, sizes, strict=True):
-        chunk.append(step)
-        total += int(n)
-        if total >= budget:
-            yield chunk
-            chunk, total = [], 0
-    if chunk:
-        yield chunk
 
 
 def _kinds(kinds: Iterable[str] | None) -> list[str] | None:
