@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import pandas as pd
 import pyarrow as pa
 
@@ -31,7 +30,7 @@ from hooktrace.analyze.diff_compare import (
     align,
     compare,
 )
-from hooktrace.analyze.diff_read import each, in_chunks, read_ahead, read_chunk
+from hooktrace.analyze.diff_read import in_chunks, read_ahead, read_chunk
 from hooktrace.analyze.diff_result import Accumulator, DiffResult, Divergence, Structure
 from hooktrace.analyze.diff_same import same_rows
 from hooktrace.analyze.findings import module_pattern
@@ -85,7 +84,8 @@ def diff(
     ``modules`` is a regex searched in module names, or a list of exact names. ``rank`` with
     ``against_rank`` compares one rank against another (of ``run_b``, or of ``run_a`` itself
     when ``run_b`` is None): data-parallel ranks must hold equal parameters after every step.
-    ``stop_at_first`` stops reading after the chunk holding the first divergence.
+    ``stop_at_first`` stops reading after the chunk holding the first divergence (and the
+    next, read meanwhile).
 
     Raises :class:`NothingToCompare` when the runs share no step, ``ConfigError`` on bad options
     and ``TraceError`` when a run cannot be read.
@@ -135,9 +135,9 @@ def diff(
             ]
 
         chunks = in_chunks(common, size, max(1, chunk_rows) * 2)
-        # the next chunk is read while this one is compared; a stop at the first divergence
-        # reads no step past the chunk that holds it
-        for chunk, tables in each(chunks, read) if stop_at_first else read_ahead(chunks, read):
+        # the next chunk is read while this one is compared (a stop at the first divergence
+        # has read one chunk past the one that holds it)
+        for chunk, tables in read_ahead(chunks, read):
             # rows both runs hold bit for bit are equal: counted here, never compared
             same = same_rows(tables[0], tables[1], keys) if rows == "differing" else None
             if same is not None:
@@ -146,8 +146,9 @@ def diff(
                     if sink is not None:
                         sink(empty.copy())
                     continue
-                rest = pa.array(np.flatnonzero(~same))
-                tables = [table.take(rest) for table in tables]
+                if same.any():
+                    rest = pa.array(~same)
+                    tables = [table.filter(rest) for table in tables]
             frames = [records_frame(table) for table in tables]
             del tables
             merged = align(frames[0], frames[1], keys)

@@ -17,12 +17,6 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def each(chunks: Iterable[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
-    """``(chunk, read(chunk))`` for each chunk, read when it is asked for."""
-    for chunk in chunks:
-        yield chunk, read(chunk)
-
-
 def read_ahead(chunks: Iterable[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
     """``(chunk, read(chunk))`` for each chunk, the next read in a thread meanwhile: pyarrow
     decodes without the GIL, so reading overlaps the comparison on another core."""

@@ -196,8 +196,7 @@ class Accumulator:
         different = part[status != "equal"]
         self.differing += len(different)
         for side, absent in (("A", "only_b"), ("B", "only_a")):
-            present = part.loc[status != absent, ["module", "kind", "slot"]].drop_duplicates()
-            self.seen[side].update(present.itertuples(index=False, name=None))
+            self.seen[side].update(_slots_in(part, (status != absent).to_numpy()))
         for key in self.only:
             self.only[key] += int((status == key).sum())
         changed = part[status == "changed"].sort_values("step", kind="stable")
@@ -316,13 +315,31 @@ class _Slots:
         return self._found
 
     def _name(self, code: np.ndarray, names: list[pa.Array]) -> None:
-        parts = []
-        for dictionary in reversed(names):
-            code, at = np.divmod(code, len(dictionary))
-            parts.append(np.asarray(dictionary.to_pylist(), dtype=object)[at].tolist())
-        if parts:
-            module, kind, slot = reversed(parts)
-            self._found.update(zip(module, kind, slot, strict=True))
+        if names:
+            self._found.update(_named(code, [n.to_pylist() for n in names]))
+
+
+def _slots_in(part: pd.DataFrame, rows: np.ndarray) -> set[tuple[str, str, str]]:
+    """The distinct (module, kind, slot) of ``part``'s ``rows`` (categorical columns)."""
+    code = np.zeros(int(np.count_nonzero(rows)), dtype=np.int64)
+    names = []
+    for column in ("module", "kind", "slot"):
+        values = part[column].astype("category").cat
+        names.append(list(values.categories))
+        code = code * len(names[-1]) + values.codes.to_numpy()[rows]
+    return _named(np.unique(code), names)
+
+
+def _named(code: np.ndarray, names: list[list[Any]]) -> set[tuple[str, str, str]]:
+    """(module, kind, slot) of each combined code (``module * kinds * slots + ...``)."""
+    if code.size == 0:
+        return set()
+    parts = []
+    for dictionary in reversed(names):
+        code, at = np.divmod(code, len(dictionary))
+        parts.append(np.asarray(dictionary, dtype=object)[at].tolist())
+    module, kind, slot = reversed(parts)
+    return {(str(m), str(k), str(s)) for m, k, s in zip(module, kind, slot, strict=True)}
 
 
 def _divergence(row: pd.Series, merged: pd.Series) -> Divergence:
