@@ -165,7 +165,7 @@ class Accumulator:
         self.stopped_at: int | None = None
         self.records = self.differing = 0
         self.only = {"only_a": 0, "only_b": 0}
-        self.seen: dict[str, set[tuple[str, str, str]]] = {"A": set(), "B": set()}
+        self.seen = {"A": _Slots(), "B": _Slots()}
         self.paired = _Slots()  # what both runs hold, of chunks that pair row by row
         self.changed: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.first_step: dict[str, int] = {}
@@ -177,7 +177,7 @@ class Accumulator:
         runs hold them bit for bit: those are equal, and are counted without a comparison.
         The others go to :meth:`add`."""
         self.records += int(np.count_nonzero(same))
-        self.paired.add(table)  # both runs hold every key of a chunk that pairs row by row
+        self.paired.add_table(table)  # both runs hold every key of a chunk that pairs row by row
         at_last = same & (table.column("step").to_numpy() == self.last_step)
         if at_last.any():
             module = table.column("module").combine_chunks()
@@ -196,7 +196,7 @@ class Accumulator:
         different = part[status != "equal"]
         self.differing += len(different)
         for side, absent in (("A", "only_b"), ("B", "only_a")):
-            self.seen[side].update(_slots_in(part, (status != absent).to_numpy()))
+            self.seen[side].add_rows(part, (status != absent).to_numpy())
         for key in self.only:
             self.only[key] += int((status == key).sum())
         changed = part[status == "changed"].sort_values("step", kind="stable")
@@ -257,7 +257,7 @@ class Accumulator:
         self, steps_a: Iterable[int], steps_b: Iterable[int], common: list[int]
     ) -> Structure:
         paired = self.paired.found()
-        a, b = self.seen["A"] | paired, self.seen["B"] | paired
+        a, b = self.seen["A"].found() | paired, self.seen["B"].found() | paired
         mods_a, mods_b = {m for m, _, _ in a}, {m for m, _, _ in b}
         kinds_a, kinds_b = {k for _, k, _ in a}, {k for _, k, _ in b}
         changed = pd.DataFrame(list(self.changed.values()))
@@ -277,57 +277,51 @@ class Accumulator:
 
 
 class _Slots:
-    """The distinct (module, kind, slot) of chunks. Marked by dictionary code, and named
-    only when a chunk's dictionaries differ from the last one's, or at the end: chunk after
-    chunk holds the same few thousand, and naming them each time was most of a diff."""
+    """The distinct (module, kind, slot) of chunks. Marked by code into the chunk's names,
+    and named only when a chunk's names differ from the last one's, or at the end: chunk
+    after chunk holds the same few thousand, and naming them each time was most of a diff."""
 
     MAX_MARKS = 1 << 24
     """Past this many combinations of names (16 MB of marks), each chunk's are named."""
 
     def __init__(self) -> None:
-        self.names: list[pa.Array] = []
+        self.names: list[list[str]] = []
         self.marks = np.zeros(0, dtype=bool)
         self._found: set[tuple[str, str, str]] = set()
 
-    def add(self, table: pa.Table) -> None:
-        if table.num_rows == 0:
-            return
+    def add_table(self, table: pa.Table) -> None:
+        """Every row of a pyarrow table (dictionary columns)."""
         columns = [table.column(c).combine_chunks() for c in ("module", "kind", "slot")]
-        names = [c.dictionary for c in columns]
-        code = np.zeros(table.num_rows, dtype=np.int64)
-        for column, dictionary in zip(columns, names, strict=True):
-            code = code * len(dictionary) + column.indices.to_numpy()
+        self.add(
+            [c.indices.to_numpy() for c in columns], [c.dictionary.to_pylist() for c in columns]
+        )
+
+    def add_rows(self, frame: pd.DataFrame, rows: np.ndarray) -> None:
+        """The ``rows`` (a mask) of a DataFrame (categorical columns)."""
+        columns = [frame[c].astype("category").cat for c in ("module", "kind", "slot")]
+        self.add([c.codes.to_numpy()[rows] for c in columns], [list(c.categories) for c in columns])
+
+    def add(self, codes: list[np.ndarray], names: list[list[str]]) -> None:
+        """Rows given as codes into ``names``, one array and one list per column."""
+        if not len(codes[0]):
+            return
+        code = np.zeros(len(codes[0]), dtype=np.int64)
+        for column, dictionary in zip(codes, names, strict=True):
+            code = code * len(dictionary) + column
         size = int(np.prod([len(n) for n in names]))
         if size > self.MAX_MARKS:
-            self._name(np.unique(code), names)
+            self._found.update(_named(np.unique(code), names))
             return
-        if len(names) != len(self.names) or not all(
-            new.equals(old) for new, old in zip(names, self.names, strict=True)
-        ):
-            self._name(np.flatnonzero(self.marks), self.names)
+        if names != self.names:
+            self._found.update(_named(np.flatnonzero(self.marks), self.names))
             self.names = names
             self.marks = np.zeros(size, dtype=bool)
         self.marks[code] = True
 
     def found(self) -> set[tuple[str, str, str]]:
-        self._name(np.flatnonzero(self.marks), self.names)
+        self._found.update(_named(np.flatnonzero(self.marks), self.names))
         self.marks[:] = False
         return self._found
-
-    def _name(self, code: np.ndarray, names: list[pa.Array]) -> None:
-        if names:
-            self._found.update(_named(code, [n.to_pylist() for n in names]))
-
-
-def _slots_in(part: pd.DataFrame, rows: np.ndarray) -> set[tuple[str, str, str]]:
-    """The distinct (module, kind, slot) of ``part``'s ``rows`` (categorical columns)."""
-    code = np.zeros(int(np.count_nonzero(rows)), dtype=np.int64)
-    names = []
-    for column in ("module", "kind", "slot"):
-        values = part[column].astype("category").cat
-        names.append(list(values.categories))
-        code = code * len(names[-1]) + values.codes.to_numpy()[rows]
-    return _named(np.unique(code), names)
 
 
 def _named(code: np.ndarray, names: list[list[Any]]) -> set[tuple[str, str, str]]:
