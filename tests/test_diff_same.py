@@ -17,7 +17,7 @@ from torch import nn
 
 import hooktrace
 from hooktrace.analyze.diff_same import same_rows
-from hooktrace.trace.schema import RECORD_SCHEMA
+from hooktrace.trace.schema import RECORD_SCHEMA, STAT_COLUMNS
 
 KEYS = ["rank", "step", "micro_step", "phase", "module", "call", "kind", "slot"]
 
@@ -118,7 +118,12 @@ def test_records_neither_run_could_summarise_match(tmp_path: Path) -> None:
         assert result.match, result.table[["module", "slot", "exceeded"]]
 
 
-def _table(rows: list[dict[str, object]], dictionaries: list[list[str]] | None = None) -> pa.Table:
+def _table(
+    rows: list[dict[str, object]],
+    dictionaries: list[list[str]] | None = None,
+    *,
+    nullable: bool = False,
+) -> pa.Table:
     """Records as one part or (``dictionaries``: the module names each chunk's dictionary
     lists first) several, as pyarrow reads a run of several parts."""
     full = {
@@ -131,6 +136,8 @@ def _table(rows: list[dict[str, object]], dictionaries: list[list[str]] | None =
     frame = pd.DataFrame([{**full, **row} for row in rows])
     schema = pa.schema([RECORD_SCHEMA.field(c) if c != "rank" else pa.field("rank", pa.int32())
                         for c in frame.columns])  # fmt: skip
+    if nullable:  # as a part of an older minor version reads: its missing columns are null
+        schema = pa.schema([field.with_nullable(True) for field in schema])
     if dictionaries is None:
         return pa.Table.from_pandas(frame, schema=schema, preserve_index=False)
     chunks = []
@@ -188,3 +195,59 @@ def test_the_slots_both_runs_hold_are_named_whichever_way_they_are_kept(
         _same_answer(counted, hooktrace.diff(a, b, chunk_rows=chunk_rows, rows="all"))
         assert counted.structure.modules_only_a == counted.structure.modules_only_b == []
         assert counted.structure.records_only_a > 0
+
+
+def test_rows_found_the_same_are_equal_to_compare_whatever_their_values() -> None:
+    """A property: wherever same_rows says the same, compare (at zero tolerance) says equal,
+    with every difference 0 or unknown; values drawn with nulls, NaN, -0.0, inf and ""."""
+    from hooktrace.analyze.diff_compare import align, compare
+    from hooktrace.trace.reader import records_frame
+
+    pools: dict[str, list[object]] = {
+        "dtype": ["float32", "float16", None],
+        "shape": ["2,2", "4", "", None],
+        "numel": [4, 0],
+        **{s: [0.5, 0.0, -0.0, math.nan, math.inf, -math.inf, None] for s in STAT_COLUMNS},
+        "nan_count": [0, 3, None],
+        "inf_count": [0, None],
+        "tensor_key": ["", "t0", None],
+    }
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        rows_a, rows_b = [], []
+        for seq in range(60):
+            row_a = {c: pool[rng.integers(len(pool))] for c, pool in pools.items()}
+            # mostly the same value, else another draw
+            row_b = {c: (v if rng.random() < 0.7 else pools[c][rng.integers(len(pools[c]))])
+                     for c, v in row_a.items()}  # fmt: skip
+            rows_a.append({"module": f"m{seq % 7}", "seq": seq, "call": seq, **row_a})
+            rows_b.append({"module": f"m{seq % 7}", "seq": seq, "call": seq, **row_b})
+        a, b = _table(rows_a, nullable=True), _table(rows_b, nullable=True)
+        same = same_rows(a, b, KEYS)
+        assert same is not None
+        part = compare(
+            align(records_frame(a), records_frame(b), KEYS), rtol=0.0, atol=0.0, tensors=None
+        )
+        found = part[same]
+        assert (found["status"] == "equal").all(), found[["seq", "status", "exceeded"]]
+        assert (found["rel_diff"] == 0).all()
+        deltas = found[[c for c in part.columns if c.startswith("d_")]].to_numpy()
+        assert np.all((deltas == 0) | np.isnan(deltas))
+
+
+def test_a_column_missing_from_a_run_and_a_key_seen_twice_are_read_as_compare_reads_them() -> None:
+    rows = [{"module": m, "seq": i} for i, m in enumerate(["a", "b", "a"])]
+    missing = [{**row, "dtype": None, "phase": None} for row in rows]  # all null: no names
+    both = same_rows(_table(missing, nullable=True), _table(missing, nullable=True), KEYS)
+    assert both is not None and both.tolist() == [True] * 3
+    phase_known = [{**row, "phase": "train"} for row in missing]
+    assert (
+        same_rows(_table(phase_known, nullable=True), _table(missing, nullable=True), KEYS) is None
+    )
+    dtype_only = [{**row, "dtype": None} for row in rows]
+    found = same_rows(_table(rows, nullable=True), _table(dtype_only, nullable=True), KEYS)
+    assert found is not None and found.tolist() == [False] * 3
+    # one key twice, in another seq order in each run: pairing by position would be wrong
+    twice = [{"module": "a", "seq": 0, "mean": 1.0}, {"module": "a", "seq": 1, "mean": 2.0}]
+    swapped = [{"module": "a", "seq": 1, "mean": 1.0}, {"module": "a", "seq": 0, "mean": 2.0}]
+    assert same_rows(_table(twice), _table(swapped), KEYS) is None

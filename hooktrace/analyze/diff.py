@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import pandas as pd
-import pyarrow as pa
 
 from hooktrace.analyze.diff_compare import (
     KEYS,
@@ -32,7 +31,7 @@ from hooktrace.analyze.diff_compare import (
 )
 from hooktrace.analyze.diff_read import in_chunks, read_ahead, read_chunk
 from hooktrace.analyze.diff_result import Accumulator, DiffResult, Divergence, Structure
-from hooktrace.analyze.diff_same import same_rows
+from hooktrace.analyze.diff_same import others, same_rows
 from hooktrace.analyze.findings import module_pattern
 from hooktrace.errors import ConfigError, HooktraceError, TraceError
 from hooktrace.trace import schema
@@ -126,29 +125,25 @@ def diff(
     kept: list[pd.DataFrame] = []
     tensors = TensorPair(trace_a.path, trace_b.path)
     empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
+    sides = ((trace_a, ranks_a), (trace_b, ranks_b))
+    chunks = in_chunks(common, size, max(1, chunk_rows) * 2)
+    # the next chunk is read while this one is compared (a stop at the first divergence has
+    # read one chunk past the one that holds it)
+    reads = read_ahead(
+        chunks,
+        lambda chunk: [read_chunk(t, chunk, r, names, kinds, drop_rank=pair) for t, r in sides],
+    )
     try:
-
-        def read(chunk: list[int]) -> list[pa.Table]:
-            return [
-                read_chunk(trace, chunk, side_ranks, names, kinds, drop_rank=pair)
-                for trace, side_ranks in ((trace_a, ranks_a), (trace_b, ranks_b))
-            ]
-
-        chunks = in_chunks(common, size, max(1, chunk_rows) * 2)
-        # the next chunk is read while this one is compared (a stop at the first divergence
-        # has read one chunk past the one that holds it)
-        for chunk, tables in read_ahead(chunks, read):
+        for chunk, tables in reads:
             # rows both runs hold bit for bit are equal: counted here, never compared
             same = same_rows(tables[0], tables[1], keys) if rows == "differing" else None
             if same is not None:
                 acc.add_same(tables[0], same)
-                if same.all():
+                tables = [others(table, same) for table in tables]
+                if tables[0].num_rows == 0:
                     if sink is not None:
                         sink(empty.copy())
                     continue
-                if same.any():
-                    rest = pa.array(~same)
-                    tables = [table.filter(rest) for table in tables]
             frames = [records_frame(table) for table in tables]
             del tables
             merged = align(frames[0], frames[1], keys)
@@ -169,6 +164,7 @@ def diff(
                 acc.stopped_at = int(chunk[-1])
                 break
     finally:
+        reads.close()
         tensors.close()
 
     notes = _notes(trace_a, trace_b, span_a, span_b, common, plan_a, plan_b, acc.stopped_at)

@@ -14,7 +14,9 @@ mean near zero is not judged relative to itself: ``max(rms_a, rms_b)`` (rms = no
 for mean, std, min and max, ``max(norm_a, norm_b)`` for norm, 1 for zero_fraction. NaN equals
 NaN (both runs NaN at the same place is no divergence) and inf equals an inf of the same sign.
 numel, nan_count and inf_count must be equal (a record hooktrace could not summarise has no
-counts: two such records match).
+counts: two such records match). A value missing in both runs (a column an older minor
+version of the format lacks) matches; :mod:`hooktrace.analyze.diff_same` follows these rules
+for the records both runs hold bit for bit.
 """
 
 from __future__ import annotations
@@ -119,9 +121,8 @@ def compare(
     in_a = merged["in_a"].to_numpy(bool)
     in_b = merged["in_b"].to_numpy(bool)
     both = in_a & in_b
-    dtype_a, dtype_b = _objects(merged["dtype_a"]), _objects(merged["dtype_b"])
-    shapes_differ = (merged["shape_a"] != merged["shape_b"]).to_numpy(dtype=bool, na_value=True)
-    dtypes_differ = dtype_a != dtype_b
+    shapes_differ = _differ(_objects(merged["shape_a"]), _objects(merged["shape_b"]))
+    dtypes_differ = _differ(_objects(merged["dtype_a"]), _objects(merged["dtype_b"]))
     changed = both & (dtypes_differ | shapes_differ)
     comparable = both & ~changed
 
@@ -155,8 +156,8 @@ def compare(
     for mask in bad.values():
         stats_differ |= mask
     metrics = {m: np.full(n, np.nan) for m in TENSOR_METRICS}
-    has_a = (merged["tensor_key_a"] != "").to_numpy(dtype=bool, na_value=False)
-    has_b = (merged["tensor_key_b"] != "").to_numpy(dtype=bool, na_value=False)
+    has_a = (merged["tensor_key_a"].fillna("") != "").to_numpy(dtype=bool)
+    has_b = (merged["tensor_key_b"].fillna("") != "").to_numpy(dtype=bool)
     full = comparable & has_a & has_b
     if full.any() and tensors is not None:
         rows = np.flatnonzero(full)
@@ -295,6 +296,13 @@ def _same(x: pd.Series, y: pd.Series) -> bool:
     if isinstance(x.dtype, pd.CategoricalDtype):
         return bool(np.array_equal(x.cat.codes.to_numpy(), y.cat.codes.to_numpy()))
     return bool(np.array_equal(x.to_numpy(), y.to_numpy()))
+
+
+def _differ(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Element-wise inequality of two object arrays, a missing value (a column a trace of an
+    older minor version lacks) equal to a missing one."""
+    missing_a, missing_b = pd.isna(a), pd.isna(b)
+    return np.asarray((a != b) & ~(missing_a & missing_b) | (missing_a != missing_b))
 
 
 def _objects(column: pd.Series) -> np.ndarray:

@@ -3,7 +3,7 @@ pyarrow reads them, the next chunk read in a thread while this one is compared. 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -13,22 +13,34 @@ import pyarrow.compute as pc
 from hooktrace.analyze.diff_compare import KEYS, VALUES
 from hooktrace.trace.reader import Trace
 
-T = TypeVar("T")
-R = TypeVar("R")
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
-def read_ahead(chunks: Iterable[T], read: Callable[[T], R]) -> Iterator[tuple[T, R]]:
+def read_ahead(
+    chunks: Iterable[_T], read: Callable[[_T], _R]
+) -> Generator[tuple[_T, _R], None, None]:
     """``(chunk, read(chunk))`` for each chunk, the next read in a thread meanwhile: pyarrow
-    decodes without the GIL, so reading overlaps the comparison on another core."""
-    with ThreadPoolExecutor(1, thread_name_prefix="hooktrace-diff-read") as pool:
-        pending: tuple[T, Future[R]] | None = None
+    decodes without the GIL, so reading overlaps the comparison on another core. Closing the
+    generator waits for the read in flight, if any: no thread of it outlives the caller's use
+    of the traces."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="hooktrace-diff-read")
+    pending: list[tuple[_T, Future[_R]]] = []  # at most one; emptied before its result is yielded
+    try:
         for chunk in chunks:
-            future = pool.submit(read, chunk)
-            if pending is not None:
-                yield pending[0], pending[1].result()
-            pending = (chunk, future)
-        if pending is not None:
-            yield pending[0], pending[1].result()
+            pending.append((chunk, pool.submit(read, chunk)))
+            if len(pending) == 2:
+                yield _take(pending)
+        while pending:
+            yield _take(pending)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _take(pending: list[tuple[_T, Future[_R]]]) -> tuple[_T, _R]:
+    """The oldest read, no longer held here (a chunk's tables live only while compared)."""
+    chunk, future = pending.pop(0)
+    return chunk, future.result()
 
 
 def read_chunk(

@@ -170,7 +170,7 @@ class Accumulator:
         self.changed: dict[tuple[str, str, str], dict[str, Any]] = {}
         self.first_step: dict[str, int] = {}
         self.count: dict[str, int] = {}
-        self.last: list[pd.DataFrame] = []  # per module at last_step, from each chunk
+        self.last: list[pd.DataFrame] = []  # per module at last_step: the same rows, the others
 
     def add_same(self, table: pa.Table, same: np.ndarray) -> None:
         """A chunk whose records pair row by row (``table``: run A's), ``same`` where both

@@ -5,10 +5,10 @@ comparing each of those in pandas (:mod:`hooktrace.analyze.diff_compare`) was mo
 time; here a chunk of each run, as pyarrow read it, is checked column by column in numpy, and
 only the rows that are not the same go on to be aligned and compared.
 
-"The same" is stricter than ``equal``: every key and every compared value (dtype, shape,
-numel, the statistics and counts) identical, NaN matching NaN and a missing value matching a
-missing one, as :func:`~hooktrace.analyze.diff_compare.compare` treats them; and not a pair of
-full tensors, which are compared value by value. Such a row is ``equal`` at any tolerance,
+"The same" is stricter than ``equal``: every key, the seq, and every compared value (dtype,
+shape, numel, the statistics and counts) identical, NaN matching NaN and a missing value
+matching a missing one, as :func:`~hooktrace.analyze.diff_compare.compare` treats them; and not
+a pair of full tensors, which are compared value by value. Such a row is ``equal`` at any tolerance,
 with every difference 0. The chunks pair row by row only when they hold the same keys in the
 same order, as two runs of one script write them; otherwise :func:`same_rows` says so, and
 the whole chunk is aligned.
@@ -34,7 +34,7 @@ def same_rows(a: pa.Table, b: pa.Table, keys: Sequence[str]) -> np.ndarray | Non
     length, or a key that differs somewhere)."""
     if a.num_rows != b.num_rows:
         return None
-    for key in keys:
+    for key in (*keys, "seq"):  # seq too: both then sort into (rank, step, seq) alike
         if not _equal(a.column(key), b.column(key)).all():
             return None
     same = np.ones(a.num_rows, dtype=bool)
@@ -42,6 +42,11 @@ def same_rows(a: pa.Table, b: pa.Table, keys: Sequence[str]) -> np.ndarray | Non
         same &= _equal(a.column(name), b.column(name))
     same &= ~(_saved(a.column("tensor_key")) & _saved(b.column("tensor_key")))
     return same
+
+
+def others(table: pa.Table, same: np.ndarray) -> pa.Table:
+    """The rows of ``table`` that are not the same (``same`` from :func:`same_rows`)."""
+    return table.filter(pa.array(~same)) if same.any() else table
 
 
 def _equal(x: pa.ChunkedArray, y: pa.ChunkedArray) -> np.ndarray:
@@ -68,13 +73,13 @@ def _equal_names(x: pa.DictionaryArray, y: pa.DictionaryArray) -> np.ndarray:
     x_codes, y_codes = x.indices, y.indices
     if x.null_count == 0 and y.null_count == 0 and x.dictionary.equals(y.dictionary):
         return np.asarray(x_codes.to_numpy() == y_codes.to_numpy())
-    # each part has its own dictionary: y's names as indices into x's, one lookup per name
-    lookup = pc.index_in(y.dictionary, value_set=x.dictionary).fill_null(-1)
-    xc = x_codes.fill_null(-1).to_numpy().astype(np.int64)
-    yc = y_codes.fill_null(-1).to_numpy().astype(np.int64)
-    # a null matches a null only (-2 never equals an index, -1 a name x lacks)
-    yc = np.where(yc < 0, -2, lookup.to_numpy().astype(np.int64)[np.maximum(yc, 0)])
-    return np.asarray(np.where(xc < 0, -2, xc) == yc)
+    # each part has its own dictionary: y's names as indices into x's, one lookup per name;
+    # a null is -2 on both sides, a name x lacks -1 (the lookup's last entry serves y's nulls)
+    found = pc.index_in(y.dictionary, value_set=x.dictionary).fill_null(-1)
+    lookup = np.append(found.to_numpy().astype(np.int64), -2)
+    xc = x_codes.fill_null(-2).to_numpy().astype(np.int64)
+    yc = lookup[y_codes.fill_null(-1).to_numpy().astype(np.int64)]
+    return np.asarray(xc == yc)
 
 
 def _saved(tensor_key: pa.ChunkedArray) -> np.ndarray:

@@ -243,8 +243,9 @@ class Trace:
         phases: Iterable[str] | None = None,
     ) -> pa.Table:
         """The records :meth:`query` returns, as the pyarrow Table read, in the order the
-        parts hold them (rank by rank, each part in (step, seq) order): for a question that
-        needs no pandas for most rows. :func:`records_frame` makes it :meth:`query`'s frame."""
+        parts hold them (part by part, in the order of their paths; each in (step, seq)
+        order): for a question that needs no pandas for most rows. :func:`records_frame`
+        makes it :meth:`query`'s frame."""
         steps = steps_given(steps)
         expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases)
         span = step_range(steps)
