@@ -285,24 +285,23 @@ class _Slots:
     """Past this many combinations of names (16 MB of marks), each chunk's are named."""
 
     def __init__(self) -> None:
-        self.names: list[list[str]] = []
+        self.names: list[pa.Array] = []
         self.marks = np.zeros(0, dtype=bool)
         self._found: set[tuple[str, str, str]] = set()
 
     def add_table(self, table: pa.Table) -> None:
         """Every row of a pyarrow table (dictionary columns)."""
         columns = [table.column(c).combine_chunks() for c in ("module", "kind", "slot")]
-        self.add(
-            [c.indices.to_numpy() for c in columns], [c.dictionary.to_pylist() for c in columns]
-        )
+        self.add([c.indices.to_numpy() for c in columns], [c.dictionary for c in columns])
 
     def add_rows(self, frame: pd.DataFrame, rows: np.ndarray) -> None:
         """The ``rows`` (a mask) of a DataFrame (categorical columns)."""
         columns = [frame[c].astype("category").cat for c in ("module", "kind", "slot")]
-        self.add([c.codes.to_numpy()[rows] for c in columns], [list(c.categories) for c in columns])
+        names = [pa.array(c.categories.to_numpy(dtype=object), pa.string()) for c in columns]
+        self.add([c.codes.to_numpy()[rows] for c in columns], names)
 
-    def add(self, codes: list[np.ndarray], names: list[list[str]]) -> None:
-        """Rows given as codes into ``names``, one array and one list per column."""
+    def add(self, codes: list[np.ndarray], names: list[pa.Array]) -> None:
+        """Rows given as codes into ``names``, one array of each per column."""
         if not len(codes[0]):
             return
         code = np.zeros(len(codes[0]), dtype=np.int64)
@@ -312,7 +311,9 @@ class _Slots:
         if size > self.MAX_MARKS:
             self._found.update(_named(np.unique(code), names))
             return
-        if names != self.names:
+        if len(names) != len(self.names) or not all(
+            new.equals(old) for new, old in zip(names, self.names, strict=True)
+        ):
             self._found.update(_named(np.flatnonzero(self.marks), self.names))
             self.names = names
             self.marks = np.zeros(size, dtype=bool)
@@ -324,14 +325,14 @@ class _Slots:
         return self._found
 
 
-def _named(code: np.ndarray, names: list[list[Any]]) -> set[tuple[str, str, str]]:
+def _named(code: np.ndarray, names: list[pa.Array]) -> set[tuple[str, str, str]]:
     """(module, kind, slot) of each combined code (``module * kinds * slots + ...``)."""
     if code.size == 0:
         return set()
     parts = []
     for dictionary in reversed(names):
         code, at = np.divmod(code, len(dictionary))
-        parts.append(np.asarray(dictionary, dtype=object)[at].tolist())
+        parts.append(np.asarray(dictionary.to_pylist(), dtype=object)[at].tolist())
     module, kind, slot = reversed(parts)
     return {(str(m), str(k), str(s)) for m, k, s in zip(module, kind, slot, strict=True)}
 
