@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -267,24 +268,25 @@ def many(runs: Path) -> tuple[Path, Path]:
 def test_a_window_and_a_stop_at_the_first_read_only_the_steps_they_need(
     many: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hooktrace.trace.reader import Trace
+    from hooktrace.trace.stream import RecordStream
 
-    asked: list[object] = []
-    query_table = Trace.query_table  # what query() reads through too
+    read: list[tuple[float, float]] = []  # the step span of each row group read
+    read_group = RecordStream._read
 
-    def watched(self: Trace, **kwargs: object) -> pa.Table:
-        asked.append(kwargs.get("steps"))
-        return query_table(self, **kwargs)  # type: ignore[arg-type]
+    def watched(self: RecordStream, queue: Any) -> list[pa.Table]:
+        read.append((queue[0].first, queue[0].last))
+        return read_group(self, queue)
 
-    monkeypatch.setattr(Trace, "query_table", watched)
+    monkeypatch.setattr(RecordStream, "_read", watched)
     window = hooktrace.diff(*many, steps="14-15")
     assert (window.first_step, window.last_step, window.records) == (14, 15, 80)
-    assert asked and all(steps is not None for steps in asked), asked
-    asked.clear()
+    assert read and all(first <= 15 and last >= 14 for first, last in read), read
+    read.clear()
     first = hooktrace.diff(*many, stop_at_first=True, chunk_rows=40)
     assert first.first is not None and first.first.step == 12
     assert first.first.module == module_names(10)[4]
-    assert not first.complete and max(s[1] for s in asked if isinstance(s, tuple)) <= 13
+    # one step a chunk: the chunk of step 12, and step 13 read meanwhile
+    assert not first.complete and max(first for first, _ in read) <= 13, read
 
 
 def test_the_plan_counts_what_the_records_hold(many: tuple[Path, Path]) -> None:

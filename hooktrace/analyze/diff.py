@@ -29,7 +29,7 @@ from hooktrace.analyze.diff_compare import (
     align,
     compare,
 )
-from hooktrace.analyze.diff_read import in_chunks, read_ahead, read_chunk
+from hooktrace.analyze.diff_read import in_chunks, read_ahead, read_chunk, stream_of
 from hooktrace.analyze.diff_result import Accumulator, DiffResult, Divergence, Structure
 from hooktrace.analyze.diff_same import others, same_rows
 from hooktrace.analyze.findings import module_pattern
@@ -125,13 +125,15 @@ def diff(
     kept: list[pd.DataFrame] = []
     tensors = TensorPair(trace_a.path, trace_b.path)
     empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
-    sides = ((trace_a, ranks_a), (trace_b, ranks_b))
+    span = (common[0], common[-1])
+    streams = [
+        stream_of(t, r, names, kinds, span) for t, r in ((trace_a, ranks_a), (trace_b, ranks_b))
+    ]
     chunks = in_chunks(common, size, max(1, chunk_rows) * 2)
     # the next chunk is read while this one is compared (a stop at the first divergence has
     # read one chunk past the one that holds it)
     reads = read_ahead(
-        chunks,
-        lambda chunk: [read_chunk(t, chunk, r, names, kinds, drop_rank=pair) for t, r in sides],
+        chunks, lambda chunk: [read_chunk(s, chunk, drop_rank=pair) for s in streams]
     )
     try:
         for chunk, tables in reads:

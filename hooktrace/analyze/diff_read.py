@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 
 from hooktrace.analyze.diff_compare import KEYS, VALUES
 from hooktrace.trace.reader import Trace
+from hooktrace.trace.stream import RecordStream
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -43,23 +44,28 @@ def _take(pending: list[tuple[_T, Future[_R]]]) -> tuple[_T, _R]:
     return chunk, future.result()
 
 
-def read_chunk(
+def read_chunk(stream: RecordStream, chunk: list[int], *, drop_rank: bool) -> pa.Table:
+    """The records of ``chunk``'s steps (in step order, after those already read)."""
+    table = stream.through(chunk[-1])
+    steps = table.column("step")
+    if len(chunk) != chunk[-1] - chunk[0] + 1:
+        table = table.filter(pc.is_in(steps, pa.array(chunk, pa.int64())))
+    elif table.num_rows and pc.min(steps).as_py() < chunk[0]:  # steps not compared
+        table = table.filter(pc.greater_equal(steps, chunk[0]))
+    return table.drop_columns(["rank"]) if drop_rank else table
+
+
+def stream_of(
     trace: Trace,
-    chunk: list[int],
     ranks: list[int] | None,
     names: list[str] | None,
     kinds: list[str] | None,
-    *,
-    drop_rank: bool,
-) -> pa.Table:
-    """The records of ``chunk``'s steps that the filters select, as pyarrow read them."""
-    table = trace.query_table(
-        columns=[*KEYS, *VALUES], steps=(chunk[0], chunk[-1]), modules=names, kinds=kinds,
-        ranks=ranks,
-    )  # fmt: skip
-    if len(chunk) != chunk[-1] - chunk[0] + 1:
-        table = table.filter(pc.is_in(table.column("step"), pa.array(chunk, pa.int64())))
-    return table.drop_columns(["rank"]) if drop_rank else table
+    span: tuple[int, int],
+) -> RecordStream:
+    """What the filters select of ``trace``, for :func:`read_chunk`."""
+    return trace.stream(
+        columns=[*KEYS, *VALUES], steps=span, modules=names, kinds=kinds, ranks=ranks
+    )
 
 
 def in_chunks(steps: list[int], sizes: Any, budget: int) -> Iterable[list[int]]:

@@ -38,6 +38,7 @@ from hooktrace.trace.captures import capture_path, capture_table, read_meta, rea
 from hooktrace.trace.filters import in_order, row_filter, step_range, steps_given
 from hooktrace.trace.manifest import read_manifest, read_statuses
 from hooktrace.trace.paths import one_line, printable, rank_of, utf8
+from hooktrace.trace.stream import RecordStream
 from hooktrace.trace.tensors import decode_dataset, read_dataset
 
 __all__ = ["MAX_RECORDS", "Trace", "decode_dataset", "in_order", "load", "records_frame"]
@@ -262,6 +263,22 @@ class Trace:
             schema.RECORDS_DIR, schema.RECORD_SCHEMA, columns=wanted, filter=expr,
             parts=None if span is None else self._parts_holding(*span),
         )  # fmt: skip
+
+    def stream(
+        self,
+        *,
+        columns: Sequence[str],
+        steps: tuple[int, int] | None = None,
+        modules: Iterable[str] | None = None,
+        kinds: Iterable[str] | None = None,
+        ranks: Iterable[int] | None = None,
+    ) -> RecordStream:
+        """The records matching the filters (``steps`` an inclusive range), handed out a
+        window of steps at a time by :meth:`RecordStream.through`, each row group read
+        once: for a pass over a whole trace."""
+        expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks)
+        parts = self._parts[schema.RECORDS_DIR] if steps is None else self._parts_holding(*steps)
+        return RecordStream(self, columns, expr, list(parts), steps)
 
     @property
     def has_histograms(self) -> bool:

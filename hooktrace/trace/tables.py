@@ -21,7 +21,7 @@ from hooktrace.trace import schema
 from hooktrace.trace.paths import one_line
 
 # pages written with a CRC-32 (hooktrace since 2026-11-21) are verified; older ones have none
-_PARQUET = ds.ParquetFileFormat(
+PARQUET = ds.ParquetFileFormat(
     default_fragment_scan_options=ds.ParquetFragmentScanOptions(page_checksum_verification=True)
 )
 
@@ -47,7 +47,9 @@ def read_table(
         return empty
 
     def read(paths: list[Path]) -> pa.Table:
-        table = _dataset(run, kind_dir, paths, full_schema).to_table(columns=columns, filter=filter)
+        table = dataset_of(run, kind_dir, paths, full_schema).to_table(
+            columns=columns, filter=filter
+        )
         table.validate(full=True)  # names that are not UTF-8 would fail in to_pandas()
         return table
 
@@ -62,26 +64,26 @@ def read_table(
         try:
             tables.append(read([part]))
         except (OSError, pa.ArrowException) as exc:
-            if not _damaged(run, kind_dir, part, full_schema):
+            if not damaged(run, kind_dir, part, full_schema):
                 raise TraceError(f"cannot read {kind_dir} of {run}: {one_line(exc)}") from exc
             drop(part, exc)
     return pa.concat_tables(tables) if tables else empty
 
 
-def _dataset(run: Path, kind_dir: str, paths: list[Path], full_schema: pa.Schema) -> ds.Dataset:
+def dataset_of(run: Path, kind_dir: str, paths: list[Path], full_schema: pa.Schema) -> ds.Dataset:
     return ds.dataset(
         [str(p) for p in paths],
         schema=full_schema,
-        format=_PARQUET,
+        format=PARQUET,
         partitioning=ds.partitioning(schema.PARTITIONING, flavor="hive"),
         partition_base_dir=str(run / kind_dir),
     )
 
 
-def _damaged(run: Path, kind_dir: str, part: Path, full_schema: pa.Schema) -> bool:
+def damaged(run: Path, kind_dir: str, part: Path, full_schema: pa.Schema) -> bool:
     """True when ``part`` cannot be read in full, as hooktrace's schema, on its own."""
     try:
-        _dataset(run, kind_dir, [part], full_schema).to_table().validate(full=True)
+        dataset_of(run, kind_dir, [part], full_schema).to_table().validate(full=True)
     except (OSError, pa.ArrowException):
         return True
     return False

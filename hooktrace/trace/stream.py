@@ -1,0 +1,130 @@
+"""A trace's records handed out in step order, each row group read once: what a pass over a
+whole trace a few steps at a time reads (``hooktrace diff``). Never imports torch.
+
+:meth:`Trace.query_table` with a step range reads every row group that holds a step of the
+range; a row group holding steps on both sides of where one window ends and the next begins
+is then read twice, a quarter more reading for windows of four row groups. Here each rank's
+row groups are read in order, whole, and what a window has not asked for yet is kept for the
+next (``through(step)``): at most one row group a rank is held between windows.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.dataset as ds
+
+from hooktrace.errors import TraceError
+from hooktrace.trace import schema, tables
+from hooktrace.trace.paths import one_line, rank_of
+
+if TYPE_CHECKING:
+    from hooktrace.trace.reader import Trace
+
+
+@dataclass(frozen=True)
+class _Group:
+    part: Path
+    index: int
+    first: float  # its smallest and largest step (-inf, inf where the footer does not say)
+    last: float
+
+
+class RecordStream:
+    """The records of ``trace`` matching ``filter`` (a dataset expression, or None), of the
+    parts that may hold a step in ``span`` (None: all), ``columns`` of them (with ``step``),
+    rank by rank in the order of the parts' paths."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        columns: Sequence[str],
+        filter: Any,
+        parts: list[Path],
+        span: tuple[int, int] | None,
+    ) -> None:
+        self._trace = trace
+        self._columns = list(dict.fromkeys(["step", *columns]))
+        self._filter = filter
+        self._schema = schema.RECORD_SCHEMA.append(schema.PARTITIONING.field("rank"))
+        self._groups: dict[int, deque[_Group]] = {}
+        self._held: dict[int, pa.Table] = {}
+        self._fragment: tuple[Path, Any] | None = None  # the part being read, opened once
+        for part in parts:
+            rank = rank_of(part)
+            queue = self._groups.setdefault(rank, deque())
+            for group in _groups(part, trace._metadata[part]):
+                if span is None or (group.first <= span[1] and span[0] <= group.last):
+                    queue.append(group)
+
+    def through(self, step: int) -> pa.Table:
+        """Every record up to ``step`` not handed out yet, rank by rank, each rank's in the
+        order its parts hold them ((step, seq))."""
+        out = []
+        for rank, queue in self._groups.items():
+            tables_read = [self._held.pop(rank)] if rank in self._held else []
+            while queue and queue[0].first <= step:
+                tables_read.extend(self._read(queue))
+            if not tables_read:
+                continue
+            held = pa.concat_tables(tables_read) if len(tables_read) > 1 else tables_read[0]
+            steps = held.column("step").to_numpy()
+            if bool(np.all(steps[1:] >= steps[:-1])):  # as written: the records due are a head
+                cut = int(np.searchsorted(steps, step, side="right"))
+                due, rest = held.slice(0, cut), held.slice(cut)
+            else:
+                due_mask = pa.array(steps <= step)
+                due, rest = held.filter(due_mask), held.filter(pa.array(steps > step))
+            if rest.num_rows:
+                self._held[rank] = rest
+            out.append(due)
+        if not out:
+            return self._schema.empty_table().select(self._columns)
+        return pa.concat_tables(out) if len(out) > 1 else out[0]
+
+    def _read(self, queue: deque[_Group]) -> list[pa.Table]:
+        """The next row group, read whole (and filtered); a part found damaged is left out of
+        the trace and of the rest of the stream."""
+        group = queue.popleft()
+        trace = self._trace
+        try:
+            if self._fragment is None or self._fragment[0] != group.part:
+                dataset = tables.dataset_of(
+                    trace.path, schema.RECORDS_DIR, [group.part], self._schema
+                )
+                self._fragment = (group.part, next(iter(dataset.get_fragments())))
+            fragment = self._fragment[1].subset(row_group_ids=[group.index])
+            found = ds.FileSystemDataset(
+                [fragment], schema=self._schema, format=tables.PARQUET
+            ).to_table(columns=self._columns, filter=self._filter)
+            found.validate(full=True)  # names that are not UTF-8 would fail in to_pandas()
+        except (OSError, pa.ArrowException) as exc:
+            if not tables.damaged(trace.path, schema.RECORDS_DIR, group.part, self._schema):
+                raise TraceError(
+                    f"cannot read {schema.RECORDS_DIR} of {trace.path}: {one_line(exc)}"
+                ) from exc
+            trace._drop(schema.RECORDS_DIR, group.part, exc)
+            while queue and queue[0].part == group.part:
+                queue.popleft()
+            return []
+        return [found]
+
+
+def _groups(part: Path, metadata: Any) -> list[_Group]:
+    """The row groups of a part, each with its step span from the footer."""
+    names = metadata.schema.names
+    column = names.index("step") if "step" in names else None
+    found = []
+    for i in range(metadata.num_row_groups):
+        stats = None if column is None else metadata.row_group(i).column(column).statistics
+        if stats is None or not stats.has_min_max:
+            found.append(_Group(part, i, float("-inf"), float("inf")))
+        else:
+            found.append(_Group(part, i, int(stats.min), int(stats.max)))
+    return found

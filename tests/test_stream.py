@@ -1,0 +1,103 @@
+"""A trace's records a window of steps at a time, each row group read once
+(trace/stream.py): the same rows as queries of the same windows, in the same order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from scale_runs import generate_trace, many_parts
+
+import hooktrace
+from hooktrace.errors import TraceWarning
+from hooktrace.trace.stream import RecordStream
+
+COLUMNS = ["rank", "step", "seq", "module", "kind", "mean"]
+
+
+def _small_row_groups(run: Path, rows: int) -> None:
+    """Rewrite every records part in row groups of ``rows`` rows: groups that hold the end
+    of one step and the start of the next, as a part's 65,536-row groups do."""
+    for part in sorted((run / "records").glob("rank=*/part-*.parquet")):
+        table = pq.read_table(part)
+        pq.write_table(table, part, row_group_size=rows, write_page_checksum=True)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("stream") / "run"
+    for rank in (0, 1):  # two ranks, each in its own parts
+        generate_trace(path, steps=12, modules=5, rank=rank, world_size=2,
+                       writer_options={"max_buffer_bytes": 1})  # fmt: skip
+    _small_row_groups(path, 7)
+    return path
+
+
+def _watch(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    read: list[tuple[str, int]] = []
+    read_group = RecordStream._read
+
+    def watched(self: RecordStream, queue: Any) -> list[pa.Table]:
+        read.append((queue[0].part.name + queue[0].part.parent.name, queue[0].index))
+        return read_group(self, queue)
+
+    monkeypatch.setattr(RecordStream, "_read", watched)
+    return read
+
+
+@pytest.mark.parametrize("windows", [[11], [0, 1, 2, 11], [3, 4, 9, 11], [5, 5, 11]])
+def test_windows_hand_out_what_queries_of_them_read_each_row_group_once(
+    run: Path, monkeypatch: pytest.MonkeyPatch, windows: list[int]
+) -> None:
+    trace = hooktrace.load(run)
+    read = _watch(monkeypatch)
+    stream = trace.stream(columns=COLUMNS)
+    start, handed = 0, 0
+    for last in windows:
+        got = stream.through(last).select(COLUMNS)
+        expected = trace.query_table(columns=COLUMNS, steps=(start, last)).select(COLUMNS)
+        assert got.equals(expected), (start, last)
+        start, handed = last + 1, handed + got.num_rows
+    assert len(read) == len(set(read))  # no row group twice
+    groups = sum(trace._metadata[p].num_row_groups for p in trace._parts["records"])
+    assert len(read) == groups and handed == trace.record_count
+
+
+def test_filters_and_a_span_read_only_the_row_groups_that_may_hold_them(
+    run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = hooktrace.load(run)
+    read = _watch(monkeypatch)
+    stream = trace.stream(columns=COLUMNS, steps=(4, 6), kinds=["output"], ranks=[1])
+    got = stream.through(6).select(COLUMNS)
+    expected = trace.query_table(columns=COLUMNS, steps=(4, 6), kinds=["output"], ranks=[1])
+    assert got.equals(expected.select(COLUMNS)) and got.num_rows > 0
+    assert stream.through(100).num_rows == 0
+    spans = [g for g in read]
+    assert spans and len(spans) < sum(
+        trace._metadata[p].num_row_groups for p in trace._parts["records"]
+    )
+
+
+def test_a_damaged_part_is_left_out_with_a_warning_and_the_rest_handed_out(
+    tmp_path: Path,
+) -> None:
+    run = many_parts(tmp_path / "run")
+    _small_row_groups(run, 13)
+    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[5]
+    metadata = pq.read_metadata(part)
+    column = metadata.row_group(0).column(metadata.schema.names.index("mean"))
+    start = column.dictionary_page_offset if column.has_dictionary_page else column.data_page_offset
+    data = bytearray(part.read_bytes())
+    data[start + column.total_compressed_size - 4] ^= 0x01  # in its last page
+    part.write_bytes(bytes(data))
+    trace = hooktrace.load(run)
+    whole = sum(trace._metadata[p].num_rows for p in trace._parts["records"])
+    lost = trace._metadata[part].num_rows
+    with pytest.warns(TraceWarning, match="part-000005"):
+        got = trace.stream(columns=COLUMNS).through(10**9)
+    assert got.num_rows == whole - lost
+    assert part not in trace._parts["records"] and trace.skipped
