@@ -16,12 +16,14 @@ in seq order (``_KAHAN``), only where there is one.
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
+from hooktrace.analyze import series_store
 from hooktrace.analyze.findings import modules_of_type, step_chunks
 from hooktrace.analyze.nonfinite import NonFinite
 from hooktrace.analyze.series_store import SeriesStore
@@ -45,23 +47,23 @@ _SQUARES = """(SELECT *, x * x AS square FROM (
     SELECT *, coalesce(norm, 'NaN'::DOUBLE) AS x FROM ({rows}) WHERE {which}))"""
 
 # the norm of a group's records: the root of their summed squares (or of their mean: {per}),
-# NaN if any norm is; NULL where the group holds more than two (see _KAHAN)
+# NaN if any norm is (DuckDB's sum is NaN then, as squares are never negative); NULL where
+# the group holds more than two (see _KAHAN)
 _NORMS = """
     SELECT g.rank, i.id AS module, g.step, g.value, g.seq FROM (
         SELECT rank, module, step, min(seq) AS seq,
-               CASE WHEN bool_or(isnan(square)) THEN 'NaN'::DOUBLE
-                    WHEN count(*) <= 2 THEN sqrt(sum(square){per}) END AS value
+               CASE WHEN count(*) <= 2 THEN sqrt(sum(square){per}) END AS value
         FROM {squares} GROUP BY ALL
     ) g JOIN {ids} i USING (module)"""
 
-# the norms that _NORMS left NULL, their squares summed one after the other in seq order
-_KAHAN = """
-    UPDATE {table} AS s SET value = k.value FROM (
-        SELECT g.rank, i.id AS module, g.step, g.value FROM (
-            SELECT rank, module, step, sqrt({kahan}{per}) AS value
-            FROM {squares} GROUP BY ALL HAVING count(*) > 2
-        ) g JOIN {ids} i USING (module)
-    ) k WHERE s.value IS NULL AND s.rank = k.rank AND s.module = k.module AND s.step = k.step"""
+# the norms that _NORMS left NULL: NaN if any norm is, else their squares summed one after
+# the other in seq order
+_EXACT = """
+    SELECT g.rank, i.id AS module, g.step, g.value FROM (
+        SELECT rank, module, step, CASE WHEN bool_or(isnan(square)) THEN 'NaN'::DOUBLE
+                                        ELSE sqrt({kahan}{per}) END AS value
+        FROM {squares} GROUP BY ALL HAVING count(*) > 2
+    ) g JOIN {ids} i USING (module)"""
 
 # Kahan's sum, NaN left out, a compensation that turns NaN starting again from zero:
 # grouped.Groups.sum, step for step
@@ -98,7 +100,8 @@ class Scan:
         self.steps = 0
         self._con = trace._duckdb()  # the records view, and where the norms stay
         self._relations = f"hooktrace_{id(self):x}"  # ids, and a chunk of records
-        self.norms = SeriesStore(self._con)  # grads, outputs: rank, module, step, value, seq
+        # grads, outputs: rank, module, step, value, seq; as queries over the records view
+        self.norms: SeriesStore | _Queried = SeriesStore(self._con)
         self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
         self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
         self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
@@ -107,7 +110,8 @@ class Scan:
         """Every record of ``steps``, through the records view: the steps that hold a NaN or
         an Inf are then read in full by hooktrace's reader, ``chunk_rows`` at a time."""
         where, parameters = _where(steps)
-        found = self._reduce("records", where, parameters)
+        found, queries = self._reduce("records", where, parameters)
+        self.norms = _Queried(self._con, queries, parameters, self._relations)
         if found:
             for chunk in step_chunks(self.trace, found, chunk_rows):
                 self.nonfinite.search(self.trace.query(columns=COLUMNS, steps=chunk))
@@ -116,6 +120,7 @@ class Scan:
         """Every record of ``steps``, through hooktrace's reader, ``chunk_rows`` at a time."""
         rare = {"micro_step"} | (set() if self.ranges else {"numel", "mean", "std"})
         columns = [c for c in COLUMNS if c not in rare]
+        self.norms = store = SeriesStore(self._con)
         for chunk in step_chunks(self.trace, steps, chunk_rows):
             frame = self.trace.query(columns=columns, steps=chunk)
             if frame.empty:
@@ -123,7 +128,14 @@ class Scan:
             chunk_name = f"{self._relations}_records"
             self._con.register(chunk_name, frame)
             try:
-                found = self._reduce(chunk_name, "true", [])
+                found, queries = self._reduce(chunk_name, "true", [])
+                for series, (norms, exact) in queries.items():
+                    store.insert(series, norms)
+                    table = store.table(series)
+                    self._con.execute(
+                        f"UPDATE {table} AS s SET value = k.value FROM ({exact}) k WHERE "
+                        "s.value IS NULL AND s.rank = k.rank AND s.module = k.module AND s.step = k.step"
+                    )
             finally:
                 self._con.unregister(chunk_name)
             if found:  # the origins need every column: the same rows, in order
@@ -132,42 +144,38 @@ class Scan:
 
     def close(self) -> None:
         self.norms.close()
-        with contextlib.suppress(Exception):  # never registered: no records read
-            self._con.unregister(f"{self._relations}_ids")
+        self._con.execute(f"DROP TABLE IF EXISTS {self._relations}_ids")
 
-    def _reduce(self, records: str, where: str, parameters: list[Any]) -> list[int]:
-        """Add what the records of the relation ``records`` (of whole steps, ``where``)
-        hold; the steps with a NaN or an Inf, in order."""
+    def _reduce(
+        self, records: str, where: str, parameters: list[Any]
+    ) -> tuple[list[int], dict[str, tuple[str, str]]]:
+        """Add the tallies of the records of the relation ``records`` (of whole steps,
+        ``where``); the steps with a NaN or an Inf, in order, and the queries of the series
+        (``grads``, ``outputs``): the norms (:data:`_NORMS`) and the exact ones that they
+        leave NULL (:data:`_EXACT`)."""
 
         def run(query: str, *, extra: list[Any] | None = None) -> Any:
             return self._con.execute(query, [*parameters, *(extra or [])])
 
         recorded = run(
-            f"SELECT DISTINCT rank, step FROM {records} WHERE {where} ORDER BY rank, step"
+            f"SELECT rank, step, coalesce(bool_or(nan_count > 0 OR inf_count > 0), false) AS bad "
+            f"FROM {records} WHERE {where} GROUP BY ALL ORDER BY rank, step"
         ).fetchnumpy()
         if not len(recorded["step"]):
-            return []
+            return [], {}
         self.steps += len(recorded["step"])
         self.nonfinite.add_steps(recorded["rank"].astype(np.int64), recorded["step"])
-        first = run(
-            f"SELECT module::VARCHAR AS module FROM {records} WHERE {where} GROUP BY 1 "
-            "ORDER BY min({'s': step, 'r': rank, 'q': seq})"
-        ).fetchnumpy()["module"]
-        for name in first.tolist():
-            self._id(str(name))
-        ids = f"{self._relations}_ids"
-        self._con.register(
-            ids, pd.DataFrame({"module": self.names, "id": np.arange(len(self.names))})
-        )
+        ids = self._module_ids(run(_FIRST_SHOWN.format(records=records, where=where)))
         more = "norm, nan_count, inf_count" + (", numel, mean, std" if self.ranges else "")
         rows = _ROWS.format(records=records, where=where, more=more)
+        queries = {}
         for series, which, per in (("grads", _GRADS, ""), ("outputs", _OUTPUTS, " / count(*)")):
             squares = _SQUARES.format(rows=rows, which=which)
-            self.norms.insert(series, _NORMS.format(squares=squares, per=per, ids=ids), parameters)
-            table = self.norms.table(series)
-            if self._con.execute(f"SELECT count(*) FROM {table} WHERE value IS NULL").fetchone()[0]:
-                run(_KAHAN.format(table=table, kahan=_KAHAN_SUM, squares=squares, per=per, ids=ids))
-        self._tally_params(run, rows, ids)
+            queries[series] = (
+                _NORMS.format(squares=squares, per=per, ids=ids),
+                _EXACT.format(kahan=_KAHAN_SUM, squares=squares, per=per, ids=ids),
+            )
+        self._tally_params(run, rows, ids, np.unique(recorded["step"]))
         if self.ranges:
             self._tally_saturation(
                 run(
@@ -177,31 +185,43 @@ class Scan:
                     extra=[list(self.ranges)],
                 ).df()
             )
-        bad = run(
-            f"SELECT DISTINCT step FROM {records} WHERE {where} "
-            "AND (nan_count > 0 OR inf_count > 0) ORDER BY step"
-        ).fetchnumpy()["step"]
-        return [int(s) for s in bad.tolist()]
+        bad = recorded["bad"].astype(bool)
+        return sorted({int(s) for s in recorded["step"][bad].tolist()}), queries
 
-    def _id(self, name: str) -> int:
-        if name not in self._ids:
+    def _module_ids(self, first_shown: Any) -> str:
+        """Ids for the modules of ``first_shown`` (names, in order) not seen before; the name
+        of the DuckDB table of them all (module, id)."""
+        new = [
+            name for name in first_shown.fetchnumpy()["module"].tolist() if name not in self._ids
+        ]
+        for name in new:
             self._ids[name] = len(self.names)
             self.names.append(name)
-        return self._ids[name]
+        ids = f"{self._relations}_ids"
+        self._con.execute(f"CREATE TEMP TABLE IF NOT EXISTS {ids} (module VARCHAR, id INTEGER)")
+        if new:
+            added = pd.DataFrame({"module": new, "id": [self._ids[n] for n in new]})
+            self._con.register(f"{ids}_new", added)
+            self._con.execute(f"INSERT INTO {ids} SELECT * FROM {ids}_new")
+            self._con.unregister(f"{ids}_new")
+        return ids
 
-    def _tally_params(self, run: Any, rows: str, ids: str) -> None:
+    def _tally_params(self, run: Any, rows: str, ids: str, steps: np.ndarray) -> None:
         """Per (rank, module, slot) of the grad_param records: steps, steps with .grad None,
         first and last step; and per (rank, module), the steps whose gradient was exactly
-        zero."""
-        per_slot = run(
-            f"SELECT rank, i.id AS module, slot, count(DISTINCT step) AS steps, "
-            "count(*) FILTER (WHERE dtype = 'None') AS none, min(step) AS first, "
-            f"max(step) AS last FROM ({rows}) JOIN {ids} i USING (module) "
-            "WHERE kind = 'grad_param' GROUP BY ALL"
-        ).df()
-        if per_slot.empty:
+        zero. ``steps``: the distinct steps recorded, in order."""
+        for steps_sql, extra in _distinct_steps(steps):
+            per_slot = run(
+                f"SELECT rank, i.id AS module, slot, {steps_sql} AS steps, "
+                "count(*) FILTER (WHERE dtype = 'None') AS none, min(step) AS first, "
+                f"max(step) AS last FROM ({rows}) JOIN {ids} i USING (module) "
+                "WHERE kind = 'grad_param' AND step BETWEEN ? AND ? GROUP BY ALL",
+                extra=extra,
+            ).df()
+            if not per_slot.empty:
+                self.per_slot.append(per_slot.set_index(["rank", "module", "slot"]))
+        if not self.per_slot:
             return
-        self.per_slot.append(per_slot.set_index(["rank", "module", "slot"]))
         zero = run(
             f"SELECT rank, i.id AS module, count(DISTINCT step) AS steps, min(step) AS first, "
             f"max(step) AS last, list(DISTINCT slot) AS slots FROM ({rows}) "
@@ -239,6 +259,96 @@ class Scan:
             first=("step", "min"), last=("step", "max"), value=("value", "max")
         )
         self.saturated.append(tally.join(found, how="left"))
+
+
+# the modules in the order they first show: by step, then rank and seq at that step
+_FIRST_SHOWN = """
+    WITH firsts AS (SELECT module, min(step) AS step FROM {records} WHERE {where} GROUP BY 1)
+    SELECT f.module::VARCHAR AS module FROM {records} r JOIN firsts f USING (module, step)
+    GROUP BY f.module, f.step ORDER BY f.step, min({{'r': r.rank, 'q': r.seq}})"""
+
+STEP_BITS = 1 << 16
+"""Steps a window of :func:`_distinct_steps` spans at most: a bit each, per parameter."""
+
+
+def _distinct_steps(steps: np.ndarray) -> list[tuple[str, list[int]]]:
+    """How to count the distinct steps of a group whose records lie in ``steps`` (distinct,
+    in order): SQL, and the window of steps (first, last) it counts in, for each window.
+    A bit per step where a few windows of :data:`STEP_BITS` cover them (far cheaper than
+    DuckDB's count(DISTINCT)), else count(DISTINCT) over them all."""
+    windows: list[tuple[int, int]] = []
+    for step in steps.tolist():
+        if windows and step - windows[-1][0] < STEP_BITS:
+            windows[-1] = (windows[-1][0], step)
+        else:
+            windows.append((step, step))
+    if len(windows) > 4:
+        return [("count(DISTINCT step)", [int(steps[0]), int(steps[-1])])]
+    return [(f"bit_count(bitstring_agg(step, {lo}, {hi}))", [lo, hi]) for lo, hi in windows]
+
+
+class _Incomplete(Exception):
+    """A norm left NULL: its group holds more than two records."""
+
+
+class _Queried:
+    """Series as queries over the records view, read back a few modules at a time as
+    :meth:`SeriesStore.tables` does: nothing is held between the scan and the series checks.
+    Where a norm is NULL (a group of more than two records), the exact ones are made once,
+    and the modules not given yet are read again with them."""
+
+    def __init__(
+        self, con: Any, queries: dict[str, tuple[str, str]], parameters: list[Any], prefix: str
+    ) -> None:
+        self._con = con
+        self._queries = queries
+        self._parameters = parameters
+        self._prefix = prefix
+        self._made: list[str] = []
+
+    def tables(
+        self, series: str, names: list[str], *, rows: int | None = None
+    ) -> Iterator[pd.DataFrame]:
+        if series not in self._queries:
+            return
+        norms, exact = self._queries[series]
+        after: list[int] = []  # the last (rank, module) given
+        complete = False
+        while True:
+            query = norms
+            if complete:
+                query = (
+                    f"SELECT g.rank, g.module, g.step, coalesce(g.value, k.value) AS value, "
+                    f"g.seq FROM ({norms}) g LEFT JOIN {self._made[-1]} k "
+                    "USING (rank, module, step)"
+                )
+            where = "WHERE rank > ? OR (rank = ? AND module > ?)" if after else ""
+            ordered = self._con.sql(
+                f"SELECT * FROM ({query}) {where} ORDER BY rank, module, step",
+                params=[*self._parameters, *after[:1], *after],
+            ).to_arrow_reader(max(1, series_store.BATCH_ROWS if rows is None else rows))
+            try:
+                for table in series_store.whole_modules(_checked(ordered, complete), names):
+                    yield table
+                    after = [int(table["rank"].iloc[-1]), int(table["module"].cat.codes.iloc[-1])]
+                return
+            except _Incomplete:
+                self._made.append(f"{self._prefix}_{series}_exact")
+                self._con.execute(
+                    f"CREATE OR REPLACE TEMP TABLE {self._made[-1]} AS {exact}", self._parameters
+                )
+                complete = True
+
+    def close(self) -> None:
+        for table in self._made:
+            self._con.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def _checked(ordered: Iterable[pa.RecordBatch], complete: bool) -> Iterator[pa.RecordBatch]:
+    for batch in ordered:
+        if not complete and batch.column("value").null_count:
+            raise _Incomplete
+        yield batch
 
 
 def _where(steps: tuple[int, int] | list[int] | None) -> tuple[str, list[Any]]:

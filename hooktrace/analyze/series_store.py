@@ -16,11 +16,12 @@ them leaving DuckDB, and :meth:`SeriesStore.close` drops its tables.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from hooktrace.trace import sql
 
@@ -99,22 +100,7 @@ class SeriesStore:
         if series not in self._made:
             return
         ordered = self._con.sql(f"SELECT * FROM {self.table(series)} ORDER BY rank, module, step")
-        carry: pd.DataFrame | None = None
-        for record_batch in ordered.to_arrow_reader(max(1, rows)):
-            batch = record_batch.to_pandas()
-            if batch.empty:
-                continue
-            if carry is not None:
-                batch = pd.concat([carry, batch], ignore_index=True)
-            # the last (rank, module) may go on in the next batch: hold it back
-            last = (batch["rank"].iloc[-1], batch["module"].iloc[-1])
-            tail = (batch["rank"] == last[0]) & (batch["module"] == last[1])
-            carry = batch[tail]
-            done = batch[~tail]
-            if not done.empty:
-                yield _named(done, names)
-        if carry is not None and not carry.empty:
-            yield _named(carry, names)
+        yield from whole_modules(ordered.to_arrow_reader(max(1, rows)), names)
 
     def close(self) -> None:
         self._held.clear()
@@ -126,6 +112,26 @@ class SeriesStore:
                 for series in list(self._made):
                     self._con.execute(f"DROP TABLE IF EXISTS {self.table(series)}")
             self._made.clear()
+
+
+def whole_modules(ordered: Iterable[pa.RecordBatch], names: list[str]) -> Iterator[pd.DataFrame]:
+    """Batches of (rank, module, step) order (:data:`COLUMNS`) as tables of whole modules:
+    the last module of a batch is held back until the next shows where it ends."""
+    carry: pd.DataFrame | None = None
+    for record_batch in ordered:
+        batch = record_batch.to_pandas()
+        if batch.empty:
+            continue
+        if carry is not None:
+            batch = pd.concat([carry, batch], ignore_index=True)
+        last = (batch["rank"].iloc[-1], batch["module"].iloc[-1])
+        tail = (batch["rank"] == last[0]) & (batch["module"] == last[1])
+        carry = batch[tail]
+        done = batch[~tail]
+        if not done.empty:
+            yield _named(done, names)
+    if carry is not None and not carry.empty:
+        yield _named(carry, names)
 
 
 def _batches(frames: list[pd.DataFrame], names: list[str], rows: int) -> Iterator[pd.DataFrame]:
