@@ -60,7 +60,9 @@ neither counts as high or normal in the series checks.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -81,7 +83,8 @@ from hooktrace.analyze.findings import (
     keys,
     step_filter,
 )
-from hooktrace.errors import ConfigError
+from hooktrace.errors import ConfigError, TraceError
+from hooktrace.trace.paths import one_line
 from hooktrace.trace.reader import Trace, load
 
 
@@ -143,16 +146,8 @@ def anomalies(
         )
     precision.check_bounds(underflow_above, overflow_above)
     trace = run if isinstance(run, Trace) else load(run)
-    scan = _scan(trace, step_filter(steps), saturation, chunk_rows)
     config = series.Config(window, spike_factor, explode_factor, exploding_above)
-    found = scan.nonfinite.findings()
-    try:
-        names = scan.names
-        grads, outputs = scan.norms.tables("grads", names), scan.norms.tables("outputs", names)
-        found += series.gradient_findings(grads, config, vanishing_below)
-        found += series.activation_findings(outputs, config)
-    finally:
-        scan.close()
+    scan, found = _scan(trace, step_filter(steps), saturation, chunk_rows, config, vanishing_below)
     found += _parameter_findings(scan)
     found += _saturation_findings(scan, saturation)
     low, low_notes = precision.findings(
@@ -180,29 +175,51 @@ def anomalies(
 
 
 def _scan(
-    trace: Trace, steps: tuple[int, int] | list[int] | None, saturation: float, chunk_rows: int
-) -> Scan:
-    """The records of ``steps`` reduced in DuckDB over the records view; where DuckDB fails
-    on a part, or hooktrace's reader finds one damaged, the same reductions chunk by chunk
-    over what the reader reads (which leaves the damaged parts out, and says so)."""
+    trace: Trace,
+    steps: tuple[int, int] | list[int] | None,
+    saturation: float,
+    chunk_rows: int,
+    config: series.Config,
+    vanishing_below: float,
+) -> tuple[Scan, list[Finding]]:
+    """The records of ``steps`` reduced, and the non-finite and series findings: in DuckDB
+    over the records view; where DuckDB fails on a part, or hooktrace's reader finds one
+    damaged, the same reductions again chunk by chunk over what the reader reads (which
+    leaves the damaged parts out, and says so)."""
     import duckdb
 
     skipped = len(trace.skipped)
-    scan = Scan(trace, saturation)
-    try:
-        scan.read(steps, chunk_rows)
+    with contextlib.suppress(duckdb.Error):
+        scan = Scan(trace, saturation)
+        found = _findings(scan, scan.read, steps, chunk_rows, config, vanishing_below)
         if len(trace.skipped) == skipped:
-            return scan
-    except duckdb.Error:
-        pass
-    scan.close()
+            return scan, found
     scan = Scan(trace, saturation)
     try:
-        scan.read_chunks(steps, chunk_rows)
-    except BaseException:
+        return scan, _findings(scan, scan.read_chunks, steps, chunk_rows, config, vanishing_below)
+    except duckdb.Error as exc:
+        raise TraceError(f"cannot read the records of {trace.path}: {one_line(exc)}") from exc
+
+
+def _findings(
+    scan: Scan,
+    read: Callable[[tuple[int, int] | list[int] | None, int], None],
+    steps: tuple[int, int] | list[int] | None,
+    chunk_rows: int,
+    config: series.Config,
+    vanishing_below: float,
+) -> list[Finding]:
+    """``read`` the records into ``scan``, then the non-finite and series findings (the norms
+    may be read only now)."""
+    try:
+        read(steps, chunk_rows)
+        found = scan.nonfinite.findings()
+        grads = scan.norms.tables("grads", scan.names)
+        found += series.gradient_findings(grads, config, vanishing_below)
+        found += series.activation_findings(scan.norms.tables("outputs", scan.names), config)
+        return found
+    finally:
         scan.close()
-        raise
-    return scan
 
 
 def _parameter_findings(scan: Scan) -> list[Finding]:

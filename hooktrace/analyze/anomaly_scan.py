@@ -305,6 +305,7 @@ class _Queried:
         self._parameters = parameters
         self._prefix = prefix
         self._made: list[str] = []
+        self._open: pa.RecordBatchReader | None = None
 
     def tables(
         self, series: str, names: list[str], *, rows: int | None = None
@@ -327,19 +328,25 @@ class _Queried:
                 f"SELECT * FROM ({query}) {where} ORDER BY rank, module, step",
                 params=[*self._parameters, *after[:1], *after],
             ).to_arrow_reader(max(1, series_store.BATCH_ROWS if rows is None else rows))
+            self._open = ordered
             try:
                 for table in series_store.whole_modules(_checked(ordered, complete), names):
                     yield table
                     after = [int(table["rank"].iloc[-1]), int(table["module"].cat.codes.iloc[-1])]
                 return
             except _Incomplete:
-                self._made.append(f"{self._prefix}_{series}_exact")
-                self._con.execute(
-                    f"CREATE OR REPLACE TEMP TABLE {self._made[-1]} AS {exact}", self._parameters
-                )
-                complete = True
+                pass
+            finally:
+                ordered.close()  # DuckDB runs one query at a time on a connection
+            self._made.append(f"{self._prefix}_{series}_exact")
+            self._con.execute(
+                f"CREATE OR REPLACE TEMP TABLE {self._made[-1]} AS {exact}", self._parameters
+            )
+            complete = True
 
     def close(self) -> None:
+        if self._open is not None:
+            self._open.close()
         for table in self._made:
             self._con.execute(f"DROP TABLE IF EXISTS {table}")
 
