@@ -1,11 +1,12 @@
 """Gradient and numeric anomalies: :func:`anomalies`. Never imports torch.
-(Over 400 lines as one scan: a sixth of them is this docstring, which defines every check.)
 
-Statistics are enough (no full tensors). The records are read in chunks of whole steps, so
-memory stays bounded; what is kept between chunks is one number per module per step (the
-gradient and activation norms the series checks need, modules as integer ids: in DuckDB,
-which spills them to disk past its memory limit, read back a few modules at a time by
-:mod:`hooktrace.analyze.series_store`), per-module tallies, and the non-finite origins found.
+Statistics are enough (no full tensors). DuckDB queries over the records
+(:mod:`hooktrace.analyze.anomaly_scan`: only the columns needed, on every core, spilling to
+disk past its memory limit) reduce them to one number per module per step (the gradient and
+activation norms the series checks need, modules as integer ids, read back sorted a few
+modules at a time), per-module tallies, and the steps that hold a NaN or an Inf: only those
+are read in full, by hooktrace's reader, for the non-finite origins. Where DuckDB cannot
+read a part, the same queries run over the reader's chunks of whole steps instead.
 
 The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``count``):
 

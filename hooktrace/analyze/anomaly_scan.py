@@ -5,13 +5,16 @@ Each reduction is one SQL query over a relation of records: the trace's ``record
 (DuckDB reads only the columns it needs, on every core, spilling past its memory limit), or,
 where DuckDB cannot decode a part (it does not check page checksums but fails on what it
 cannot decode), each chunk of whole steps that hooktrace's reader gives, which leaves the
-damaged parts out with a warning. Either way the same queries answer: the norms go straight
-into a :class:`~hooktrace.analyze.series_store.SeriesStore` table, and only the small tallies,
-the tanh/sigmoid outputs and the steps that hold a NaN or an Inf come back to Python.
+damaged parts out with a warning. Either way the same queries answer. Over the view, the
+norms stay queries until the series checks read them back, sorted by module (no table of
+one value per module per step is made); over chunks, they go into a
+:class:`~hooktrace.analyze.series_store.SeriesStore` table. Only the small tallies, the
+tanh/sigmoid outputs and the steps that hold a NaN or an Inf come back to Python; those
+steps are then read in full by the reader for the non-finite origins.
 
 Sums are those of :mod:`hooktrace.analyze.grouped` to the bit: Kahan's, in seq order. A group
 of one or two values sums alike in any order (DuckDB's plain sum); a larger one is summed again
-in seq order (``_KAHAN``), only where there is one.
+in seq order (``_EXACT``), only where there is one.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ _SQUARES = """(SELECT *, x * x AS square FROM (
 
 # the norm of a group's records: the root of their summed squares (or of their mean: {per}),
 # NaN if any norm is (DuckDB's sum is NaN then, as squares are never negative); NULL where
-# the group holds more than two (see _KAHAN)
+# the group holds more than two (see _EXACT)
 _NORMS = """
     SELECT g.rank, i.id AS module, g.step, g.value, g.seq FROM (
         SELECT rank, module, step, min(seq) AS seq,
