@@ -51,10 +51,10 @@ _SQUARES = """(SELECT *, x * x AS square FROM (
 
 # the norm of a group's records: the root of their summed squares (or of their mean: {per}),
 # NaN if any norm is (DuckDB's sum is NaN then, as squares are never negative); NULL where
-# the group holds more than two (see _EXACT)
+# the group holds more than two (see _EXACT); with the first seq where {seq} says so
 _NORMS = """
     SELECT g.rank, i.id AS module, g.step, g.value, g.seq FROM (
-        SELECT rank, module, step, min(seq) AS seq,
+        SELECT rank, module, step, {seq} AS seq,
                CASE WHEN count(*) <= 2 THEN sqrt(sum(square){per}) END AS value
         FROM {squares} GROUP BY ALL
     ) g JOIN {ids} i USING (module)"""
@@ -172,10 +172,15 @@ class Scan:
         more = "norm, nan_count, inf_count" + (", numel, mean, std" if self.ranges else "")
         rows = _ROWS.format(records=records, where=where, more=more)
         queries = {}
-        for series, which, per in (("grads", _GRADS, ""), ("outputs", _OUTPUTS, " / count(*)")):
+        # the seq orders modules by execution for the output norms only: the gradient checks
+        # do not look at it (0, and a narrower sort)
+        for series, which, per, seq in (
+            ("grads", _GRADS, "", "0"),
+            ("outputs", _OUTPUTS, " / count(*)", "min(seq)"),
+        ):
             squares = _SQUARES.format(rows=rows, which=which)
             queries[series] = (
-                _NORMS.format(squares=squares, per=per, ids=ids),
+                _NORMS.format(squares=squares, per=per, ids=ids, seq=seq),
                 _EXACT.format(kahan=_KAHAN_SUM, squares=squares, per=per, ids=ids),
             )
         self._tally_params(run, rows, ids, np.unique(recorded["step"]))
