@@ -30,6 +30,7 @@ from hooktrace.analyze import series_store
 from hooktrace.analyze.findings import modules_of_type, step_chunks
 from hooktrace.analyze.nonfinite import NonFinite
 from hooktrace.analyze.series_store import SeriesStore
+from hooktrace.trace import sql
 from hooktrace.trace.reader import Trace
 
 TANH_RANGE = ("Tanh", "Hardtanh", "Softsign")
@@ -101,10 +102,12 @@ class Scan:
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
         self.steps = 0
-        self._con = trace._duckdb()  # the records view, and where the norms stay
+        self._con: Any = None  # the trace's (its records view), or one of the scan's own
+        self._owned = False
         self._relations = f"hooktrace_{id(self):x}"  # ids, and a chunk of records
-        # grads, outputs: rank, module, step, value, seq; as queries over the records view
-        self.norms: SeriesStore | _Queried = SeriesStore(self._con)
+        # grads, outputs: rank, module, step, value, seq; queries over the records view, or a
+        # table filled chunk by chunk
+        self.norms: SeriesStore | _Queried = SeriesStore()
         self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
         self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
         self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
@@ -112,6 +115,7 @@ class Scan:
     def read(self, steps: tuple[int, int] | list[int] | None, chunk_rows: int) -> None:
         """Every record of ``steps``, through the records view: the steps that hold a NaN or
         an Inf are then read in full by hooktrace's reader, ``chunk_rows`` at a time."""
+        self._con = self.trace._duckdb()
         where, parameters = _where(steps)
         found, queries = self._reduce("records", where, parameters)
         self.norms = _Queried(self._con, queries, parameters, self._relations)
@@ -123,6 +127,7 @@ class Scan:
         """Every record of ``steps``, through hooktrace's reader, ``chunk_rows`` at a time."""
         rare = {"micro_step"} | (set() if self.ranges else {"numel", "mean", "std"})
         columns = [c for c in COLUMNS if c not in rare]
+        self._con, self._owned = sql.open_connection(), True  # the records view is not needed
         self.norms = store = SeriesStore(self._con)
         for chunk in step_chunks(self.trace, steps, chunk_rows):
             frame = self.trace.query(columns=columns, steps=chunk)
@@ -147,7 +152,10 @@ class Scan:
 
     def close(self) -> None:
         self.norms.close()
-        self._con.execute(f"DROP TABLE IF EXISTS {self._relations}_ids")
+        if self._owned:
+            self._con.close()
+        elif self._con is not None:
+            self._con.execute(f"DROP TABLE IF EXISTS {self._relations}_ids")
 
     def _reduce(
         self, records: str, where: str, parameters: list[Any]
