@@ -1,11 +1,12 @@
 """Gradient and numeric anomalies: :func:`anomalies`. Never imports torch.
-(Over 400 lines as one scan: a sixth of them is this docstring, which defines every check.)
 
-Statistics are enough (no full tensors). The records are read in chunks of whole steps, so
-memory stays bounded; what is kept between chunks is one number per module per step (the
-gradient and activation norms the series checks need, modules as integer ids: in DuckDB,
-which spills them to disk past its memory limit, read back a few modules at a time by
-:mod:`hooktrace.analyze.series_store`), per-module tallies, and the non-finite origins found.
+Statistics are enough (no full tensors). DuckDB queries over the records
+(:mod:`hooktrace.analyze.anomaly_scan`: only the columns needed, on every core, spilling to
+disk past its memory limit) reduce them to one number per module per step (the gradient and
+activation norms the series checks need, modules as integer ids, read back sorted a few
+modules at a time), per-module tallies, and the steps that hold a NaN or an Inf: only those
+are read in full, by hooktrace's reader, for the non-finite origins. Where DuckDB cannot
+read a part, the same queries run over the reader's chunks of whole steps instead.
 
 The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``count``):
 
@@ -60,13 +61,15 @@ neither counts as high or normal in the series checks.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import pandas as pd
 
 from hooktrace.analyze import precision, series
+from hooktrace.analyze.anomaly_scan import Scan
 from hooktrace.analyze.captured import (
     capture_column,
     failed_captures,
@@ -76,25 +79,14 @@ from hooktrace.analyze.captured import (
 from hooktrace.analyze.findings import (
     Finding,
     StepsSpec,
-    codes,
     findings_frame,
     fmt,
     keys,
-    modules_of_type,
-    step_chunks,
     step_filter,
-    strings,
 )
-from hooktrace.analyze.grouped import Groups
-from hooktrace.analyze.nonfinite import NonFinite
-from hooktrace.analyze.series_store import SeriesStore
-from hooktrace.errors import ConfigError
+from hooktrace.errors import ConfigError, TraceError
+from hooktrace.trace.paths import one_line
 from hooktrace.trace.reader import Trace, load
-
-TANH_RANGE = ("Tanh", "Hardtanh", "Softsign")
-SIGMOID_RANGE = ("Sigmoid", "Hardsigmoid")
-_COLUMNS = ["rank", "step", "micro_step", "phase", "seq", "module", "kind", "slot", "dtype",
-            "numel", "mean", "std", "norm", "nan_count", "inf_count"]  # fmt: skip
 
 
 @dataclass
@@ -155,23 +147,8 @@ def anomalies(
         )
     precision.check_bounds(underflow_above, overflow_above)
     trace = run if isinstance(run, Trace) else load(run)
-    scan = _Scan(trace, saturation)
-    for chunk in step_chunks(trace, step_filter(steps), chunk_rows):
-        frame = trace.query(columns=scan.columns, steps=chunk)
-        rare = [c for c in _COLUMNS if c not in scan.columns]
-        if rare and _nonfinite(frame):  # the origins need them: the same rows, in order
-            more = trace.query(columns=["rank", "step", "seq", *rare], steps=chunk)
-            frame = frame.assign(**{c: more[c].to_numpy() for c in rare})
-        scan.add(frame)
     config = series.Config(window, spike_factor, explode_factor, exploding_above)
-    found = scan.nonfinite.findings()
-    try:
-        names = scan.names
-        grads, outputs = scan.norms.tables("grads", names), scan.norms.tables("outputs", names)
-        found += series.gradient_findings(grads, config, vanishing_below)
-        found += series.activation_findings(outputs, config)
-    finally:
-        scan.norms.close()
+    scan, found = _scan(trace, step_filter(steps), saturation, chunk_rows, config, vanishing_below)
     found += _parameter_findings(scan)
     found += _saturation_findings(scan, saturation)
     low, low_notes = precision.findings(
@@ -198,169 +175,55 @@ def anomalies(
     return Anomalies(frame, scan.steps, len(scan.names), notes, captures)
 
 
-class _Scan:
-    """What one pass over the records keeps: non-finite origins, one norm per module per step,
-    and per-module tallies. Modules are integer ids into ``names``."""
+def _scan(
+    trace: Trace,
+    steps: tuple[int, int] | list[int] | None,
+    saturation: float,
+    chunk_rows: int,
+    config: series.Config,
+    vanishing_below: float,
+) -> tuple[Scan, list[Finding]]:
+    """The records of ``steps`` reduced, and the non-finite and series findings: in DuckDB
+    over the records view; where DuckDB fails on a part, or hooktrace's reader finds one
+    damaged, the same reductions again chunk by chunk over what the reader reads (which
+    leaves the damaged parts out, and says so)."""
+    import duckdb
 
-    def __init__(self, trace: Trace, saturation: float) -> None:
-        modules = trace.modules.drop_duplicates("module")
-        names = modules["module"].astype(str)
-        self.nonfinite = NonFinite(
-            dict(zip(names, modules["parent"].astype(str), strict=True)),
-            dict(zip(names, modules["root"].astype(str), strict=True)),
-        )
-        self.ranges = {
-            **dict.fromkeys(modules_of_type(trace.modules, TANH_RANGE), "tanh"),
-            **dict.fromkeys(modules_of_type(trace.modules, SIGMOID_RANGE), "sigmoid"),
-        }
-        self.saturation = saturation
-        # what every chunk reads: micro_step only where a NaN or Inf is (see anomalies()),
-        # and numel too unless there are outputs to check for saturation (with mean and std)
-        rare = {"micro_step"} | (set() if self.ranges else {"numel", "mean", "std"})
-        self.columns = [c for c in _COLUMNS if c not in rare]
-        self.names: list[str] = []
-        self._ids: dict[str, int] = {}
-        self.steps = 0
-        # grads, outputs: rank, module, step, value, seq per module per step, out of pandas
-        self.norms = SeriesStore()
-        self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
-        self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
-        self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
-
-    def add(self, frame: pd.DataFrame) -> None:
-        """One chunk of whole steps, in (rank, step, seq) order."""
-        if frame.empty:
-            return
-        rank, step = frame["rank"].to_numpy(np.int64), frame["step"].to_numpy(np.int64)
-        rank_step = rank << 40 | step  # in (rank, step) order: a change is a new step
-        self.steps += int(np.count_nonzero(rank_step[1:] != rank_step[:-1])) + 1
-        self.nonfinite.add(frame)
-        module = self._module_ids(frame["module"])
-        grad_param = _is(frame["kind"], "grad_param")
-        if grad_param.any():
-            none = _is(frame["dtype"], "None")
-            self._tally_params(frame, np.flatnonzero(grad_param), module, none)
-            has = np.flatnonzero(grad_param & ~none)
-            self.norms.add("grads", _norms(frame, has, module, how="sum"))
-        train_out = _is(frame["kind"], "output") & _is(frame["phase"], "train")
-        if train_out.any():
-            self.norms.add("outputs", _norms(frame, np.flatnonzero(train_out), module, how="mean"))
-            ranged = [self._ids[m] for m in self.ranges if m in self._ids]
-            saturating = train_out & np.isin(module, ranged)
-            if saturating.any():
-                self._tally_saturation(frame[saturating].assign(module=module[saturating]))
-
-    def _module_ids(self, column: pd.Series) -> np.ndarray:
-        """Integer ids for a module column: only its distinct names are looked at."""
-        values = (
-            column if isinstance(column.dtype, pd.CategoricalDtype) else column.astype("category")
-        )
-        lookup = np.array([self._id(str(name)) for name in values.cat.categories], dtype=np.int64)
-        return lookup[values.cat.codes.to_numpy()]
-
-    def _id(self, name: str) -> int:
-        if name not in self._ids:
-            self._ids[name] = len(self.names)
-            self.names.append(name)
-        return self._ids[name]
-
-    def _tally_params(
-        self, frame: pd.DataFrame, rows: np.ndarray, module: np.ndarray, none: np.ndarray
-    ) -> None:
-        """Per (rank, module, slot) of the grad_param ``rows``: steps, steps with .grad None,
-        first and last step; and the steps whose gradient was exactly zero."""
-        rank, step = frame["rank"].to_numpy(np.int64)[rows], frame["step"].to_numpy()[rows]
-        slot, slot_names = codes(frame["slot"])
-        module, slot, none = module[rows], slot[rows], none[rows]
-        groups = Groups(rank, module, slot)
-        self.per_slot.append(
-            pd.DataFrame(
-                {"steps": groups.count_distinct(step), "none": groups.count(none),
-                 "first": groups.min(step), "last": groups.max(step)},
-                index=pd.MultiIndex.from_arrays(
-                    [groups.keys[0], groups.keys[1], slot_names[groups.keys[2]]],
-                    names=["rank", "module", "slot"],
-                ),
-            )
-        )  # fmt: skip
-        at = (frame["norm"].to_numpy()[rows] == 0) & ~none
-        if at.any():
-            zero = pd.DataFrame(
-                {"rank": rank[at], "module": module[at], "slot": slot_names[slot[at]],
-                 "step": step[at]}
-            )  # fmt: skip
-            self.zero.append(
-                zero.groupby(["rank", "module"]).agg(
-                    steps=("step", "nunique"),
-                    first=("step", "min"),
-                    last=("step", "max"),
-                    slots=("slot", _union),
-                )
-            )
-
-    def _tally_saturation(self, rows: pd.DataFrame) -> None:
-        """Per step, the numel-weighted mean square of the output mapped onto [-1, 1]."""
-        sigmoid = {
-            self._ids[m] for m, r in self.ranges.items() if r == "sigmoid" and m in self._ids
-        }
-        mean, square = (
-            rows["mean"].to_numpy(),
-            rows["std"].to_numpy() ** 2 + rows["mean"].to_numpy() ** 2,
-        )
-        scaled = np.where(
-            rows["module"].isin(sigmoid).to_numpy(), 4 * square - 4 * mean + 1, square
-        )
-        numel = rows["numel"].to_numpy()
-        per_step = (
-            pd.DataFrame({"rank": rows["rank"].to_numpy(), "module": rows["module"].to_numpy(),
-                          "step": rows["step"].to_numpy(), "w": scaled * numel, "n": numel})
-            .groupby(["rank", "module", "step"]).sum()
-        )  # fmt: skip
-        value = (per_step["w"] / per_step["n"]).rename("value").reset_index()
-        value["hit"] = value["value"] >= self.saturation
-        hits = value[value["hit"]]
-        tally = value.groupby(["rank", "module"]).agg(steps=("step", "size"), hit=("hit", "sum"))
-        found = hits.groupby(["rank", "module"]).agg(
-            first=("step", "min"), last=("step", "max"), value=("value", "max")
-        )
-        self.saturated.append(tally.join(found, how="left"))
+    skipped = len(trace.skipped)
+    with contextlib.suppress(duckdb.Error):
+        scan = Scan(trace, saturation)
+        found = _findings(scan, scan.read, steps, chunk_rows, config, vanishing_below)
+        if len(trace.skipped) == skipped:
+            return scan, found
+    scan = Scan(trace, saturation)
+    try:
+        return scan, _findings(scan, scan.read_chunks, steps, chunk_rows, config, vanishing_below)
+    except duckdb.Error as exc:
+        raise TraceError(f"cannot read the records of {trace.path}: {one_line(exc)}") from exc
 
 
-def _norms(frame: pd.DataFrame, rows: np.ndarray, module: np.ndarray, *, how: str) -> pd.DataFrame:
-    """Per (rank, module, step) of ``rows``: the norm of all their values together
-    (``how="sum"``: the root of the summed squares) or their root mean square over records
-    (``"mean"``), NaN if any norm was; with the first seq, to order modules by execution."""
-    squares = frame["norm"].to_numpy(dtype=np.float64)[rows] ** 2
-    groups = Groups(
-        frame["rank"].to_numpy(np.int64)[rows], module[rows], frame["step"].to_numpy()[rows]
-    )
-    total = groups.sum(squares) if how == "sum" else groups.mean(squares)
-    total[groups.any(np.isnan(squares))] = np.nan
-    rank, module, step = groups.keys
-    return pd.DataFrame(
-        {"rank": rank, "module": module, "step": step, "value": np.sqrt(total),
-         "seq": groups.min(frame["seq"].to_numpy()[rows])}
-    )  # fmt: skip
+def _findings(
+    scan: Scan,
+    read: Callable[[tuple[int, int] | list[int] | None, int], None],
+    steps: tuple[int, int] | list[int] | None,
+    chunk_rows: int,
+    config: series.Config,
+    vanishing_below: float,
+) -> list[Finding]:
+    """``read`` the records into ``scan``, then the non-finite and series findings (the norms
+    may be read only now)."""
+    try:
+        read(steps, chunk_rows)
+        found = scan.nonfinite.findings()
+        grads = scan.norms.tables("grads", scan.names)
+        found += series.gradient_findings(grads, config, vanishing_below)
+        found += series.activation_findings(scan.norms.tables("outputs", scan.names), config)
+        return found
+    finally:
+        scan.close()
 
 
-def _nonfinite(frame: pd.DataFrame) -> bool:
-    """Whether a record of ``frame`` holds a NaN or an Inf."""
-    return bool(
-        (frame["nan_count"].fillna(0) > 0).any() or (frame["inf_count"].fillna(0) > 0).any()
-    )
-
-
-def _is(column: pd.Series, value: str) -> np.ndarray:
-    """Where a string column (a categorical, as Parquet's dictionaries read) equals ``value``."""
-    if isinstance(column.dtype, pd.CategoricalDtype):
-        categories = list(column.cat.categories)
-        if value not in categories:
-            return np.zeros(len(column), dtype=bool)
-        return column.cat.codes.to_numpy() == categories.index(value)
-    return strings(column) == value
-
-
-def _parameter_findings(scan: _Scan) -> list[Finding]:
+def _parameter_findings(scan: Scan) -> list[Finding]:
     """no_gradient (.grad None at every recorded step) and zero_gradient, per module."""
     if not scan.per_slot:
         return []
@@ -409,7 +272,7 @@ def _parameter_findings(scan: _Scan) -> list[Finding]:
     return found
 
 
-def _saturation_findings(scan: _Scan, saturation: float) -> list[Finding]:
+def _saturation_findings(scan: Scan, saturation: float) -> list[Finding]:
     if not scan.saturated:
         return []
     table = (

@@ -70,16 +70,28 @@ class NonFinite:
         self.recorded: dict[int, list[int]] = {}  # rank -> its recorded steps, in order
 
     def add(self, frame: pd.DataFrame) -> None:
-        """One chunk: every record of some whole steps, in (rank, step, seq) order.
+        """One chunk: every record of some whole steps, in (rank, step, seq) order: its steps
+        are recorded (:meth:`add_steps`) and searched (:meth:`search`)."""
+        rank_step = frame["rank"].to_numpy(np.int64) << 40 | frame["step"].to_numpy(np.int64)
+        firsts = np.r_[True, rank_step[1:] != rank_step[:-1]]  # in order: one per (rank, step)
+        self.add_steps(rank_step[firsts] >> 40, rank_step[firsts] & ((1 << 40) - 1))
+        self.search(frame)
+
+    def add_steps(self, rank: np.ndarray, step: np.ndarray) -> None:
+        """Recorded steps, in (rank, step) order after those added before: steps in a row with
+        the same origin are one finding only where no recorded step lies between them."""
+        for r, s in zip(rank.tolist(), step.tolist(), strict=True):
+            self.recorded.setdefault(r, []).append(s)
+
+    def search(self, frame: pd.DataFrame) -> None:
+        """The origins in every record of some whole steps, in (rank, step, seq) order (steps
+        without a NaN or Inf may be left out).
 
         A step's params, forward and backward are all in its chunk, so the consequences are
         told from the origins here: a forward origin at a module whose parameters were already
         non-finite, and a backward origin at a module whose forward was already non-finite in
         the same micro-step, are not kept."""
         rank_step = frame["rank"].to_numpy(np.int64) << 40 | frame["step"].to_numpy(np.int64)
-        firsts = np.r_[True, rank_step[1:] != rank_step[:-1]]  # in order: one per (rank, step)
-        for rs in rank_step[firsts].tolist():
-            self.recorded.setdefault(rs >> 40, []).append(rs & ((1 << 40) - 1))
         nan = frame["nan_count"].fillna(0).to_numpy(np.int64)
         inf = frame["inf_count"].fillna(0).to_numpy(np.int64)
         bad = (nan > 0) | (inf > 0)

@@ -8,15 +8,20 @@ DuckDB's limit, spilled to disk past it); below it they stay in numpy, and DuckD
 imported. Either way they come back a few modules at a time, in (rank, module) order, each
 module's steps whole and in order: a series check then holds one batch of modules, whatever
 the trace's length.
+
+A store can also live in a connection it is given (the trace's, where :func:`hooktrace.anomalies`
+reduces the records in SQL): then :meth:`SeriesStore.insert` appends a query's rows without
+them leaving DuckDB, and :meth:`SeriesStore.close` drops its tables.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from hooktrace.trace import sql
 
@@ -33,10 +38,12 @@ MEMORY_ROWS = 1 << 21
 class SeriesStore:
     """Named series (``grads``, ``outputs``): append chunks of (rank, module, step, value,
     seq) to one, read it back by module. Past :data:`MEMORY_ROWS` values together, one DuckDB
-    database holds them all, so they share its memory limit."""
+    database holds them all, so they share its memory limit; given a connection ``con``, that
+    one, from the start."""
 
-    def __init__(self) -> None:
-        self._con: Any = None
+    def __init__(self, con: Any = None) -> None:
+        self._con: Any = con
+        self._owned = con is None
         self._made: set[str] = set()
         self._held: dict[str, list[pd.DataFrame]] = {}  # until MEMORY_ROWS are held
         self._rows = 0
@@ -57,15 +64,27 @@ class SeriesStore:
             return
         self._insert(series, frame)
 
-    def _insert(self, series: str, frame: pd.DataFrame) -> None:
+    def insert(self, series: str, query: str, parameters: list[Any] | None = None) -> None:
+        """Append the rows of ``query`` (:data:`COLUMNS`, in order), run in the store's
+        connection (the one it was given)."""
+        self.table(series)
+        self._con.execute(f"INSERT INTO {self.table(series)} {query}", parameters)
+
+    def table(self, series: str) -> str:
+        """The name of the DuckDB table that holds ``series`` (made if need be)."""
+        name = f'"{series}"' if self._owned else f'"hooktrace_{series}_{id(self):x}"'
         if series not in self._made:
             self._con.execute(
-                f'CREATE TABLE "{series}" (rank BIGINT, module BIGINT, step BIGINT, '
-                "value DOUBLE, seq BIGINT)"
+                f"CREATE TABLE {name} (rank BIGINT, module BIGINT, step BIGINT, value DOUBLE, "
+                "seq BIGINT)"
             )
             self._made.add(series)
+        return name
+
+    def _insert(self, series: str, frame: pd.DataFrame) -> None:
+        table = self.table(series)
         self._con.register("chunk", frame[list(COLUMNS)])
-        self._con.execute(f'INSERT INTO "{series}" SELECT * FROM chunk')
+        self._con.execute(f"INSERT INTO {table} SELECT * FROM chunk")
         self._con.unregister("chunk")
 
     def tables(
@@ -80,30 +99,39 @@ class SeriesStore:
             return
         if series not in self._made:
             return
-        ordered = self._con.sql(f'SELECT * FROM "{series}" ORDER BY rank, module, step')
-        carry: pd.DataFrame | None = None
-        for record_batch in ordered.to_arrow_reader(max(1, rows)):
-            batch = record_batch.to_pandas()
-            if batch.empty:
-                continue
-            if carry is not None:
-                batch = pd.concat([carry, batch], ignore_index=True)
-            # the last (rank, module) may go on in the next batch: hold it back
-            last = (batch["rank"].iloc[-1], batch["module"].iloc[-1])
-            tail = (batch["rank"] == last[0]) & (batch["module"] == last[1])
-            carry = batch[tail]
-            done = batch[~tail]
-            if not done.empty:
-                yield _named(done, names)
-        if carry is not None and not carry.empty:
-            yield _named(carry, names)
+        ordered = self._con.sql(f"SELECT * FROM {self.table(series)} ORDER BY rank, module, step")
+        yield from whole_modules(ordered.to_arrow_reader(max(1, rows)), names)
 
     def close(self) -> None:
         self._held.clear()
         if self._con is not None:
-            self._con.close()
-            self._con = None
+            if self._owned:
+                self._con.close()
+                self._con = None
+            else:
+                for series in list(self._made):
+                    self._con.execute(f"DROP TABLE IF EXISTS {self.table(series)}")
             self._made.clear()
+
+
+def whole_modules(ordered: Iterable[pa.RecordBatch], names: list[str]) -> Iterator[pd.DataFrame]:
+    """Batches of (rank, module, step) order (:data:`COLUMNS`) as tables of whole modules:
+    the last module of a batch is held back until the next shows where it ends."""
+    carry: pd.DataFrame | None = None
+    for record_batch in ordered:
+        batch = record_batch.to_pandas()
+        if batch.empty:
+            continue
+        if carry is not None:
+            batch = pd.concat([carry, batch], ignore_index=True)
+        last = (batch["rank"].iloc[-1], batch["module"].iloc[-1])
+        tail = (batch["rank"] == last[0]) & (batch["module"] == last[1])
+        carry = batch[tail]
+        done = batch[~tail]
+        if not done.empty:
+            yield _named(done, names)
+    if carry is not None and not carry.empty:
+        yield _named(carry, names)
 
 
 def _batches(frames: list[pd.DataFrame], names: list[str], rows: int) -> Iterator[pd.DataFrame]:

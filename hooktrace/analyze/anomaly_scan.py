@@ -1,0 +1,383 @@
+"""The one pass over the records that :func:`hooktrace.anomalies` needs, as DuckDB queries.
+Never imports torch.
+
+Each reduction is one SQL query over a relation of records: the trace's ``records`` view
+(DuckDB reads only the columns it needs, on every core, spilling past its memory limit), or,
+where DuckDB cannot decode a part (it does not check page checksums but fails on what it
+cannot decode), each chunk of whole steps that hooktrace's reader gives, which leaves the
+damaged parts out with a warning. Either way the same queries answer. Over the view, the
+norms stay queries until the series checks read them back, sorted by module (no table of
+one value per module per step is made); over chunks, they go into a
+:class:`~hooktrace.analyze.series_store.SeriesStore` table. Only the small tallies, the
+tanh/sigmoid outputs and the steps that hold a NaN or an Inf come back to Python; those
+steps are then read in full by the reader for the non-finite origins.
+
+Sums are those of :mod:`hooktrace.analyze.grouped` to the bit: Kahan's, in seq order. A group
+of one or two values sums alike in any order (DuckDB's plain sum); a larger one is summed again
+in seq order (``_EXACT``), only where there is one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from hooktrace.analyze import series_store
+from hooktrace.analyze.findings import modules_of_type, step_chunks
+from hooktrace.analyze.nonfinite import NonFinite
+from hooktrace.analyze.series_store import SeriesStore
+from hooktrace.trace import sql
+from hooktrace.trace.reader import Trace
+
+TANH_RANGE = ("Tanh", "Hardtanh", "Softsign")
+SIGMOID_RANGE = ("Sigmoid", "Hardsigmoid")
+COLUMNS = ["rank", "step", "micro_step", "phase", "seq", "module", "kind", "slot", "dtype",
+           "numel", "mean", "std", "norm", "nan_count", "inf_count"]  # fmt: skip
+"""What the non-finite search reads of a step; the queries read fewer."""
+
+# the records of a relation ({records}) that the queries read, string columns as VARCHAR (a
+# chunk's are categoricals), steps as selected ({where})
+_ROWS = """
+    SELECT rank, step, seq, module::VARCHAR AS module, kind::VARCHAR AS kind,
+           slot::VARCHAR AS slot, dtype::VARCHAR AS dtype, phase::VARCHAR AS phase, {more}
+    FROM {records} WHERE {where}"""
+
+# the squares of the norms of the records that make a series ({which}): a missing norm is NaN
+_SQUARES = """(SELECT *, x * x AS square FROM (
+    SELECT *, coalesce(norm, 'NaN'::DOUBLE) AS x FROM ({rows}) WHERE {which}))"""
+
+# the norm of a group's records: the root of their summed squares (or of their mean: {per}),
+# NaN if any norm is (DuckDB's sum is NaN then, as squares are never negative); NULL where
+# the group holds more than two (see _EXACT); with the first seq where {seq} says so
+_NORMS = """
+    SELECT g.rank, i.id AS module, g.step, g.value, g.seq FROM (
+        SELECT rank, module, step, {seq} AS seq,
+               CASE WHEN count(*) <= 2 THEN sqrt(sum(square){per}) END AS value
+        FROM {squares} GROUP BY ALL
+    ) g JOIN {ids} i USING (module)"""
+
+# the norms that _NORMS left NULL: NaN if any norm is, else their squares summed one after
+# the other in seq order
+_EXACT = """
+    SELECT g.rank, i.id AS module, g.step, g.value FROM (
+        SELECT rank, module, step, CASE WHEN bool_or(isnan(square)) THEN 'NaN'::DOUBLE
+                                        ELSE sqrt({kahan}{per}) END AS value
+        FROM {squares} GROUP BY ALL HAVING count(*) > 2
+    ) g JOIN {ids} i USING (module)"""
+
+# Kahan's sum, NaN left out, a compensation that turns NaN starting again from zero:
+# grouped.Groups.sum, step for step
+_KAHAN_SUM = """list_reduce(list(square ORDER BY seq), lambda acc, v: CASE WHEN isnan(v) THEN acc
+    ELSE {'s': acc.s + (v - acc.c),
+          'c': CASE WHEN isnan(((acc.s + (v - acc.c)) - acc.s) - (v - acc.c)) THEN 0.0
+                    ELSE ((acc.s + (v - acc.c)) - acc.s) - (v - acc.c) END}
+    END, {'s': 0.0::DOUBLE, 'c': 0.0::DOUBLE}).s"""
+
+_GRADS = "kind = 'grad_param' AND dtype <> 'None'"
+_OUTPUTS = "kind = 'output' AND phase = 'train'"
+
+
+class Scan:
+    """What one pass over the records keeps: non-finite origins, one norm per module per step
+    (in :attr:`norms`), and per-module tallies. Modules are integer ids into ``names``, in the
+    order they first show (by step, rank, seq)."""
+
+    def __init__(self, trace: Trace, saturation: float) -> None:
+        modules = trace.modules.drop_duplicates("module")
+        names = modules["module"].astype(str)
+        self.trace = trace
+        self.nonfinite = NonFinite(
+            dict(zip(names, modules["parent"].astype(str), strict=True)),
+            dict(zip(names, modules["root"].astype(str), strict=True)),
+        )
+        self.ranges = {
+            **dict.fromkeys(modules_of_type(trace.modules, TANH_RANGE), "tanh"),
+            **dict.fromkeys(modules_of_type(trace.modules, SIGMOID_RANGE), "sigmoid"),
+        }
+        self.saturation = saturation
+        self.names: list[str] = []
+        self._ids: dict[str, int] = {}
+        self.steps = 0
+        self._con: Any = None  # the trace's (its records view), or one of the scan's own
+        self._owned = False
+        self._relations = f"hooktrace_{id(self):x}"  # ids, and a chunk of records
+        # grads, outputs: rank, module, step, value, seq; queries over the records view, or a
+        # table filled chunk by chunk
+        self.norms: SeriesStore | _Queried = SeriesStore()
+        self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
+        self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
+        self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
+
+    def read(self, steps: tuple[int, int] | list[int] | None, chunk_rows: int) -> None:
+        """Every record of ``steps``, through the records view: the steps that hold a NaN or
+        an Inf are then read in full by hooktrace's reader, ``chunk_rows`` at a time."""
+        self._con = self.trace._duckdb()
+        where, parameters = _where(steps)
+        found, queries = self._reduce("records", where, parameters)
+        self.norms = _Queried(self._con, queries, parameters, self._relations)
+        if found:
+            for chunk in step_chunks(self.trace, found, chunk_rows):
+                self.nonfinite.search(self.trace.query(columns=COLUMNS, steps=chunk))
+
+    def read_chunks(self, steps: tuple[int, int] | list[int] | None, chunk_rows: int) -> None:
+        """Every record of ``steps``, through hooktrace's reader, ``chunk_rows`` at a time."""
+        rare = {"micro_step"} | (set() if self.ranges else {"numel", "mean", "std"})
+        columns = [c for c in COLUMNS if c not in rare]
+        self._con, self._owned = sql.open_connection(), True  # the records view is not needed
+        self.norms = store = SeriesStore(self._con)
+        for chunk in step_chunks(self.trace, steps, chunk_rows):
+            frame = self.trace.query(columns=columns, steps=chunk)
+            if frame.empty:
+                continue
+            chunk_name = f"{self._relations}_records"
+            self._con.register(chunk_name, frame)
+            try:
+                found, queries = self._reduce(chunk_name, "true", [])
+                for series, (norms, exact) in queries.items():
+                    store.insert(series, norms)
+                    table = store.table(series)
+                    self._con.execute(
+                        f"UPDATE {table} AS s SET value = k.value FROM ({exact}) k WHERE "
+                        "s.value IS NULL AND s.rank = k.rank AND s.module = k.module AND s.step = k.step"
+                    )
+            finally:
+                self._con.unregister(chunk_name)
+            if found:  # the origins need every column: the same rows, in order
+                more = self.trace.query(columns=["rank", "step", "seq", *rare], steps=chunk)
+                self.nonfinite.search(frame.assign(**{c: more[c].to_numpy() for c in rare}))
+
+    def close(self) -> None:
+        self.norms.close()
+        if self._owned:
+            self._con.close()
+        elif self._con is not None:
+            self._con.execute(f"DROP TABLE IF EXISTS {self._relations}_ids")
+
+    def _reduce(
+        self, records: str, where: str, parameters: list[Any]
+    ) -> tuple[list[int], dict[str, tuple[str, str]]]:
+        """Add the tallies of the records of the relation ``records`` (of whole steps,
+        ``where``); the steps with a NaN or an Inf, in order, and the queries of the series
+        (``grads``, ``outputs``): the norms (:data:`_NORMS`) and the exact ones that they
+        leave NULL (:data:`_EXACT`)."""
+
+        def run(query: str, *, extra: list[Any] | None = None) -> Any:
+            return self._con.execute(query, [*parameters, *(extra or [])])
+
+        recorded = run(
+            f"SELECT rank, step, coalesce(bool_or(nan_count > 0 OR inf_count > 0), false) AS bad "
+            f"FROM {records} WHERE {where} GROUP BY ALL ORDER BY rank, step"
+        ).fetchnumpy()
+        if not len(recorded["step"]):
+            return [], {}
+        self.steps += len(recorded["step"])
+        self.nonfinite.add_steps(recorded["rank"].astype(np.int64), recorded["step"])
+        ids = self._module_ids(run(_FIRST_SHOWN.format(records=records, where=where)))
+        more = "norm, nan_count, inf_count" + (", numel, mean, std" if self.ranges else "")
+        rows = _ROWS.format(records=records, where=where, more=more)
+        queries = {}
+        # the seq orders modules by execution for the output norms only: the gradient checks
+        # do not look at it (0, and a narrower sort)
+        for series, which, per, seq in (
+            ("grads", _GRADS, "", "0"),
+            ("outputs", _OUTPUTS, " / count(*)", "min(seq)"),
+        ):
+            squares = _SQUARES.format(rows=rows, which=which)
+            queries[series] = (
+                _NORMS.format(squares=squares, per=per, ids=ids, seq=seq),
+                _EXACT.format(kahan=_KAHAN_SUM, squares=squares, per=per, ids=ids),
+            )
+        self._tally_params(run, rows, ids, np.unique(recorded["step"]))
+        if self.ranges:
+            self._tally_saturation(
+                run(
+                    f"SELECT r.rank, i.id AS module, r.step, r.mean, r.std, r.numel "
+                    f"FROM ({rows}) r JOIN {ids} i USING (module) "
+                    f"WHERE {_OUTPUTS} AND list_contains(?, r.module) ORDER BY r.rank, r.step, r.seq",
+                    extra=[list(self.ranges)],
+                ).df()
+            )
+        bad = recorded["bad"].astype(bool)
+        return sorted({int(s) for s in recorded["step"][bad].tolist()}), queries
+
+    def _module_ids(self, first_shown: Any) -> str:
+        """Ids for the modules of ``first_shown`` (names, in order) not seen before; the name
+        of the DuckDB table of them all (module, id)."""
+        new = [
+            name for name in first_shown.fetchnumpy()["module"].tolist() if name not in self._ids
+        ]
+        for name in new:
+            self._ids[name] = len(self.names)
+            self.names.append(name)
+        ids = f"{self._relations}_ids"
+        self._con.execute(f"CREATE TEMP TABLE IF NOT EXISTS {ids} (module VARCHAR, id INTEGER)")
+        if new:
+            added = pd.DataFrame({"module": new, "id": [self._ids[n] for n in new]})
+            self._con.register(f"{ids}_new", added)
+            self._con.execute(f"INSERT INTO {ids} SELECT * FROM {ids}_new")
+            self._con.unregister(f"{ids}_new")
+        return ids
+
+    def _tally_params(self, run: Any, rows: str, ids: str, steps: np.ndarray) -> None:
+        """Per (rank, module, slot) of the grad_param records: steps, steps with .grad None,
+        first and last step; and per (rank, module), the steps whose gradient was exactly
+        zero. ``steps``: the distinct steps recorded, in order."""
+        for steps_sql, extra in _distinct_steps(steps):
+            per_slot = run(
+                f"SELECT rank, i.id AS module, slot, {steps_sql} AS steps, "
+                "count(*) FILTER (WHERE dtype = 'None') AS none, min(step) AS first, "
+                f"max(step) AS last FROM ({rows}) JOIN {ids} i USING (module) "
+                "WHERE kind = 'grad_param' AND step BETWEEN ? AND ? GROUP BY ALL",
+                extra=extra,
+            ).df()
+            if not per_slot.empty:
+                self.per_slot.append(per_slot.set_index(["rank", "module", "slot"]))
+        if not self.per_slot:
+            return
+        zero = run(
+            f"SELECT rank, i.id AS module, count(DISTINCT step) AS steps, min(step) AS first, "
+            f"max(step) AS last, list(DISTINCT slot) AS slots FROM ({rows}) "
+            f"JOIN {ids} i USING (module) WHERE {_GRADS} AND norm = 0 GROUP BY ALL"
+        ).df()
+        if not zero.empty:
+            zero["slots"] = [set(s) for s in zero["slots"]]
+            self.zero.append(zero.set_index(["rank", "module"]))
+
+    def _tally_saturation(self, rows: pd.DataFrame) -> None:
+        """Per step, the numel-weighted mean square of the output mapped onto [-1, 1]."""
+        if rows.empty:
+            return
+        sigmoid = {
+            self._ids[m] for m, r in self.ranges.items() if r == "sigmoid" and m in self._ids
+        }
+        mean, square = (
+            rows["mean"].to_numpy(),
+            rows["std"].to_numpy() ** 2 + rows["mean"].to_numpy() ** 2,
+        )
+        scaled = np.where(
+            rows["module"].isin(sigmoid).to_numpy(), 4 * square - 4 * mean + 1, square
+        )
+        numel = rows["numel"].to_numpy()
+        per_step = (
+            pd.DataFrame({"rank": rows["rank"].to_numpy(), "module": rows["module"].to_numpy(),
+                          "step": rows["step"].to_numpy(), "w": scaled * numel, "n": numel})
+            .groupby(["rank", "module", "step"]).sum()
+        )  # fmt: skip
+        value = (per_step["w"] / per_step["n"]).rename("value").reset_index()
+        value["hit"] = value["value"] >= self.saturation
+        hits = value[value["hit"]]
+        tally = value.groupby(["rank", "module"]).agg(steps=("step", "size"), hit=("hit", "sum"))
+        found = hits.groupby(["rank", "module"]).agg(
+            first=("step", "min"), last=("step", "max"), value=("value", "max")
+        )
+        self.saturated.append(tally.join(found, how="left"))
+
+
+# the modules in the order they first show: by step, then rank and seq at that step
+_FIRST_SHOWN = """
+    WITH firsts AS (SELECT module, min(step) AS step FROM {records} WHERE {where} GROUP BY 1)
+    SELECT f.module::VARCHAR AS module FROM {records} r JOIN firsts f USING (module, step)
+    GROUP BY f.module, f.step ORDER BY f.step, min({{'r': r.rank, 'q': r.seq}})"""
+
+STEP_BITS = 1 << 16
+"""Steps a window of :func:`_distinct_steps` spans at most: a bit each, per parameter."""
+
+
+def _distinct_steps(steps: np.ndarray) -> list[tuple[str, list[int]]]:
+    """How to count the distinct steps of a group whose records lie in ``steps`` (distinct,
+    in order): SQL, and the window of steps (first, last) it counts in, for each window.
+    A bit per step where a few windows of :data:`STEP_BITS` cover them (far cheaper than
+    DuckDB's count(DISTINCT)), else count(DISTINCT) over them all."""
+    windows: list[tuple[int, int]] = []
+    for step in steps.tolist():
+        if windows and step - windows[-1][0] < STEP_BITS:
+            windows[-1] = (windows[-1][0], step)
+        else:
+            windows.append((step, step))
+    if len(windows) > 4:
+        return [("count(DISTINCT step)", [int(steps[0]), int(steps[-1])])]
+    return [(f"bit_count(bitstring_agg(step, {lo}, {hi}))", [lo, hi]) for lo, hi in windows]
+
+
+class _Incomplete(Exception):
+    """A norm left NULL: its group holds more than two records."""
+
+
+class _Queried:
+    """Series as queries over the records view, read back a few modules at a time as
+    :meth:`SeriesStore.tables` does: nothing is held between the scan and the series checks.
+    Where a norm is NULL (a group of more than two records), the exact ones are made once,
+    and the modules not given yet are read again with them."""
+
+    def __init__(
+        self, con: Any, queries: dict[str, tuple[str, str]], parameters: list[Any], prefix: str
+    ) -> None:
+        self._con = con
+        self._queries = queries
+        self._parameters = parameters
+        self._prefix = prefix
+        self._made: list[str] = []
+        self._open: pa.RecordBatchReader | None = None
+
+    def tables(
+        self, series: str, names: list[str], *, rows: int | None = None
+    ) -> Iterator[pd.DataFrame]:
+        if series not in self._queries:
+            return
+        norms, exact = self._queries[series]
+        after: list[int] = []  # the last (rank, module) given
+        complete = False
+        while True:
+            query = norms
+            if complete:
+                query = (
+                    f"SELECT g.rank, g.module, g.step, coalesce(g.value, k.value) AS value, "
+                    f"g.seq FROM ({norms}) g LEFT JOIN {self._made[-1]} k "
+                    "USING (rank, module, step)"
+                )
+            where = "WHERE rank > ? OR (rank = ? AND module > ?)" if after else ""
+            ordered = self._con.sql(
+                f"SELECT * FROM ({query}) {where} ORDER BY rank, module, step",
+                params=[*self._parameters, *after[:1], *after],
+            ).to_arrow_reader(max(1, series_store.BATCH_ROWS if rows is None else rows))
+            self._open = ordered
+            try:
+                for table in series_store.whole_modules(_checked(ordered, complete), names):
+                    yield table
+                    after = [int(table["rank"].iloc[-1]), int(table["module"].cat.codes.iloc[-1])]
+                return
+            except _Incomplete:
+                pass
+            finally:
+                ordered.close()  # DuckDB runs one query at a time on a connection
+            self._made.append(f"{self._prefix}_{series}_exact")
+            self._con.execute(
+                f"CREATE OR REPLACE TEMP TABLE {self._made[-1]} AS {exact}", self._parameters
+            )
+            complete = True
+
+    def close(self) -> None:
+        if self._open is not None:
+            self._open.close()
+        for table in self._made:
+            self._con.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def _checked(ordered: Iterable[pa.RecordBatch], complete: bool) -> Iterator[pa.RecordBatch]:
+    for batch in ordered:
+        if not complete and batch.column("value").null_count:
+            raise _Incomplete
+        yield batch
+
+
+def _where(steps: tuple[int, int] | list[int] | None) -> tuple[str, list[Any]]:
+    """The SQL condition of a step selection, and its parameters."""
+    if steps is None:
+        return "true", []
+    if isinstance(steps, tuple):
+        return "step BETWEEN ? AND ?", [steps[0], steps[1]]
+    return "list_contains(?, step)", [sorted(set(steps))]

@@ -1,0 +1,153 @@
+"""anomaly_scan: the records reduced in DuckDB over the records view, and the same reductions
+chunk by chunk through hooktrace's reader where DuckDB cannot read a part. Reference norms
+come from pandas' own groupby over the records, not from hooktrace."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from scale_runs import generate_trace, many_parts, module_names
+from torch import nn
+
+import hooktrace
+from hooktrace.analyze.anomaly_scan import Scan
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
+
+
+def through_the_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DuckDB fails on a part, as it does on one damaged inside."""
+
+    def fails(self: Scan, steps: object, chunk_rows: int) -> None:
+        raise duckdb.IOException("a part DuckDB cannot decode")
+
+    monkeypatch.setattr(Scan, "read", fails)
+
+
+def same(got: hooktrace.analyze.anomalies.Anomalies, expected: object) -> None:
+    assert isinstance(expected, hooktrace.analyze.anomalies.Anomalies)
+    pd.testing.assert_frame_equal(got.findings, expected.findings)
+    assert (got.steps, got.modules, got.notes) == (expected.steps, expected.modules, expected.notes)
+
+
+@pytest.mark.parametrize("run", ["nan", "exploding", "dead", "underflow"])
+@pytest.mark.parametrize(
+    "steps", [None, "12-25", [3, 15, 16, 17, 29]], ids=["all", "a range", "a list"]
+)
+def test_the_reader_path_finds_the_same(
+    run: str, steps: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = hooktrace.anomalies(SAMPLES / run, steps=steps)  # type: ignore[arg-type]
+    through_the_reader(monkeypatch)
+    chunked = hooktrace.anomalies(SAMPLES / run, steps=steps, chunk_rows=300)  # type: ignore[arg-type]
+    same(chunked, whole)
+
+
+def test_a_part_duckdb_cannot_decode_is_left_out_and_said(tmp_path: Path) -> None:
+    run = many_parts(tmp_path / "run", steps=12, nan_from_step=7, nan_module=module_names(10)[3])
+    part = run / "records" / "rank=0" / "part-000003.parquet"
+    without = tmp_path / "without"
+    shutil.copytree(run, without)
+    (without / part.relative_to(run)).unlink()
+    expected = hooktrace.anomalies(without)
+    # garbage over the pages of the norm column: DuckDB and the reader both fail to decode it
+    chunk = (
+        pq.ParquetFile(part).metadata.row_group(0).column(pq.read_schema(part).names.index("norm"))
+    )
+    data = bytearray(part.read_bytes())
+    start = chunk.data_page_offset
+    data[start + 10 : start + chunk.total_compressed_size - 2] = b"\x55" * (
+        chunk.total_compressed_size - 12
+    )
+    part.write_bytes(bytes(data))
+    with pytest.raises(duckdb.Error):
+        duckdb.sql(f"SELECT sum(norm) FROM read_parquet('{part}')").fetchall()
+    with pytest.warns(hooktrace.TraceWarning, match="left out records/rank=0/part-000003"):
+        found = hooktrace.anomalies(run)
+    same(found, expected)
+    assert found.steps == 11 and set(found.findings["kind"]) == {
+        "nonfinite_forward",
+        "nonfinite_param",
+    }
+
+
+def test_two_ranks_and_the_steps_with_a_nan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the steps that hold a NaN are read in full (rank 1's, from step 9); modules are
+    numbered as they first show, over both ranks."""
+    run = tmp_path / "run"
+    generate_trace(run, steps=14, modules=6, world_size=2)
+    generate_trace(
+        run, steps=14, modules=6, rank=1, world_size=2, nan_from_step=9,
+        nan_module=module_names(6)[2], writer_options={"max_buffer_bytes": 1},
+    )  # fmt: skip
+    whole = hooktrace.anomalies(run)
+    assert set(whole.findings["rank"]) == {1} and whole.findings["step"].min() >= 9
+    assert whole.steps == 28 and whole.modules == 6
+    later = hooktrace.anomalies(run, steps="10-13")
+    through_the_reader(monkeypatch)
+    same(hooktrace.anomalies(run, chunk_rows=50), whole)
+    same(hooktrace.anomalies(run, steps="10-13", chunk_rows=50), later)
+
+
+class Three(nn.Module):
+    """A module of three parameters: three grad_param records a step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale, self.shift, self.tilt = (nn.Parameter(torch.randn(16)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.shift - self.tilt * x.mean()
+
+
+def test_norms_of_more_than_two_records_sum_as_pandas_does(tmp_path: Path) -> None:
+    """Three micro-steps a step (three output records a module) and a module of three
+    parameters: the norms are Kahan's sums in seq order, as pandas' groupby makes them, to
+    the bit, through either path."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Three(), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run"):
+        for _ in range(5):
+            for _ in range(3):
+                x = torch.randn(8, 16) * 10.0 ** torch.randint(-3, 4, (1,))
+                F.cross_entropy(model(x), torch.randint(0, 4, (8,))).backward()
+            opt.step()
+            opt.zero_grad()
+    trace = hooktrace.load(tmp_path / "run")
+    records = trace.records
+    keys = ["rank", "module", "step"]
+    for series, rows, how in (
+        ("grads", (records["kind"] == "grad_param") & (records["dtype"] != "None"), "sum"),
+        ("outputs", (records["kind"] == "output") & (records["phase"] == "train"), "mean"),
+    ):
+        picked = records[rows]
+        squares = pd.DataFrame(
+            {"rank": picked["rank"].to_numpy(np.int64), "module": picked["module"].astype(str).to_numpy(),
+             "step": picked["step"].to_numpy(), "square": picked["norm"].to_numpy(float) ** 2}
+        )  # fmt: skip
+        grouped = squares.groupby(keys)["square"]
+        assert grouped.size().max() == 3
+        expected = np.sqrt(grouped.sum() if how == "sum" else grouped.mean())
+        for read in (Scan.read, Scan.read_chunks):
+            scan = Scan(trace, 0.95)
+            try:
+                read(scan, None, 40)
+                got = pd.concat(list(scan.norms.tables(series, scan.names)))
+            finally:
+                scan.close()
+            got = got.assign(rank=got["rank"].astype(np.int64), module=got["module"].astype(str))
+            got = got.set_index(keys)["value"]
+            pd.testing.assert_series_equal(
+                got.sort_index(), expected.sort_index(), check_names=False, rtol=0, atol=0
+            )
