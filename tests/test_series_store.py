@@ -11,16 +11,14 @@ import pytest
 import hooktrace
 from hooktrace.analyze import series_store
 from hooktrace.analyze.series_store import SeriesStore
+from hooktrace.trace import sql
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 
 
-@pytest.mark.parametrize("memory_rows", [series_store.MEMORY_ROWS, 20], ids=["numpy", "duckdb"])
-def test_values_come_back_whole_per_module_in_order(
-    memory_rows: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(series_store, "MEMORY_ROWS", memory_rows)  # 20: DuckDB from chunk 2
-    store = SeriesStore()
+def test_values_come_back_whole_per_module_in_order() -> None:
+    con = sql.open_connection()
+    store = SeriesStore(con)
     names = [f"m{i}" for i in range(7)]
     for first in range(0, 30, 4):  # chunks of 4 steps, every module in each
         steps = np.arange(first, min(first + 4, 30))
@@ -28,10 +26,14 @@ def test_values_come_back_whole_per_module_in_order(
             [(r, m, s, float(s * 10 + m), m) for s in steps for r in (1, 0) for m in range(7)],
             columns=["rank", "module", "step", "value", "seq"],
         )
-        store.add("norms", chunk)
+        con.register("chunk", chunk)
+        store.insert("norms", "SELECT * FROM chunk")
+        con.unregister("chunk")
     tables = list(store.tables("norms", names, rows=5))
     assert list(store.tables("other", names)) == []
     store.close()
+    assert "hooktrace_norms" not in str(con.sql("SHOW TABLES").fetchall())
+    con.close()
     assert len(tables) > 3
     seen: list[tuple[int, str]] = []
     for table in tables:
@@ -46,6 +48,4 @@ def test_values_come_back_whole_per_module_in_order(
 def test_findings_do_not_depend_on_the_batch(run: str, monkeypatch: pytest.MonkeyPatch) -> None:
     whole = hooktrace.anomalies(SAMPLES / run).findings
     monkeypatch.setattr(series_store, "BATCH_ROWS", 7)  # a module in several batches
-    pd.testing.assert_frame_equal(hooktrace.anomalies(SAMPLES / run).findings, whole)
-    monkeypatch.setattr(series_store, "MEMORY_ROWS", 10)  # in DuckDB, as a long run's are
     pd.testing.assert_frame_equal(hooktrace.anomalies(SAMPLES / run).findings, whole)

@@ -215,9 +215,8 @@ def _findings(
     try:
         read(steps, chunk_rows)
         found = scan.nonfinite.findings()
-        grads = scan.norms.tables("grads", scan.names)
-        found += series.gradient_findings(grads, config, vanishing_below)
-        found += series.activation_findings(scan.norms.tables("outputs", scan.names), config)
+        found += series.gradient_findings(scan.series("grads"), config, vanishing_below)
+        found += series.activation_findings(scan.series("outputs"), config)
         return found
     finally:
         scan.close()

@@ -107,7 +107,7 @@ class Scan:
         self._relations = f"hooktrace_{id(self):x}"  # ids, and a chunk of records
         # grads, outputs: rank, module, step, value, seq; queries over the records view, or a
         # table filled chunk by chunk
-        self.norms: SeriesStore | _Queried = SeriesStore()
+        self.norms: SeriesStore | _Queried | None = None  # made by read() or read_chunks()
         self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
         self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
         self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
@@ -150,8 +150,16 @@ class Scan:
                 more = self.trace.query(columns=["rank", "step", "seq", *rare], steps=chunk)
                 self.nonfinite.search(frame.assign(**{c: more[c].to_numpy() for c in rare}))
 
+    def series(self, name: str) -> Iterator[pd.DataFrame]:
+        """The norms of series ``name`` (``grads``, ``outputs``) a few whole modules at a
+        time, once :meth:`read` or :meth:`read_chunks` made them."""
+        if self.norms is None:
+            raise RuntimeError("the records were not read: call read() or read_chunks() first")
+        return self.norms.tables(name, self.names)
+
     def close(self) -> None:
-        self.norms.close()
+        if self.norms is not None:
+            self.norms.close()
         if self._owned:
             self._con.close()
         elif self._con is not None:
