@@ -34,6 +34,7 @@ class _Group:
     index: int
     first: float  # its smallest and largest step (-inf, inf where the footer does not say)
     last: float
+    constant: dict[str, Any]  # the columns that hold one value in it, and the value
 
 
 class RecordStream:
@@ -100,9 +101,10 @@ class RecordStream:
                 )
                 self._fragment = (group.part, next(iter(dataset.get_fragments())))
             fragment = self._fragment[1].subset(row_group_ids=[group.index])
+            decoded = [c for c in self._columns if c not in group.constant]
             found = ds.FileSystemDataset(
                 [fragment], schema=self._schema, format=tables.PARQUET
-            ).to_table(columns=self._columns, filter=self._filter)
+            ).to_table(columns=decoded, filter=self._filter)
             found.validate(full=True)  # names that are not UTF-8 would fail in to_pandas()
         except (OSError, pa.ArrowException) as exc:
             if not tables.damaged(trace.path, schema.RECORDS_DIR, group.part, self._schema):
@@ -113,18 +115,73 @@ class RecordStream:
             while queue and queue[0].part == group.part:
                 queue.popleft()
             return []
+        if len(decoded) < len(self._columns):
+            fields = [self._schema.field(c) for c in self._columns]
+            found = pa.Table.from_arrays(
+                [
+                    found.column(f.name)
+                    if f.name in decoded
+                    else _repeat(group.constant[f.name], found.num_rows, f.type)
+                    for f in fields
+                ],
+                schema=pa.schema(fields),
+            )
         return [found]
 
 
 def _groups(part: Path, metadata: Any) -> list[_Group]:
-    """The row groups of a part, each with its step span from the footer."""
+    """The row groups of a part, each with its step span and its constant columns, from the
+    footer."""
     names = metadata.schema.names
     column = names.index("step") if "step" in names else None
     found = []
     for i in range(metadata.num_row_groups):
-        stats = None if column is None else metadata.row_group(i).column(column).statistics
+        row_group = metadata.row_group(i)
+        stats = None if column is None else row_group.column(column).statistics
+        constant = _constant(row_group)
         if stats is None or not stats.has_min_max:
-            found.append(_Group(part, i, float("-inf"), float("inf")))
+            found.append(_Group(part, i, float("-inf"), float("inf"), constant))
         else:
-            found.append(_Group(part, i, int(stats.min), int(stats.max)))
+            found.append(_Group(part, i, int(stats.min), int(stats.max), constant))
     return found
+
+
+_SHORT = 256
+"""Longest string value taken from statistics (well under any writer's limit)."""
+
+
+def _constant(row_group: Any) -> dict[str, Any]:
+    """The integer and string columns that hold one value in ``row_group``, with it."""
+    found: dict[str, Any] = {}
+    for j in range(row_group.num_columns):
+        chunk = row_group.column(j)
+        stats = chunk.statistics
+        if (
+            stats is None
+            or not stats.has_min_max
+            or not stats.has_null_count
+            or stats.null_count != 0
+            or chunk.physical_type not in ("INT32", "INT64", "BYTE_ARRAY")
+            or stats.min != stats.max
+        ):
+            continue
+        value = stats.min
+        if isinstance(value, bytes | str) and len(value) > _SHORT:
+            continue
+        if isinstance(value, int | str):
+            found[chunk.path_in_schema] = value
+    return found
+
+
+def _repeat(value: Any, n: int, kind: pa.DataType) -> pa.Array:
+    """``n`` times ``value``, as an array of ``kind``."""
+    if pa.types.is_dictionary(kind):
+        indices = pa.array(np.zeros(n, dtype=np.int32), kind.index_type)
+        return pa.DictionaryArray.from_arrays(indices, pa.array([value], kind.value_type))
+    if pa.types.is_string(kind):
+        data = str(value).encode()
+        offsets = np.arange(n + 1, dtype=np.int32) * len(data)
+        return pa.Array.from_buffers(
+            pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)]
+        )
+    return pa.array(np.full(n, value), kind)
