@@ -79,7 +79,14 @@ def diff(
       hooktrace diff runs/before runs/after --rtol 1e-4
       hooktrace diff runs/ddp --rank 0 --against-rank 1 --kinds param
     """
+    import pyarrow as pa
+
     from hooktrace.analyze.diff import diff as diff_runs
+
+    # this process runs no one else's code: the C library's allocator, which gives a diff's
+    # row groups, read one after another, back and takes them again for less of the kernel's
+    # time than pyarrow's default (mimalloc): 10M records 6.4 to 6.8 s, against 7.3 to 7.8
+    pa.set_memory_pool(pa.system_memory_pool())
 
     if run_b is None and against_rank is None:
         raise CommandError("give RUN_B, or --against-rank R to compare two ranks of RUN_A")
