@@ -35,6 +35,7 @@ from hooktrace.analyze.diff_same import others, same_rows
 from hooktrace.analyze.findings import module_pattern
 from hooktrace.errors import ConfigError, HooktraceError, TraceError
 from hooktrace.trace import schema
+from hooktrace.trace.counts import records_per_step
 from hooktrace.trace.filters import in_order
 from hooktrace.trace.reader import Trace, load, records_frame
 
@@ -254,8 +255,17 @@ def _step_counts(
     ranks: list[int] | None,
     in_range: _StepRanges,
 ) -> pd.Series:
-    """Records per step, indexed by step, in step order. A window of a few parts is read
-    by hooktrace's reader (the step column of those parts); more, by one DuckDB query."""
+    """Records per step, indexed by step, in step order. Without a module or kind filter,
+    from the steps table where the parts' footers agree with it; else a window of a few
+    parts is read by hooktrace's reader (the step column of those parts); more, by one
+    DuckDB query."""
+    if names is None and kinds is None:
+        counted = records_per_step(trace)
+        if counted is not None:
+            if ranks is not None:
+                counted = counted[counted["rank"].isin(ranks)]
+            per_step = counted.groupby("step")["records"].sum().sort_index()
+            return per_step[in_range(per_step.index.to_series()).to_numpy()].astype("int64")
     span: tuple[int, int] | None = None
     if in_range.ranges:
         lo, hi = min(r[0] for r in in_range.ranges), max(r[1] for r in in_range.ranges)

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from hooktrace.errors import TraceError
 from hooktrace.trace import schema
+from hooktrace.trace.counts import records_per_step
 from hooktrace.trace.reader import Trace, load
 from hooktrace.trace.schema import NOTE_SKIPPED
 
@@ -131,9 +131,8 @@ def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.Series, pd.DataFrame]:
 
     try:
         groups = trace.sql(_groups_query(trace))
-        recorded = _recorded_steps(trace)
-        if recorded is None:
-            recorded = trace.sql(_RECORDED_STEPS)["step"]
+        counted = records_per_step(trace)
+        recorded = trace.sql(_RECORDED_STEPS)["step"] if counted is None else counted["step"]
         skipped = (
             trace.sql(_NOT_SUMMARISED)
             if groups["not_summarised"].any()
@@ -184,31 +183,6 @@ def _groups_query(trace: Trace) -> str:
 
 def _plain(text: object) -> bool:
     return isinstance(text, str) and text.replace("_", "").isalnum()
-
-
-def _recorded_steps(trace: Trace) -> pd.Series | None:
-    """The steps that have records, from the steps table where it agrees with the parts'
-    footers: every records part's rows are the records its steps' rows count (a flush writes
-    whole steps and their rows together). None where they disagree (a part lost, a steps part
-    damaged): then the records themselves say."""
-    spans = trace.part_spans()
-    table = trace.steps
-    if spans.empty or table.empty or (spans["first"] < 0).any():
-        return None
-    listed = table[table["records"] > 0]
-    found: list[pd.Series] = []
-    for rank, mine in spans.groupby("rank"):
-        mine = mine.sort_values("first")
-        if (mine["first"].to_numpy()[1:] <= mine["last"].to_numpy()[:-1]).any():
-            return None  # parts of one rank overlap: not as the writer writes them
-        steps = listed.loc[listed["rank"] == rank, ["step", "records"]]
-        part = np.searchsorted(mine["first"].to_numpy(), steps["step"].to_numpy(), "right") - 1
-        inside = (part >= 0) & (steps["step"].to_numpy() <= mine["last"].to_numpy()[part])
-        counted = np.bincount(part[inside], steps["records"].to_numpy()[inside], len(mine))
-        if not np.array_equal(counted, mine["records"].to_numpy()):
-            return None
-        found.append(steps.loc[inside, "step"])
-    return pd.concat(found, ignore_index=True) if found else None
 
 
 def steps_that_trained(steps_table: pd.DataFrame, steps: pd.Series) -> tuple[list[int], list[int]]:
