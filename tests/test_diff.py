@@ -273,9 +273,9 @@ def test_a_window_and_a_stop_at_the_first_read_only_the_steps_they_need(
     read: list[tuple[float, float]] = []  # the step span of each row group read
     read_group = RecordStream._read
 
-    def watched(self: RecordStream, queue: Any) -> list[pa.Table]:
+    def watched(self: RecordStream, rank: int, queue: Any) -> list[pa.Table]:
         read.append((queue[0].first, queue[0].last))
-        return read_group(self, queue)
+        return read_group(self, rank, queue)
 
     monkeypatch.setattr(RecordStream, "_read", watched)
     window = hooktrace.diff(*many, steps="14-15")

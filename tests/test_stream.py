@@ -40,9 +40,9 @@ def _watch(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     read: list[tuple[str, int]] = []
     read_group = RecordStream._read
 
-    def watched(self: RecordStream, queue: Any) -> list[pa.Table]:
+    def watched(self: RecordStream, rank: int, queue: Any) -> list[pa.Table]:
         read.append((queue[0].part.name + queue[0].part.parent.name, queue[0].index))
-        return read_group(self, queue)
+        return read_group(self, rank, queue)
 
     monkeypatch.setattr(RecordStream, "_read", watched)
     return read
@@ -103,28 +103,70 @@ def test_a_damaged_part_is_left_out_with_a_warning_and_the_rest_handed_out(
     assert part not in trace._parts["records"] and trace.skipped
 
 
-def test_columns_of_one_value_in_a_row_group_are_made_not_decoded(tmp_path: Path) -> None:
+def test_where_full_tensors_live_is_made_from_one_value_not_decoded(tmp_path: Path) -> None:
     from hooktrace.trace.stream import _constant, _repeat
 
-    long = "x" * 300
     table = pa.table(
         {
-            "i": pa.array([3, 3, 3], pa.int64()),
-            "s": pa.array(["", "", ""]),
-            "d": pa.array(["train"] * 3).dictionary_encode(),
-            "f": pa.array([0.0, -0.0, 0.0]),  # floats: -0.0 and NaN hide from statistics
-            "n": pa.array([1, None, 1], pa.int64()),  # a null: not one value
-            "v": pa.array([1, 2, 1], pa.int32()),
-            "long": pa.array([long] * 3),
+            "segment": pa.array(["tensors/rank=0/seg-000001.h5"] * 3).dictionary_encode(),
+            "tensor_key": pa.array(["", "", ""]),
+            "phase": pa.array(["train"] * 3).dictionary_encode(),  # a value: always decoded
+            "shape": pa.array(["2", "2", "2"]),
         }
     )
     pq.write_table(table, tmp_path / "t.parquet")
     found = _constant(pq.read_metadata(tmp_path / "t.parquet").row_group(0))
-    assert found == {"i": 3, "s": "", "d": "train"}
+    assert found == {"segment": "tensors/rank=0/seg-000001.h5", "tensor_key": ""}
     for name, value in found.items():
         made = _repeat(value, 3, table.schema.field(name).type)
         assert made.type == table.schema.field(name).type
         assert made.to_pylist() == table.column(name).to_pylist()
+    saved = table.set_column(1, "tensor_key", pa.array(["", "t1", ""]))
+    pq.write_table(saved, tmp_path / "t.parquet")
+    assert "tensor_key" not in _constant(pq.read_metadata(tmp_path / "t.parquet").row_group(0))
+
+
+def test_parts_whose_names_do_not_sort_by_step_are_read_by_step(tmp_path: Path) -> None:
+    """Part names past 999,999 sort before shorter ones: the groups go by their first step."""
+    import shutil
+
+    original = many_parts(tmp_path / "a", steps=12)
+    renamed = tmp_path / "b"
+    shutil.copytree(original, renamed)
+    parts = sorted((renamed / "records" / "rank=0").glob("part-*.parquet"))
+    for i, part in enumerate(parts):
+        part.rename(part.with_name(f"part-{999_995 + i}.parquet.tmp"))
+    for part in sorted((renamed / "records" / "rank=0").glob("*.tmp")):
+        part.rename(part.with_suffix(""))
+    names = sorted(p.name for p in (renamed / "records" / "rank=0").glob("part-*.parquet"))
+    assert names[0].startswith("part-1000000")  # a later step's part is listed first
+    trace = hooktrace.load(renamed)
+    stream, start = trace.stream(columns=COLUMNS), 0
+    for last in (2, 5, 11):
+        got = stream.through(last).select(COLUMNS).to_pandas()
+        got = got.sort_values(["rank", "step", "seq"])
+        expected = trace.query(columns=COLUMNS, steps=(start, last))
+        assert got.reset_index(drop=True).astype(str).equals(expected.astype(str))
+        start = last + 1
+    result = hooktrace.diff(original, renamed, chunk_rows=30)
+    assert result.match and result.records == trace.record_count
+
+
+def test_a_damaged_part_read_by_two_streams_of_one_trace_is_left_out_once(
+    tmp_path: Path,
+) -> None:
+    run = many_parts(tmp_path / "run", steps=12)
+    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[4]
+    metadata = pq.read_metadata(part)
+    column = metadata.row_group(0).column(metadata.schema.names.index("mean"))
+    data = bytearray(part.read_bytes())
+    data[column.data_page_offset + column.total_compressed_size - 4] ^= 0x01
+    part.write_bytes(bytes(data))
+    trace = hooktrace.load(run)
+    with pytest.warns(TraceWarning, match="part-000004"):
+        result = hooktrace.diff(trace, trace)
+    assert result.match and len(trace.skipped) == 1
+    assert any("unreadable file" in note for note in result.notes)
 
 
 def test_every_column_diff_reads_comes_out_as_the_query_reads_it(run: Path) -> None:

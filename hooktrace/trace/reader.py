@@ -268,17 +268,29 @@ class Trace:
         self,
         *,
         columns: Sequence[str],
-        steps: tuple[int, int] | None = None,
+        steps: Iterable[int] | tuple[int, int] | None = None,
         modules: Iterable[str] | None = None,
         kinds: Iterable[str] | None = None,
         ranks: Iterable[int] | None = None,
+        phases: Iterable[str] | None = None,
     ) -> RecordStream:
-        """The records matching the filters (``steps`` an inclusive range), handed out a
-        window of steps at a time by :meth:`RecordStream.through`, each row group read
-        once: for a pass over a whole trace."""
-        expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks)
-        parts = self._parts[schema.RECORDS_DIR] if steps is None else self._parts_holding(*steps)
-        return RecordStream(self, columns, expr, list(parts), steps)
+        """The records :meth:`query_table` would return, handed out a window of steps at a
+        time by :meth:`RecordStream.through`, each row group read once: for a pass over a
+        whole trace. Filters as :meth:`query` takes them."""
+        steps = steps_given(steps)
+        ranks = None if ranks is None else [int(r) for r in ranks]
+        expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases)
+        span = step_range(steps)
+        unknown = set(columns) - set(schema.RECORD_SCHEMA.names) - {"rank"}
+        if unknown:
+            raise TraceError(
+                f"unknown record column(s) {sorted(unknown)}: choose from "
+                f"{', '.join(['rank', *schema.RECORD_SCHEMA.names])}"
+            )
+        parts = self._parts[schema.RECORDS_DIR] if span is None else self._parts_holding(*span)
+        if ranks is not None:
+            parts = [p for p in parts if rank_of(p) in ranks]
+        return RecordStream(self, columns, expr, list(parts), span)
 
     @property
     def has_histograms(self) -> bool:
@@ -548,9 +560,11 @@ class Trace:
         )  # fmt: skip
 
     def _drop(self, kind_dir: str, part: Path, why: BaseException | str) -> None:
-        """Leave a damaged part out of every later read (``hooktrace check`` finds them)."""
-        self._parts[kind_dir].remove(part)
-        self._leave_out(part, why)
+        """Leave a damaged part out of every later read (``hooktrace check`` finds them);
+        once, whoever finds it first."""
+        if part in self._parts[kind_dir]:
+            self._parts[kind_dir].remove(part)
+            self._leave_out(part, why)
 
     def _what_exists(self, module: str, kind: str, rank: int) -> str:
         rows = self.query(

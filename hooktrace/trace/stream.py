@@ -5,7 +5,14 @@ whole trace a few steps at a time reads (``hooktrace diff``). Never imports torc
 range; a row group holding steps on both sides of where one window ends and the next begins
 is then read twice, a quarter more reading for windows of four row groups. Here each rank's
 row groups are read in order, whole, and what a window has not asked for yet is kept for the
-next (``through(step)``): at most one row group a rank is held between windows.
+next (``through(step)``): at most one row group a rank is held between windows. A rank's row
+groups are read in the order of their first step, whatever the parts' names say.
+
+Where a row group's statistics show the columns that say where full tensors live
+(``segment``, ``tensor_key``) to hold one value (a part's one segment; no full tensor, "")
+they are made from it, not decoded: an eighth of the reading, on runs that save no full
+tensors. Only those two: footers carry no checksum, and a flipped bit there could at worst
+make a row group's full tensors be compared by their statistics, never change a value.
 """
 
 from __future__ import annotations
@@ -56,13 +63,16 @@ class RecordStream:
         self._schema = schema.RECORD_SCHEMA.append(schema.PARTITIONING.field("rank"))
         self._groups: dict[int, deque[_Group]] = {}
         self._held: dict[int, pa.Table] = {}
-        self._fragment: tuple[Path, Any] | None = None  # the part being read, opened once
+        self._fragments: dict[int, tuple[Path, Any]] = {}  # per rank, the part being read
+        found: dict[int, list[_Group]] = {}
         for part in parts:
-            rank = rank_of(part)
-            queue = self._groups.setdefault(rank, deque())
             for group in _groups(part, trace._metadata[part]):
                 if span is None or (group.first <= span[1] and span[0] <= group.last):
-                    queue.append(group)
+                    found.setdefault(rank_of(part), []).append(group)
+        for rank, groups in found.items():
+            # by first step (stable: a part's own groups stay in order), whatever the parts'
+            # names say: a window then reads every group that may hold its steps
+            self._groups[rank] = deque(sorted(groups, key=lambda g: g.first))
 
     def through(self, step: int) -> pa.Table:
         """Every record up to ``step`` not handed out yet, rank by rank, each rank's in the
@@ -71,7 +81,7 @@ class RecordStream:
         for rank, queue in self._groups.items():
             tables_read = [self._held.pop(rank)] if rank in self._held else []
             while queue and queue[0].first <= step:
-                tables_read.extend(self._read(queue))
+                tables_read.extend(self._read(rank, queue))
             if not tables_read:
                 continue
             held = pa.concat_tables(tables_read) if len(tables_read) > 1 else tables_read[0]
@@ -89,23 +99,37 @@ class RecordStream:
             return self._schema.empty_table().select(self._columns)
         return pa.concat_tables(out) if len(out) > 1 else out[0]
 
-    def _read(self, queue: deque[_Group]) -> list[pa.Table]:
+    def _read(self, rank: int, queue: deque[_Group]) -> list[pa.Table]:
         """The next row group, read whole (and filtered); a part found damaged is left out of
-        the trace and of the rest of the stream."""
+        the trace and of the rest of the stream (what was handed out of it stays out)."""
         group = queue.popleft()
         trace = self._trace
+        if group.part not in trace._parts[schema.RECORDS_DIR]:  # left out meanwhile
+            return []
+        decoded = [c for c in self._columns if c not in group.constant]
         try:
-            if self._fragment is None or self._fragment[0] != group.part:
+            opened = self._fragments.get(rank)
+            if opened is None or opened[0] != group.part:
                 dataset = tables.dataset_of(
                     trace.path, schema.RECORDS_DIR, [group.part], self._schema
                 )
-                self._fragment = (group.part, next(iter(dataset.get_fragments())))
-            fragment = self._fragment[1].subset(row_group_ids=[group.index])
-            decoded = [c for c in self._columns if c not in group.constant]
+                opened = self._fragments[rank] = (group.part, next(iter(dataset.get_fragments())))
+            fragment = opened[1].subset(row_group_ids=[group.index])
             found = ds.FileSystemDataset(
                 [fragment], schema=self._schema, format=tables.PARQUET
             ).to_table(columns=decoded, filter=self._filter)
             found.validate(full=True)  # names that are not UTF-8 would fail in to_pandas()
+            if len(decoded) < len(self._columns):
+                fields = [self._schema.field(c) for c in self._columns]
+                found = pa.Table.from_arrays(
+                    [
+                        found.column(f.name)
+                        if f.name in decoded
+                        else _repeat(group.constant[f.name], found.num_rows, f.type)
+                        for f in fields
+                    ],
+                    schema=pa.schema(fields),
+                )
         except (OSError, pa.ArrowException) as exc:
             if not tables.damaged(trace.path, schema.RECORDS_DIR, group.part, self._schema):
                 raise TraceError(
@@ -115,17 +139,6 @@ class RecordStream:
             while queue and queue[0].part == group.part:
                 queue.popleft()
             return []
-        if len(decoded) < len(self._columns):
-            fields = [self._schema.field(c) for c in self._columns]
-            found = pa.Table.from_arrays(
-                [
-                    found.column(f.name)
-                    if f.name in decoded
-                    else _repeat(group.constant[f.name], found.num_rows, f.type)
-                    for f in fields
-                ],
-                schema=pa.schema(fields),
-            )
         return [found]
 
 
@@ -146,42 +159,42 @@ def _groups(part: Path, metadata: Any) -> list[_Group]:
     return found
 
 
-_SHORT = 256
-"""Longest string value taken from statistics (well under any writer's limit)."""
+_MADE = ("segment", "tensor_key")
+"""The columns made from a row group's statistics where they hold one value (see above)."""
 
 
 def _constant(row_group: Any) -> dict[str, Any]:
-    """The integer and string columns that hold one value in ``row_group``, with it."""
+    """The columns of :data:`_MADE` that hold one value in ``row_group``, with it."""
     found: dict[str, Any] = {}
     for j in range(row_group.num_columns):
         chunk = row_group.column(j)
+        if chunk.path_in_schema not in _MADE:
+            continue
         stats = chunk.statistics
-        if (
-            stats is None
-            or not stats.has_min_max
-            or not stats.has_null_count
-            or stats.null_count != 0
-            or chunk.physical_type not in ("INT32", "INT64", "BYTE_ARRAY")
-            or stats.min != stats.max
-        ):
+        try:
+            if (
+                stats is None
+                or not stats.has_min_max
+                or not stats.has_null_count
+                or stats.null_count != 0
+                or stats.min != stats.max
+            ):
+                continue
+            value = stats.min
+        except (UnicodeDecodeError, ValueError):  # not UTF-8: decoding will say damaged
             continue
-        value = stats.min
-        if isinstance(value, bytes | str) and len(value) > _SHORT:
-            continue
-        if isinstance(value, int | str):
+        if isinstance(value, str) and len(value.encode()) * row_group.num_rows < 2**31:
             found[chunk.path_in_schema] = value
     return found
 
 
-def _repeat(value: Any, n: int, kind: pa.DataType) -> pa.Array:
-    """``n`` times ``value``, as an array of ``kind``."""
+def _repeat(value: str, n: int, kind: pa.DataType) -> pa.Array:
+    """``n`` times ``value``, as an array of ``kind`` (a string, or a dictionary of them)."""
     if pa.types.is_dictionary(kind):
         indices = pa.array(np.zeros(n, dtype=np.int32), kind.index_type)
         return pa.DictionaryArray.from_arrays(indices, pa.array([value], kind.value_type))
-    if pa.types.is_string(kind):
-        data = str(value).encode()
-        offsets = np.arange(n + 1, dtype=np.int32) * len(data)
-        return pa.Array.from_buffers(
-            pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)]
-        )
-    return pa.array(np.full(n, value), kind)
+    data = value.encode()
+    offsets = np.arange(n + 1, dtype=np.int32) * len(data)
+    return pa.Array.from_buffers(
+        pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data * n)]
+    )
