@@ -119,6 +119,19 @@ def perturb_weight(module: str, at: int, *, delta: float = 1e-3) -> Hook:
     return hook
 
 
+def swap_weights(module: str, at: int) -> Hook:
+    """Swaps two weights of ``module`` just before step ``at``: its statistics do not change,
+    its full tensor does."""
+
+    def hook(step: int, model: Net) -> None:
+        if step == at:
+            with torch.no_grad():
+                w = getattr(model, module).weight
+                w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
+
+    return hook
+
+
 def scale_on_from(at: int) -> Hook:
     def hook(step: int, model: Net) -> None:
         model.scale.on = step >= at

@@ -10,8 +10,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
-import torch
-from diff_runs import Net, perturb_weight, scale_grad_from, scale_on_from, train
+from diff_runs import Net, perturb_weight, scale_grad_from, scale_on_from, swap_weights, train
 from scale_runs import many_parts, module_names
 
 import hooktrace
@@ -130,12 +129,7 @@ def test_statistics_match_an_independent_computation(base: Path, tmp_path: Path)
 
 
 def test_full_tensors_decide_exactly(base: Path, tmp_path: Path) -> None:
-    def swap(step: int, model: Net) -> None:
-        if step == 1:
-            with torch.no_grad():
-                w = model.fc1.weight
-                w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
-
+    swap = swap_weights("fc1", 1)
     a = train(tmp_path / "a", full_every=1)
     b = train(tmp_path / "b", full_every=1, before_step=swap)
     first = hooktrace.diff(a, b).first

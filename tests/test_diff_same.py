@@ -12,7 +12,7 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 import torch
-from diff_runs import Net, perturb_weight, scale_grad_from, scale_on_from, train
+from diff_runs import Net, perturb_weight, scale_grad_from, scale_on_from, swap_weights, train
 from torch import nn
 
 import hooktrace
@@ -51,12 +51,7 @@ def test_counting_gives_the_answer_of_comparing_every_record(
 
 
 def test_full_tensors_are_compared_even_where_statistics_agree(tmp_path: Path) -> None:
-    def swap(step: int, model: Net) -> None:  # two weights swapped: the statistics agree
-        if step == 1:
-            with torch.no_grad():
-                w = model.fc1.weight
-                w[0, 0], w[0, 1] = w[0, 1].clone(), w[0, 0].clone()
-
+    swap = swap_weights("fc1", 1)  # two weights swapped: the statistics agree
     a = train(tmp_path / "a", full_every=1)
     b = train(tmp_path / "b", full_every=1, before_step=swap)
     counted, compared = hooktrace.diff(a, b), hooktrace.diff(a, b, rows="all")

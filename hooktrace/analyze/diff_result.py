@@ -182,7 +182,7 @@ class Accumulator:
         if at_last.any():
             module = table.column("module").combine_chunks()
             at = np.unique(module.indices.to_numpy()[at_last])
-            modules = [str(m) for m in np.asarray(module.dictionary.to_pylist(), dtype=object)[at]]
+            modules = module.dictionary.take(pa.array(at)).to_pylist()
             self.last.append(
                 pd.DataFrame(
                     {"last_differing": 0, "last_rel_diff": 0.0, "last_max_abs_error": np.nan},

@@ -250,15 +250,7 @@ class Trace:
         steps = steps_given(steps)
         expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases)
         span = step_range(steps)
-        wanted = None
-        if columns is not None:
-            wanted = list(dict.fromkeys([*columns]))
-            unknown = set(wanted) - set(schema.RECORD_SCHEMA.names) - {"rank"}
-            if unknown:
-                raise TraceError(
-                    f"unknown record column(s) {sorted(unknown)}: choose from "
-                    f"{', '.join(['rank', *schema.RECORD_SCHEMA.names])}"
-                )
+        wanted = None if columns is None else _known(columns)
         return self._read(
             schema.RECORDS_DIR, schema.RECORD_SCHEMA, columns=wanted, filter=expr,
             parts=None if span is None else self._parts_holding(*span),
@@ -281,12 +273,7 @@ class Trace:
         ranks = None if ranks is None else [int(r) for r in ranks]
         expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases)
         span = step_range(steps)
-        unknown = set(columns) - set(schema.RECORD_SCHEMA.names) - {"rank"}
-        if unknown:
-            raise TraceError(
-                f"unknown record column(s) {sorted(unknown)}: choose from "
-                f"{', '.join(['rank', *schema.RECORD_SCHEMA.names])}"
-            )
+        columns = _known(columns)
         parts = self._parts[schema.RECORDS_DIR] if span is None else self._parts_holding(*span)
         if ranks is not None:
             parts = [p for p in parts if rank_of(p) in ranks]
@@ -580,6 +567,18 @@ class Trace:
         steps = of_kind["step"]
         slots = sorted(of_kind["slot"].astype(str).unique())
         return f"it has steps {steps.min()}–{steps.max()} and slots {', '.join(slots)}"
+
+
+def _known(columns: Sequence[str]) -> list[str]:
+    """Record columns, each once; a TraceError names any that records do not have."""
+    wanted = list(dict.fromkeys(columns))
+    unknown = set(wanted) - set(schema.RECORD_SCHEMA.names) - {"rank"}
+    if unknown:
+        raise TraceError(
+            f"unknown record column(s) {sorted(unknown)}: choose from "
+            f"{', '.join(['rank', *schema.RECORD_SCHEMA.names])}"
+        )
+    return wanted
 
 
 def records_frame(table: pa.Table) -> pd.DataFrame:
