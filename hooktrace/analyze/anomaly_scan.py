@@ -52,7 +52,8 @@ _SQUARES = """(SELECT *, x * x AS square FROM (
 
 # the norm of a group's records: the root of their summed squares (or of their mean: {per}),
 # NaN if any norm is (DuckDB's sum is NaN then, as squares are never negative); NULL where
-# the group holds more than two (see _EXACT); with the first seq where {seq} says so
+# the group holds more than two (see _EXACT); with the first seq where {seq} says so (the
+# records view's series leave it out, and read _FIRST_SEQ instead: see _Queried)
 _NORMS = """
     SELECT g.rank, i.id AS module, g.step, g.value, g.seq FROM (
         SELECT rank, module, step, {seq} AS seq,
@@ -68,6 +69,11 @@ _EXACT = """
                                         ELSE sqrt({kahan}{per}) END AS value
         FROM {squares} GROUP BY ALL HAVING count(*) > 2
     ) g JOIN {ids} i USING (module)"""
+
+# the first seq of each module's records of a series ({which}), by rank
+_FIRST_SEQ = """
+    SELECT r.rank, i.id AS module, min(r.seq) AS seq FROM ({rows}) r JOIN {ids} i USING (module)
+    WHERE {which} GROUP BY ALL"""
 
 # Kahan's sum, NaN left out, a compensation that turns NaN starting again from zero:
 # grouped.Groups.sum, step for step
@@ -118,7 +124,14 @@ class Scan:
         self._con = self.trace._duckdb()
         where, parameters = _where(steps)
         found, queries = self._reduce("records", where, parameters)
-        self.norms = _Queried(self._con, queries, parameters, self._relations)
+        firsts = {  # the output norms' first seq; the gradient checks do not look at it
+            "outputs": _first_seqs(self._con.execute(
+                _FIRST_SEQ.format(rows=_ROWS.format(records="records", where=where, more="norm"),
+                                  ids=f"{self._relations}_ids", which=_OUTPUTS),
+                parameters,
+            ).fetchnumpy())
+        } if queries else {}  # fmt: skip
+        self.norms = _Queried(self._con, queries, parameters, self._relations, firsts)
         if found:
             for chunk in step_chunks(self.trace, found, chunk_rows):
                 self.nonfinite.search(self.trace.query(columns=COLUMNS, steps=chunk))
@@ -322,9 +335,15 @@ class _Queried:
     and the modules not given yet are read again with them."""
 
     def __init__(
-        self, con: Any, queries: dict[str, tuple[str, str]], parameters: list[Any], prefix: str
+        self,
+        con: Any,
+        queries: dict[str, tuple[str, str]],
+        parameters: list[Any],
+        prefix: str,
+        firsts: dict[str, dict[int, np.ndarray]],
     ) -> None:
         self._con = con
+        self._firsts = firsts  # per series and rank: each module's first seq, by id
         self._queries = queries
         self._parameters = parameters
         self._prefix = prefix
@@ -343,19 +362,20 @@ class _Queried:
             query = norms
             if complete:
                 query = (
-                    f"SELECT g.rank, g.module, g.step, coalesce(g.value, k.value) AS value, "
-                    f"g.seq FROM ({norms}) g LEFT JOIN {self._made[-1]} k "
-                    "USING (rank, module, step)"
+                    f"SELECT g.rank, g.module, g.step, coalesce(g.value, k.value) AS value "
+                    f"FROM ({norms}) g LEFT JOIN {self._made[-1]} k USING (rank, module, step)"
                 )
             where = "WHERE rank > ? OR (rank = ? AND module > ?)" if after else ""
+            # no seq: sorted, it cost as much again as the rest (at 100M, with the spilling)
             ordered = self._con.sql(
-                f"SELECT * FROM ({query}) {where} ORDER BY rank, module, step",
+                f"SELECT rank, module, step, value FROM ({query}) {where} "
+                "ORDER BY rank, module, step",
                 params=[*self._parameters, *after[:1], *after],
             ).to_arrow_reader(max(1, series_store.BATCH_ROWS if rows is None else rows))
             self._open = ordered
             try:
                 for table in series_store.whole_modules(_checked(ordered, complete), names):
-                    yield table
+                    yield _with_first_seq(table, self._firsts.get(series))
                     after = [int(table["rank"].iloc[-1]), int(table["module"].cat.codes.iloc[-1])]
                 return
             except _Incomplete:
@@ -373,6 +393,33 @@ class _Queried:
             self._open.close()
         for table in self._made:
             self._con.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def _first_seqs(found: dict[str, np.ndarray]) -> dict[int, np.ndarray]:
+    """Per rank, the first seq of each module (by id; -1 where it has none) of ``found``
+    (rank, module, seq)."""
+    firsts: dict[int, np.ndarray] = {}
+    if not len(found["rank"]):
+        return firsts
+    size = int(found["module"].max()) + 1
+    for rank in np.unique(found["rank"]).tolist():
+        mine = found["rank"] == rank
+        firsts[rank] = np.full(size, -1, dtype=np.int64)
+        firsts[rank][found["module"][mine]] = found["seq"][mine]
+    return firsts
+
+
+def _with_first_seq(table: pd.DataFrame, firsts: dict[int, np.ndarray] | None) -> pd.DataFrame:
+    """``table`` (rank, module, step, value) with the seq of each module's first record, where
+    ``firsts`` has them, as a store's tables give it."""
+    if firsts is None:
+        return table
+    seq = np.zeros(len(table), dtype=np.int64)
+    rank, module = table["rank"].to_numpy(), table["module"].cat.codes.to_numpy()
+    for one in np.unique(rank).tolist():
+        mine = rank == one
+        seq[mine] = firsts[one][module[mine]]
+    return table.assign(seq=seq)
 
 
 def _checked(ordered: Iterable[pa.RecordBatch], complete: bool) -> Iterator[pa.RecordBatch]:

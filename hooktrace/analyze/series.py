@@ -135,10 +135,12 @@ def gradient_findings(
     tables of one parameter-gradient norm per (rank, module, step) (columns rank, module,
     step, value), each holding whole modules, in (rank, module) order."""
     found: list[Finding] = []
-    for rank, module, _, steps, values in (s for table in tables for s in _series(table)):
+    for rank, module, _, steps, values, may_rise in (
+        s for table in tables for s in _series(table, config)
+    ):
         spikes: list[Episode] = []
         exploding: list[Episode] = []
-        for episode in episodes(values, config):
+        for episode in episodes(values, config) if may_rise else []:
             (exploding if is_exploding(episode, values, config) else spikes).append(episode)
         if exploding:
             found.append(_exploding(rank, module, steps, values, exploding, config))
@@ -184,11 +186,11 @@ def activation_findings(tables: Iterable[pd.DataFrame], config: Config) -> list[
     # (rank, first seq, position, digest, finding or None) per series
     candidates: list[tuple[int, int, int, bytes, Finding | None]] = []
     for table in tables:
-        for rank, module, first, steps, values in _series(table):
+        for rank, module, first, steps, values, may_rise in _series(table, config):
             digest = hashlib.blake2b(
                 bytes([rank % 256]) + steps.tobytes() + values.tobytes(), digest_size=16
             ).digest()
-            spikes = episodes(values, config)
+            spikes = episodes(values, config) if may_rise else []
             finding = (
                 _spike("activation_spike", "output norm", rank, module, steps, values, spikes)
                 if spikes
@@ -206,8 +208,11 @@ def activation_findings(tables: Iterable[pd.DataFrame], config: Config) -> list[
     return found
 
 
-def _series(table: pd.DataFrame) -> list[tuple[int, str, int, np.ndarray, np.ndarray]]:
-    """(rank, module, first seq, steps, values) per rank and module, in step order."""
+def _series(
+    table: pd.DataFrame, config: Config
+) -> list[tuple[int, str, int, np.ndarray, np.ndarray, bool]]:
+    """(rank, module, first seq, steps, values, whether it may hold an episode) per rank and
+    module, in step order: where it may not, :func:`episodes` finds none."""
     module = table["module"]
     if isinstance(module.dtype, pd.CategoricalDtype) and len(table):
         # as SeriesStore gives them: sorted by (rank, module, step), one row a step
@@ -216,31 +221,77 @@ def _series(table: pd.DataFrame) -> list[tuple[int, str, int, np.ndarray, np.nda
         if in_order(
             pd.DataFrame({"rank": rank, "code": code, "step": steps}), ["rank", "code", "step"]
         ):
-            return _sorted_series(table, rank, code, steps)
+            return _sorted_series(table, rank, code, steps, config)
     found = []
     for key, group in table.groupby(["rank", "module"], sort=True, observed=True):
         rank, module = keys(key)
         group = group.sort_values("step", kind="stable")
         first = int(group["seq"].min()) if "seq" in group else 0
         steps, values = group["step"].to_numpy(), group["value"].to_numpy(dtype=np.float64)
-        found.append((int(rank), str(module), first, steps, values))
+        found.append((int(rank), str(module), first, steps, values, True))
     return found
 
 
 def _sorted_series(
-    table: pd.DataFrame, rank: np.ndarray, code: np.ndarray, steps: np.ndarray
-) -> list[tuple[int, str, int, np.ndarray, np.ndarray]]:
+    table: pd.DataFrame, rank: np.ndarray, code: np.ndarray, steps: np.ndarray, config: Config
+) -> list[tuple[int, str, int, np.ndarray, np.ndarray, bool]]:
     """What :func:`_series` finds, from a table already in (rank, module, step) order."""
     starts = np.flatnonzero(np.r_[True, (rank[1:] != rank[:-1]) | (code[1:] != code[:-1])])
     ends = np.r_[starts[1:], len(table)]
     values = table["value"].to_numpy(dtype=np.float64)
     seq = table["seq"].to_numpy() if "seq" in table else np.zeros(len(table), dtype=np.int64)
     first = np.minimum.reduceat(seq, starts)
+    may_rise = may_rise_all(values, starts, ends, config.window, math.log10(config.spike_factor))
     names = table["module"].cat.categories
     return [
-        (int(rank[a]), str(names[code[a]]), int(f), steps[a:b], values[a:b])
-        for a, b, f in zip(starts.tolist(), ends.tolist(), first.tolist(), strict=True)
+        (int(rank[a]), str(names[code[a]]), int(f), steps[a:b], values[a:b], bool(m))
+        for a, b, f, m in zip(starts.tolist(), ends.tolist(), first.tolist(), may_rise, strict=True)
     ]
+
+
+SCREEN_MARGIN = 1e-9
+"""How much closer than the jump (log10) :func:`may_rise_all` still calls a rise: its
+logarithms may differ from :func:`episodes`' in the last bit."""
+
+
+def may_rise_all(
+    values: np.ndarray, starts: np.ndarray, ends: np.ndarray, window: int, jump: float
+) -> np.ndarray:
+    """For each series ``values[a:b]`` (``a``, ``b`` of ``starts``, ``ends``, none empty),
+    whether :func:`episodes` may find an episode in it: False only where every value is
+    less than ``jump`` (log10) above the smallest of the ``window`` before it, which
+    :func:`_rises` would say too. A series with a value :func:`episodes` does not judge
+    (not finite, or not above 0) is True: it leaves such values out of its windows, and
+    decides itself.
+
+    All series at once, in a few passes over ``values``: each series' windows see ``window``
+    times +inf before its first value, never the series before it."""
+    if not len(starts):
+        return np.zeros(0, dtype=bool)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(np.isfinite(values) & (values > 0), np.log10(values), np.nan)
+    gappy = np.logical_or.reduceat(np.isnan(z), starts)
+    series = np.repeat(np.arange(len(starts)), ends - starts)
+    at = np.arange(len(values)) + window * (series + 1)  # each value's place after padding
+    padded = np.full(len(values) + window * len(starts), np.inf)
+    padded[at] = z
+    low = _sliding_min(padded, window)[at - window]  # the smallest of the window before
+    with np.errstate(invalid="ignore"):
+        rises = z - low >= jump - SCREEN_MARGIN
+    return np.logical_or.reduceat(rises, starts) | gappy
+
+
+def _sliding_min(values: np.ndarray, window: int) -> np.ndarray:
+    """The smallest of ``values[i : i + window]`` for each i (van Herk and Gil-Werman: a
+    running minimum forwards and backwards in blocks of ``window``, whatever its size)."""
+    blocks = -(-len(values) // window)
+    shaped = np.concatenate([values, np.full(blocks * window - len(values), np.inf)]).reshape(
+        blocks, window
+    )
+    forwards = np.minimum.accumulate(shaped, axis=1).ravel()
+    backwards = np.minimum.accumulate(shaped[:, ::-1], axis=1)[:, ::-1].ravel()
+    i = np.arange(len(values) - window + 1)
+    return np.minimum(backwards[i], forwards[i + window - 1])
 
 
 def _exploding(

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 
@@ -68,28 +69,33 @@ class SeriesStore:
 
 
 def whole_modules(ordered: Iterable[pa.RecordBatch], names: list[str]) -> Iterator[pd.DataFrame]:
-    """Batches of (rank, module, step) order (:data:`COLUMNS`) as tables of whole modules:
-    the last module of a batch is held back until the next shows where it ends."""
-    carry: pd.DataFrame | None = None
-    for record_batch in ordered:
-        batch = record_batch.to_pandas()
-        if batch.empty:
+    """Batches of (rank, module) order (:data:`COLUMNS`) as tables of whole modules: the
+    last module of a batch is held back until the next shows where it ends. Batches are cut
+    and joined in Arrow; each table goes to pandas once."""
+    held: list[pa.RecordBatch] = []  # the rows of the module not known to be whole yet
+    for batch in ordered:
+        if not batch.num_rows:
             continue
-        if carry is not None:
-            batch = pd.concat([carry, batch], ignore_index=True)
-        last = (batch["rank"].iloc[-1], batch["module"].iloc[-1])
-        tail = (batch["rank"] == last[0]) & (batch["module"] == last[1])
-        carry = batch[tail]
-        done = batch[~tail]
-        if not done.empty:
-            yield _named(done, names)
-    if carry is not None and not carry.empty:
-        yield _named(carry, names)
+        rank = batch.column("rank").to_numpy()
+        module = batch.column("module").to_numpy()
+        other = np.flatnonzero((rank != rank[-1]) | (module != module[-1]))
+        cut = int(other[-1]) + 1 if len(other) else 0  # where the batch's last module starts
+        if cut or (held and _last(held[-1]) != (rank[-1], module[-1])):
+            yield _named(pa.Table.from_batches([*held, batch.slice(0, cut)]), names)
+            held = []
+        held.append(batch.slice(cut))
+    if held:
+        yield _named(pa.Table.from_batches(held), names)
 
 
-def _named(table: pd.DataFrame, names: list[str]) -> pd.DataFrame:
-    table = table.reset_index(drop=True)
-    table["module"] = pd.Categorical.from_codes(
-        table["module"].to_numpy(), categories=pd.Index(names)
+def _last(batch: pa.RecordBatch) -> tuple[Any, Any]:
+    """The (rank, module) of the last row of ``batch``."""
+    return batch.column("rank")[-1].as_py(), batch.column("module")[-1].as_py()
+
+
+def _named(table: pa.Table, names: list[str]) -> pd.DataFrame:
+    frame = table.to_pandas()
+    frame["module"] = pd.Categorical.from_codes(
+        frame["module"].to_numpy(), categories=pd.Index(names)
     )
-    return table
+    return frame
