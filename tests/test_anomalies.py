@@ -358,6 +358,8 @@ def test_chunks_and_step_ranges(tmp_path: Path) -> None:
     assert len(hooktrace.anomalies(tmp_path / "run", steps="0-4")) == 0
     later = hooktrace.anomalies(hooktrace.load(tmp_path / "run"), steps=(5, 11)).findings
     assert later["kind"].tolist() == ["nonfinite_forward", "nonfinite_param"]
+    as_numpy = hooktrace.anomalies(tmp_path / "run", steps=(np.int64(5), np.int64(11))).findings
+    pd.testing.assert_frame_equal(as_numpy, later)
     assert len(hooktrace.anomalies(tmp_path / "run", steps=[5])) == 1
 
 

@@ -17,6 +17,7 @@ import hooktrace
 from hooktrace.analyze import diff as diff_library
 from hooktrace.cli import cli
 from hooktrace.cli import diff as diff_command
+from hooktrace.trace.stream import RecordStream
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +144,7 @@ def test_rank_against_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         (["{a}", "{a}", "--format", "parquet"], "give --output"),
         (["{a}", "{a}", "--rank", "1"], "--rank goes with --against-rank"),
         (["{a}", "{a}", "--modules", "("], "bad module pattern"),
+        (["{a}", "{a}", "--steps", "99999999999999999999-"], "steps go up to"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -150,6 +152,49 @@ def test_bad_input_is_one_line_and_exit_2(
 ) -> None:
     paths = {"a": runs["a"], "missing": tmp_path / "missing"}
     assert_one_line_error(invoke(*(a.format(**paths) for a in args)), message)
+
+
+@pytest.mark.parametrize("fmt", ["json", "csv", "parquet"])
+def test_a_diff_that_fails_leaves_no_file_and_an_earlier_one_as_it_was(
+    runs: dict[str, Path], tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / f"out.{fmt}"
+    # no step of the window: the diff fails before a row is written
+    assert_one_line_error(
+        invoke(runs["a"], runs["a"], "--steps", "50-60", "--format", fmt, "-o", out),
+        "no records that match",
+    )
+    assert list(tmp_path.iterdir()) == []
+    out.write_text("an earlier answer")
+    # the diff fails half way, rows written: the earlier file is left, nothing beside it
+    real = diff_library.in_chunks
+    monkeypatch.setattr(diff_library, "in_chunks", lambda s, n, budget: real(s, n, 40))
+    through = RecordStream.through
+
+    def fails_at_step_2(self: object, step: int) -> object:
+        if step >= 2:
+            raise hooktrace.errors.TraceError("cannot read the records: failed at step 2")
+        return through(self, step)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RecordStream, "through", fails_at_step_2)
+    written: list[int] = []
+    sink = diff_command.FrameWriter.write
+    monkeypatch.setattr(
+        diff_command.FrameWriter, "write", lambda w, f: (written.append(len(f)), sink(w, f))[1]
+    )
+    result = invoke(runs["a"], runs["perturbed"], "--all", "--format", fmt, "-o", out)
+    assert_one_line_error(result, "failed at step 2")
+    assert sum(written) > 0  # rows were written before it failed
+    assert out.read_text() == "an earlier answer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+def test_a_diff_that_succeeds_replaces_the_file(runs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    out.write_text("an earlier answer")
+    assert invoke(runs["a"], runs["perturbed"], "--format", "json", "-o", out).exit_code == 1
+    assert {row["status"] for row in json.loads(out.read_text())} == {"differs"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
 
 
 def test_defaults_are_the_library_defaults() -> None:

@@ -201,6 +201,20 @@ def test_chunks_give_the_same_answer(base: Path, tmp_path: Path) -> None:
     assert streamed.table.empty and sum(seen) == whole.differing and len(seen) == 4
     early = hooktrace.diff(base, other, chunk_rows=1, stop_at_first=True)
     assert early.first == whole.first and not early.complete and early.records < whole.records
+    # the table is bounded: the first rows, and a note of those left out, the rest as it was
+    for chunk_rows in (1, 250_000):
+        bounded = hooktrace.diff(base, other, rows="all", chunk_rows=chunk_rows, max_rows=30)
+        pd.testing.assert_frame_equal(
+            bounded.table, whole.table.head(30), check_dtype=False, check_categorical=False
+        )
+        assert bounded.notes == [
+            f"the table holds the first 30 records of {whole.records:,} (max_rows): pass sink= "
+            "to have them all chunk by chunk, or max_rows=None (`hooktrace diff --format "
+            "parquet -o FILE` writes them all)"
+        ]
+        assert (bounded.first, bounded.differing) == (whole.first, whole.differing)
+        pd.testing.assert_frame_equal(bounded.modules, whole.modules)
+    assert hooktrace.diff(base, other, rows="all", max_rows=None).notes == []
 
 
 def test_filters(base: Path, tmp_path: Path) -> None:
@@ -216,6 +230,10 @@ def test_filters(base: Path, tmp_path: Path) -> None:
     later = hooktrace.diff(base, other, steps="3-")
     assert (later.first_step, later.steps) == (3, 1)
     assert hooktrace.diff(base, other, steps=(0, 0)).match
+    # a pair of numpy integers, as a DataFrame's min() and max() give them, is a range too
+    window = hooktrace.diff(base, other, steps=(1, 3))
+    as_numpy = hooktrace.diff(base, other, steps=(np.int64(1), np.int64(3)))
+    assert (as_numpy.steps, as_numpy.records) == (window.steps, window.records) == (3, 54)
 
 
 def test_ranks_of_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -178,3 +178,22 @@ def test_every_column_diff_reads_comes_out_as_the_query_reads_it(run: Path) -> N
     expected = trace.query_table(columns=columns, steps=(0, 5)).select(columns)
     assert got.schema == expected.schema
     assert got.to_pylist() == expected.to_pylist()
+
+
+def test_row_groups_without_step_statistics_are_read_when_their_steps_are_due(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "run"
+    generate_trace(path, steps=12, modules=5, writer_options={"max_buffer_bytes": 1})
+    for part in sorted((path / "records").glob("rank=*/part-*.parquet")):  # as another tool
+        table = pq.read_table(part)  # might rewrite them
+        pq.write_table(table, part, row_group_size=7, write_statistics=False)
+    trace = hooktrace.load(path)
+    read = _watch(monkeypatch)
+    stream = trace.stream(columns=COLUMNS)
+    got = stream.through(0).select(COLUMNS)
+    assert got.to_pylist() == trace.query_table(columns=COLUMNS, steps=(0, 0)).to_pylist()
+    held = sum(t.num_rows for t in stream._held.values())
+    assert held < 7 and len(read) <= 4  # what step 0 needs, not the whole rank
+    assert stream.through(11).num_rows + got.num_rows == trace.record_count
+    assert hooktrace.diff(path, path, chunk_rows=20).match

@@ -36,7 +36,7 @@ from hooktrace.analyze.findings import module_pattern
 from hooktrace.errors import ConfigError, HooktraceError, TraceError
 from hooktrace.trace import schema
 from hooktrace.trace.counts import records_per_step
-from hooktrace.trace.filters import in_order
+from hooktrace.trace.filters import STEP_MAX, in_order, step_pair
 from hooktrace.trace.reader import Trace, load, records_frame
 
 __all__ = [
@@ -56,6 +56,11 @@ DEFAULT_ATOL = 1e-8
 Run = str | os.PathLike[str] | Trace
 StepFilter = str | tuple[int, int] | Iterable[int] | None
 """``"0-10,20"``, an inclusive ``(first, last)`` pair, or step numbers."""
+
+
+MAX_ROWS = 1_000_000
+"""How many records :func:`diff` keeps in ``DiffResult.table`` at most, by default: some
+0.8 GB at the most, within the 2 GB the analyzer keeps to."""
 
 
 class NothingToCompare(HooktraceError):
@@ -78,6 +83,7 @@ def diff(
     sink: Callable[[pd.DataFrame], None] | None = None,
     stop_at_first: bool = False,
     chunk_rows: int = 250_000,
+    max_rows: int | None = MAX_ROWS,
 ) -> DiffResult:
     """Compare two runs record by record, in execution order.
 
@@ -86,6 +92,11 @@ def diff(
     when ``run_b`` is None): data-parallel ranks must hold equal parameters after every step.
     ``stop_at_first`` stops reading after the chunk holding the first divergence (and the
     next, read meanwhile).
+
+    ``table`` holds the records that differ (``rows="all"``: every record), at most
+    ``max_rows`` of them (None: no bound): past it, the first ``max_rows``, and a note says
+    how many it left out. ``sink``, where given, is handed them all instead, chunk by chunk,
+    and ``table`` is empty: memory then stays bounded however many there are.
 
     Raises :class:`NothingToCompare` when the runs share no step, ``ConfigError`` on bad options
     and ``TraceError`` when a run cannot be read.
@@ -124,6 +135,8 @@ def diff(
     keys = [k for k in KEYS if k != "rank"] if pair else list(KEYS)
     acc = Accumulator(last_step=common[-1])
     kept: list[pd.DataFrame] = []
+    room = max_rows  # rows table may still take
+    left_out = 0
     tensors = TensorPair(trace_a.path, trace_b.path)
     empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
     span = (common[0], common[-1])
@@ -161,8 +174,13 @@ def diff(
                 keep = keep.sort_values(["step", "seq", "rank"], kind="stable")
             if sink is not None:
                 sink(keep.reset_index(drop=True))
-            else:
+            elif room is None or len(keep) <= room:
                 kept.append(keep)
+                room = None if room is None else room - len(keep)
+            else:
+                kept.append(keep.iloc[:room])
+                left_out += len(keep) - room
+                room = 0
             if stop_at_first and acc.first is not None:
                 acc.stopped_at = int(chunk[-1])
                 break
@@ -176,6 +194,13 @@ def diff(
             f"{len(tensors.unreadable)} full tensor(s) could not be read (first: "
             f"{tensors.unreadable[0]}): their records were compared on statistics only; "
             "`hooktrace check` says what is damaged"
+        )
+    if left_out:
+        shown = max_rows or 0
+        notes.append(
+            f"the table holds the first {shown:,} records of {shown + left_out:,} (max_rows): "
+            "pass sink= to have them all chunk by chunk, or max_rows=None (`hooktrace diff "
+            "--format parquet -o FILE` writes them all)"
         )
     table = pd.concat([empty, *kept], ignore_index=True).astype(TABLE_DTYPES)
     return DiffResult(
@@ -338,8 +363,9 @@ def _step_predicate(spec: StepFilter) -> _StepRanges:
     if spec is None:
         return _StepRanges(None)
     ranges: list[tuple[float, float]] = []
-    if isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(v, int) for v in spec):
-        ranges.append((spec[0], spec[1]))
+    pair = step_pair(spec)
+    if pair is not None:
+        ranges.append(pair)
     elif isinstance(spec, str):
         for part in filter(None, (p.strip() for p in spec.split(","))):
             first, dash, last = part.partition("-")
@@ -353,6 +379,9 @@ def _step_predicate(spec: StepFilter) -> _StepRanges:
             ranges.append((lo, hi))
     else:
         ranges.extend((int(s), int(s)) for s in spec)
+    beyond = [v for pair in ranges for v in pair if STEP_MAX < v < float("inf")]
+    if beyond:
+        raise ConfigError(f"bad step {beyond[0]}: steps go up to {STEP_MAX:,} (int64)")
     return _StepRanges(ranges)
 
 

@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from hooktrace.errors import ConfigError
+from hooktrace.trace.filters import step_pair
 from hooktrace.trace.reader import Trace
 
 SEVERITIES: Final = ("error", "warning", "info")
@@ -122,12 +123,13 @@ def step_filter(spec: StepsSpec) -> tuple[int, int] | list[int] | None:
                 f"bad steps {spec!r}: write a step or an inclusive range: '5', '0-100' or '100-'"
             ) from None
         return _checked((lo, hi))
-    if isinstance(spec, tuple) and len(spec) == 2 and all(isinstance(v, int) for v in spec):
-        return _checked((spec[0], spec[1]))
+    pair = step_pair(spec)
+    if pair is not None:
+        return _checked(pair)
     steps = list(spec)
-    if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps):
+    if not all(isinstance(s, int | np.integer) and not isinstance(s, bool) for s in steps):
         raise ConfigError("steps must be step numbers, a (first, last) pair or a string '0-100'")
-    return steps
+    return [int(s) for s in steps]
 
 
 def step_chunks(

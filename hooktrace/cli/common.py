@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -120,19 +121,34 @@ def emit_frame(
 
 class FrameWriter:
     """Writes a table chunk by chunk in ``--format`` csv, json (an array, a record a line) or
-    parquet, so that memory stays bounded however many rows there are; ``close()`` ends it.
-    Parquet takes its columns' types from ``schema`` where given (a table with no chunk is
-    then an empty file of those columns), else from the first chunk."""
+    parquet, so that memory stays bounded however many rows there are. Parquet takes its
+    columns' types from ``schema`` where given (a table with no chunk is then an empty file
+    of those columns), else from the first chunk.
+
+    Used as a context manager: the table is ended where the block ends, and only then does
+    ``--output`` appear (it is written beside, under a temporary name). Where the block
+    raises, nothing is ended and the temporary file is removed: a command that fails leaves
+    no file that reads as a whole answer, and an earlier file of that name as it was."""
 
     def __init__(self, fmt: str, output: Path | None, *, schema: Any = None) -> None:
         if fmt == "parquet" and output is None:
             raise CommandError("--format parquet writes a binary file: give --output FILE.parquet")
         self.fmt = fmt
         self.output = output
+        self.partial = None if output is None else output.with_name(f".{output.name}.partial")
         self.schema = schema
         self.stream: Any = None
         self.parquet: Any = None
         self.chunks = 0
+
+    def __enter__(self) -> FrameWriter:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.abort()
 
     def write(self, frame: pd.DataFrame) -> None:
         if self.fmt == "parquet":
@@ -153,23 +169,40 @@ class FrameWriter:
         if self.parquet is None:
             import pyarrow.parquet as pq
 
-            self.parquet = pq.ParquetWriter(self.output, self.schema or first)
+            self.parquet = pq.ParquetWriter(self.partial, self.schema or first)
         return self.parquet
 
     def close(self) -> None:
+        """End the table, and put the file in place."""
         if self.fmt == "json":
             self._text("\n]\n" if self.chunks else "[]\n")
         if self.fmt == "parquet" and self.parquet is None and self.schema is not None:
             self._parquet(self.schema)  # no chunk: an empty file of the columns
-        if self.parquet is not None:
-            self.parquet.close()
-        if self.stream is not None:
-            self.stream.close()
+        self._close_files()
+        if self.partial is not None and self.partial.exists():
+            self.partial.replace(self.output)  # type: ignore[arg-type]
+
+    def abort(self) -> None:
+        """Leave the table unended, and remove what was written to the file."""
+        with contextlib.suppress(Exception):  # the error that aborts is the one to report
+            self._close_files()
+        if self.partial is not None:
+            with contextlib.suppress(OSError):
+                self.partial.unlink()
+
+    def _close_files(self) -> None:
+        parquet, stream, self.parquet, self.stream = self.parquet, self.stream, None, None
+        try:
+            if parquet is not None:
+                parquet.close()
+        finally:
+            if stream is not None:
+                stream.close()
 
     def _text(self, text: str) -> None:
         if self.output is None:
             click.echo(text, nl=False)
             return
         if self.stream is None:
-            self.stream = self.output.open("w")
+            self.stream = self.partial.open("w")  # type: ignore[union-attr]
         self.stream.write(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable
@@ -90,24 +91,23 @@ def diff(
     writer = None if fmt == "table" else FrameWriter(fmt, output, schema=schema)
     pool = _system_allocator()
     try:
-        result = diff_runs(
-            run_a,
-            run_b,
-            rtol=rtol,
-            atol=atol,
-            steps=steps,
-            modules=modules,
-            kinds=_split(kinds, str, "--kinds"),
-            ranks=_split(ranks, int, "--ranks"),
-            rank=rank,
-            against_rank=against_rank,
-            rows="all" if all_rows else "differing",
-            sink=writer.write if writer is not None else lambda frame: None,
-            stop_at_first=stop_at_first,
-        )
+        with writer or contextlib.nullcontext():
+            result = diff_runs(
+                run_a,
+                run_b,
+                rtol=rtol,
+                atol=atol,
+                steps=steps,
+                modules=modules,
+                kinds=_split(kinds, str, "--kinds"),
+                ranks=_split(ranks, int, "--ranks"),
+                rank=rank,
+                against_rank=against_rank,
+                rows="all" if all_rows else "differing",
+                sink=writer.write if writer is not None else lambda frame: None,
+                stop_at_first=stop_at_first,
+            )
     finally:
-        if writer is not None:
-            writer.close()
         if pool is not None:
             import pyarrow as pa
 

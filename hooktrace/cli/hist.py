@@ -93,11 +93,8 @@ def hist(
         frame = histograms(run, **options, max_steps=max_steps or MAX_STEPS)
         emit_frame(frame, fmt, output, table_text=render(run, frame))
         return
-    writer = FrameWriter(fmt, output)  # chunk by chunk: every step of a long run fits
-    try:
+    with FrameWriter(fmt, output) as writer:  # chunk by chunk: every step of a long run fits
         histograms(run, **options, max_steps=max_steps, sink=writer.write)
-    finally:
-        writer.close()
 
 
 def _ints(text: str | None, option: str) -> list[int] | None:

@@ -33,6 +33,20 @@ def in_order(frame: pd.DataFrame, columns: list[str]) -> bool:
     return True
 
 
+STEP_MAX = 2**63 - 1
+"""The largest step a trace can hold (an int64)."""
+
+
+def step_pair(spec: object) -> tuple[int, int] | None:
+    """``spec`` as a (first, last) pair of steps where it is a 2-tuple of integers (Python's
+    or numpy's, as a DataFrame's ``min()`` and ``max()`` give them; not bools), else None."""
+    if not isinstance(spec, tuple) or len(spec) != 2:
+        return None
+    if any(isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer) for v in spec):
+        return None
+    return int(spec[0]), int(spec[1])
+
+
 def steps_given(
     steps: Iterable[int] | tuple[int, int] | None,
 ) -> list[int] | tuple[int, int] | None:

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 
 from hooktrace.errors import TraceError
 from hooktrace.trace import schema, tables
@@ -66,7 +68,7 @@ class RecordStream:
         self._fragments: dict[int, tuple[Path, Any]] = {}  # per rank, the part being read
         found: dict[int, list[_Group]] = {}
         for part in parts:
-            for group in _groups(part, trace._metadata[part]):
+            for group in map(_with_span, _groups(part, trace._metadata[part])):
                 if span is None or (group.first <= span[1] and span[0] <= group.last):
                     found.setdefault(rank_of(part), []).append(group)
         for rank, groups in found.items():
@@ -157,6 +159,23 @@ def _groups(part: Path, metadata: Any) -> list[_Group]:
         else:
             found.append(_Group(part, i, int(stats.min), int(stats.max), constant))
     return found
+
+
+def _with_span(group: _Group) -> _Group:
+    """``group`` with its step span, read from its ``step`` column where its footer does not
+    say (a part rewritten without statistics): else it would sort first, and every such
+    group be read and held at the first window. Where that column cannot be read, the span
+    stays open, and the reading of the group says why."""
+    if group.first != float("-inf"):
+        return group
+    try:
+        steps = pq.ParquetFile(group.part).read_row_group(group.index, columns=["step"])
+    except (OSError, pa.ArrowException):
+        return group
+    span = pc.min_max(steps.column("step"))
+    if span["min"].as_py() is None:  # no records: nothing to read
+        return _Group(group.part, group.index, float("inf"), float("inf"), group.constant)
+    return _Group(group.part, group.index, span["min"].as_py(), span["max"].as_py(), group.constant)
 
 
 _MADE = ("segment", "tensor_key")
