@@ -128,6 +128,14 @@ def cases(p: Pair) -> list[tuple[str, str, str | None]]:
             "ORDER BY step, seq LIMIT 1').fetchall()\n"
             "answer = f'{len(jumps)} modules with grad-norm jumps'",
         ),
+        (
+            "anomalies (against its checks by hand)",
+            cli(["anomalies", b], "out.output.splitlines()[0]"),
+            "found = con.execute(ANOMALY_CHECKS.format(records=R(B))).fetchall()\n"
+            "nan = con.execute(f'SELECT step, seq, module FROM {R(B)} WHERE nan_count > 0 "
+            "OR inf_count > 0 ORDER BY step, seq LIMIT 1').fetchall()\n"
+            "answer = f'{len(found) + len(nan)} findings'",
+        ),
         ("dead-relus", cli(["dead-relus", a], "out.output.splitlines()[0]"), None),
         (
             f"replay --step {step}",
@@ -257,7 +265,48 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-FIRST_DEFS = f"FIRST = {FIRST!r}\nKEYS = {KEYS!r}\nDIFFERS = {DIFFERS!r}\n"
+# the checks of `hooktrace anomalies` as one would write them by hand in DuckDB (but for the
+# non-finite origins, a query of its own): the gradient norm and the output norm of each
+# module per step against the median of the 20 steps before (log10), the spread from their
+# quartiles, spikes and explosions past ten times and a hundred times the baseline,
+# vanishing and exploding bounds, parameters whose .grad is always None, gradients exactly
+# zero. The baseline is the plain rolling median: anomalies' leaves the high steps out.
+ANOMALY_CHECKS = """
+WITH norms AS (
+    SELECT 'grad' AS series, rank, module, step, sqrt(sum(norm * norm)) AS v FROM {records}
+    WHERE kind = 'grad_param' AND dtype <> 'None' GROUP BY ALL
+    UNION ALL
+    SELECT 'output', rank, module, step, sqrt(avg(norm * norm)) FROM {records}
+    WHERE kind = 'output' AND phase = 'train' GROUP BY ALL),
+logs AS (SELECT *, CASE WHEN v > 0 AND isfinite(v) THEN log10(v) END AS z FROM norms),
+judged AS (
+    SELECT *, median(z) OVER w AS base,
+           (quantile_cont(z, 0.75) OVER w - quantile_cont(z, 0.25) OVER w) / 1.349 AS spread
+    FROM logs
+    WINDOW w AS (PARTITION BY series, rank, module ORDER BY step
+                 ROWS BETWEEN 20 PRECEDING AND 1 PRECEDING)),
+series AS (
+    SELECT series, rank, module,
+           count(*) FILTER (WHERE z - base >= greatest(1, 5 * spread)) AS high,
+           count(*) FILTER (WHERE z - base >= greatest(2, 5 * spread)) AS explosive,
+           count(*) FILTER (WHERE v > 1e6) AS above,
+           count(*) FILTER (WHERE v > 0 AND v < 1e-7) AS vanishing
+    FROM judged GROUP BY ALL),
+never AS (
+    SELECT rank, module FROM {records} WHERE kind = 'grad_param'
+    GROUP BY rank, module, slot HAVING bool_and(dtype = 'None')),
+zero AS (
+    SELECT rank, module, count(DISTINCT step) AS steps FROM {records}
+    WHERE kind = 'grad_param' AND dtype <> 'None' AND norm = 0 GROUP BY ALL)
+SELECT series, rank, module FROM series WHERE high + above + vanishing > 0
+UNION ALL SELECT 'no_gradient', rank, module FROM never
+UNION ALL SELECT 'zero_gradient', rank, module FROM zero
+"""
+
+FIRST_DEFS = (
+    f"FIRST = {FIRST!r}\nKEYS = {KEYS!r}\nDIFFERS = {DIFFERS!r}\n"
+    f"ANOMALY_CHECKS = {ANOMALY_CHECKS!r}\n"
+)
 
 
 if __name__ == "__main__":
