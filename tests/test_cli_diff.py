@@ -144,7 +144,7 @@ def test_rank_against_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         (["{a}", "{a}", "--format", "parquet"], "give --output"),
         (["{a}", "{a}", "--rank", "1"], "--rank goes with --against-rank"),
         (["{a}", "{a}", "--modules", "("], "bad module pattern"),
-        (["{a}", "{a}", "--steps", "99999999999999999999-"], "steps go up to"),
+        (["{a}", "{a}", "--steps", "99999999999999999999-"], "go up to 9,223,372,036"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

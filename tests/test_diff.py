@@ -208,13 +208,28 @@ def test_chunks_give_the_same_answer(base: Path, tmp_path: Path) -> None:
             bounded.table, whole.table.head(30), check_dtype=False, check_categorical=False
         )
         assert bounded.notes == [
-            f"the table holds the first 30 records of {whole.records:,} (max_rows): pass sink= "
-            "to have them all chunk by chunk, or max_rows=None (`hooktrace diff --format "
+            f"the table holds the first 30 of {whole.records:,} records (max_rows): pass sink= "
+            "to have them all chunk by chunk, or max_rows=None (`hooktrace diff --all --format "
             "parquet -o FILE` writes them all)"
         ]
         assert (bounded.first, bounded.differing) == (whole.first, whole.differing)
         pd.testing.assert_frame_equal(bounded.modules, whole.modules)
     assert hooktrace.diff(base, other, rows="all", max_rows=None).notes == []
+    differing = hooktrace.diff(base, other, max_rows=2)
+    pd.testing.assert_frame_equal(
+        differing.table,
+        whole.table[whole.table["status"] != "equal"].head(2).reset_index(drop=True),
+        check_dtype=False,
+        check_categorical=False,
+    )
+    assert differing.notes[0].startswith(
+        f"the table holds the first 2 of {whole.differing:,} differing records (max_rows)"
+    )
+    with pytest.raises(ConfigError, match="max_rows must be 0 or more"):
+        hooktrace.diff(base, other, max_rows=-3)
+    for steps in [(-(2**64), 3), [-1, 2], "0-99999999999999999999"]:
+        with pytest.raises(ConfigError, match="steps count from 0 and go up to"):
+            hooktrace.diff(base, other, steps=steps, kinds=["output"])
 
 
 def test_filters(base: Path, tmp_path: Path) -> None:

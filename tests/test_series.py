@@ -39,11 +39,30 @@ def test_a_series_passed_over_has_no_episode(found: list[list[float]], window: i
     config = Config(window, 10.0, 100.0, 1e6)
     flat, starts, ends = concatenated(found)
     screened = may_rise_all(flat, starts, ends, window, 1.0)
+    whole, series.PADDED_VALUES = series.PADDED_VALUES, 5  # a group of series a few values
+    try:
+        assert may_rise_all(flat, starts, ends, window, 1.0).tolist() == screened.tolist()
+    finally:
+        series.PADDED_VALUES = whole
     for one, may in zip(found, screened, strict=True):
         assert may or not episodes(np.array(one), config)
         judged = np.array([v for v in one if math.isfinite(v) and v > 0])
         if len(judged) == len(one):  # a series episodes() judges whole: the screen is _rises
             assert may == series._rises(np.log10(judged), window, 1.0)
+
+
+def test_a_window_longer_than_every_series_is_all_before() -> None:
+    found = [[1.0, 2.0, 11.0], [5.0], [3.0, 3.0]]
+    for window in (2, 3, 1000):
+        assert may_rise_all(*concatenated(found), window=window, jump=1.0).tolist() == [
+            True,
+            False,
+            False,
+        ]
+    assert may_rise_all(*concatenated([[5.0], [50.0]]), window=20, jump=1.0).tolist() == [
+        False,
+        False,
+    ]
 
 
 def test_each_series_is_screened_against_its_own_past_only() -> None:

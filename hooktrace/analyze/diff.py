@@ -105,6 +105,8 @@ def diff(
         raise ConfigError(f"rtol and atol must be 0 or more (got rtol={rtol}, atol={atol})")
     if rows not in ("differing", "all"):
         raise ConfigError(f"rows must be 'differing' or 'all' (got {rows!r})")
+    if max_rows is not None and max_rows < 0:
+        raise ConfigError(f"max_rows must be 0 or more, or None for no bound (got {max_rows})")
     if against_rank is not None and ranks is not None:
         raise ConfigError("give either ranks or rank/against_rank, not both")
     if run_b is None and against_rank is None:
@@ -196,11 +198,13 @@ def diff(
             "`hooktrace check` says what is damaged"
         )
     if left_out:
-        shown = max_rows or 0
+        shown, listed = max_rows or 0, "records" if rows == "all" else "differing records"
+        command = "--all --format parquet" if rows == "all" else "--format parquet"
         notes.append(
-            f"the table holds the first {shown:,} records of {shown + left_out:,} (max_rows): "
-            "pass sink= to have them all chunk by chunk, or max_rows=None (`hooktrace diff "
-            "--format parquet -o FILE` writes them all)"
+            f"the table holds the first {shown:,} of {shown + left_out:,} {listed}"
+            f"{' read' if acc.stopped_at is not None else ''} (max_rows): pass sink= to have "
+            f"them all chunk by chunk, or max_rows=None (`hooktrace diff {command} -o FILE` "
+            "writes them all)"
         )
     table = pd.concat([empty, *kept], ignore_index=True).astype(TABLE_DTYPES)
     return DiffResult(
@@ -379,9 +383,11 @@ def _step_predicate(spec: StepFilter) -> _StepRanges:
             ranges.append((lo, hi))
     else:
         ranges.extend((int(s), int(s)) for s in spec)
-    beyond = [v for pair in ranges for v in pair if STEP_MAX < v < float("inf")]
+    beyond = [v for pair in ranges for v in pair if not 0 <= v <= STEP_MAX and v != float("inf")]
     if beyond:
-        raise ConfigError(f"bad step {beyond[0]}: steps go up to {STEP_MAX:,} (int64)")
+        raise ConfigError(
+            f"bad step {beyond[0]}: steps count from 0 and go up to {STEP_MAX:,} (int64)"
+        )
     return _StepRanges(ranges)
 
 

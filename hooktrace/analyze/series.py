@@ -13,6 +13,7 @@ baseline (half the jump in log scale), so a steady 10x-a-step growth starts wher
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections import deque
 from collections.abc import Iterable
@@ -264,10 +265,34 @@ def may_rise_all(
     (not finite, or not above 0) is True: it leaves such values out of its windows, and
     decides itself.
 
-    All series at once, in a few passes over ``values``: each series' windows see ``window``
-    times +inf before its first value, never the series before it."""
+    Many series at once, in a few passes over their values: each series' windows see
+    ``window`` times +inf before its first value, never the series before it; a group of
+    series holds about :data:`PADDED_VALUES` values with those, whatever the window."""
+    found = np.zeros(len(starts), dtype=bool)
     if not len(starts):
-        return np.zeros(0, dtype=bool)
+        return found
+    lengths = ends - starts
+    window = min(window, int(lengths.max()) - 1)  # no window sees more than all before
+    if window < 1:  # one value a series: nothing to rise from
+        return found
+    group = np.cumsum(lengths + window) // PADDED_VALUES
+    cuts = [0, *(np.flatnonzero(np.diff(group)) + 1).tolist(), len(starts)]
+    for first, stop in itertools.pairwise(cuts):
+        a, b = int(starts[first]), int(ends[stop - 1])
+        found[first:stop] = _may_rise(
+            values[a:b], starts[first:stop] - a, ends[first:stop] - a, window, jump
+        )
+    return found
+
+
+PADDED_VALUES = 1 << 21
+"""About how many values, padding included, :func:`may_rise_all` screens at once."""
+
+
+def _may_rise(
+    values: np.ndarray, starts: np.ndarray, ends: np.ndarray, window: int, jump: float
+) -> np.ndarray:
+    """:func:`may_rise_all` for series that lie one after the other from ``values[0]``."""
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.where(np.isfinite(values) & (values > 0), np.log10(values), np.nan)
     gappy = np.logical_or.reduceat(np.isnan(z), starts)

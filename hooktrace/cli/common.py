@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import shutil
 import sys
 import warnings
 from collections.abc import Callable
@@ -119,6 +121,11 @@ def emit_frame(
         output.write_text(text)
 
 
+def _plain_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file itself, not a link to one."""
+    return path.is_file() and not path.is_symlink()
+
+
 class FrameWriter:
     """Writes a table chunk by chunk in ``--format`` csv, json (an array, a record a line) or
     parquet, so that memory stays bounded however many rows there are. Parquet takes its
@@ -126,16 +133,20 @@ class FrameWriter:
     of those columns), else from the first chunk.
 
     Used as a context manager: the table is ended where the block ends, and only then does
-    ``--output`` appear (it is written beside, under a temporary name). Where the block
-    raises, nothing is ended and the temporary file is removed: a command that fails leaves
-    no file that reads as a whole answer, and an earlier file of that name as it was."""
+    ``--output`` appear (written beside it under a name of this process, then renamed over
+    it, with the mode of the file it replaces). Where the block raises, nothing is ended and
+    that file is removed: a command that fails leaves no file that reads as a whole answer,
+    and an earlier file of that name as it was. An ``--output`` that is not a plain file (a
+    link, a pipe, a device) is written where it is, as it goes."""
 
     def __init__(self, fmt: str, output: Path | None, *, schema: Any = None) -> None:
         if fmt == "parquet" and output is None:
             raise CommandError("--format parquet writes a binary file: give --output FILE.parquet")
         self.fmt = fmt
         self.output = output
-        self.partial = None if output is None else output.with_name(f".{output.name}.partial")
+        self.target = output  # where the writing goes: output, or a file beside it
+        if output is not None and (not output.exists() or _plain_file(output)):
+            self.target = output.with_name(f".{output.name}.{os.getpid()}.partial")
         self.schema = schema
         self.stream: Any = None
         self.parquet: Any = None
@@ -145,10 +156,14 @@ class FrameWriter:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        if kind is None:
-            self.close()
-        else:
+        if kind is not None:
             self.abort()
+            return
+        try:
+            self.close()
+        except BaseException:
+            self.abort()
+            raise
 
     def write(self, frame: pd.DataFrame) -> None:
         if self.fmt == "parquet":
@@ -169,7 +184,7 @@ class FrameWriter:
         if self.parquet is None:
             import pyarrow.parquet as pq
 
-            self.parquet = pq.ParquetWriter(self.partial, self.schema or first)
+            self.parquet = pq.ParquetWriter(self.target, self.schema or first)
         return self.parquet
 
     def close(self) -> None:
@@ -179,16 +194,20 @@ class FrameWriter:
         if self.fmt == "parquet" and self.parquet is None and self.schema is not None:
             self._parquet(self.schema)  # no chunk: an empty file of the columns
         self._close_files()
-        if self.partial is not None and self.partial.exists():
-            self.partial.replace(self.output)  # type: ignore[arg-type]
+        output, target = self.output, self.target
+        if output is None or target is None or target == output or not target.exists():
+            return
+        if _plain_file(output):
+            shutil.copymode(output, target)
+        target.replace(output)
 
     def abort(self) -> None:
-        """Leave the table unended, and remove what was written to the file."""
+        """Leave the table unended, and remove what was written beside ``--output``."""
         with contextlib.suppress(Exception):  # the error that aborts is the one to report
             self._close_files()
-        if self.partial is not None:
+        if self.target is not None and self.target != self.output:
             with contextlib.suppress(OSError):
-                self.partial.unlink()
+                self.target.unlink()
 
     def _close_files(self) -> None:
         parquet, stream, self.parquet, self.stream = self.parquet, self.stream, None, None
@@ -204,5 +223,5 @@ class FrameWriter:
             click.echo(text, nl=False)
             return
         if self.stream is None:
-            self.stream = self.partial.open("w")  # type: ignore[union-attr]
+            self.stream = self.target.open("w")  # type: ignore[union-attr]
         self.stream.write(text)

@@ -68,7 +68,7 @@ class RecordStream:
         self._fragments: dict[int, tuple[Path, Any]] = {}  # per rank, the part being read
         found: dict[int, list[_Group]] = {}
         for part in parts:
-            for group in map(_with_span, _groups(part, trace._metadata[part])):
+            for group in _with_spans(_groups(part, trace._metadata[part]), trace._metadata[part]):
                 if span is None or (group.first <= span[1] and span[0] <= group.last):
                     found.setdefault(rank_of(part), []).append(group)
         for rank, groups in found.items():
@@ -161,21 +161,32 @@ def _groups(part: Path, metadata: Any) -> list[_Group]:
     return found
 
 
-def _with_span(group: _Group) -> _Group:
-    """``group`` with its step span, read from its ``step`` column where its footer does not
-    say (a part rewritten without statistics): else it would sort first, and every such
-    group be read and held at the first window. Where that column cannot be read, the span
-    stays open, and the reading of the group says why."""
-    if group.first != float("-inf"):
-        return group
+def _with_spans(groups: list[_Group], metadata: Any) -> list[_Group]:
+    """A part's ``groups``, each with its step span, read from its ``step`` column where the
+    footer (``metadata``) does not say (a part rewritten without statistics): else such a
+    group would sort first, and every one be read and held at the first window. Where that
+    column cannot be read, the span stays open, and the reading of the group says why."""
+    if all(group.first != float("-inf") for group in groups):
+        return groups
     try:
-        steps = pq.ParquetFile(group.part).read_row_group(group.index, columns=["step"])
+        opened = pq.ParquetFile(groups[0].part, metadata=metadata)
     except (OSError, pa.ArrowException):
-        return group
-    span = pc.min_max(steps.column("step"))
-    if span["min"].as_py() is None:  # no records: nothing to read
-        return _Group(group.part, group.index, float("inf"), float("inf"), group.constant)
-    return _Group(group.part, group.index, span["min"].as_py(), span["max"].as_py(), group.constant)
+        return groups
+    found = []
+    for group in groups:
+        if group.first != float("-inf"):
+            found.append(group)
+            continue
+        try:
+            span = pc.min_max(opened.read_row_group(group.index, columns=["step"]).column(0))
+        except (OSError, pa.ArrowException):
+            found.append(group)
+            continue
+        first, last = span["min"].as_py(), span["max"].as_py()
+        if first is None:  # no step: nothing a window asks for
+            first = last = float("inf")
+        found.append(_Group(group.part, group.index, first, last, group.constant))
+    return found
 
 
 _MADE = ("segment", "tensor_key")
