@@ -18,6 +18,7 @@ from scale_runs import generate_trace, many_parts, module_names
 from torch import nn
 
 import hooktrace
+from hooktrace.analyze import anomaly_scan
 from hooktrace.analyze.anomaly_scan import Scan
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
@@ -49,6 +50,16 @@ def test_the_reader_path_finds_the_same(
     through_the_reader(monkeypatch)
     chunked = hooktrace.anomalies(SAMPLES / run, steps=steps, chunk_rows=300)  # type: ignore[arg-type]
     same(chunked, whole)
+
+
+@pytest.mark.parametrize("run", ["nan", "exploding", "dead", "underflow", "healthy"])
+def test_series_read_sorted_by_duckdb_find_the_same(
+    run: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the grid of norms would be too large, DuckDB sorts them instead."""
+    grid = hooktrace.anomalies(SAMPLES / run)
+    monkeypatch.setattr(anomaly_scan, "DENSE_BYTES", 0)
+    same(hooktrace.anomalies(SAMPLES / run), grid)
 
 
 def test_a_part_duckdb_cannot_decode_is_left_out_and_said(tmp_path: Path) -> None:
@@ -110,7 +121,10 @@ class Three(nn.Module):
         return x * self.scale + self.shift - self.tilt * x.mean()
 
 
-def test_norms_of_more_than_two_records_sum_as_pandas_does(tmp_path: Path) -> None:
+@pytest.mark.parametrize("grid", [True, False], ids=["a grid", "sorted by DuckDB"])
+def test_norms_of_more_than_two_records_sum_as_pandas_does(
+    tmp_path: Path, grid: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three micro-steps a step (three output records a module) and a module of three
     parameters: the norms are Kahan's sums in seq order, as pandas' groupby makes them, to
     the bit, through either path."""
@@ -124,6 +138,8 @@ def test_norms_of_more_than_two_records_sum_as_pandas_does(tmp_path: Path) -> No
                 F.cross_entropy(model(x), torch.randint(0, 4, (8,))).backward()
             opt.step()
             opt.zero_grad()
+    if not grid:
+        monkeypatch.setattr(anomaly_scan, "DENSE_BYTES", 0)
     trace = hooktrace.load(tmp_path / "run")
     records = trace.records
     keys = ["rank", "module", "step"]

@@ -19,6 +19,7 @@ in seq order (``_EXACT``), only where there is one.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -117,6 +118,7 @@ class Scan:
         self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
         self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
         self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
+        self.recorded: list[dict[str, np.ndarray]] = []  # rank, step: those read, by query
 
     def read(self, steps: tuple[int, int] | list[int] | None, chunk_rows: int) -> None:
         """Every record of ``steps``, through the records view: the steps that hold a NaN or
@@ -132,6 +134,11 @@ class Scan:
             ).fetchnumpy())
         } if queries else {}  # fmt: skip
         self.norms = _Queried(self._con, queries, parameters, self._relations, firsts)
+        if self.recorded:
+            self.norms.grid = (
+                np.unique(self.recorded[0]["rank"]).astype(np.int64),
+                np.unique(self.recorded[0]["step"]).astype(np.int64),
+            )
         if found:
             for chunk in step_chunks(self.trace, found, chunk_rows):
                 self.nonfinite.search(self.trace.query(columns=COLUMNS, steps=chunk))
@@ -197,6 +204,7 @@ class Scan:
             return [], {}
         self.steps += len(recorded["step"])
         self.nonfinite.add_steps(recorded["rank"].astype(np.int64), recorded["step"])
+        self.recorded.append(recorded)
         ids = self._module_ids(run(_FIRST_SHOWN.format(records=records, where=where)))
         more = "norm, nan_count, inf_count" + (", numel, mean, std" if self.ranges else "")
         rows = _ROWS.format(records=records, where=where, more=more)
@@ -324,6 +332,22 @@ def _distinct_steps(steps: np.ndarray) -> list[tuple[str, list[int]]]:
     return [(f"bit_count(bitstring_agg(step, {lo}, {hi}))", [lo, hi]) for lo, hi in windows]
 
 
+def _places(steps: np.ndarray) -> Any:
+    """A function from step numbers to their places in ``steps`` (distinct, in order): a
+    table where they span few more numbers than they hold, else a binary search."""
+    first = int(steps[0])
+    if int(steps[-1]) - first >= 4 * len(steps) + 1024:
+        return lambda found: np.searchsorted(steps, found)
+    table = np.zeros(int(steps[-1]) - first + 1, dtype=np.int64)
+    table[steps - first] = np.arange(len(steps))
+    return lambda found: table[found - first]
+
+
+DENSE_BYTES = 320 << 20
+"""The largest grid of norms (9 bytes a value) that series are read into unsorted; a larger
+one is read sorted by DuckDB, spilling to disk past its memory limit."""
+
+
 class _Incomplete(Exception):
     """A norm left NULL: its group holds more than two records."""
 
@@ -349,12 +373,19 @@ class _Queried:
         self._prefix = prefix
         self._made: list[str] = []
         self._open: pa.RecordBatchReader | None = None
+        self.grid: tuple[np.ndarray, np.ndarray] | None = None  # the ranks and steps read
 
     def tables(
         self, series: str, names: list[str], *, rows: int | None = None
     ) -> Iterator[pd.DataFrame]:
         if series not in self._queries:
             return
+        rows = series_store.BATCH_ROWS if rows is None else rows
+        if self.grid is not None:
+            ranks, steps = self.grid
+            if len(ranks) * len(names) * len(steps) * 9 <= DENSE_BYTES:
+                yield from self._dense(series, names, ranks, steps, rows)
+                return
         norms, exact = self._queries[series]
         after: list[int] = []  # the last (rank, module) given
         complete = False
@@ -371,7 +402,7 @@ class _Queried:
                 f"SELECT rank, module, step, value FROM ({query}) {where} "
                 "ORDER BY rank, module, step",
                 params=[*self._parameters, *after[:1], *after],
-            ).to_arrow_reader(max(1, series_store.BATCH_ROWS if rows is None else rows))
+            ).to_arrow_reader(max(1, rows))
             self._open = ordered
             try:
                 for table in series_store.whole_modules(_checked(ordered, complete), names):
@@ -387,6 +418,69 @@ class _Queried:
                 f"CREATE OR REPLACE TEMP TABLE {self._made[-1]} AS {exact}", self._parameters
             )
             complete = True
+
+    def _dense(
+        self, series: str, names: list[str], ranks: np.ndarray, steps: np.ndarray, rows: int
+    ) -> Iterator[pd.DataFrame]:
+        """:meth:`tables` without sorting: the norms, as DuckDB's aggregation gives them, go
+        into a grid of (rank, module) by step, read back in that order."""
+        norms, exact = self._queries[series]
+        width, span = len(names), len(steps)
+        values = np.zeros((len(ranks) * width, span))
+        present = np.zeros(values.shape, dtype=bool)
+        flat_values, flat_present = values.reshape(-1), present.reshape(-1)
+        place = _places(steps)
+        query = f"SELECT rank, module, step, value FROM ({norms})"
+        complete = False
+        while True:
+            found = self._con.sql(query, params=self._parameters).to_arrow_reader(1 << 17)
+            self._open = found
+            try:
+                for batch in _checked(found, complete):
+                    rank = batch.column("rank").to_numpy()
+                    row = batch.column("module").to_numpy().astype(np.int64)
+                    if len(ranks) > 1:
+                        row += np.searchsorted(ranks, rank) * width
+                    at = row * span + place(batch.column("step").to_numpy())
+                    flat_values[at] = batch.column("value").to_numpy(zero_copy_only=False)
+                    flat_present[at] = True
+                break
+            except _Incomplete:
+                present[:] = False
+            finally:
+                found.close()
+            self._made.append(f"{self._prefix}_{series}_exact")
+            self._con.execute(
+                f"CREATE OR REPLACE TEMP TABLE {self._made[-1]} AS {exact}", self._parameters
+            )
+            query = (
+                f"SELECT g.rank, g.module, g.step, coalesce(g.value, k.value) AS value "
+                f"FROM ({norms}) g LEFT JOIN {self._made[-1]} k USING (rank, module, step)"
+            )
+            complete = True
+        held = np.flatnonzero(present.any(axis=1))
+        per_row = present[held].sum(axis=1)
+        block = np.cumsum(per_row) // max(1, rows)
+        cuts = [0, *(np.flatnonzero(np.diff(block)) + 1).tolist(), len(held)]
+        categories = pd.Index(names)
+        for first, stop in itertools.pairwise(cuts):
+            mine = held[first:stop]
+            taken = present[mine]
+            if taken.all():  # every step of each: no index to make
+                row, column = np.repeat(mine, span), np.tile(np.arange(span), len(mine))
+                value = values[mine].reshape(-1)
+            else:
+                row, column = np.nonzero(taken)
+                row, value = mine[row], values[mine][taken]
+            table = pd.DataFrame(
+                {
+                    "rank": ranks[row // width],
+                    "module": pd.Categorical.from_codes(row % width, categories=categories),
+                    "step": steps[column],
+                    "value": value,
+                }
+            )
+            yield _with_first_seq(table, self._firsts.get(series))
 
     def close(self) -> None:
         if self._open is not None:
