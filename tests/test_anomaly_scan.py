@@ -167,3 +167,21 @@ def test_norms_of_more_than_two_records_sum_as_pandas_does(
             pd.testing.assert_series_equal(
                 got.sort_index(), expected.sort_index(), check_names=False, rtol=0, atol=0
             )
+
+
+def test_squares_summed_into_the_grid_as_one_by_one_whether_close_or_far() -> None:
+    rng = np.random.default_rng(3)
+    for spread in (50, 10**7):  # places close together (a histogram), far apart (add.at)
+        at = rng.integers(0, spread, 3000)
+        values = rng.random(3000) * 10.0 ** rng.integers(-20, 20, 3000)
+        sums, counts = np.zeros(spread), np.zeros(spread, dtype=np.int32)
+        for part in np.array_split(np.arange(3000), 7):  # in batches
+            anomaly_scan._add(sums, counts, at[part], values[part])
+        expected, seen = np.zeros(spread), np.zeros(spread, dtype=np.int64)
+        for place, value in zip(at.tolist(), values.tolist(), strict=True):
+            expected[place] += value
+            seen[place] += 1
+        assert np.array_equal(counts, seen)
+        twice = seen <= 2  # where the order cannot matter, to the bit
+        assert np.array_equal(sums[twice], expected[twice])
+        assert np.allclose(sums, expected, rtol=1e-12, atol=0)

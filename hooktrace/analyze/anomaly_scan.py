@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -157,7 +157,7 @@ class Scan:
             self._con.register(chunk_name, frame)
             try:
                 found, queries = self._reduce(chunk_name, "true", [])
-                for series, (norms, exact) in queries.items():
+                for series, (norms, exact, _, _) in queries.items():
                     store.insert(series, norms)
                     table = store.table(series)
                     self._con.execute(
@@ -187,7 +187,7 @@ class Scan:
 
     def _reduce(
         self, records: str, where: str, parameters: list[Any]
-    ) -> tuple[list[int], dict[str, tuple[str, str]]]:
+    ) -> tuple[list[int], dict[str, _Series]]:
         """Add the tallies of the records of the relation ``records`` (of whole steps,
         ``where``); the steps with a NaN or an Inf, in order, and the queries of the series
         (``grads``, ``outputs``): the norms (:data:`_NORMS`) and the exact ones that they
@@ -216,9 +216,12 @@ class Scan:
             ("outputs", _OUTPUTS, " / count(*)", "min(seq)"),
         ):
             squares = _SQUARES.format(rows=rows, which=which)
-            queries[series] = (
+            queries[series] = _Series(
                 _NORMS.format(squares=squares, per=per, ids=ids, seq=seq),
                 _EXACT.format(kahan=_KAHAN_SUM, squares=squares, per=per, ids=ids),
+                f"SELECT s.rank, i.id AS module, s.step, s.square FROM {squares} s "
+                f"JOIN {ids} i USING (module)",
+                mean=bool(per),
             )
         self._tally_params(run, rows, ids, np.unique(recorded["step"]))
         if self.ranges:
@@ -332,6 +335,23 @@ def _distinct_steps(steps: np.ndarray) -> list[tuple[str, list[int]]]:
     return [(f"bit_count(bitstring_agg(step, {lo}, {hi}))", [lo, hi]) for lo, hi in windows]
 
 
+def _add(sums: np.ndarray, counts: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:
+    """Add ``values`` to ``sums`` at ``at`` (places may repeat), and count them in
+    ``counts``: by a histogram of the places where they lie close together, as a few steps'
+    records do in a grid of steps (far faster than ``np.add.at``); added one by one, in
+    order, either way."""
+    if not len(at):
+        return
+    low, high = int(at.min()), int(at.max())
+    if high - low > 4 * len(at) + (1 << 16):
+        np.add.at(sums, at, values)
+        np.add.at(counts, at, 1)
+        return
+    where = at - low
+    sums[low : high + 1] += np.bincount(where, weights=values, minlength=high - low + 1)
+    counts[low : high + 1] += np.bincount(where, minlength=high - low + 1).astype(counts.dtype)
+
+
 def _places(steps: np.ndarray) -> Any:
     """A function from step numbers to their places in ``steps`` (distinct, in order): a
     table where they span few more numbers than they hold, else a binary search."""
@@ -344,8 +364,19 @@ def _places(steps: np.ndarray) -> Any:
 
 
 DENSE_BYTES = 320 << 20
-"""The largest grid of norms (9 bytes a value) that series are read into unsorted; a larger
-one is read sorted by DuckDB, spilling to disk past its memory limit."""
+"""The largest grid of norms (12 bytes a value: a sum and a count) that series are summed
+into; for a larger one DuckDB groups and sorts them, spilling to disk past its memory limit."""
+
+
+class _Series(NamedTuple):
+    """The queries of a series: its norms (:data:`_NORMS`), the exact ones they leave NULL
+    (:data:`_EXACT`), and the squares they are sums of (rank, module id, step, square);
+    whether a norm is the root of their mean (else of their sum)."""
+
+    norms: str
+    exact: str
+    squares: str
+    mean: bool
 
 
 class _Incomplete(Exception):
@@ -361,7 +392,7 @@ class _Queried:
     def __init__(
         self,
         con: Any,
-        queries: dict[str, tuple[str, str]],
+        queries: dict[str, _Series],
         parameters: list[Any],
         prefix: str,
         firsts: dict[str, dict[int, np.ndarray]],
@@ -383,10 +414,10 @@ class _Queried:
         rows = series_store.BATCH_ROWS if rows is None else rows
         if self.grid is not None:
             ranks, steps = self.grid
-            if len(ranks) * len(names) * len(steps) * 9 <= DENSE_BYTES:
+            if len(ranks) * len(names) * len(steps) * 12 <= DENSE_BYTES:
                 yield from self._dense(series, names, ranks, steps, rows)
                 return
-        norms, exact = self._queries[series]
+        norms, exact, _, _ = self._queries[series]
         after: list[int] = []  # the last (rank, module) given
         complete = False
         while True:
@@ -422,56 +453,53 @@ class _Queried:
     def _dense(
         self, series: str, names: list[str], ranks: np.ndarray, steps: np.ndarray, rows: int
     ) -> Iterator[pd.DataFrame]:
-        """:meth:`tables` without sorting: the norms, as DuckDB's aggregation gives them, go
-        into a grid of (rank, module) by step, read back in that order."""
-        norms, exact = self._queries[series]
+        """:meth:`tables` without grouping or sorting in DuckDB: the squares of the series'
+        norms, as the records give them, are summed into a grid of step by (rank, module)
+        (step first: the records come a step at a time), read back by (rank, module). A sum
+        of one or two squares is the same whatever the order, and DuckDB's; the groups of
+        more than two take :data:`_EXACT`'s values."""
+        _, exact, squares, mean = self._queries[series]
         width, span = len(names), len(steps)
-        values = np.zeros((len(ranks) * width, span))
-        present = np.zeros(values.shape, dtype=bool)
-        flat_values, flat_present = values.reshape(-1), present.reshape(-1)
+        sums = np.zeros((span, len(ranks) * width))
+        counts = np.zeros(sums.shape, dtype=np.int32)
+        flat_sums, flat_counts = sums.reshape(-1), counts.reshape(-1)
         place = _places(steps)
-        query = f"SELECT rank, module, step, value FROM ({norms})"
-        complete = False
-        while True:
-            found = self._con.sql(query, params=self._parameters).to_arrow_reader(1 << 17)
-            self._open = found
-            try:
-                for batch in _checked(found, complete):
-                    rank = batch.column("rank").to_numpy()
-                    row = batch.column("module").to_numpy().astype(np.int64)
-                    if len(ranks) > 1:
-                        row += np.searchsorted(ranks, rank) * width
-                    at = row * span + place(batch.column("step").to_numpy())
-                    flat_values[at] = batch.column("value").to_numpy(zero_copy_only=False)
-                    flat_present[at] = True
-                break
-            except _Incomplete:
-                present[:] = False
-            finally:
-                found.close()
-            self._made.append(f"{self._prefix}_{series}_exact")
-            self._con.execute(
-                f"CREATE OR REPLACE TEMP TABLE {self._made[-1]} AS {exact}", self._parameters
-            )
-            query = (
-                f"SELECT g.rank, g.module, g.step, coalesce(g.value, k.value) AS value "
-                f"FROM ({norms}) g LEFT JOIN {self._made[-1]} k USING (rank, module, step)"
-            )
-            complete = True
-        held = np.flatnonzero(present.any(axis=1))
-        per_row = present[held].sum(axis=1)
-        block = np.cumsum(per_row) // max(1, rows)
+        found = self._con.sql(squares, params=self._parameters).to_arrow_reader(1 << 17)
+        self._open = found
+        try:
+            for batch in found:
+                at = batch.column("module").to_numpy().astype(np.int64)
+                if len(ranks) > 1:
+                    at += np.searchsorted(ranks, batch.column("rank").to_numpy()) * width
+                at += place(batch.column("step").to_numpy()) * sums.shape[1]
+                _add(flat_sums, flat_counts, at, batch.column("square").to_numpy(False))
+        finally:
+            found.close()
+        present = counts > 0
+        values = sums  # in place: the norms
+        if mean:
+            np.divide(sums, np.maximum(counts, 1), out=values)
+        np.sqrt(values, out=values)
+        if (counts > 2).any():
+            exact_rows = self._con.execute(exact, self._parameters).fetchnumpy()
+            row = exact_rows["module"].astype(np.int64)
+            if len(ranks) > 1:
+                row += np.searchsorted(ranks, exact_rows["rank"]) * width
+            values[place(exact_rows["step"]), row] = exact_rows["value"]
+        del sums, counts
+        held = np.flatnonzero(present.any(axis=0))
+        block = np.cumsum(present[:, held].sum(axis=0)) // max(1, rows)
         cuts = [0, *(np.flatnonzero(np.diff(block)) + 1).tolist(), len(held)]
         categories = pd.Index(names)
         for first, stop in itertools.pairwise(cuts):
             mine = held[first:stop]
-            taken = present[mine]
+            taken = present[:, mine].T
             if taken.all():  # every step of each: no index to make
                 row, column = np.repeat(mine, span), np.tile(np.arange(span), len(mine))
-                value = values[mine].reshape(-1)
+                value = values[:, mine].T.reshape(-1)
             else:
                 row, column = np.nonzero(taken)
-                row, value = mine[row], values[mine][taken]
+                row, value = mine[row], values[:, mine].T[taken]
             table = pd.DataFrame(
                 {
                     "rank": ranks[row // width],
