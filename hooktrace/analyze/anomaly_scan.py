@@ -536,8 +536,10 @@ def _with_first_seq(table: pd.DataFrame, firsts: dict[int, np.ndarray] | None) -
     ``firsts`` has them, as a store's tables give it."""
     if firsts is None:
         return table
-    seq = np.zeros(len(table), dtype=np.int64)
     rank, module = table["rank"].to_numpy(), table["module"].cat.codes.to_numpy()
+    if len(firsts) == 1:  # one rank: no rank to pick
+        return table.assign(seq=next(iter(firsts.values()))[module])
+    seq = np.zeros(len(table), dtype=np.int64)
     for one in np.unique(rank).tolist():
         mine = rank == one
         seq[mine] = firsts[one][module[mine]]

@@ -265,23 +265,33 @@ def may_rise_all(
     (not finite, or not above 0) is True: it leaves such values out of its windows, and
     decides itself.
 
-    Many series at once, in a few passes over their values: each series' windows see
-    ``window`` times +inf before its first value, never the series before it; a group of
-    series holds about :data:`PADDED_VALUES` values with those, whatever the window."""
-    found = np.zeros(len(starts), dtype=bool)
+    Many series at once, in a few passes over their values. A series whose values all lie
+    within the jump of each other is False at once; the others are screened window by
+    window, in groups of about :data:`PADDED_VALUES` values, each series' windows seeing
+    ``window`` times +inf before its first value, never the series before it."""
     if not len(starts):
-        return found
+        return np.zeros(0, dtype=bool)
     lengths = ends - starts
-    window = min(window, int(lengths.max()) - 1)  # no window sees more than all before
-    if window < 1:  # one value a series: nothing to rise from
+    with np.errstate(divide="ignore", invalid="ignore"):
+        z = np.where(np.isfinite(values) & (values > 0), np.log10(values), np.nan)
+    found = np.logical_or.reduceat(np.isnan(z), starts)  # the gappy ones
+    spread = np.fmax.reduceat(z, starts) - np.fmin.reduceat(z, starts)
+    check = ~found & (spread >= jump - SCREEN_MARGIN)
+    if not check.any():
         return found
+    z, lengths = z[np.repeat(check, lengths)], lengths[check]
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    window = min(window, int(lengths.max()) - 1)  # no window sees more than all before
     group = np.cumsum(lengths + window) // PADDED_VALUES
     cuts = [0, *(np.flatnonzero(np.diff(group)) + 1).tolist(), len(starts)]
+    rises = np.zeros(len(starts), dtype=bool)
     for first, stop in itertools.pairwise(cuts):
         a, b = int(starts[first]), int(ends[stop - 1])
-        found[first:stop] = _may_rise(
-            values[a:b], starts[first:stop] - a, ends[first:stop] - a, window, jump
+        rises[first:stop] = _rises_all(
+            z[a:b], starts[first:stop] - a, ends[first:stop] - a, window, jump
         )
+    found[check] = rises
     return found
 
 
@@ -289,21 +299,17 @@ PADDED_VALUES = 1 << 21
 """About how many values, padding included, :func:`may_rise_all` screens at once."""
 
 
-def _may_rise(
-    values: np.ndarray, starts: np.ndarray, ends: np.ndarray, window: int, jump: float
+def _rises_all(
+    z: np.ndarray, starts: np.ndarray, ends: np.ndarray, window: int, jump: float
 ) -> np.ndarray:
-    """:func:`may_rise_all` for series that lie one after the other from ``values[0]``."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.where(np.isfinite(values) & (values > 0), np.log10(values), np.nan)
-    gappy = np.logical_or.reduceat(np.isnan(z), starts)
+    """:func:`_rises` for series of logarithms that lie one after the other from ``z[0]``
+    (none empty; none with a NaN)."""
     series = np.repeat(np.arange(len(starts)), ends - starts)
-    at = np.arange(len(values)) + window * (series + 1)  # each value's place after padding
-    padded = np.full(len(values) + window * len(starts), np.inf)
+    at = np.arange(len(z)) + window * (series + 1)  # each value's place after padding
+    padded = np.full(len(z) + window * len(starts), np.inf)
     padded[at] = z
     low = _sliding_min(padded, window)[at - window]  # the smallest of the window before
-    with np.errstate(invalid="ignore"):
-        rises = z - low >= jump - SCREEN_MARGIN
-    return np.logical_or.reduceat(rises, starts) | gappy
+    return np.logical_or.reduceat(z - low >= jump - SCREEN_MARGIN, starts)
 
 
 def _sliding_min(values: np.ndarray, window: int) -> np.ndarray:
