@@ -6,15 +6,17 @@ Each reduction is one SQL query over a relation of records: the trace's ``record
 where DuckDB cannot decode a part (it does not check page checksums but fails on what it
 cannot decode), each chunk of whole steps that hooktrace's reader gives, which leaves the
 damaged parts out with a warning. Either way the same queries answer. Over the view, the
-norms stay queries until the series checks read them back, sorted by module (no table of
-one value per module per step is made); over chunks, they go into a
+norms are made when the series checks read them: the squares of the records' norms summed
+by numpy into a grid of step by (rank, module), where it holds at most
+:data:`DENSE_BYTES`; past that, grouped and sorted by module in DuckDB (no table of one value
+per module per step is made). Over chunks, they go into a
 :class:`~hooktrace.analyze.series_store.SeriesStore` table. Only the small tallies, the
 tanh/sigmoid outputs and the steps that hold a NaN or an Inf come back to Python; those
 steps are then read in full by the reader for the non-finite origins.
 
 Sums are those of :mod:`hooktrace.analyze.grouped` to the bit: Kahan's, in seq order. A group
-of one or two values sums alike in any order (DuckDB's plain sum); a larger one is summed again
-in seq order (``_EXACT``), only where there is one.
+of one or two values sums alike in any order (DuckDB's plain sum, numpy's in the grid); a
+larger one is summed again in seq order (``_EXACT``), only where there is one.
 """
 
 from __future__ import annotations
