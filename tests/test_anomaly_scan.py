@@ -185,3 +185,47 @@ def test_squares_summed_into_the_grid_as_one_by_one_whether_close_or_far() -> No
         twice = seen <= 2  # where the order cannot matter, to the bit
         assert np.array_equal(sums[twice], expected[twice])
         assert np.allclose(sums, expected, rtol=1e-12, atol=0)
+
+
+class NaNThenHigh(nn.Module):
+    """At step 10 of three micro-steps a step: NaN in the first, 1000 times in the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 31:
+            return x * float("nan")
+        return x * 1000.0 if self.calls in (32, 33) else x
+
+
+@pytest.mark.parametrize("grid", [True, False], ids=["a grid", "sorted by DuckDB"])
+def test_a_nan_among_more_than_two_records_makes_the_norm_nan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, grid: bool
+) -> None:
+    """DuckDB folded bool_or(isnan(square)) to false from the Parquet statistics: the norm of
+    step 10 came out finite, and two activation spikes that the reader path does not see."""
+    if not grid:
+        monkeypatch.setattr(anomaly_scan, "DENSE_BYTES", 0)
+    model = nn.Sequential(nn.Linear(8, 8), NaNThenHigh(), nn.Linear(8, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with hooktrace.record(model, tmp_path / "run"):
+        for _ in range(20):
+            for _ in range(3):
+                F.cross_entropy(model(torch.randn(6, 8)), torch.randint(0, 4, (6,))).backward()
+            opt.step()
+            opt.zero_grad()
+    trace = hooktrace.load(tmp_path / "run")
+    scan = Scan(trace, 0.95)
+    try:
+        scan.read(None, 250_000)
+        norms = pd.concat(list(scan.norms.tables("outputs", scan.names)))
+    finally:
+        scan.close()
+    at_10 = norms[(norms["step"] == 10) & (norms["module"].astype(str) == "1")]
+    assert np.isnan(at_10["value"]).all() and len(at_10) == 1
+    view = hooktrace.anomalies(trace)
+    through_the_reader(monkeypatch)
+    same(hooktrace.anomalies(tmp_path / "run"), view)

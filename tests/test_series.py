@@ -101,3 +101,9 @@ def test_the_findings_of_whole_tables_are_those_of_every_series_judged() -> None
     assert screened == series.gradient_findings([unsorted], CONFIG, 1e-7)
     assert activations == series.activation_findings([unsorted], CONFIG)
     assert {f.kind for f in screened} == {"gradient_spike", "exploding_gradient"}
+
+
+def test_a_jump_of_next_to_nothing_over_series_of_one_value() -> None:
+    # spike_factor 1 + 1e-9: the spread of one value passes; nothing is there to rise from
+    got = may_rise_all(*concatenated([[1.0], [2.0]]), window=5, jump=math.log10(1 + 1e-9))
+    assert got.tolist() == [False, False]

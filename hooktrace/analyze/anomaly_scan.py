@@ -65,10 +65,12 @@ _NORMS = """
     ) g JOIN {ids} i USING (module)"""
 
 # the norms that _NORMS left NULL: NaN if any norm is, else their squares summed one after
-# the other in seq order
+# the other in seq order. Not bool_or(isnan(square)): DuckDB 2.0 folds that to false, trusting
+# the Parquet statistics of norm (which leave NaN out) through the square; NaN sorts above
+# every number, so max() finds it
 _EXACT = """
     SELECT g.rank, i.id AS module, g.step, g.value FROM (
-        SELECT rank, module, step, CASE WHEN bool_or(isnan(square)) THEN 'NaN'::DOUBLE
+        SELECT rank, module, step, CASE WHEN isnan(max(square)) THEN 'NaN'::DOUBLE
                                         ELSE sqrt({kahan}{per}) END AS value
         FROM {squares} GROUP BY ALL HAVING count(*) > 2
     ) g JOIN {ids} i USING (module)"""
@@ -480,14 +482,20 @@ class _Queried:
         present = counts > 0
         values = sums  # in place: the norms
         if mean:
-            np.divide(sums, np.maximum(counts, 1), out=values)
+            np.divide(sums, counts, out=values, where=present)
         np.sqrt(values, out=values)
-        if (counts > 2).any():
-            exact_rows = self._con.execute(exact, self._parameters).fetchnumpy()
-            row = exact_rows["module"].astype(np.int64)
-            if len(ranks) > 1:
-                row += np.searchsorted(ranks, exact_rows["rank"]) * width
-            values[place(exact_rows["step"]), row] = exact_rows["value"]
+        if (counts > 2).any():  # a batch at a time: with micro-steps, that is every cell
+            found = self._con.sql(exact, params=self._parameters).to_arrow_reader(1 << 17)
+            self._open = found
+            try:
+                for batch in found:
+                    at = batch.column("module").to_numpy().astype(np.int64)
+                    if len(ranks) > 1:
+                        at += np.searchsorted(ranks, batch.column("rank").to_numpy()) * width
+                    at += place(batch.column("step").to_numpy()) * sums.shape[1]
+                    values.reshape(-1)[at] = batch.column("value").to_numpy(False)
+            finally:
+                found.close()
         del sums, counts
         held = np.flatnonzero(present.any(axis=0))
         block = np.cumsum(present[:, held].sum(axis=0)) // max(1, rows)

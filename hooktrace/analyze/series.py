@@ -283,6 +283,9 @@ def may_rise_all(
     ends = np.cumsum(lengths)
     starts = ends - lengths
     window = min(window, int(lengths.max()) - 1)  # no window sees more than all before
+    if window < 1:  # one value a series (a jump of next to nothing passes the spread)
+        found[check] = False
+        return found
     group = np.cumsum(lengths + window) // PADDED_VALUES
     cuts = [0, *(np.flatnonzero(np.diff(group)) + 1).tolist(), len(starts)]
     rises = np.zeros(len(starts), dtype=bool)
