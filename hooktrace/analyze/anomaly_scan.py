@@ -22,7 +22,7 @@ larger one is summed again in seq order (``_EXACT``), only where there is one.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -188,6 +188,7 @@ class Scan:
             self._con.close()
         elif self._con is not None:
             self._con.execute(f"DROP TABLE IF EXISTS {self._relations}_ids")
+            self._con.execute(f"DROP TYPE IF EXISTS {self._relations}_modules")
 
     def _reduce(
         self, records: str, where: str, parameters: list[Any]
@@ -223,8 +224,8 @@ class Scan:
             queries[series] = _Series(
                 _NORMS.format(squares=squares, per=per, ids=ids, seq=seq),
                 _EXACT.format(kahan=_KAHAN_SUM, squares=squares, per=per, ids=ids),
-                f"SELECT s.rank, i.id AS module, s.step, s.square FROM {squares} s "
-                f"JOIN {ids} i USING (module)",
+                f"SELECT rank, module::{self._relations}_modules AS module, step, square "
+                f"FROM {squares}",
                 mean=bool(per),
             )
         self._tally_params(run, rows, ids, np.unique(recorded["step"]))
@@ -251,6 +252,13 @@ class Scan:
             self.names.append(name)
         ids = f"{self._relations}_ids"
         self._con.execute(f"CREATE TEMP TABLE IF NOT EXISTS {ids} (module VARCHAR, id INTEGER)")
+        # the names as an ENUM too, in id order: a cast to it gives the ids in the records'
+        # order, where a join with the table would not keep it
+        self._con.execute(
+            f"CREATE OR REPLACE TYPE {self._relations}_modules AS ENUM "
+            "(SELECT unnest(?::VARCHAR[]))",
+            [self.names],
+        )
         if new:
             added = pd.DataFrame({"module": new, "id": [self._ids[n] for n in new]})
             self._con.register(f"{ids}_new", added)
@@ -337,6 +345,13 @@ def _distinct_steps(steps: np.ndarray) -> list[tuple[str, list[int]]]:
     if len(windows) > 4:
         return [("count(DISTINCT step)", [int(steps[0]), int(steps[-1])])]
     return [(f"bit_count(bitstring_agg(step, {lo}, {hi}))", [lo, hi]) for lo, hi in windows]
+
+
+def _codes(module: pa.Array) -> np.ndarray:
+    """Module ids, from an ENUM's codes or from ids, as int64."""
+    if pa.types.is_dictionary(module.type):
+        module = module.indices
+    return module.to_numpy().astype(np.int64)
 
 
 def _add(sums: np.ndarray, counts: np.ndarray, at: np.ndarray, values: np.ndarray) -> None:
@@ -471,8 +486,8 @@ class _Queried:
         found = self._con.sql(squares, params=self._parameters).to_arrow_reader(1 << 17)
         self._open = found
         try:
-            for batch in found:
-                at = batch.column("module").to_numpy().astype(np.int64)
+            for batch in _from_duckdb(found):
+                at = _codes(batch.column("module"))
                 if len(ranks) > 1:
                     at += np.searchsorted(ranks, batch.column("rank").to_numpy()) * width
                 at += place(batch.column("step").to_numpy()) * sums.shape[1]
@@ -488,7 +503,7 @@ class _Queried:
             found = self._con.sql(exact, params=self._parameters).to_arrow_reader(1 << 17)
             self._open = found
             try:
-                for batch in found:
+                for batch in _from_duckdb(found):
                     at = batch.column("module").to_numpy().astype(np.int64)
                     if len(ranks) > 1:
                         at += np.searchsorted(ranks, batch.column("rank").to_numpy()) * width
@@ -556,8 +571,20 @@ def _with_first_seq(table: pd.DataFrame, firsts: dict[int, np.ndarray] | None) -
     return table.assign(seq=seq)
 
 
-def _checked(ordered: Iterable[pa.RecordBatch], complete: bool) -> Iterator[pa.RecordBatch]:
-    for batch in ordered:
+def _from_duckdb(found: pa.RecordBatchReader) -> Iterator[pa.RecordBatch]:
+    """The batches of a DuckDB query's reader. What DuckDB fails on as it makes them (a part
+    it cannot decode) comes through Arrow as an Arrow error: it is raised as DuckDB's own
+    again, which the scan answers by reading through hooktrace's reader instead."""
+    import duckdb
+
+    try:
+        yield from found
+    except (OSError, pa.ArrowException) as exc:
+        raise duckdb.IOException(str(exc)) from exc
+
+
+def _checked(ordered: pa.RecordBatchReader, complete: bool) -> Iterator[pa.RecordBatch]:
+    for batch in _from_duckdb(ordered):
         if not complete and batch.column("value").null_count:
             raise _Incomplete
         yield batch
