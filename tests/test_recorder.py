@@ -284,6 +284,9 @@ def test_every_steps_and_module_filters(tmp_path: Path) -> None:
     assert sorted(trace.steps["step"]) == [0, 2, 4]
     trace = _train("SharedTwice", tmp_path / "ranges", n_steps=6, steps="1,3-4")
     assert sorted(trace.steps["step"]) == [1, 3, 4]
+    picked = [np.int64(1), (np.int64(3), np.int64(4))]  # numpy's integers, as pandas gives them
+    trace = _train("SharedTwice", tmp_path / "numpy", n_steps=6, steps=picked)
+    assert sorted(trace.steps["step"]) == [1, 3, 4]
     trace = _train("SharedTwice", tmp_path / "modules", modules="^head", params=False)
     assert set(trace.records["module"]) == {"head"}
     trace = _train("SharedTwice", tmp_path / "exclude", exclude=["head"], params=False)

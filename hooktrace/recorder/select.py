@@ -68,6 +68,11 @@ class StepSelection:
         return f"StepSelection({self.ranges!r}, every={self.every})"
 
 
+def _integer(value: object) -> bool:
+    """Whether ``value`` is a step number: an integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def parse_steps(spec: StepSpec) -> list[tuple[int, float]]:
     """Inclusive (first, last) ranges; ``last`` is infinity for open ranges like ``"100-"``."""
     if spec is None:
@@ -88,15 +93,15 @@ def parse_steps(spec: StepSpec) -> list[tuple[int, float]]:
     for item in spec:
         if isinstance(item, bool):
             raise ConfigError(f"bad step {item!r}: give step numbers such as 5 or '0-10'")
-        if isinstance(item, int):
-            ranges.append((item, item))
+        if isinstance(item, numbers.Integral):  # numpy's too
+            ranges.append((int(item), int(item)))
         elif isinstance(item, range):
             if item.step != 1:
                 ranges.extend((s, s) for s in item)
             elif len(item):
                 ranges.append((item.start, item.stop - 1))
-        elif isinstance(item, tuple) and len(item) == 2 and all(isinstance(v, int) for v in item):
-            ranges.append((item[0], item[1]))
+        elif isinstance(item, tuple) and len(item) == 2 and all(_integer(v) for v in item):
+            ranges.append((int(item[0]), int(item[1])))
         elif isinstance(item, str):
             ranges.append(_parse_range(item))
         else:
