@@ -122,7 +122,6 @@ class Scan:
         self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
         self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
         self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
-        self.recorded: list[dict[str, np.ndarray]] = []  # rank, step: those read, by query
 
     def read(self, steps: tuple[int, int] | list[int] | None, chunk_rows: int) -> None:
         """Every record of ``steps``, through the records view: the steps that hold a NaN or
@@ -137,12 +136,12 @@ class Scan:
                 parameters,
             ).fetchnumpy())
         } if queries else {}  # fmt: skip
-        self.norms = _Queried(self._con, queries, parameters, self._relations, firsts)
-        if self.recorded:
-            self.norms.grid = (
-                np.unique(self.recorded[0]["rank"]).astype(np.int64),
-                np.unique(self.recorded[0]["step"]).astype(np.int64),
-            )
+        read = self.nonfinite.recorded  # the steps of each rank read
+        grid = (
+            np.array(sorted(read), dtype=np.int64),
+            np.unique(np.concatenate([np.asarray(s, dtype=np.int64) for s in read.values()])),
+        ) if read else None  # fmt: skip
+        self.norms = _Queried(self._con, queries, parameters, self._relations, firsts, grid)
         if found:
             for chunk in step_chunks(self.trace, found, chunk_rows):
                 self.nonfinite.search(self.trace.query(columns=COLUMNS, steps=chunk))
@@ -209,7 +208,6 @@ class Scan:
             return [], {}
         self.steps += len(recorded["step"])
         self.nonfinite.add_steps(recorded["rank"].astype(np.int64), recorded["step"])
-        self.recorded.append(recorded)
         ids = self._module_ids(run(_FIRST_SHOWN.format(records=records, where=where)))
         more = "norm, nan_count, inf_count" + (", numel, mean, std" if self.ranges else "")
         rows = _ROWS.format(records=records, where=where, more=more)
@@ -405,8 +403,10 @@ class _Incomplete(Exception):
 class _Queried:
     """Series as queries over the records view, read back a few modules at a time as
     :meth:`SeriesStore.tables` does: nothing is held between the scan and the series checks.
-    Where a norm is NULL (a group of more than two records), the exact ones are made once,
-    and the modules not given yet are read again with them."""
+    Where the ``grid`` of ranks and steps read fits :data:`DENSE_BYTES`, the norms are summed
+    into it (:meth:`_dense`); else DuckDB groups and sorts them, and where a norm is NULL (a
+    group of more than two records), the exact ones are made once, and the modules not given
+    yet are read again with them."""
 
     def __init__(
         self,
@@ -415,6 +415,7 @@ class _Queried:
         parameters: list[Any],
         prefix: str,
         firsts: dict[str, dict[int, np.ndarray]],
+        grid: tuple[np.ndarray, np.ndarray] | None,
     ) -> None:
         self._con = con
         self._firsts = firsts  # per series and rank: each module's first seq, by id
@@ -423,7 +424,7 @@ class _Queried:
         self._prefix = prefix
         self._made: list[str] = []
         self._open: pa.RecordBatchReader | None = None
-        self.grid: tuple[np.ndarray, np.ndarray] | None = None  # the ranks and steps read
+        self.grid = grid  # the ranks and the steps read (None: none)
 
     def tables(
         self, series: str, names: list[str], *, rows: int | None = None
