@@ -33,7 +33,7 @@ def test_chunks_come_in_order_and_the_next_is_read_meanwhile() -> None:
         return Box(chunk)
 
     seen = []
-    for chunk, box in read_ahead(range(4), read):
+    for chunk, (box,) in read_ahead(range(4), [read]):
         assert box.chunk == chunk
         seen.append(chunk)
         # the caller works on this chunk while the next one is being read
@@ -56,7 +56,7 @@ def test_a_chunk_is_held_only_while_the_caller_holds_it() -> None:
         alive.append(weakref.ref(box))
         return box
 
-    for chunk, box in read_ahead(range(5), read):
+    for chunk, (box,) in read_ahead(range(5), [read]):
         del box
         gc.collect()
         # what was handed out before this chunk is gone; at most this chunk's and the next
@@ -72,7 +72,7 @@ def test_an_error_in_a_read_reaches_the_caller_and_no_thread_is_left() -> None:
 
     seen = []
     with pytest.raises(OSError, match="disk gone"):
-        for chunk, _ in read_ahead(range(5), read):
+        for chunk, _ in read_ahead(range(5), [read]):
             seen.append(chunk)
     assert seen == [0, 1]
     assert _threads() == []
@@ -85,7 +85,7 @@ def test_stopping_early_waits_for_the_read_in_flight_and_reads_no_more() -> None
         started.append(chunk)
         return Box(chunk)
 
-    reads = read_ahead(range(100), read)
+    reads = read_ahead(range(100), [read])
     for chunk, _ in reads:
         if chunk == 3:
             break
@@ -94,8 +94,33 @@ def test_stopping_early_waits_for_the_read_in_flight_and_reads_no_more() -> None
     assert started == [0, 1, 2, 3, 4]  # one chunk past the last asked for
 
 
+def test_each_read_has_a_thread_of_its_own_and_sees_its_chunks_in_order() -> None:
+    # read "a" of a chunk waits until read "b" of the same chunk has begun: one thread for
+    # both would never get there
+    begun = {chunk: threading.Event() for chunk in range(4)}
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+
+    def read_a(chunk: int) -> Box:
+        assert begun[chunk].wait(5), f"read b of chunk {chunk} never began"
+        seen["a"].append(chunk)
+        return Box(chunk)
+
+    def read_b(chunk: int) -> Box:
+        begun[chunk].set()
+        seen["b"].append(chunk)
+        return Box(chunk)
+
+    got = [(chunk, a.chunk, b.chunk) for chunk, (a, b) in read_ahead(range(4), [read_a, read_b])]
+    assert got == [(c, c, c) for c in range(4)]
+    assert seen == {"a": [0, 1, 2, 3], "b": [0, 1, 2, 3]}
+    assert _threads() == []
+
+
 def test_chunks_are_whole_steps_of_about_the_budget() -> None:
     steps, sizes = [0, 1, 2, 5, 6], [3, 3, 3, 10, 1]
     assert list(in_chunks(steps, sizes, 6)) == [[0, 1], [2, 5], [6]]
     assert list(in_chunks(steps, sizes, 100)) == [steps]
     assert list(in_chunks([], [], 6)) == []
+    # a small first chunk, then the budget
+    assert list(in_chunks(steps, sizes, 6, first=3)) == [[0], [1, 2], [5], [6]]
+    assert list(in_chunks(steps, sizes, 100, first=1)) == [[0], [1, 2, 5, 6]]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -197,3 +199,110 @@ def test_row_groups_without_step_statistics_are_read_when_their_steps_are_due(
     assert held < 7 and len(read) <= 4  # what step 0 needs, not the whole rank
     assert stream.through(11).num_rows + got.num_rows == trace.record_count
     assert hooktrace.diff(path, path, chunk_rows=20).match
+
+
+def test_filters_on_columns_not_handed_out_and_sets_of_steps_keep_what_queries_keep(
+    run: Path,
+) -> None:
+    # the filter reads module, phase and step; only rank, seq and mean are asked for
+    trace = hooktrace.load(run)
+    chosen = {"modules": ["blocks.1.fc", "blocks.0.relu"], "phases": ["train"], "ranks": [0]}
+    columns = ["rank", "seq", "mean"]
+    got = trace.stream(columns=columns, steps=[1, 4, 5, 9], **chosen).through(11)
+    expected = trace.query_table(columns=columns, steps=[1, 4, 5, 9], **chosen)
+    assert got.select(columns).to_pylist() == expected.select(columns).to_pylist()
+    assert 0 < got.num_rows < trace.record_count
+
+
+def test_a_span_cuts_the_row_groups_that_cross_it_and_only_those(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    generate_trace(run, steps=12, modules=5)  # one part
+    _small_row_groups(run, 7)  # 22 records a step: groups that hold two steps
+    filtered: list[int] = []
+    cut = RecordStream._in_span
+
+    def watched(self: RecordStream, table: pa.Table, group: Any) -> pa.Table:
+        kept = cut(self, table, group)
+        filtered.append(int(kept is not table))
+        return kept
+
+    monkeypatch.setattr(RecordStream, "_in_span", watched)
+    trace = hooktrace.load(run)
+    got = trace.stream(columns=COLUMNS, steps=(3, 8)).through(8)
+    expected = trace.query_table(columns=COLUMNS, steps=(3, 8))
+    assert got.select(COLUMNS).to_pylist() == expected.select(COLUMNS).to_pylist()
+    assert set(got.column("step").to_pylist()) == set(range(3, 9))
+    # the groups that cross step 3 or step 8 are cut; those inside are handed out as read
+    assert 0 < sum(filtered) < len(filtered)
+
+
+def test_a_trace_older_than_a_column_hands_it_out_null() -> None:
+    old = Path(__file__).resolve().parent / "fixtures" / "healthy_1_0"  # before notes (1.1)
+    trace = hooktrace.load(old)
+    columns = ["step", "seq", "module", "note", "mean"]
+    got = trace.stream(columns=columns).through(10**9)
+    expected = trace.query_table(columns=columns)
+    assert got.select(columns).to_pylist() == expected.select(columns).to_pylist()
+    assert got.num_rows == trace.record_count and got.column("note").null_count == got.num_rows
+
+
+def test_a_part_written_with_other_types_is_handed_out_as_the_schema_types_it(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "run"
+    generate_trace(path, steps=4, modules=3)
+    for part in sorted((path / "records").glob("rank=*/part-*.parquet")):  # as another tool
+        table = pq.read_table(part)  # might rewrite them: plain strings, wider integers
+        table = table.set_column(
+            table.schema.get_field_index("module"),
+            "module",
+            table.column("module").cast(pa.string()),
+        )
+        table = table.set_column(
+            table.schema.get_field_index("call"), "call", table.column("call").cast(pa.int64())
+        )
+        pq.write_table(table, part)
+    trace = hooktrace.load(path)
+    columns = ["step", "module", "call", "kind", "mean"]
+    got = trace.stream(columns=columns, modules=["blocks.1.fc"]).through(3).select(columns)
+    expected = trace.query_table(columns=columns, modules=["blocks.1.fc"]).select(columns)
+    assert got.schema == expected.schema and got.schema.field("call").type == pa.int32()
+    assert got.to_pylist() == expected.to_pylist() and got.num_rows > 0
+
+
+class _SlowList(list):  # type: ignore[type-arg]
+    """A list whose membership test lets other threads run before it answers."""
+
+    def __contains__(self, item: object) -> bool:
+        found = super().__contains__(item)
+        time.sleep(0.01)
+        return found
+
+
+def test_a_part_found_damaged_by_many_threads_at_once_is_left_out_once(tmp_path: Path) -> None:
+    # the two streams of a diff of a trace with itself read in two threads
+    run = many_parts(tmp_path / "run", steps=12)
+    trace = hooktrace.load(run)
+    trace._parts["records"] = _SlowList(trace._parts["records"])
+    part = trace._parts["records"][3]
+    start = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def drop() -> None:
+        start.wait()
+        try:
+            trace._drop("records", part, "damaged")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    with pytest.warns(TraceWarning, match=part.name) as caught:
+        threads = [threading.Thread(target=drop) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert errors == []
+    assert len([w for w in caught if part.name in str(w.message)]) == 1
+    assert part not in trace._parts["records"] and len(trace.skipped) == 1

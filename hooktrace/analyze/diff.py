@@ -15,6 +15,7 @@ as the CLI does.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -145,12 +146,11 @@ def diff(
     streams = [
         stream_of(t, r, names, kinds, span) for t, r in ((trace_a, ranks_a), (trace_b, ranks_b))
     ]
-    chunks = in_chunks(common, size, max(1, chunk_rows) * 2)
+    budget = max(1, chunk_rows) * 2
+    chunks = in_chunks(common, size, budget, first=max(1, budget // 8))
     # the next chunk is read while this one is compared (a stop at the first divergence has
     # read one chunk past the one that holds it)
-    reads = read_ahead(
-        chunks, lambda chunk: [read_chunk(s, chunk, drop_rank=pair) for s in streams]
-    )
+    reads = read_ahead(chunks, [functools.partial(read_chunk, s, drop_rank=pair) for s in streams])
     try:
         for chunk, tables in reads:
             # rows both runs hold bit for bit are equal: counted here, never compared

@@ -3,7 +3,7 @@ pyarrow reads them, the next chunk read in a thread while this one is compared. 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -19,29 +19,38 @@ _R = TypeVar("_R")
 
 
 def read_ahead(
-    chunks: Iterable[_T], read: Callable[[_T], _R]
-) -> Generator[tuple[_T, _R], None, None]:
-    """``(chunk, read(chunk))`` for each chunk, the next read in a thread meanwhile: pyarrow
-    decodes without the GIL, so reading overlaps the comparison on another core. Closing the
-    generator waits for the read in flight, if any: no thread of it outlives the caller's use
-    of the traces."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="hooktrace-diff-read")
-    pending: list[tuple[_T, Future[_R]]] = []  # at most one; emptied before its result is yielded
+    chunks: Iterable[_T], reads: Sequence[Callable[[_T], _R]]
+) -> Generator[tuple[_T, list[_R]], None, None]:
+    """``(chunk, [read(chunk) for read in reads])`` for each chunk, each read in a thread of
+    its own (two runs are decoded at once), and the next chunk read while the caller works
+    on this one: pyarrow decodes without the GIL. Each read sees its chunks in order, one at
+    a time. Closing the generator waits for the reads in flight: no thread of it outlives
+    the caller's use of the traces."""
+    pools = [
+        ThreadPoolExecutor(1, thread_name_prefix=f"hooktrace-diff-read-{i}")
+        for i in range(len(reads))
+    ]
+    tasks = list(zip(pools, reads, strict=True))
+    # at most one chunk waits; emptied before its results are handed out
+    pending: list[tuple[_T, list[Future[_R]]]] = []
     try:
         for chunk in chunks:
-            pending.append((chunk, pool.submit(read, chunk)))
+            # no name holds the futures: a chunk's tables live only while the caller has them
+            pending.append((chunk, [pool.submit(read, chunk) for pool, read in tasks]))
             if len(pending) == 2:
                 yield _take(pending)
         while pending:
             yield _take(pending)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _take(pending: list[tuple[_T, Future[_R]]]) -> tuple[_T, _R]:
-    """The oldest read, no longer held here (a chunk's tables live only while compared)."""
-    chunk, future = pending.pop(0)
-    return chunk, future.result()
+def _take(pending: list[tuple[_T, list[Future[_R]]]]) -> tuple[_T, list[_R]]:
+    """The oldest chunk's reads, no longer held here (a chunk's tables live only while
+    compared)."""
+    chunk, futures = pending.pop(0)
+    return chunk, [future.result() for future in futures]
 
 
 def read_chunk(stream: RecordStream, chunk: list[int], *, drop_rank: bool) -> pa.Table:
@@ -68,15 +77,20 @@ def stream_of(
     )
 
 
-def in_chunks(steps: list[int], sizes: Any, budget: int) -> Iterable[list[int]]:
-    """``steps`` in runs of whole steps of about ``budget`` records (``sizes``: per step)."""
+def in_chunks(
+    steps: list[int], sizes: Any, budget: int, *, first: int | None = None
+) -> Iterable[list[int]]:
+    """``steps`` in runs of whole steps of about ``budget`` records (``sizes``: per step), the
+    first of about ``first`` (default: ``budget``): a small first chunk starts the work on
+    the other thread sooner."""
     chunk: list[int] = []
     total = 0
+    limit = budget if first is None else first
     for step, n in zip(steps, sizes, strict=True):
         chunk.append(step)
         total += int(n)
-        if total >= budget:
+        if total >= limit:
             yield chunk
-            chunk, total = [], 0
+            chunk, total, limit = [], 0, budget
     if chunk:
         yield chunk

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import warnings
 from collections.abc import Iterable, Sequence
 from functools import cached_property
@@ -49,6 +50,11 @@ MAX_RECORDS = 4_000_000
 (some 400 bytes a record while pyarrow's table and pandas' frame both exist), within the
 2 GB the analyzer keeps to. Past it, ``records`` raises :class:`TraceTooLarge`, which shows the
 filtered ways (:meth:`Trace.query`, :meth:`Trace.sql`)."""
+
+
+_DROPPING = threading.Lock()
+"""Held while a damaged part is left out: the two streams of a diff of a trace with itself
+read it in two threads, and may find the same part damaged at once."""
 
 
 def load(path: str | os.PathLike[str], *, max_records: int | None = MAX_RECORDS) -> Trace:
@@ -271,13 +277,18 @@ class Trace:
         whole trace. Filters as :meth:`query` takes them."""
         steps = steps_given(steps)
         ranks = None if ranks is None else [int(r) for r in ranks]
-        expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases)
+        # a (first, last) range is kept by the stream, which cuts only the row groups that
+        # cross it: a filter would copy every row group to keep all its rows
+        chosen = None if isinstance(steps, tuple) else steps
+        expr = row_filter(steps=chosen, modules=modules, kinds=kinds, ranks=ranks, phases=phases)
         span = step_range(steps)
         columns = _known(columns)
         parts = self._parts[schema.RECORDS_DIR] if span is None else self._parts_holding(*span)
         if ranks is not None:
             parts = [p for p in parts if rank_of(p) in ranks]
-        return RecordStream(self, columns, expr, list(parts), span)
+        given = {"step": chosen, "module": modules, "kind": kinds, "rank": ranks, "phase": phases}
+        filtered = [name for name, chosen in given.items() if chosen is not None]
+        return RecordStream(self, columns, expr, list(parts), span, filtered)
 
     @property
     def has_histograms(self) -> bool:
@@ -549,9 +560,11 @@ class Trace:
     def _drop(self, kind_dir: str, part: Path, why: BaseException | str) -> None:
         """Leave a damaged part out of every later read (``hooktrace check`` finds them);
         once, whoever finds it first."""
-        if part in self._parts[kind_dir]:
+        with _DROPPING:
+            if part not in self._parts[kind_dir]:
+                return
             self._parts[kind_dir].remove(part)
-            self._leave_out(part, why)
+        self._leave_out(part, why)
 
     def _what_exists(self, module: str, kind: str, rank: int) -> str:
         rows = self.query(
