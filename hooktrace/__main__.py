@@ -1,7 +1,5 @@
 """``python -m hooktrace``: the same as the ``hooktrace`` command."""
 
-import sys
+from hooktrace.cli import run
 
-from hooktrace.cli import main
-
-sys.exit(main())
+run()

@@ -128,3 +128,22 @@ def test_python_m_hooktrace(run: Path) -> None:
         [sys.executable, "-m", "hooktrace", "summary", str(run)], capture_output=True, text=True
     )
     assert result.returncode == 0 and "status    complete" in result.stdout
+
+
+def test_the_command_line_runs_atexit_handlers_before_its_quick_exit(run: Path) -> None:
+    # hooktrace.cli.run skips the interpreter's teardown after an analyzer command, not the
+    # handlers registered to run at exit, nor the flush of what was printed
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(print, 'handler ran')\n"
+        f"sys.argv = ['hooktrace', 'summary', {str(run)!r}]\n"
+        "from hooktrace.cli import run\n"
+        "run()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "status    complete" in done.stdout and done.stdout.endswith("handler ran\n")
+    stopped = code.replace("'summary', ", "'summary', '--nope', ")
+    done = subprocess.run([sys.executable, "-c", stopped], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("hooktrace: error: No such option")
+    assert done.stdout == "handler ran\n"

@@ -168,7 +168,7 @@ def test_a_diff_that_fails_leaves_no_file_and_an_earlier_one_as_it_was(
     out.write_text("an earlier answer")
     # the diff fails half way, rows written: the earlier file is left, nothing beside it
     real = diff_library.in_chunks
-    monkeypatch.setattr(diff_library, "in_chunks", lambda s, n, budget: real(s, n, 40))
+    monkeypatch.setattr(diff_library, "in_chunks", lambda s, n, budget, first: real(s, n, 40))
     through = RecordStream.through
 
     def fails_at_step_2(self: object, step: int) -> object:
@@ -217,5 +217,24 @@ def test_works_without_torch(runs: dict[str, Path]) -> None:
     assert same.returncode == 0 and same.stdout.startswith("MATCH"), same.stderr
     differ = run(runs["a"], runs["perturbed"])
     assert differ.returncode == 1 and differ.stdout.startswith("DIFFER"), differ.stderr
+    missing = run(runs["a"], runs["a"].parent / "nope")
+    assert missing.returncode == 2 and missing.stderr.startswith("hooktrace: error: no run at")
+
+
+def test_the_command_line_exits_with_its_code_once_all_its_output_is_out(
+    runs: dict[str, Path],
+) -> None:
+    # `python -m hooktrace` ends without the interpreter's teardown (hooktrace.cli.run): what
+    # the command wrote to a pipe must all be there, with the command's exit code
+    def run(*args: object) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "hooktrace", "diff", *map(str, args)]
+        return subprocess.run(command, capture_output=True, text=True)
+
+    differ = run(runs["a"], runs["perturbed"], "--all", "--format", "csv")
+    assert differ.returncode == 1, differ.stderr
+    written = pd.read_csv(StringIO(differ.stdout))
+    expected = hooktrace.diff(runs["a"], runs["perturbed"], rows="all").table
+    assert len(written) == len(expected) == hooktrace.load(runs["a"]).record_count
+    assert run(runs["a"], runs["same"]).returncode == 0
     missing = run(runs["a"], runs["a"].parent / "nope")
     assert missing.returncode == 2 and missing.stderr.startswith("hooktrace: error: no run at")
