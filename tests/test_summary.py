@@ -67,3 +67,36 @@ def test_a_part_damaged_inside_is_left_out_with_a_warning(tmp_path: Path) -> Non
     with pytest.warns(hooktrace.TraceWarning, match="left out records/rank=0/part-000003"):
         s = summary(run)
     assert s.records == 1600 - rows
+    # counted by hooktrace's reader, as pandas counts what it could read
+    with pytest.warns(hooktrace.TraceWarning):
+        want = _expected(hooktrace.load(run).records)
+    assert (s.records, s.kinds, s.phases) == (want["records"], want["kinds"], want["phases"])
+    per_module = want["per_module"]
+    assert isinstance(per_module, dict)
+    assert dict(zip(s.largest["module"], s.largest["records"], strict=True)) == {
+        m: per_module[m] for m in s.largest["module"]
+    }
+
+
+def test_phases_and_full_tensors_are_counted_as_pandas_counts_them(tmp_path: Path) -> None:
+    # train and eval forwards, full tensors every other step: the kind-and-phase grouping
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run", full_every=2):
+        for _ in range(4):
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(5, 4))
+            model.train()
+    s = summary(tmp_path / "run")
+    want = _expected(hooktrace.load(tmp_path / "run").records)
+    assert set(s.phases) == {"train", "eval"} and s.full_tensors > 0
+    assert (s.records, s.kinds, s.phases) == (want["records"], want["kinds"], want["phases"])
+    assert s.full_tensors == want["full_tensors"]
+    assert dict(zip(s.largest["module"], s.largest["records"], strict=True)) == want["per_module"]

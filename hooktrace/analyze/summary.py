@@ -62,17 +62,17 @@ class Summary:
 def summary(run: str | os.PathLike[str] | Trace) -> Summary:
     """Summarise a run: steps, modules, kinds, sizes and status.
 
-    One DuckDB query counts the records by module, kind and phase (reading three dictionary
-    columns, and the notes and tensor keys, which are nearly all empty); the steps, modules and
-    statuses come from their own small tables. Memory stays bounded whatever the trace's size.
+    One DuckDB query counts the records by module, and by kind and phase (reading three
+    dictionary columns, and the notes and tensor keys, which are nearly all empty); the steps,
+    modules and statuses come from their own small tables. Memory stays bounded whatever the
+    trace's size.
     """
     trace = run if isinstance(run, Trace) else load(run)
-    groups, recorded, skipped = _counted(trace)
+    counts, groups, recorded, skipped = _counted(trace)
     steps_table = trace.steps
     manifest = trace.manifest
     start, end = manifest.get("start_time"), manifest.get("end_time")
     errors = [s.get("error") for s in manifest["ranks"].values() if s.get("error")]
-    counts = groups.groupby("module")["records"].sum().rename("records").reset_index()
     counted, evaluation_only = steps_that_trained(steps_table, recorded)
     # most records first, ties by name: the same order on every machine and pandas version
     counts = counts.sort_values(["records", "module"], ascending=[False, True], kind="stable")
@@ -122,15 +122,19 @@ _NOT_SUMMARISED = f"""
 """
 
 
-def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.Series, pd.DataFrame]:
-    """Records per (module, kind, phase) with their full tensors, the steps recorded, and
-    the records not summarised. Where DuckDB cannot read a part (damaged inside: DuckDB does
-    not check page checksums but fails on what it cannot decode), hooktrace's own reader
-    counts instead, and leaves the damaged parts out with a warning."""
+def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame, pd.Series, pd.DataFrame]:
+    """Records per module (``module``, ``records``); per (kind, phase), with their full
+    tensors and those not summarised; the steps recorded, and the records not summarised.
+    Where DuckDB cannot read a part (damaged inside: DuckDB does not check page checksums
+    but fails on what it cannot decode), hooktrace's own reader counts instead, and leaves
+    the damaged parts out with a warning."""
     import duckdb
 
     try:
-        groups = trace.sql(_groups_query(trace))
+        found = trace.sql(_groups_query(trace))
+        per_module = found["module"].notna()
+        counts = found.loc[per_module, ["module", "records"]]
+        groups = found.loc[~per_module].drop(columns="module")
         counted = records_per_step(trace)
         recorded = trace.sql(_RECORDED_STEPS)["step"] if counted is None else counted["step"]
         skipped = (
@@ -143,26 +147,31 @@ def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.Series, pd.DataFrame]:
         if not isinstance(exc.__cause__, duckdb.Error):
             raise
         rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key", "note"])
-        keys = [rows[c].astype(str) for c in ("module", "kind", "phase")]
+        per_name = rows["module"].astype(str).value_counts(sort=False)
+        counts = per_name.rename_axis("module").rename("records").reset_index()
+        keys = [rows[c].astype(str) for c in ("kind", "phase")]
         full = (rows["tensor_key"] != "").rename("full_tensors")
         groups = full.groupby(keys).agg(["size", "sum"])
         groups = groups.set_axis(["records", "full_tensors"], axis=1).reset_index()
         recorded, skipped = rows["step"], not_summarised(rows)
-    for column in ("module", "kind", "phase"):
-        groups[column] = groups[column].astype(str)
+    counts = counts.astype({"module": str, "records": "int64"})
+    groups = groups.astype({"kind": str, "phase": str})
     skipped = skipped.astype({"module": str, "kind": str, "reason": str, "records": "int64"})
-    return groups, recorded, skipped.reset_index(drop=True)
+    return counts, groups, recorded, skipped.reset_index(drop=True)
 
 
 def _groups_query(trace: Trace) -> str:
-    """Records by module, kind and phase, with their full tensors and those not summarised.
-    What the row groups' statistics already answer is not computed: a run of one phase is
-    not grouped by phase, and a run without full tensors (or notes) does not test their
-    column, so DuckDB reads only the columns it must."""
+    """Records by module (``kind`` and ``phase`` NULL), and by kind and phase (``module``
+    NULL) with their full tensors and those not summarised: two groupings of one scan,
+    where grouping by (module, kind) took 0.99 s at 100M records against 0.64 s. What the
+    row groups' statistics already answer is not computed: a run of one phase is not grouped
+    by phase, and a run without full tensors (or notes) does not test their column, so
+    DuckDB reads only the columns it must."""
     phase = trace.value_span("phase")
     keys = "module, kind, phase"
-    if phase is not None and phase[0] == phase[1]:
-        keys = f"module, kind, '{phase[0]}' AS phase" if _plain(phase[0]) else keys
+    sets = "(module), (kind, phase)"
+    if phase is not None and phase[0] == phase[1] and _plain(phase[0]):
+        keys, sets = f"module, kind, '{phase[0]}' AS phase", "(module), (kind)"
     tensor_key = trace.value_span("tensor_key")
     full = (
         "count(*) FILTER (WHERE tensor_key <> '')"
@@ -177,7 +186,7 @@ def _groups_query(trace: Trace) -> str:
     )
     return (
         f"SELECT {keys}, count(*) AS records, {full} AS full_tensors, "
-        f"{skipped} AS not_summarised FROM records GROUP BY ALL"
+        f"{skipped} AS not_summarised FROM records GROUP BY GROUPING SETS ({sets})"
     )
 
 
