@@ -229,3 +229,103 @@ def test_a_nan_among_more_than_two_records_makes_the_norm_nan(
     view = hooktrace.anomalies(trace)
     through_the_reader(monkeypatch)
     same(hooktrace.anomalies(tmp_path / "run"), view)
+
+
+class Swapping(nn.Module):
+    """Two layers that run in one order on even steps and in the other on odd ones: each
+    one's first seq is not the same at every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.odd = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.b, self.a) if self.odd else (self.a, self.b)
+        return second(torch.relu(first(x)))
+
+
+def _swapping(path: Path) -> Path:
+    model = Swapping()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with hooktrace.record(model, path):
+        for step in range(6):
+            model.odd = step % 2 == 1
+            model(torch.randn(3, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return path
+
+
+@pytest.mark.parametrize("path", ["a grid", "sorted by DuckDB", "chunks"])
+@pytest.mark.parametrize("trace_of", ["an order that changes", "two ranks"])
+def test_the_output_series_carry_each_modules_first_seq_as_pandas_finds_it(
+    tmp_path: Path, path: str, trace_of: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if trace_of == "two ranks":
+        run = tmp_path / "run"
+        for rank in (0, 1):
+            generate_trace(run, steps=6, modules=5, rank=rank, world_size=2)
+    else:
+        run = _swapping(tmp_path / "run")
+    if path == "sorted by DuckDB":
+        monkeypatch.setattr(anomaly_scan, "DENSE_BYTES", 0)
+    trace = hooktrace.load(run)
+    records = trace.records
+    outputs = records[(records["kind"] == "output") & (records["phase"] == "train")]
+    keys = {"rank": outputs["rank"].astype(np.int64), "module": outputs["module"].astype(str)}
+    expected = outputs.assign(**keys).groupby(["rank", "module"])["seq"].min()
+    scan = Scan(trace, 0.95)
+    try:
+        (Scan.read_chunks if path == "chunks" else Scan.read)(scan, None, 40)
+        got = pd.concat(list(scan.norms.tables("outputs", scan.names)))
+    finally:
+        scan.close()
+    # the checks take the smallest seq of a module's rows (the chunks give each step's)
+    got = got.assign(rank=got["rank"].astype(np.int64), module=got["module"].astype(str))
+    first = got.groupby(["rank", "module"])["seq"].min()
+    pd.testing.assert_series_equal(
+        first.sort_index(), expected.sort_index(), check_names=False, check_dtype=False
+    )
+    if trace_of == "an order that changes":  # at some step each layer ran second
+        steps = outputs[outputs["module"].isin(["a", "b"])].pivot_table(
+            index="step", columns="module", values="seq", observed=True
+        )
+        assert (steps["a"] < steps["b"]).any() and (steps["b"] < steps["a"]).any()
+
+
+@pytest.mark.parametrize("run", ["nan", "exploding"])
+@pytest.mark.parametrize("steps", [None, (12, 25), [3, 15, 16, 17, 29]])
+def test_the_steps_read_and_those_with_a_nan_are_those_the_records_hold(
+    run: str, steps: object
+) -> None:
+    """From the steps table and a query the row groups' statistics answer: the (rank, step)
+    pairs that grouping every record finds, and which of them hold a NaN or an Inf."""
+    trace = hooktrace.load(SAMPLES / run)
+    scan = Scan(trace, 0.95)
+    scan._con = trace._duckdb()
+    where, parameters = anomaly_scan._where(steps)  # type: ignore[arg-type]
+    got = scan._recorded(steps, where, parameters)  # type: ignore[arg-type]
+    expected = scan._con.execute(
+        "SELECT rank, step, bool_or(nan_count > 0 OR inf_count > 0) AS bad FROM records "
+        f"WHERE {where} GROUP BY ALL ORDER BY rank, step",
+        parameters,
+    ).fetchnumpy()
+    assert got is not None
+    for column in ("rank", "step", "bad"):
+        np.testing.assert_array_equal(got[column], expected[column].astype(got[column].dtype))
+    if run == "nan" and steps is None:
+        assert got["bad"].any() and not got["bad"].all()
+
+
+def test_without_a_steps_table_the_records_say_which_steps_were_read(tmp_path: Path) -> None:
+    whole, run = tmp_path / "whole" / "nan", tmp_path / "without" / "nan"
+    shutil.copytree(SAMPLES / "nan", whole)
+    shutil.copytree(SAMPLES / "nan", run)
+    shutil.rmtree(run / "steps")
+    trace = hooktrace.load(run)
+    assert trace.steps.empty
+    expected = hooktrace.anomalies(whole)
+    found = hooktrace.anomalies(trace)
+    found.findings["capture"] = found.findings["capture"].str.replace(str(run), str(whole))
+    same(found, expected)

@@ -34,6 +34,7 @@ from hooktrace.analyze.findings import modules_of_type, step_chunks
 from hooktrace.analyze.nonfinite import NonFinite
 from hooktrace.analyze.series_store import SeriesStore
 from hooktrace.trace import sql
+from hooktrace.trace.counts import records_per_step
 from hooktrace.trace.reader import Trace
 
 TANH_RANGE = ("Tanh", "Hardtanh", "Softsign")
@@ -56,7 +57,8 @@ _SQUARES = """(SELECT *, x * x AS square FROM (
 # the norm of a group's records: the root of their summed squares (or of their mean: {per}),
 # NaN if any norm is (DuckDB's sum is NaN then, as squares are never negative); NULL where
 # the group holds more than two (see _EXACT); with the first seq where {seq} says so (the
-# records view's series leave it out, and read _FIRST_SEQ instead: see _Queried)
+# records view's series leave it out, and take it from their squares or _FIRST_SEQ: see
+# _Queried)
 _NORMS = """
     SELECT g.rank, i.id AS module, g.step, g.value, g.seq FROM (
         SELECT rank, module, step, {seq} AS seq,
@@ -128,20 +130,14 @@ class Scan:
         an Inf are then read in full by hooktrace's reader, ``chunk_rows`` at a time."""
         self._con = self.trace._duckdb()
         where, parameters = _where(steps)
-        found, queries = self._reduce("records", where, parameters)
-        firsts = {  # the output norms' first seq; the gradient checks do not look at it
-            "outputs": _first_seqs(self._con.execute(
-                _FIRST_SEQ.format(rows=_ROWS.format(records="records", where=where, more="norm"),
-                                  ids=f"{self._relations}_ids", which=_OUTPUTS),
-                parameters,
-            ).fetchnumpy())
-        } if queries else {}  # fmt: skip
+        recorded = self._recorded(steps, where, parameters)
+        found, queries = self._reduce("records", where, parameters, recorded)
         read = self.nonfinite.recorded  # the steps of each rank read
         grid = (
             np.array(sorted(read), dtype=np.int64),
             np.unique(np.concatenate([np.asarray(s, dtype=np.int64) for s in read.values()])),
         ) if read else None  # fmt: skip
-        self.norms = _Queried(self._con, queries, parameters, self._relations, firsts, grid)
+        self.norms = _Queried(self._con, queries, parameters, self._relations, grid)
         if found:
             for chunk in step_chunks(self.trace, found, chunk_rows):
                 self.nonfinite.search(self.trace.query(columns=COLUMNS, steps=chunk))
@@ -160,7 +156,7 @@ class Scan:
             self._con.register(chunk_name, frame)
             try:
                 found, queries = self._reduce(chunk_name, "true", [])
-                for series, (norms, exact, _, _) in queries.items():
+                for series, (norms, exact, *_) in queries.items():
                     store.insert(series, norms)
                     table = store.table(series)
                     self._con.execute(
@@ -189,21 +185,54 @@ class Scan:
             self._con.execute(f"DROP TABLE IF EXISTS {self._relations}_ids")
             self._con.execute(f"DROP TYPE IF EXISTS {self._relations}_modules")
 
+    def _recorded(
+        self, steps: tuple[int, int] | list[int] | None, where: str, parameters: list[Any]
+    ) -> dict[str, np.ndarray] | None:
+        """``rank``, ``step`` and ``bad`` (it holds a NaN or an Inf) of each (rank, step) of
+        the records view that ``steps`` selects, in order: the steps from the steps table,
+        where the parts' footers agree with it (else None), the bad ones from the records
+        that count a NaN or an Inf, which the row groups' statistics rule out for nearly
+        every group (100M records: 0.08 s, against 0.5 s to group them all by step)."""
+        counted = records_per_step(self.trace)
+        if counted is None:
+            return None
+        if isinstance(steps, tuple):
+            counted = counted[counted["step"].between(steps[0], steps[1])]
+        elif steps is not None:
+            counted = counted[counted["step"].isin(steps)]
+        counted = counted.sort_values(["rank", "step"])
+        bad = self._con.execute(
+            f"SELECT DISTINCT rank, step FROM records WHERE ({where}) "
+            "AND (nan_count > 0 OR inf_count > 0)",
+            parameters,
+        ).df()
+        rank, step = counted["rank"].to_numpy(np.int64), counted["step"].to_numpy(np.int64)
+        marked = pd.MultiIndex.from_arrays([rank, step]).isin(
+            pd.MultiIndex.from_arrays([bad["rank"].astype(np.int64), bad["step"]])
+        )
+        return {"rank": rank, "step": step, "bad": np.asarray(marked)}
+
     def _reduce(
-        self, records: str, where: str, parameters: list[Any]
+        self,
+        records: str,
+        where: str,
+        parameters: list[Any],
+        recorded: dict[str, np.ndarray] | None = None,
     ) -> tuple[list[int], dict[str, _Series]]:
         """Add the tallies of the records of the relation ``records`` (of whole steps,
-        ``where``); the steps with a NaN or an Inf, in order, and the queries of the series
-        (``grads``, ``outputs``): the norms (:data:`_NORMS`) and the exact ones that they
-        leave NULL (:data:`_EXACT`)."""
+        ``where``; ``recorded``: its steps, where :meth:`_recorded` knows them); the steps
+        with a NaN or an Inf, in order, and the queries of the series (``grads``,
+        ``outputs``): the norms (:data:`_NORMS`) and the exact ones that they leave NULL
+        (:data:`_EXACT`)."""
 
         def run(query: str, *, extra: list[Any] | None = None) -> Any:
             return self._con.execute(query, [*parameters, *(extra or [])])
 
-        recorded = run(
-            f"SELECT rank, step, coalesce(bool_or(nan_count > 0 OR inf_count > 0), false) AS bad "
-            f"FROM {records} WHERE {where} GROUP BY ALL ORDER BY rank, step"
-        ).fetchnumpy()
+        if recorded is None:
+            recorded = run(
+                f"SELECT rank, step, coalesce(bool_or(nan_count > 0 OR inf_count > 0), false) "
+                f"AS bad FROM {records} WHERE {where} GROUP BY ALL ORDER BY rank, step"
+            ).fetchnumpy()
         if not len(recorded["step"]):
             return [], {}
         self.steps += len(recorded["step"])
@@ -219,12 +248,14 @@ class Scan:
             ("outputs", _OUTPUTS, " / count(*)", "min(seq)"),
         ):
             squares = _SQUARES.format(rows=rows, which=which)
+            ordered = seq != "0"
             queries[series] = _Series(
                 _NORMS.format(squares=squares, per=per, ids=ids, seq=seq),
                 _EXACT.format(kahan=_KAHAN_SUM, squares=squares, per=per, ids=ids),
-                f"SELECT rank, module::{self._relations}_modules AS module, step, square "
-                f"FROM {squares}",
+                f"SELECT rank, module::{self._relations}_modules AS module, step, square"
+                f"{', seq' if ordered else ''} FROM {squares}",
                 mean=bool(per),
+                first_seq=_FIRST_SEQ.format(rows=rows, ids=ids, which=which) if ordered else None,
             )
         self._tally_params(run, rows, ids, np.unique(recorded["step"]))
         if self.ranges:
@@ -380,6 +411,8 @@ def _places(steps: np.ndarray) -> Any:
     return lambda found: table[found - first]
 
 
+_NO_SEQ = np.iinfo(np.int64).max
+
 DENSE_BYTES = 320 << 20
 """The largest grid of norms (12 bytes a value: a sum and a count) that series are summed
 into; for a larger one DuckDB groups and sorts them, spilling to disk past its memory limit."""
@@ -387,13 +420,16 @@ into; for a larger one DuckDB groups and sorts them, spilling to disk past its m
 
 class _Series(NamedTuple):
     """The queries of a series: its norms (:data:`_NORMS`), the exact ones they leave NULL
-    (:data:`_EXACT`), and the squares they are sums of (rank, module id, step, square);
-    whether a norm is the root of their mean (else of their sum)."""
+    (:data:`_EXACT`), and the squares they are sums of (rank, module id, step, square, and
+    seq where the series is ordered by execution); whether a norm is the root of their mean
+    (else of their sum); the first seq of each module (:data:`_FIRST_SEQ`), for a series
+    ordered by execution (the gradient checks do not look at it)."""
 
     norms: str
     exact: str
     squares: str
     mean: bool
+    first_seq: str | None = None
 
 
 class _Incomplete(Exception):
@@ -414,11 +450,9 @@ class _Queried:
         queries: dict[str, _Series],
         parameters: list[Any],
         prefix: str,
-        firsts: dict[str, dict[int, np.ndarray]],
         grid: tuple[np.ndarray, np.ndarray] | None,
     ) -> None:
         self._con = con
-        self._firsts = firsts  # per series and rank: each module's first seq, by id
         self._queries = queries
         self._parameters = parameters
         self._prefix = prefix
@@ -437,7 +471,12 @@ class _Queried:
             if len(ranks) * len(names) * len(steps) * 12 <= DENSE_BYTES:
                 yield from self._dense(series, names, ranks, steps, rows)
                 return
-        norms, exact, _, _ = self._queries[series]
+        norms, exact, _, _, first_seq = self._queries[series]
+        firsts = (
+            None
+            if first_seq is None
+            else _first_seqs(self._con.execute(first_seq, self._parameters).fetchnumpy())
+        )
         after: list[int] = []  # the last (rank, module) given
         complete = False
         while True:
@@ -457,7 +496,7 @@ class _Queried:
             self._open = ordered
             try:
                 for table in series_store.whole_modules(_checked(ordered, complete), names):
-                    yield _with_first_seq(table, self._firsts.get(series))
+                    yield _with_first_seq(table, firsts)
                     after = [int(table["rank"].iloc[-1]), int(table["module"].cat.codes.iloc[-1])]
                 return
             except _Incomplete:
@@ -477,12 +516,14 @@ class _Queried:
         norms, as the records give them, are summed into a grid of step by (rank, module)
         (step first: the records come a step at a time), read back by (rank, module). A sum
         of one or two squares is the same whatever the order, and DuckDB's; the groups of
-        more than two take :data:`_EXACT`'s values."""
-        _, exact, squares, mean = self._queries[series]
+        more than two take :data:`_EXACT`'s values. A series ordered by execution takes each
+        module's first seq from the same records (``np.minimum.at``: 0.07 s for 25M)."""
+        _, exact, squares, mean, first_seq = self._queries[series]
         width, span = len(names), len(steps)
         sums = np.zeros((span, len(ranks) * width))
         counts = np.zeros(sums.shape, dtype=np.int32)
         flat_sums, flat_counts = sums.reshape(-1), counts.reshape(-1)
+        earliest = None if first_seq is None else np.full(sums.shape[1], _NO_SEQ, np.int64)
         place = _places(steps)
         found = self._con.sql(squares, params=self._parameters).to_arrow_reader(1 << 17)
         self._open = found
@@ -491,10 +532,16 @@ class _Queried:
                 at = _codes(batch.column("module"))
                 if len(ranks) > 1:
                     at += np.searchsorted(ranks, batch.column("rank").to_numpy()) * width
+                if earliest is not None:
+                    np.minimum.at(earliest, at, batch.column("seq").to_numpy())
                 at += place(batch.column("step").to_numpy()) * sums.shape[1]
                 _add(flat_sums, flat_counts, at, batch.column("square").to_numpy(False))
         finally:
             found.close()
+        firsts = None
+        if earliest is not None:
+            earliest[earliest == _NO_SEQ] = -1
+            firsts = {int(r): earliest[i * width : (i + 1) * width] for i, r in enumerate(ranks)}
         present = counts > 0
         values = sums  # in place: the norms
         if mean:
@@ -534,7 +581,7 @@ class _Queried:
                     "value": value,
                 }
             )
-            yield _with_first_seq(table, self._firsts.get(series))
+            yield _with_first_seq(table, firsts)
 
     def close(self) -> None:
         if self._open is not None:
