@@ -136,6 +136,10 @@ def test_the_command_line_runs_atexit_handlers_before_its_quick_exit(run: Path) 
     code = (
         "import atexit, sys\n"
         "atexit.register(print, 'handler ran')\n"
+        "class Loud:\n"
+        "    def __del__(self):\n"
+        "        print('torn down')\n"
+        "keep = Loud()  # freed by the teardown, which prints\n"
         f"sys.argv = ['hooktrace', 'summary', {str(run)!r}]\n"
         "from hooktrace.cli import run\n"
         "run()\n"
@@ -143,7 +147,40 @@ def test_the_command_line_runs_atexit_handlers_before_its_quick_exit(run: Path) 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "status    complete" in done.stdout and done.stdout.endswith("handler ran\n")
+    assert "torn down" not in done.stdout  # no teardown: the quick exit was taken
     stopped = code.replace("'summary', ", "'summary', '--nope', ")
     done = subprocess.run([sys.executable, "-c", stopped], capture_output=True, text=True)
     assert done.returncode == 2 and done.stderr.startswith("hooktrace: error: No such option")
     assert done.stdout == "handler ran\n"
+
+
+def test_a_recorded_script_gets_the_interpreters_whole_exit(tmp_path: Path) -> None:
+    # record hands the script its own argv; what the script left to the teardown (a file
+    # it never closed, an object's __del__) still happens after hooktrace record
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "import torch\n"
+        "from torch import nn\n"
+        f"log = open({str(tmp_path / 'log.txt')!r}, 'w')  # never closed: flushed at exit\n"
+        "class Loud:\n"
+        "    def __del__(self):\n"
+        "        print('torn down')\n"
+        "keep = Loud()\n"
+        "model = nn.Linear(2, 1)\n"
+        "for step in range(2):\n"
+        "    model(torch.randn(3, 2)).sum().backward()\n"
+        "    log.write(f'step {step} {sys.argv[1:]}\\n')\n"
+    )
+    for args in ([], ["--", "--epochs", "1"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "hooktrace", "record", "-q", "--overwrite",
+             "-o", str(tmp_path / "run"), str(script), *args],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "torn down" in done.stdout, args
+        expected = "['--epochs', '1']" if args else "[]"
+        assert (tmp_path / "log.txt").read_text() == (f"step 0 {expected}\nstep 1 {expected}\n"), (
+            args
+        )

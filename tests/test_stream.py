@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -306,3 +307,96 @@ def test_a_part_found_damaged_by_many_threads_at_once_is_left_out_once(tmp_path:
     assert errors == []
     assert len([w for w in caught if part.name in str(w.message)]) == 1
     assert part not in trace._parts["records"] and len(trace.skipped) == 1
+
+
+def test_a_set_of_steps_reads_only_the_row_groups_that_hold_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = tmp_path / "run"
+    generate_trace(run, steps=12, modules=5)  # one part, 22 records a step
+    _small_row_groups(run, 7)
+    trace = hooktrace.load(run)
+    read = _watch(monkeypatch)
+    got = trace.stream(columns=COLUMNS, steps=[0, 11]).through(11)
+    expected = trace.query_table(columns=COLUMNS, steps=[0, 11])
+    assert got.select(COLUMNS).to_pylist() == expected.select(COLUMNS).to_pylist()
+    assert set(got.column("step").to_pylist()) == {0, 11}
+    assert len(read) == 8  # 4 groups of 7 hold step 0's 22 records, 4 step 11's; not 38
+
+
+def test_records_without_a_step_are_not_in_a_span(tmp_path: Path) -> None:
+    # a part rewritten by another tool, with nulls where the schema has none: the footer's
+    # statistics leave them out, and the group seems to lie inside the span
+    path = tmp_path / "run"
+    generate_trace(path, steps=4, modules=3)
+    part = sorted((path / "records").glob("rank=*/part-*.parquet"))[0]
+    table = pq.read_table(part)
+    steps = table.column("step").to_pylist()
+    steps[5] = steps[6] = None
+    at = table.schema.get_field_index("step")
+    table = table.set_column(at, pa.field("step", pa.int64()), pa.array(steps, pa.int64()))
+    pq.write_table(table, part)
+    trace = hooktrace.load(path)
+    stream = trace.stream(columns=COLUMNS, steps=(0, 3))
+    got = stream.through(3)
+    assert got.num_rows == trace.record_count - 2 and got.column("step").null_count == 0
+    assert not stream._held  # not kept for a window that never comes
+
+
+def _open_parts(run: Path) -> list[str]:
+    found = []
+    for fd in Path("/proc/self/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith(str(run)) and target.endswith(".parquet"):
+            found.append(target)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs /proc")
+def test_a_stream_holds_no_file_open_between_windows(run: Path) -> None:
+    # a run of a thousand ranks would otherwise hold a thousand files, past the limit
+    stream = hooktrace.load(run).stream(columns=COLUMNS)
+    assert stream.through(4).num_rows > 0
+    assert _open_parts(run) == []
+
+
+class _ScanningList(list):  # type: ignore[type-arg]
+    """A list whose membership test lets another thread run half-way through its scan."""
+
+    def __init__(self, items: list[Path], halfway: threading.Event, go: threading.Event):
+        super().__init__(items)
+        self.halfway, self.go = halfway, go
+
+    def __contains__(self, item: object) -> bool:
+        for i in range(len(self)):
+            if i == 3:
+                self.halfway.set()
+                self.go.wait(0.5)  # the other thread runs meanwhile
+            if i < len(self) and self[i] == item:
+                return True
+        return False
+
+
+def test_a_part_is_not_missed_while_another_is_being_left_out(tmp_path: Path) -> None:
+    # a list that shrinks under a scan of it can skip what the scan looks for: a part read
+    # by one stream, while the other stream leaves an earlier part out
+    run = many_parts(tmp_path / "run", steps=12)
+    trace = hooktrace.load(run)
+    parts = list(trace._parts["records"])
+    halfway, go = threading.Event(), threading.Event()
+    trace._parts["records"] = _ScanningList(parts, halfway, go)
+
+    def drop() -> None:
+        halfway.wait(5)
+        trace._drop("records", parts[0], "damaged")
+        go.set()
+
+    dropping = threading.Thread(target=drop)
+    dropping.start()
+    with pytest.warns(TraceWarning, match=parts[0].name):
+        held = trace._holds("records", parts[3])
+        dropping.join()
+    assert held

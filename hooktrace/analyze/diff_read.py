@@ -1,5 +1,6 @@
 """What :func:`hooktrace.diff` reads: two runs' records a chunk of whole steps at a time, as
-pyarrow reads them, the next chunk read in a thread while this one is compared. No torch."""
+pyarrow reads them, each run in a thread of its own, the next chunk read while this one is
+compared. No torch."""
 
 from __future__ import annotations
 

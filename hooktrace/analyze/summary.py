@@ -132,7 +132,7 @@ def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame, pd.Series, pd.Da
 
     try:
         found = trace.sql(_groups_query(trace))
-        per_module = found["module"].notna()
+        per_module = found.pop("by_kind").to_numpy() == 0
         counts = found.loc[per_module, ["module", "records"]]
         groups = found.loc[~per_module].drop(columns="module")
         counted = records_per_step(trace)
@@ -161,8 +161,8 @@ def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame, pd.Series, pd.Da
 
 
 def _groups_query(trace: Trace) -> str:
-    """Records by module (``kind`` and ``phase`` NULL), and by kind and phase (``module``
-    NULL) with their full tensors and those not summarised: two groupings of one scan,
+    """Records by module (``by_kind`` 0), and by kind and phase (``by_kind`` 1) with their
+    full tensors and those not summarised: two groupings of one scan,
     where grouping by (module, kind) took 0.99 s at 100M records against 0.64 s. What the
     row groups' statistics already answer is not computed: a run of one phase is not grouped
     by phase, and a run without full tensors (or notes) does not test their column, so
@@ -185,8 +185,9 @@ def _groups_query(trace: Trace) -> str:
         else "0"
     )
     return (
-        f"SELECT {keys}, count(*) AS records, {full} AS full_tensors, "
-        f"{skipped} AS not_summarised FROM records GROUP BY GROUPING SETS ({sets})"
+        f"SELECT {keys}, grouping(module) AS by_kind, count(*) AS records, "
+        f"{full} AS full_tensors, {skipped} AS not_summarised FROM records "
+        f"GROUP BY GROUPING SETS ({sets})"
     )
 
 

@@ -93,12 +93,13 @@ def run() -> NoReturn:
     after ``record`` (the user's script may count on a normal exit), nor while a thread
     other than the main one still runs.
     """
+    recording = sys.argv[1:2] == ["record"]  # before it runs: record hands the script its argv
     try:
         main()
         code: Any = 0
     except SystemExit as exc:
         code = exc.code
-    if sys.argv[1:2] == ["record"] or threading.active_count() > 1:
+    if recording or threading.active_count() > 1:
         sys.exit(code)
     _exit_now(code)
 

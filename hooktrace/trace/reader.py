@@ -53,8 +53,8 @@ filtered ways (:meth:`Trace.query`, :meth:`Trace.sql`)."""
 
 
 _DROPPING = threading.Lock()
-"""Held while a damaged part is left out: the two streams of a diff of a trace with itself
-read it in two threads, and may find the same part damaged at once."""
+"""Held while a damaged part is left out, or asked about: the two streams of a diff of a
+trace with itself read it in two threads, and may find the same part damaged at once."""
 
 
 def load(path: str | os.PathLike[str], *, max_records: int | None = MAX_RECORDS) -> Trace:
@@ -287,8 +287,8 @@ class Trace:
         if ranks is not None:
             parts = [p for p in parts if rank_of(p) in ranks]
         given = {"step": chosen, "module": modules, "kind": kinds, "rank": ranks, "phase": phases}
-        filtered = [name for name, chosen in given.items() if chosen is not None]
-        return RecordStream(self, columns, expr, list(parts), span, filtered)
+        filtered = [name for name, value in given.items() if value is not None]
+        return RecordStream(self, columns, expr, list(parts), span, filtered, chosen)
 
     @property
     def has_histograms(self) -> bool:
@@ -556,6 +556,12 @@ class Trace:
             self.path, kind_dir, file_schema, self._parts[kind_dir] if parts is None else parts,
             columns=columns, filter=filter, drop=functools.partial(self._drop, kind_dir),
         )  # fmt: skip
+
+    def _holds(self, kind_dir: str, part: Path) -> bool:
+        """Whether ``part`` is still read (not left out), asked as another thread may be
+        leaving a part out: a list that shrinks under a scan of it can skip the part."""
+        with _DROPPING:
+            return part in self._parts[kind_dir]
 
     def _drop(self, kind_dir: str, part: Path, why: BaseException | str) -> None:
         """Leave a damaged part out of every later read (``hooktrace check`` finds them);

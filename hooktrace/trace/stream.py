@@ -48,7 +48,8 @@ class _Group:
 class RecordStream:
     """The records of ``trace`` in ``span`` (None: all steps) matching ``filter`` (a dataset
     expression over the columns ``filtered``, or None), ``columns`` of them (with ``step``),
-    rank by rank in the order of the parts' paths."""
+    rank by rank in the order of the parts' paths. Where ``filter`` keeps a set of steps
+    (``steps``), only the row groups that may hold one of them are read."""
 
     def __init__(
         self,
@@ -58,6 +59,7 @@ class RecordStream:
         parts: list[Path],
         span: tuple[int, int] | None,
         filtered: Sequence[str] = (),
+        steps: Sequence[int] | None = None,
     ) -> None:
         self._trace = trace
         self._columns = list(dict.fromkeys(["step", *columns]))
@@ -67,12 +69,15 @@ class RecordStream:
         self._schema = schema.RECORD_SCHEMA.append(schema.PARTITIONING.field("rank"))
         self._groups: dict[int, deque[_Group]] = {}
         self._held: dict[int, pa.Table] = {}
-        self._files: dict[int, tuple[Path, pq.ParquetFile]] = {}  # per rank, the part being read
+        chosen = None if steps is None else np.unique(np.asarray(steps, dtype=np.int64))
         found: dict[int, list[_Group]] = {}
         for part in parts:
             for group in _with_spans(_groups(part, trace._metadata[part]), trace._metadata[part]):
-                if span is None or (group.first <= span[1] and span[0] <= group.last):
-                    found.setdefault(rank_of(part), []).append(group)
+                if span is not None and not (group.first <= span[1] and span[0] <= group.last):
+                    continue
+                if chosen is not None and not _holds_one(chosen, group):
+                    continue
+                found.setdefault(rank_of(part), []).append(group)
         for rank, groups in found.items():
             # by first step (stable: a part's own groups stay in order), whatever the parts'
             # names say: a window then reads every group that may hold its steps
@@ -108,21 +113,17 @@ class RecordStream:
         the trace and of the rest of the stream (what was handed out of it stays out)."""
         group = queue.popleft()
         trace = self._trace
-        if group.part not in trace._parts[schema.RECORDS_DIR]:  # left out meanwhile
+        if not trace._holds(schema.RECORDS_DIR, group.part):  # left out meanwhile
             return []
         decoded = [c for c in self._columns if c not in group.constant]
         try:
-            opened = self._files.get(rank)
-            if opened is None or opened[0] != group.part:
-                if opened is not None:
-                    opened[1].close()
-                parquet = pq.ParquetFile(
-                    group.part,
-                    metadata=trace._metadata[group.part],
-                    page_checksum_verification=True,
-                )
-                opened = self._files[rank] = (group.part, parquet)
-            found = self._in_span(self._decode(opened[1], group.index, decoded, rank), group)
+            # opened for this group alone (the footer is known: no read of it): a stream of
+            # a thousand ranks would otherwise hold a thousand files open
+            with pq.ParquetFile(
+                group.part, metadata=trace._metadata[group.part], page_checksum_verification=True
+            ) as parquet:
+                found = self._decode(parquet, group.index, decoded, rank)
+            found = self._in_span(found, group)
             found.validate(full=True)  # names that are not UTF-8 would fail in to_pandas()
             if len(decoded) < len(self._columns):
                 fields = [self._schema.field(c) for c in self._columns]
@@ -144,8 +145,6 @@ class RecordStream:
             while queue and queue[0].part == group.part:
                 queue.popleft()
             return []
-        if not queue:  # the rank is read: its file need not stay open
-            self._files.pop(rank)[1].close()
         return [found]
 
     def _decode(
@@ -178,14 +177,23 @@ class RecordStream:
 
     def _in_span(self, table: pa.Table, group: _Group) -> pa.Table:
         """The rows of ``table`` (of ``group``) in the stream's span: a copy only where the
-        group holds steps outside it."""
+        group holds steps outside it (or none: a part rewritten by another tool, whose
+        statistics leave nulls out)."""
         span = self._span
-        if span is None or span[0] <= group.first <= group.last <= span[1]:
-            return table
         steps = table.column("step")
+        if span is None or (
+            span[0] <= group.first <= group.last <= span[1] and steps.null_count == 0
+        ):
+            return table
         return table.filter(
             pc.and_(pc.greater_equal(steps, span[0]), pc.less_equal(steps, span[1]))
         )
+
+
+def _holds_one(steps: np.ndarray, group: _Group) -> bool:
+    """Whether ``group``'s step span holds one of ``steps`` (distinct, in order)."""
+    at = int(np.searchsorted(steps, group.first))
+    return at < len(steps) and steps[at] <= group.last
 
 
 def _groups(part: Path, metadata: Any) -> list[_Group]:
