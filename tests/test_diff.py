@@ -328,3 +328,46 @@ def test_the_plan_counts_what_the_records_hold(many: tuple[Path, Path]) -> None:
         & (records["step"] >= 10)
     ]
     assert kinds.records == len(expected) and kinds.first_step == 10
+
+
+def test_where_duckdb_cannot_decode_a_part_the_reader_counts_a_part_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's counts with a module filter, past a few parts, come from one DuckDB query;
+    where it fails on a part, hooktrace's reader counts, leaving the part out with a
+    warning, a part's steps at a time: never the whole step column of a trace at once."""
+    import pyarrow.parquet as pq
+
+    from hooktrace.analyze import diff as diff_module
+    from hooktrace.errors import TraceWarning
+    from hooktrace.trace.stream import RecordStream
+
+    run = many_parts(tmp_path / "run", steps=12)
+    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[3]
+    metadata = pq.read_metadata(part)
+    chunk = metadata.row_group(0).column(metadata.schema.names.index("module"))
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    data = bytearray(part.read_bytes())
+    for i in range(start + 8, start + chunk.total_compressed_size - 2):  # garbage over it
+        data[i] ^= 0x5A
+    part.write_bytes(bytes(data))
+    handed: list[int] = []
+    through = RecordStream.through
+
+    def watched(self: RecordStream, step: int) -> pa.Table:
+        table = through(self, step)
+        handed.append(table.num_rows)
+        return table
+
+    monkeypatch.setattr(RecordStream, "through", watched)
+    trace = hooktrace.load(run)
+    names = module_names(10)[2:5]
+    with pytest.warns(TraceWarning, match="part-000003"):
+        counts = diff_module._step_counts(trace, names, None, None, diff_module._StepRanges(None))
+    with pytest.warns(TraceWarning, match="part-000003"):
+        records = hooktrace.load(run).query(columns=["step", "module"], modules=names)
+    expected = records.groupby("step").size()
+    assert 3 not in counts.index and len(counts) == 11
+    pd.testing.assert_series_equal(counts, expected, check_names=False)
+    # a part (a step) at a time, never the trace's
+    assert len(handed) >= 11 and max(handed) == expected.max() < len(records)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import pandas as pd
 
 from hooktrace.analyze.diff_compare import (
@@ -287,7 +288,7 @@ def _step_counts(
     """Records per step, indexed by step, in step order. Without a module or kind filter,
     from the steps table where the parts' footers agree with it; else a window of a few
     parts is read by hooktrace's reader (the step column of those parts); more, by one
-    DuckDB query."""
+    DuckDB query, or where DuckDB cannot decode a part, by the reader a part at a time."""
     if names is None and kinds is None:
         counted = records_per_step(trace)
         if counted is not None:
@@ -310,9 +311,32 @@ def _step_counts(
             if not _engine_failed(exc):
                 raise
         # a part DuckDB cannot decode: hooktrace's reader leaves it out, with a warning
-    frame = trace.query(columns=["step"], modules=names, kinds=kinds, ranks=ranks, steps=span)
-    frame = frame[in_range(frame["step"])]
-    return frame.groupby("step").size()
+    return _counted_by_reader(trace, names, kinds, ranks, span, in_range)
+
+
+def _counted_by_reader(
+    trace: Trace,
+    names: list[str] | None,
+    kinds: list[str] | None,
+    ranks: list[int] | None,
+    span: tuple[int, int] | None,
+    in_range: _StepRanges,
+) -> pd.Series:
+    """:func:`_step_counts` by hooktrace's reader, which leaves a damaged part out with a
+    warning: the step column streamed a part's steps at a time, counted as it comes, so
+    that a trace of 10^8 records is never held (its step column alone is 800 MB)."""
+    stream = trace.stream(columns=["step"], steps=span, modules=names, kinds=kinds, ranks=ranks)
+    ends = trace.part_spans()["last"]
+    counted: list[pd.Series] = []
+    for last in [*sorted({int(e) for e in ends if e >= 0}), STEP_MAX]:
+        steps = stream.through(last).column("step").to_numpy()
+        if len(steps):
+            found, n = np.unique(steps, return_counts=True)
+            counted.append(pd.Series(n, index=pd.Index(found, name="step")))
+    if not counted:
+        return pd.Series(dtype="int64", index=pd.Index([], dtype="int64", name="step"))
+    per_step = pd.concat(counted).groupby(level=0).sum()  # a step across two parts' windows
+    return per_step[in_range(per_step.index.to_series()).to_numpy()].astype("int64")
 
 
 _FEW_PARTS = 4
