@@ -67,3 +67,16 @@ def test_a_lost_part_is_not_counted_and_a_part_that_disagrees_makes_the_records_
     plan = diff_module._step_counts(trace, None, None, None, diff_module._step_predicate(None))
     per_step = _from_records(trace).groupby("step")["records"].sum()
     pd.testing.assert_series_equal(plan, per_step, check_names=False)
+
+
+def test_an_empty_part_leaves_the_steps_table_to_count(run: Path) -> None:
+    # a part without rows has no step statistics: nothing in it to disagree with the steps
+    before = records_per_step(hooktrace.load(run))
+    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[-1]
+    empty = pq.read_table(part).slice(0, 0)
+    pq.write_table(empty, part.with_name("part-999999.parquet"))
+    trace = hooktrace.load(run)
+    assert (trace.part_spans()["records"] == 0).sum() == 1
+    counted = records_per_step(trace)
+    assert counted is not None and before is not None
+    pd.testing.assert_frame_equal(counted, before)

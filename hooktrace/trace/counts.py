@@ -18,6 +18,7 @@ def records_per_step(trace: Trace) -> pd.DataFrame | None:
     records its steps' rows count (a flush writes whole steps and their rows together). None
     where they disagree (a part lost, a steps part damaged): then only the records say."""
     spans = trace.part_spans()
+    spans = spans[spans["records"] > 0]  # an empty part holds no step, and no statistics
     table = trace.steps
     if spans.empty or table.empty or (spans["first"] < 0).any():
         return None
