@@ -330,12 +330,15 @@ def test_the_plan_counts_what_the_records_hold(many: tuple[Path, Path]) -> None:
     assert kinds.records == len(expected) and kinds.first_step == 10
 
 
+@pytest.mark.parametrize("damaged", [0, 1], ids=["its first row group", "its second"])
 def test_where_duckdb_cannot_decode_a_part_the_reader_counts_a_part_at_a_time(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damaged: int
 ) -> None:
     """The plan's counts with a module filter, past a few parts, come from one DuckDB query;
     where it fails on a part, hooktrace's reader counts, leaving the part out with a
-    warning, a part's steps at a time: never the whole step column of a trace at once."""
+    warning, a part's steps at a time: never the whole step column of a trace at once. A
+    part found damaged after some of it was counted is not counted at all: the comparison
+    reads none of it."""
     import pyarrow.parquet as pq
 
     from hooktrace.analyze import diff as diff_module
@@ -344,8 +347,10 @@ def test_where_duckdb_cannot_decode_a_part_the_reader_counts_a_part_at_a_time(
 
     run = many_parts(tmp_path / "run", steps=12)
     part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[3]
+    pq.write_table(pq.read_table(part), part, row_group_size=20, write_page_checksum=True)
     metadata = pq.read_metadata(part)
-    chunk = metadata.row_group(0).column(metadata.schema.names.index("module"))
+    assert metadata.num_row_groups == 2
+    chunk = metadata.row_group(damaged).column(metadata.schema.names.index("module"))
     start = chunk.dictionary_page_offset or chunk.data_page_offset
     data = bytearray(part.read_bytes())
     for i in range(start + 8, start + chunk.total_compressed_size - 2):  # garbage over it
@@ -371,3 +376,4 @@ def test_where_duckdb_cannot_decode_a_part_the_reader_counts_a_part_at_a_time(
     pd.testing.assert_series_equal(counts, expected, check_names=False)
     # a part (a step) at a time, never the trace's
     assert len(handed) >= 11 and max(handed) == expected.max() < len(records)
+    assert len(trace.skipped) == 1

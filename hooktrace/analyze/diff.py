@@ -323,16 +323,22 @@ def _counted_by_reader(
     in_range: _StepRanges,
 ) -> pd.Series:
     """:func:`_step_counts` by hooktrace's reader, which leaves a damaged part out with a
-    warning: the step column streamed a part's steps at a time, counted as it comes, so
-    that a trace of 10^8 records is never held (its step column alone is 800 MB)."""
-    stream = trace.stream(columns=["step"], steps=span, modules=names, kinds=kinds, ranks=ranks)
-    ends = trace.part_spans()["last"]
-    counted: list[pd.Series] = []
-    for last in [*sorted({int(e) for e in ends if e >= 0}), STEP_MAX]:
-        steps = stream.through(last).column("step").to_numpy()
-        if len(steps):
-            found, n = np.unique(steps, return_counts=True)
-            counted.append(pd.Series(n, index=pd.Index(found, name="step")))
+    warning: the step column streamed a part's steps at a time (a part a rank), counted as
+    it comes, so that a trace of 10^8 records is never held (its step column alone is 800
+    MB). Where a part is found damaged on the way, after some of its row groups were
+    counted, the count starts again without it: the comparison reads none of it."""
+    while True:
+        parts = len(trace._parts[schema.RECORDS_DIR])
+        stream = trace.stream(columns=["step"], steps=span, modules=names, kinds=kinds, ranks=ranks)
+        ends = trace.part_spans()["last"]
+        counted: list[pd.Series] = []
+        for last in [*sorted({int(e) for e in ends if e >= 0}), STEP_MAX]:
+            steps = stream.through(last).column("step").to_numpy()
+            if len(steps):
+                found, n = np.unique(steps, return_counts=True)
+                counted.append(pd.Series(n, index=pd.Index(found, name="step")))
+        if len(trace._parts[schema.RECORDS_DIR]) == parts:
+            break
     if not counted:
         return pd.Series(dtype="int64", index=pd.Index([], dtype="int64", name="step"))
     per_step = pd.concat(counted).groupby(level=0).sum()  # a step across two parts' windows
