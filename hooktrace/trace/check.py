@@ -13,6 +13,7 @@ This module draws the verdict; the Parquet parts are read in
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from hooktrace.trace import schema
 from hooktrace.trace.check_parts import Seen, read_part
 from hooktrace.trace.check_segments import MAX_LISTED, check_captures, check_segments
 from hooktrace.trace.reader import Trace, load
+from hooktrace.trace.threads import read_in_threads
 
 
 @dataclass
@@ -54,13 +56,14 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
         trace = run if isinstance(run, Trace) else load(run)
         seen = Seen()
         for kind_dir, parts in trace._parts.items():
-            for part in list(parts):
-                try:
-                    found = read_part(part, kind_dir)
-                except (OSError, ValueError, pa.ArrowException) as exc:
-                    trace._drop(kind_dir, part, exc)
-                    continue
-                if found is not None:
+            reads = read_in_threads(functools.partial(read_part, kind_dir=kind_dir), list(parts))
+            for part, found in reads:
+                if isinstance(found, (OSError, ValueError, pa.ArrowException)):
+                    trace._drop(kind_dir, part, found)
+                elif isinstance(found, Exception):
+                    reads.close()
+                    raise found
+                elif found is not None:
                     seen.merge(found)
         table = trace.steps
         modules = trace.modules

@@ -24,6 +24,7 @@ from hooktrace.errors import TraceError
 from hooktrace.trace import schema
 from hooktrace.trace.captures import GROUPS, capture_paths, read_meta
 from hooktrace.trace.check_parts import Seen, Segment
+from hooktrace.trace.threads import read_in_threads
 
 if TYPE_CHECKING:  # check imports this module
     from hooktrace.trace.check import CheckReport
@@ -34,24 +35,30 @@ _BLOCK_BYTES = 64 << 20  # how much of a full tensor is read at a time to check 
 
 
 def check_segments(trace: Trace, seen: Seen, report: CheckReport) -> None:
+    """Each segment the records point to, read two at a time (h5py inflates one while the
+    other is checked), its problems reported in the segments' order."""
     root = trace.path.resolve()
+    readable: list[tuple[str, Path, Segment]] = []
     for segment, held in sorted(seen.segments.items()):
         path = (trace.path / segment).resolve()
         if not path.is_relative_to(root):
             report.problems.append(
                 f"segment {segment} points outside the run directory: not read, its data is lost"
             )
-            continue
-        if not path.exists():
+        elif not path.exists():
             report.problems.append(
                 f"segment {segment} is missing: its activity and full tensors are lost"
             )
-            continue
-        unreadable: list[str] = []
-        try:
-            damage = _segment_damage(path, held, unreadable)
-        except Exception as exc:  # h5py raises OSError, KeyError, RuntimeError, ...
-            damage = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        else:
+            readable.append((segment, path, held))
+    for (segment, _, _), found in read_in_threads(_damage_of, readable):
+        # h5py raises OSError, KeyError, RuntimeError, ...
+        damage: str | None
+        if isinstance(found, Exception):
+            damage = f"{type(found).__name__}: {' '.join(str(found).split())}"
+            unreadable: list[str] = []
+        else:
+            damage, unreadable = found
         if damage:
             report.problems.append(f"segment {segment} is damaged ({damage}): its data is lost")
         elif unreadable:
@@ -59,6 +66,13 @@ def check_segments(trace: Trace, seen: Seen, report: CheckReport) -> None:
                 f"segment {segment}: {len(unreadable)} full tensor(s) cannot be read "
                 f"({_listed(unreadable)}): those are lost, the rest of the segment reads"
             )
+
+
+def _damage_of(segment: tuple[str, Path, Segment]) -> tuple[str | None, list[str]]:
+    """:func:`_segment_damage` of a segment (its name, path and what the records hold of
+    it), and the full tensors of it that cannot be read."""
+    unreadable: list[str] = []
+    return _segment_damage(segment[1], segment[2], unreadable), unreadable
 
 
 def _segment_damage(path: Path, held: Segment, unreadable: list[str]) -> str | None:

@@ -1,0 +1,80 @@
+"""Reading two at a time, in order (trace/threads.py): what hooktrace check reads with."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hooktrace.trace import threads
+from hooktrace.trace.threads import read_in_threads
+
+
+def _threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("hooktrace-read")]
+
+
+def test_results_come_in_order_and_two_are_read_at_once() -> None:
+    both = threading.Barrier(2, timeout=5)  # a read of 0 waits for a read of 1: two at once
+
+    def read(item: int) -> int:
+        if item < 2:
+            both.wait()
+        time.sleep(0.01 * (5 - item))  # later items finish first
+        return item * 10
+
+    assert list(read_in_threads(read, range(6))) == [(i, i * 10) for i in range(6)]
+    assert _threads() == []
+
+
+def test_an_error_is_handed_out_in_place_of_its_result() -> None:
+    def read(item: int) -> int:
+        if item == 2:
+            raise OSError("damaged")
+        return item
+
+    found = list(read_in_threads(read, range(4)))
+    assert [item for item, _ in found] == [0, 1, 2, 3]
+    assert isinstance(found[2][1], OSError) and [r for _, r in found if isinstance(r, int)] == [
+        0,
+        1,
+        3,
+    ]
+
+
+def test_at_most_a_few_reads_are_in_flight_and_closing_starts_no_more() -> None:
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def read(item: int) -> int:
+        with lock:
+            started.append(item)
+        return item
+
+    reads = read_in_threads(read, range(100))
+    assert next(reads) == (0, 0)
+    reads.close()
+    assert _threads() == []
+    assert len(started) <= threads.AHEAD + 1
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_what_is_held_is_bounded_by_ahead(monkeypatch: pytest.MonkeyPatch, ahead: int) -> None:
+    monkeypatch.setattr(threads, "AHEAD", ahead)
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def read(item: int) -> int:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.005)
+        with lock:
+            running -= 1
+        return item
+
+    held = [item for item, _ in read_in_threads(read, range(20))]
+    assert held == list(range(20)) and most <= min(ahead, threads.WORKERS)
