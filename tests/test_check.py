@@ -54,3 +54,20 @@ def test_records_pointing_past_the_activity_are_found(run: Path) -> None:
     )
     report = hooktrace.check(run)
     assert any("records point past the end of /activity" in p for p in report.problems)
+
+
+def test_segments_problems_come_in_the_segments_order(run: Path) -> None:
+    # read two at a time, reported one after the other as the segments sort: a damaged one
+    # before a missing one after it
+    segments = sorted((run / "tensors" / "rank=0").glob("*.h5"))
+    assert len(segments) >= 3
+    segments[0].write_bytes(b"not an HDF5 file" * 64)
+    segments[1].unlink()
+    report = hooktrace.check(run)
+    found = [p for p in report.problems if p.startswith("segment ")]
+    assert len(found) == 2, report.problems
+    assert found[0].startswith(f"segment tensors/rank=0/{segments[0].name} is damaged (")
+    assert found[1] == (
+        f"segment tensors/rank=0/{segments[1].name} is missing: its activity and full "
+        "tensors are lost"
+    )

@@ -43,25 +43,48 @@ def test_an_error_is_handed_out_in_place_of_its_result() -> None:
     ]
 
 
-def test_at_most_a_few_reads_are_in_flight_and_closing_starts_no_more() -> None:
+def test_closing_cancels_the_reads_not_started() -> None:
     started: list[int] = []
     lock = threading.Lock()
 
     def read(item: int) -> int:
         with lock:
             started.append(item)
+        time.sleep(0.05)
         return item
 
     reads = read_in_threads(read, range(100))
-    assert next(reads) == (0, 0)
+    assert next(reads) == (0, 0)  # 1 to 3 submitted meanwhile; 1 and 2 running
     reads.close()
     assert _threads() == []
-    assert len(started) <= threads.AHEAD + 1
+    assert sorted(started) == [0, 1, 2]  # 3 was waiting for a thread: cancelled
 
 
-@pytest.mark.parametrize("ahead", [1, 3])
-def test_what_is_held_is_bounded_by_ahead(monkeypatch: pytest.MonkeyPatch, ahead: int) -> None:
-    monkeypatch.setattr(threads, "AHEAD", ahead)
+def test_an_interrupt_does_not_wait_for_the_reads_running() -> None:
+    release = threading.Event()
+
+    def read(item: int) -> int:
+        if item > 0:
+            release.wait(5)
+        return item
+
+    reads = read_in_threads(read, range(10))
+    assert next(reads) == (0, 0)
+    began = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        reads.throw(KeyboardInterrupt)
+    assert time.perf_counter() - began < 1  # the reads of 1 and 2 still wait
+    release.set()
+    for _ in range(500):
+        if not _threads():
+            break
+        time.sleep(0.01)
+    assert _threads() == []
+
+
+def test_what_is_held_is_bounded_by_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    # AHEAD 1: each read handed out before the next is submitted, whatever the threads
+    monkeypatch.setattr(threads, "AHEAD", 1)
     running = 0
     most = 0
     lock = threading.Lock()
@@ -77,4 +100,4 @@ def test_what_is_held_is_bounded_by_ahead(monkeypatch: pytest.MonkeyPatch, ahead
         return item
 
     held = [item for item, _ in read_in_threads(read, range(20))]
-    assert held == list(range(20)) and most <= min(ahead, threads.WORKERS)
+    assert held == list(range(20)) and most == 1

@@ -13,6 +13,7 @@ This module draws the verdict; the Parquet parts are read in
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -56,15 +57,15 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
         trace = run if isinstance(run, Trace) else load(run)
         seen = Seen()
         for kind_dir, parts in trace._parts.items():
-            reads = read_in_threads(functools.partial(read_part, kind_dir=kind_dir), list(parts))
-            for part, found in reads:
-                if isinstance(found, (OSError, ValueError, pa.ArrowException)):
-                    trace._drop(kind_dir, part, found)
-                elif isinstance(found, Exception):
-                    reads.close()
-                    raise found
-                elif found is not None:
-                    seen.merge(found)
+            read = functools.partial(read_part, kind_dir=kind_dir)
+            with contextlib.closing(read_in_threads(read, list(parts))) as reads:
+                for part, found in reads:
+                    if isinstance(found, (OSError, ValueError, pa.ArrowException)):
+                        trace._drop(kind_dir, part, found)
+                    elif isinstance(found, Exception):
+                        raise found
+                    elif found is not None:
+                        seen.merge(found)
         table = trace.steps
         modules = trace.modules
     n_steps = len({step for _, step in seen.steps})

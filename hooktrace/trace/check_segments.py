@@ -10,6 +10,7 @@ time (a trace can hold far more full tensors than memory); the Parquet side is
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import zlib
@@ -38,41 +39,40 @@ def check_segments(trace: Trace, seen: Seen, report: CheckReport) -> None:
     """Each segment the records point to, read two at a time (h5py inflates one while the
     other is checked), its problems reported in the segments' order."""
     root = trace.path.resolve()
-    readable: list[tuple[str, Path, Segment]] = []
-    for segment, held in sorted(seen.segments.items()):
-        path = (trace.path / segment).resolve()
-        if not path.is_relative_to(root):
-            report.problems.append(
-                f"segment {segment} points outside the run directory: not read, its data is lost"
-            )
-        elif not path.exists():
-            report.problems.append(
-                f"segment {segment} is missing: its activity and full tensors are lost"
-            )
-        else:
-            readable.append((segment, path, held))
-    for (segment, _, _), found in read_in_threads(_damage_of, readable):
-        # h5py raises OSError, KeyError, RuntimeError, ...
-        damage: str | None
-        if isinstance(found, Exception):
-            damage = f"{type(found).__name__}: {' '.join(str(found).split())}"
-            unreadable: list[str] = []
-        else:
-            damage, unreadable = found
-        if damage:
-            report.problems.append(f"segment {segment} is damaged ({damage}): its data is lost")
-        elif unreadable:
-            report.problems.append(
-                f"segment {segment}: {len(unreadable)} full tensor(s) cannot be read "
-                f"({_listed(unreadable)}): those are lost, the rest of the segment reads"
-            )
+    segments = [
+        (segment, (trace.path / segment).resolve(), held, root)
+        for segment, held in sorted(seen.segments.items())
+    ]
+    with contextlib.closing(read_in_threads(_problem_of, segments)) as reads:
+        for (segment, _, _, _), found in reads:
+            if isinstance(found, Exception):  # h5py raises OSError, KeyError, RuntimeError, ...
+                found = f"segment {segment} is damaged ({_why(found)}): its data is lost"
+            if found is not None:
+                report.problems.append(found)
 
 
-def _damage_of(segment: tuple[str, Path, Segment]) -> tuple[str | None, list[str]]:
-    """:func:`_segment_damage` of a segment (its name, path and what the records hold of
-    it), and the full tensors of it that cannot be read."""
+def _problem_of(segment: tuple[str, Path, Segment, Path]) -> str | None:
+    """What is wrong with a segment (its name, path, what the records hold of it, and the
+    run's directory), as :func:`check_segments` reports it; None if nothing."""
+    name, path, held, root = segment
+    if not path.is_relative_to(root):
+        return f"segment {name} points outside the run directory: not read, its data is lost"
+    if not path.exists():
+        return f"segment {name} is missing: its activity and full tensors are lost"
     unreadable: list[str] = []
-    return _segment_damage(segment[1], segment[2], unreadable), unreadable
+    damage = _segment_damage(path, held, unreadable)
+    if damage:
+        return f"segment {name} is damaged ({damage}): its data is lost"
+    if unreadable:
+        return (
+            f"segment {name}: {len(unreadable)} full tensor(s) cannot be read "
+            f"({_listed(unreadable)}): those are lost, the rest of the segment reads"
+        )
+    return None
+
+
+def _why(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
 def _segment_damage(path: Path, held: Segment, unreadable: list[str]) -> str | None:

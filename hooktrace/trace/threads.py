@@ -13,8 +13,10 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 WORKERS = 2
+"""Reads running at once."""
 AHEAD = 4
-"""Reads in flight at most: what is held is bounded by a few files' results."""
+"""Reads submitted and not yet handed out, at most (the one handed out included): what is
+held is a few files' results."""
 
 
 def read_in_threads(
@@ -22,10 +24,11 @@ def read_in_threads(
 ) -> Generator[tuple[_T, _R | Exception], None, None]:
     """``(item, read(item))`` for each item, in the items' order, :data:`WORKERS` read at a
     time and at most :data:`AHEAD` ahead; an exception a read raises is handed out in place
-    of its result, for the caller to judge. Closing the generator waits for the reads in
-    flight and starts no more."""
+    of its result, for the caller to judge. Closing the generator cancels the reads not
+    started and waits for those running; an interrupt (Ctrl-C) does not wait for them."""
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="hooktrace-read")
     pending: deque[tuple[_T, Future[_R]]] = deque()
+    wait = True
     try:
         for item in items:
             pending.append((item, pool.submit(read, item)))
@@ -37,8 +40,11 @@ def read_in_threads(
             done, future = pending.popleft()
             found = _outcome(future)
             yield done, found
+    except (KeyboardInterrupt, SystemExit):
+        wait = False
+        raise
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=wait, cancel_futures=True)
 
 
 def _outcome(future: Future[_R]) -> _R | Exception:
