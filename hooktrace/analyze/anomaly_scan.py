@@ -525,16 +525,26 @@ class _Queried:
         flat_sums, flat_counts = sums.reshape(-1), counts.reshape(-1)
         earliest = None if first_seq is None else np.full(sums.shape[1], _NO_SEQ, np.int64)
         place = _places(steps)
+
+        def column_of(batch: pa.RecordBatch) -> np.ndarray:
+            """Each record's (rank, module) column of the grid."""
+            at = _codes(batch.column("module"))
+            if len(ranks) > 1:
+                at += np.searchsorted(ranks, batch.column("rank").to_numpy()) * width
+            return at
+
+        def cell_of(batch: pa.RecordBatch, column: np.ndarray) -> np.ndarray:
+            """Each record's place in the flat grid, from its column and its step."""
+            return column + place(batch.column("step").to_numpy()) * len(ranks) * width
+
         found = self._con.sql(squares, params=self._parameters).to_arrow_reader(1 << 17)
         self._open = found
         try:
             for batch in _from_duckdb(found):
-                at = _codes(batch.column("module"))
-                if len(ranks) > 1:
-                    at += np.searchsorted(ranks, batch.column("rank").to_numpy()) * width
+                column = column_of(batch)
                 if earliest is not None:
-                    np.minimum.at(earliest, at, batch.column("seq").to_numpy())
-                at += place(batch.column("step").to_numpy()) * sums.shape[1]
+                    np.minimum.at(earliest, column, batch.column("seq").to_numpy())
+                at = cell_of(batch, column)
                 _add(flat_sums, flat_counts, at, batch.column("square").to_numpy(False))
         finally:
             found.close()
@@ -552,10 +562,7 @@ class _Queried:
             self._open = found
             try:
                 for batch in _from_duckdb(found):
-                    at = batch.column("module").to_numpy().astype(np.int64)
-                    if len(ranks) > 1:
-                        at += np.searchsorted(ranks, batch.column("rank").to_numpy()) * width
-                    at += place(batch.column("step").to_numpy()) * sums.shape[1]
+                    at = cell_of(batch, column_of(batch))
                     values.reshape(-1)[at] = batch.column("value").to_numpy(False)
             finally:
                 found.close()
