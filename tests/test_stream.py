@@ -12,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from scale_runs import generate_trace, many_parts
+from scale_runs import generate_trace, many_parts, with_nulls
 
 import hooktrace
 from hooktrace.errors import TraceWarning
@@ -329,13 +329,7 @@ def test_records_without_a_step_are_not_in_a_span(tmp_path: Path) -> None:
     # statistics leave them out, and the group seems to lie inside the span
     path = tmp_path / "run"
     generate_trace(path, steps=4, modules=3)
-    part = sorted((path / "records").glob("rank=*/part-*.parquet"))[0]
-    table = pq.read_table(part)
-    steps = table.column("step").to_pylist()
-    steps[5] = steps[6] = None
-    at = table.schema.get_field_index("step")
-    table = table.set_column(at, pa.field("step", pa.int64()), pa.array(steps, pa.int64()))
-    pq.write_table(table, part)
+    with_nulls(sorted((path / "records").glob("rank=*/part-*.parquet"))[0], "step", [5, 6])
     trace = hooktrace.load(path)
     stream = trace.stream(columns=COLUMNS, steps=(0, 3))
     got = stream.through(3)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from scale_runs import many_parts
+from scale_runs import many_parts, with_nulls
 
 import hooktrace
 from hooktrace.analyze.summary import summary
@@ -105,16 +105,8 @@ def test_phases_and_full_tensors_are_counted_as_pandas_counts_them(tmp_path: Pat
 def test_records_without_a_module_are_counted_once(tmp_path: Path) -> None:
     # a part rewritten by another tool, with nulls where the schema has none: the grouping
     # by module then has a NULL module, which is not the grouping by kind
-    import pyarrow as pa
-
     run = many_parts(tmp_path / "run", steps=4)
-    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[0]
-    table = pq.read_table(part)
-    modules = table.column("module").to_pylist()
-    modules[0] = modules[1] = None
-    at = table.schema.get_field_index("module")
-    table = table.set_column(at, pa.field("module", pa.string()), pa.array(modules, pa.string()))
-    pq.write_table(table, part)
+    with_nulls(sorted((run / "records" / "rank=0").glob("part-*.parquet"))[0], "module", [0, 1])
     s = summary(run)
     assert s.records == hooktrace.load(run).record_count
     assert set(s.kinds) <= {"output", "grad_output", "param", "grad_param"}
