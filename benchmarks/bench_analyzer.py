@@ -22,7 +22,7 @@ from bench_diff import measure  # noqa: E402  (the one-case-per-process harness)
 from synthetic import generate_trace, module_names, rows_per_step  # noqa: E402
 
 CASES = {
-    "import (the floor)": "import hooktrace.analyze.diff, hooktrace.analyze.anomalies\nresult = ''",
+    "import (the floor)": "import hooktrace.analyze.diff.diff, hooktrace.analyze.checks.anomalies\nresult = ''",
     "load(A).records": """
         import hooktrace
         result = f"{{len(hooktrace.load('{a}').records):,}} rows"

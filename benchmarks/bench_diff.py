@@ -40,7 +40,7 @@ print(json.dumps({{"seconds": seconds, "peak_mb": peak_mb, "result": str(result)
 """
 
 CASES = {
-    "import only (the floor)": "import hooktrace.analyze.diff\nresult = ''",
+    "import only (the floor)": "import hooktrace.analyze.diff.diff\nresult = ''",
     "hooktrace diff A B (CLI, report)": """
         from click.testing import CliRunner
         from hooktrace.cli import cli

@@ -50,7 +50,7 @@ CLI = """
 """
 
 CASES = {
-    "import only (the floor)": "import hooktrace.analyze.anomalies, hooktrace.analyze.dead_units\nresult = ''",
+    "import only (the floor)": "import hooktrace.analyze.checks.anomalies, hooktrace.analyze.checks.dead_units\nresult = ''",
     "hooktrace anomalies RUN": CLI.replace("{args}", '["anomalies", "{run}"]'),
     "hooktrace anomalies RUN --format parquet -o": CLI.replace(
         "{args}", '["anomalies", "{run}", "--format", "parquet", "-o", "{out}"]'

@@ -1,6 +1,6 @@
 """What the process-wide hooks cost a module call, recorded or not, measured side by side.
 
-The recorder attaches through hooks common to all modules (hooktrace/recorder/attach.py):
+The recorder attaches through hooks common to all modules (hooktrace/recorder/hooks/attach.py):
 torch calls them for every module call in the process, so every module pays something while
 a recording runs, recorded or not. This times one call of a tiny module (nn.Identity, in a
 chain of 200, one thread, no grad) under each variant, interleaved repetition by repetition:

@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's hooktrace
 
 import hooktrace
-from hooktrace.analyze.summary import summary
+from hooktrace.analyze.overview.summary import summary
 
 LAYOUTS: dict[str, tuple[int, bool]] = {  # row group size, sorted by module
     "64k (written)": (1 << 16, False),

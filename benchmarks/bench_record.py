@@ -24,7 +24,7 @@ as any variant):
   bare         stats with neither: what the recorder did before histograms and capture
                existed (asked for only: to compare with a commit of that time)
   full         hooktrace.record with full tensors of every module at every step
-  bystander    hooktrace.record of another model: the process-wide hooks (recorder/attach.py)
+  bystander    hooktrace.record of another model: the process-wide hooks (recorder/hooks/attach.py)
                fire for every module call and return at once; what unrecorded modules pay
   onethread    stats, with the kernel kept to one thread instead of torch's OpenMP threads
                (not run unless asked for: what reading on torch's threads saves)
@@ -70,9 +70,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from models import default_loss, make_batch, make_model
 
 import hooktrace
-from hooktrace.recorder import compiled, omp
-from hooktrace.recorder import stats as stats_module
-from hooktrace.recorder.stats import route_taken
+from hooktrace.recorder.stats import numba_kernels, omp
+from hooktrace.recorder.stats import stats as stats_module
+from hooktrace.recorder.stats.stats import route_taken
 
 # what is timed is the one-pass kernel: compile it here where numba's cache lacks it, rather
 # than time torch's reductions while a filler compiles it aside (the default)
@@ -216,12 +216,12 @@ def torchonly(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[
 def smallstaged(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[None]:
     """stats with every small CPU tensor staged and summarised by numpy in the writer: the
     compiled kernels that read them in place, and the writer's, kept out."""
-    return patched(model, out, (compiled, "staged", lambda: None))
+    return patched(model, out, (numba_kernels, "staged", lambda: None))
 
 
 def histnumpy(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[None]:
     """stats with histograms counted by numpy instead of their compiled kernel."""
-    return patched(model, out, (compiled, "histograms", lambda: None))
+    return patched(model, out, (numba_kernels, "histograms", lambda: None))
 
 
 EAGER = stats_module.Route("eager (benchmark)", 0.0, None)

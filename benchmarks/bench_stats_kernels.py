@@ -11,7 +11,7 @@ does in a hook on the CPU:
 and prints the first large tensor's wait for the one-pass kernel, in fresh processes: on an
 empty numba cache (compiled aside, and compiled there), and from the cache.
 
-Then the exponent histograms (hooktrace.recorder.histogram) of the same activations, and of
+Then the exponent histograms (hooktrace.recorder.stats.histogram) of the same activations, and of
 SmallCNN's and TinyTransformer's parameters and gradients (what the recorder histograms by
 default, every step), side by side with the statistics of the same tensors:
 
@@ -50,8 +50,8 @@ from typing import Any
 
 import torch
 
-from hooktrace.recorder import compiled, histogram, omp, staged_kernels
-from hooktrace.recorder.stats import (
+from hooktrace.recorder.stats import histogram, numba_kernels, omp, staged_kernels
+from hooktrace.recorder.stats.stats import (
     activity,
     route,
     stageable,
@@ -124,8 +124,8 @@ def interleaved_us(functions: list[tuple[Callable[[], object], int]], reps: int)
 
 _WAIT = """
 import time
-from hooktrace.recorder import kernel_cache
-from hooktrace.recorder.stats import route
+from hooktrace.recorder.stats import kernel_cache
+from hooktrace.recorder.stats.stats import route
 start = time.perf_counter()
 route()
 waited = time.perf_counter() - start
@@ -159,12 +159,12 @@ def warmup_seconds() -> dict[str, float]:
 
 def without_numba(tensors: list[torch.Tensor]) -> None:
     """``histogram_many`` as it runs before numba is loaded: numpy, tensor by tensor."""
-    ready = compiled.histograms
-    compiled.histograms = lambda: None  # what histogram asks before it picks a route
+    ready = numba_kernels.histograms
+    numba_kernels.histograms = lambda: None  # what histogram asks before it picks a route
     try:
         histogram.histogram_many(tensors)
     finally:
-        compiled.histograms = ready
+        numba_kernels.histograms = ready
 
 
 def parameter_statistics(tensors: list[torch.Tensor]) -> None:

@@ -3,7 +3,7 @@
 For traces larger than one machine (thousands of ranks, 10^10 records): Dask reads the runs'
 Parquet datasets as they lie (hive partitions ``rank=R``), joins the two runs on the record
 keys, and compares each partition of the join with hooktrace's own
-:func:`hooktrace.analyze.diff_compare.compare`, the one definition of "equal within
+:func:`hooktrace.analyze.diff.compare.compare`, the one definition of "equal within
 tolerance" that ``hooktrace diff`` uses too. Then two reductions: the smallest (step, seq)
 of the records that differ, and per module how many differ and from which step.
 
@@ -29,8 +29,8 @@ from typing import Any
 import dask.dataframe as dd
 import pandas as pd
 
-from hooktrace.analyze.diff import DEFAULT_ATOL, DEFAULT_RTOL
-from hooktrace.analyze.diff_compare import KEYS, TABLE_DTYPES, VALUES, compare
+from hooktrace.analyze.diff.compare import KEYS, TABLE_DTYPES, VALUES, compare
+from hooktrace.analyze.diff.diff import DEFAULT_ATOL, DEFAULT_RTOL
 
 _NAMES = ("phase", "module", "kind", "slot", "dtype", "segment")  # categories in pandas
 

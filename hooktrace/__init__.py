@@ -21,27 +21,24 @@ from hooktrace.errors import (
     TraceTooLarge,
     TraceWarning,
 )
+from hooktrace.package import __version__
 
 if TYPE_CHECKING:
     import torch
 
-    from hooktrace.analyze.anomalies import anomalies
-    from hooktrace.analyze.dead_units import dead_relus
-    from hooktrace.analyze.diff import diff
-    from hooktrace.analyze.histograms import hist
-    from hooktrace.analyze.plots import plot
-    from hooktrace.analyze.precision import precision
-    from hooktrace.analyze.report import report
-    from hooktrace.analyze.summary import summary
-    from hooktrace.analyze.tensorboard import export_tensorboard
-    from hooktrace.recorder.recorder import Models, Recorder
-    from hooktrace.recorder.replay import replay_module
+    from hooktrace.analyze.checks.anomalies import anomalies
+    from hooktrace.analyze.checks.dead_units import dead_relus
+    from hooktrace.analyze.diff.diff import diff
+    from hooktrace.analyze.export.tensorboard import export_tensorboard
+    from hooktrace.analyze.histograms.histograms import hist
+    from hooktrace.analyze.histograms.precision import precision
+    from hooktrace.analyze.overview.summary import summary
+    from hooktrace.analyze.plots.plots import plot
+    from hooktrace.analyze.report.report import report
+    from hooktrace.recorder.recording.recorder import Models, Recorder
+    from hooktrace.recorder.replay.replay import replay_module
     from hooktrace.trace.check import check
     from hooktrace.trace.reader import Trace, load
-
-_imported_in = os.getpid()
-"""The process that imported hooktrace. One forked from it keeps the recorder's kernel to one
-thread, whatever its parent did with OpenMP threads (:mod:`hooktrace.recorder.omp`)."""
 
 # Imported on first use: `hooktrace --help` must not pay for pandas, and nothing on the
 # analyzer side may pull in torch.
@@ -49,16 +46,16 @@ _LAZY = {
     "load": "hooktrace.trace.reader",
     "Trace": "hooktrace.trace.reader",
     "check": "hooktrace.trace.check",
-    "summary": "hooktrace.analyze.summary",
-    "diff": "hooktrace.analyze.diff",
-    "dead_relus": "hooktrace.analyze.dead_units",
-    "anomalies": "hooktrace.analyze.anomalies",
-    "hist": "hooktrace.analyze.histograms",
-    "plot": "hooktrace.analyze.plots",
-    "precision": "hooktrace.analyze.precision",
-    "report": "hooktrace.analyze.report",
-    "export_tensorboard": "hooktrace.analyze.tensorboard",
-    "replay_module": "hooktrace.recorder.replay",
+    "summary": "hooktrace.analyze.overview.summary",
+    "diff": "hooktrace.analyze.diff.diff",
+    "dead_relus": "hooktrace.analyze.checks.dead_units",
+    "anomalies": "hooktrace.analyze.checks.anomalies",
+    "hist": "hooktrace.analyze.histograms.histograms",
+    "plot": "hooktrace.analyze.plots.plots",
+    "precision": "hooktrace.analyze.histograms.precision",
+    "report": "hooktrace.analyze.report.report",
+    "export_tensorboard": "hooktrace.analyze.export.tensorboard",
+    "replay_module": "hooktrace.recorder.replay.replay",
 }
 
 
@@ -72,8 +69,6 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ConfigError",
@@ -130,7 +125,7 @@ def record(models: Models, out: str | os.PathLike[str], **options: Any) -> Recor
                 opt.step()
                 opt.zero_grad()
     """
-    from hooktrace.recorder.recorder import Recorder
+    from hooktrace.recorder.recording.recorder import Recorder
 
     return Recorder(models, out, **options)
 
@@ -141,7 +136,7 @@ def watch(tensor: torch.Tensor, name: str) -> torch.Tensor:
     Call it from inside ``forward()``. Outside a recording it does nothing. Returns
     ``tensor`` unchanged, so it can wrap an expression.
     """
-    recorder_module = sys.modules.get("hooktrace.recorder.recorder")
+    recorder_module = sys.modules.get("hooktrace.recorder.recording.recorder")
     if recorder_module is not None:
         active = recorder_module.active_recorder()
         if active is not None:

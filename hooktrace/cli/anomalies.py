@@ -12,7 +12,7 @@ import click
 from hooktrace.cli.common import emit_frame, library_errors, output_options, run_argument
 
 if TYPE_CHECKING:
-    from hooktrace.analyze.anomalies import Anomalies
+    from hooktrace.analyze.checks.anomalies import Anomalies
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -118,7 +118,7 @@ def anomalies(
       hooktrace anomalies runs/mlp --fail
       hooktrace anomalies runs/mlp --steps 8000- --format csv -o findings.csv
     """
-    from hooktrace.analyze.anomalies import anomalies as find
+    from hooktrace.analyze.checks.anomalies import anomalies as find
 
     result = find(
         run,

@@ -14,7 +14,7 @@ from hooktrace.cli.common import emit_frame, library_errors, output_options, run
 if TYPE_CHECKING:
     import pandas as pd
 
-    from hooktrace.analyze.dead_units import DeadUnits
+    from hooktrace.analyze.checks.dead_units import DeadUnits
 
 
 @click.command("dead-relus")
@@ -80,7 +80,7 @@ def dead_relus(
       hooktrace dead-relus runs/cnn --units
       hooktrace dead-relus runs/cnn --fail --layer-threshold 0.5
     """
-    from hooktrace.analyze.dead_units import dead_relus as find
+    from hooktrace.analyze.checks.dead_units import dead_relus as find
 
     result = find(
         run,

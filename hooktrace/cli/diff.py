@@ -14,7 +14,7 @@ import click
 from hooktrace.cli.common import CommandError, FrameWriter, library_errors, output_options
 
 if TYPE_CHECKING:
-    from hooktrace.analyze.diff import DiffResult
+    from hooktrace.analyze.diff.diff import DiffResult
 
 # the library's DEFAULT_RTOL / DEFAULT_ATOL, repeated so that `hooktrace --help` needs no pandas
 RTOL = 1e-5
@@ -81,7 +81,7 @@ def diff(
       hooktrace diff runs/before runs/after --rtol 1e-4
       hooktrace diff runs/ddp --rank 0 --against-rank 1 --kinds param
     """
-    from hooktrace.analyze.diff import diff as diff_runs
+    from hooktrace.analyze.diff.diff import diff as diff_runs
 
     if run_b is None and against_rank is None:
         raise CommandError("give RUN_B, or --against-rank R to compare two ranks of RUN_A")
@@ -192,7 +192,7 @@ def _table_schema() -> Any:
     """The Arrow schema of the diff table (``--format parquet``)."""
     import pyarrow as pa
 
-    from hooktrace.analyze.diff_compare import TABLE_DTYPES
+    from hooktrace.analyze.diff.compare import TABLE_DTYPES
 
     types = {"int64": pa.int64(), "float64": pa.float64()}
     return pa.schema([(c, types.get(t, pa.string())) for c, t in TABLE_DTYPES.items()])

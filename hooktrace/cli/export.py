@@ -12,7 +12,7 @@ from hooktrace.cli.anomalies import steps_option
 from hooktrace.cli.common import CommandError, library_errors, run_argument
 from hooktrace.cli.progress import ProgressBar
 
-# hooktrace.analyze.tensorboard.STATS, repeated so that `hooktrace --help` needs no pandas
+# hooktrace.analyze.export.tensorboard.STATS, repeated so that `hooktrace --help` needs no pandas
 STATS = ("mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count")
 
 
@@ -82,7 +82,7 @@ def tensorboard_command(
       hooktrace export tensorboard runs/b tb/b --kinds grad_param --stats norm,max
       tensorboard --logdir tb
     """
-    from hooktrace.analyze.tensorboard import export_tensorboard
+    from hooktrace.analyze.export.tensorboard import export_tensorboard
 
     with ProgressBar("exporting", quiet=quiet) as progress:
         result = export_tensorboard(

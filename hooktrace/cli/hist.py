@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 MAX_STEPS = 40
 """Steps shown per record in the table view unless --max-steps says otherwise."""
 
-# hooktrace.analyze.histograms' float16 limits, repeated so that `hooktrace --help` needs no
+# hooktrace.analyze.histograms.histograms' float16 limits, repeated so that `hooktrace --help` needs no
 # pandas
 FP16_SUBNORMAL, FP16_NORMAL, FP16_OVERFLOW = -24, -14, 16
 
@@ -81,7 +81,7 @@ def hist(
       hooktrace hist runs/mlp --steps 500
       hooktrace hist runs/mlp --format csv -o hist.csv
     """
-    from hooktrace.analyze.histograms import hist as histograms
+    from hooktrace.analyze.histograms.histograms import hist as histograms
 
     options: dict[str, Any] = {
         "modules": modules,
@@ -111,7 +111,7 @@ def _ints(text: str | None, option: str) -> list[int] | None:
 
 def render(run: object, frame: pd.DataFrame) -> str:
     """The text view of :func:`hooktrace.hist`'s ``frame``."""
-    from hooktrace.analyze.histograms import in_order, per_step
+    from hooktrace.analyze.histograms.histograms import in_order, per_step
 
     rows = in_order(per_step(frame)).reset_index(drop=True)
     counts = _magnitudes(frame, rows)

@@ -10,7 +10,7 @@ from hooktrace.cli.anomalies import steps_option
 from hooktrace.cli.common import CommandError, library_errors, run_argument
 from hooktrace.cli.progress import ProgressBar
 
-# hooktrace.analyze.plots.WHAT, repeated so that `hooktrace --help` needs no pandas
+# hooktrace.analyze.plots.plots.WHAT, repeated so that `hooktrace --help` needs no pandas
 WHAT = ("grad-norms", "activations", "dead-units", "histograms", "diff")
 
 
@@ -84,7 +84,7 @@ def plot(
       hooktrace plot runs/before --against runs/after -o diff.png
       hooktrace plot runs/mlp --what histograms --modules 'fc1$' -o hist.png
     """
-    from hooktrace.analyze.plots import plot as draw
+    from hooktrace.analyze.plots.plots import plot as draw
 
     what = what or ("diff" if against is not None else "grad-norms")
     if what == "diff" and against is None:

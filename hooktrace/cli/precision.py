@@ -51,8 +51,8 @@ def precision(
     """
     import pandas as pd
 
-    from hooktrace.analyze.precision import COLUMNS
-    from hooktrace.analyze.precision import precision as measure
+    from hooktrace.analyze.histograms.precision import COLUMNS
+    from hooktrace.analyze.histograms.precision import precision as measure
     from hooktrace.trace import schema
     from hooktrace.trace.reader import load
 
@@ -114,6 +114,6 @@ def render(run: Path, table: pd.DataFrame) -> str:
 
 
 def _share(fraction: Any) -> str:
-    from hooktrace.analyze.precision import percent
+    from hooktrace.analyze.histograms.precision import percent
 
     return percent(float(fraction))

@@ -172,10 +172,10 @@ def record(
     options = _recorder_options(settings)
 
     from hooktrace.errors import HooktraceError
-    from hooktrace.recorder.select import StepSelection, histogram_kinds, module_matcher
+    from hooktrace.recorder.hooks.select import StepSelection, histogram_kinds, module_matcher
 
     try:
-        from hooktrace.recorder.launch import run_script
+        from hooktrace.recorder.recording.launch import run_script
     except ImportError as exc:
         raise CommandError(f"hooktrace record needs PyTorch ({exc}): pip install torch") from exc
 

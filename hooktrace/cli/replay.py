@@ -108,7 +108,7 @@ def replay(
         param = next(p for p in context.command.params if p.name == "step")
         raise click.MissingParameter(ctx=context, param=param)
     rank = 0 if rank is None else rank
-    from hooktrace.analyze.timeline import largest_jumps, timeline
+    from hooktrace.analyze.overview.timeline import largest_jumps, timeline
     from hooktrace.cli.replay_nonfinite import step_lines
     from hooktrace.trace.reader import load
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hooktrace.analyze.captured import (
+from hooktrace.analyze.checks.captured import (
     described,
     failed_captures,
     known,

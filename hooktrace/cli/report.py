@@ -52,7 +52,7 @@ def report(
       hooktrace report runs/mlp -o mlp.html
       hooktrace report runs/before runs/after -o before-after.html
     """
-    from hooktrace.analyze.report import report as write_report
+    from hooktrace.analyze.report.report import report as write_report
 
     with ProgressBar("analysing", quiet=quiet) as progress:
         write_report(

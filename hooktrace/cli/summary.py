@@ -11,7 +11,7 @@ import click
 from hooktrace.cli.common import library_errors, run_argument
 
 if TYPE_CHECKING:
-    from hooktrace.analyze.summary import Summary
+    from hooktrace.analyze.overview.summary import Summary
 
 
 @click.command()
@@ -25,7 +25,7 @@ def summary(run: Path, as_json: bool) -> None:
     Example:
       hooktrace summary runs/mlp
     """
-    from hooktrace.analyze.summary import summary as summary_of
+    from hooktrace.analyze.overview.summary import summary as summary_of
 
     result = summary_of(run)
     if as_json:

@@ -58,7 +58,7 @@ def write_capture(
     tensors: Mapping[str, list[tuple[str, np.ndarray, str]]],
 ) -> Path:
     """Write one capture: ``tensors`` maps a group of :data:`GROUPS` to (name, array, dtype
-    name) triples, arrays as :func:`hooktrace.recorder.pending.to_numpy` makes them."""
+    name) triples, arrays as :func:`hooktrace.recorder.records.pending.to_numpy` makes them."""
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / capture_name(index)
     tmp = final.with_name(schema.temporary_name(final.name))

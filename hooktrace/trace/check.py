@@ -78,8 +78,8 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
             f"interrupted write left {leftover.relative_to(trace.path)}: the steps it held are lost"
         )
     _note_not_summarised(seen, report)
-    check_segments(trace, seen, report)
-    check_captures(trace, report)
+    check_segments(trace.path, seen, report.problems)
+    check_captures(trace.path, trace.manifest["ranks"], report.problems, report.notes)
     _check_tables(seen, table, modules, report)
     return report
 

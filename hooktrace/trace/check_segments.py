@@ -16,7 +16,7 @@ import math
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import h5py
 import numpy as np
@@ -27,20 +27,17 @@ from hooktrace.trace.captures import GROUPS, capture_paths, read_meta
 from hooktrace.trace.check_parts import Seen, Segment
 from hooktrace.trace.threads import read_in_threads
 
-if TYPE_CHECKING:  # check imports this module
-    from hooktrace.trace.check import CheckReport
-    from hooktrace.trace.reader import Trace
-
 MAX_LISTED = 5  # ranks, tensors or captures named one by one before "and N more"
 _BLOCK_BYTES = 64 << 20  # how much of a full tensor is read at a time to check its CRC-32
 
 
-def check_segments(trace: Trace, seen: Seen, report: CheckReport) -> None:
-    """Each segment the records point to, read two at a time (h5py inflates one while the
-    other is checked), its problems reported in the segments' order."""
-    root = trace.path.resolve()
+def check_segments(run: Path, seen: Seen, problems: list[str]) -> None:
+    """Each segment the records of the run directory ``run`` point to, read two at a time
+    (h5py inflates one while the other is checked), its problems added to ``problems`` in the
+    segments' order."""
+    root = run.resolve()
     segments = [
-        (segment, (trace.path / segment).resolve(), held, root)
+        (segment, (run / segment).resolve(), held, root)
         for segment, held in sorted(seen.segments.items())
     ]
     with contextlib.closing(read_in_threads(_problem_of, segments)) as reads:
@@ -48,7 +45,7 @@ def check_segments(trace: Trace, seen: Seen, report: CheckReport) -> None:
             if isinstance(found, Exception):  # h5py raises OSError, KeyError, RuntimeError, ...
                 found = f"segment {segment} is damaged ({_why(found)}): its data is lost"
             if found is not None:
-                report.problems.append(found)
+                problems.append(found)
 
 
 def _problem_of(segment: tuple[str, Path, Segment, Path]) -> str | None:
@@ -103,12 +100,15 @@ def _segment_damage(path: Path, held: Segment, unreadable: list[str]) -> str | N
     return None
 
 
-def check_captures(trace: Trace, report: CheckReport) -> None:
-    """Each non-finite capture opens, holds its description, and every tensor of it has the
-    CRC-32 stored with it; as many are there as each rank's status says were written."""
+def check_captures(
+    run: Path, statuses: dict[str, Any], problems: list[str], notes: list[str]
+) -> None:
+    """Each non-finite capture of the run directory ``run`` opens, holds its description, and
+    every tensor of it has the CRC-32 stored with it; as many are there as each rank's status
+    (``statuses``, the manifest's ``ranks``) says were written."""
     found: dict[int, int] = {}
-    for rank, _, path in capture_paths(trace.path):
-        where = path.relative_to(trace.path)
+    for rank, _, path in capture_paths(run):
+        where = path.relative_to(run)
         try:
             read_meta(path)
             with h5py.File(path, "r") as f:
@@ -120,25 +120,25 @@ def check_captures(trace: Trace, report: CheckReport) -> None:
                     if not _checksum_matches(dataset)
                 ]
         except (OSError, TraceError) as exc:
-            report.problems.append(f"capture {where} is damaged ({exc}): it is lost")
+            problems.append(f"capture {where} is damaged ({exc}): it is lost")
             continue
         if bad:
-            report.problems.append(
+            problems.append(
                 f"capture {where}: {len(bad)} tensor(s) no longer match their checksum "
                 f"({_listed(bad)}): it cannot be replayed"
             )
         found[rank] = found.get(rank, 0) + 1
-    for rank, status in sorted(trace.manifest["ranks"].items()):
+    for key, status in sorted(statuses.items()):
         written = status.get("nonfinite_captures")
-        if isinstance(written, int) and written > found.get(int(rank), 0):
-            report.problems.append(
-                f"rank {rank}: {written} non-finite capture(s) written, "
-                f"{found.get(int(rank), 0)} readable: the others are lost"
+        if isinstance(written, int) and written > found.get(int(key), 0):
+            problems.append(
+                f"rank {key}: {written} non-finite capture(s) written, "
+                f"{found.get(int(key), 0)} readable: the others are lost"
             )
     if found:
         total = sum(found.values())
-        report.notes.append(
-            f"{total} non-finite capture(s), each whole: `hooktrace replay {trace.path} "
+        notes.append(
+            f"{total} non-finite capture(s), each whole: `hooktrace replay {run} "
             "--nonfinite` shows them"
         )
 

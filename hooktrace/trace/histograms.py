@@ -17,7 +17,7 @@ a float32, float16 or bfloat16 tensor has a bin of its own exponent; only float6
 (and integers beyond 2^128) reach the two end bins.
 
 Nothing here imports torch: the analyzer reads these, and the recorder's computation
-(:mod:`hooktrace.recorder.histogram`) is tested against :func:`reference`.
+(:mod:`hooktrace.recorder.stats.histogram`) is tested against :func:`reference`.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def concat_columns(steps: list[StepData]) -> dict[str, Any]:
 
 def _concat(parts: list[Any]) -> Any:
     """One column from the steps' parts: numpy arrays, Arrow arrays or lists. A part that
-    steps share (a :class:`~hooktrace.recorder.layout.Layout`'s column) is repeated as a
+    steps share (a :class:`~hooktrace.recorder.records.layout.Layout`'s column) is repeated as a
     whole, not value by value."""
     runs: list[tuple[Any, int]] = []  # (part, how many steps in a row share it)
     for part in parts:

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -32,8 +32,18 @@ from hooktrace.errors import TraceError
 from hooktrace.trace import schema, tables
 from hooktrace.trace.paths import one_line, rank_of
 
-if TYPE_CHECKING:
-    from hooktrace.trace.reader import Trace
+
+class Parts(Protocol):
+    """What a stream asks of the :class:`~hooktrace.trace.reader.Trace` it reads (which
+    imports this module): the run's directory, the parts' footers, which parts are still read,
+    and where to leave a damaged one out."""
+
+    path: Path
+    _metadata: dict[Path, pq.FileMetaData]
+
+    def _holds(self, kind_dir: str, part: Path) -> bool: ...
+
+    def _drop(self, kind_dir: str, part: Path, why: BaseException | str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -53,7 +63,7 @@ class RecordStream:
 
     def __init__(
         self,
-        trace: Trace,
+        trace: Parts,
         columns: Sequence[str],
         filter: Any,
         parts: list[Path],

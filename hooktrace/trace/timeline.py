@@ -4,8 +4,8 @@
 It lives beside the reader, not with the analyses, because ``Trace`` returns it: it is how the
 format's ``seq``, ``call`` and ``kind`` columns and the modules' ``parent`` read back as one
 step's calls, as ``Trace.histograms()`` is how the stored spans read back as whole rows. What
-is made of it lives in :mod:`hooktrace.analyze.timeline` (:func:`largest_jumps`, and
-:func:`~hooktrace.analyze.timeline.timeline` for a run directory).
+is made of it lives in :mod:`hooktrace.analyze.overview.timeline` (:func:`largest_jumps`, and
+:func:`~hooktrace.analyze.overview.timeline.timeline` for a run directory).
 
 Every record of the step is an event, in ``seq`` order. Three passes follow each other:
 
@@ -32,22 +32,46 @@ Two columns help reading: ``gain`` is how the root mean square (``norm / sqrt(nu
 floating-point event compares with what it came from: an output with its call's first input
 (when inputs were recorded) or else with the forward event before it, a gradient with the
 gradient that arrived before it. ``first_nonfinite`` marks the step's first record holding a
-NaN or Inf. :func:`hooktrace.analyze.timeline.largest_jumps` picks the events whose gain is
+NaN or Inf. :func:`hooktrace.analyze.overview.timeline.largest_jumps` picks the events whose gain is
 furthest from 1.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import pandas as pd
 
 from hooktrace.errors import TensorNotRecorded
 
-if TYPE_CHECKING:  # the reader imports this module: Trace is only named here
-    from hooktrace.trace.reader import Trace
+
+class Traced(Protocol):
+    """What a timeline reads of a :class:`~hooktrace.trace.reader.Trace` (which imports this
+    module: ``Trace.timeline()``)."""
+
+    path: Path
+
+    @property
+    def steps(self) -> pd.DataFrame: ...
+
+    @property
+    def modules(self) -> pd.DataFrame: ...
+
+    @property
+    def ranks(self) -> list[int]: ...
+
+    def query(
+        self,
+        *,
+        columns: Sequence[str] | None = None,
+        steps: Iterable[int] | tuple[int, int] | None = None,
+        ranks: Iterable[int] | None = None,
+    ) -> pd.DataFrame: ...
+
 
 PASSES = {
     "param": "params",
@@ -96,7 +120,7 @@ Key = tuple[int, str, str, int]  # (micro_step, phase, module, call)
 
 
 def timeline(
-    trace: Trace, step: int, *, micro_step: int | None = None, rank: int = 0
+    trace: Traced, step: int, *, micro_step: int | None = None, rank: int = 0
 ) -> pd.DataFrame:
     """The events of ``step`` (one rank) in execution order, one row per record.
 
@@ -277,7 +301,7 @@ class _Ancestors:
         return cached
 
 
-def _static_parents(trace: Trace, rank: int) -> dict[str, str]:
+def _static_parents(trace: Traced, rank: int) -> dict[str, str]:
     modules = trace.modules
     if modules.empty:
         return {}
@@ -334,7 +358,7 @@ def _gains(rows: pd.DataFrame, containers: set[Key]) -> np.ndarray:
     return gains
 
 
-def _no_step(trace: Trace, step: int, rank: int) -> str:
+def _no_step(trace: Traced, step: int, rank: int) -> str:
     steps = trace.steps
     if not steps.empty:
         steps = steps[steps["rank"].astype(int) == rank]

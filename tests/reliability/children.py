@@ -52,8 +52,8 @@ def forkserver() -> ForkServerContext:
         [
             "torch",
             "torch._dynamo",  # the first optimizer imports it: 2 s a process otherwise
-            "hooktrace.recorder.recorder",
-            "hooktrace.recorder.launch",
+            "hooktrace.recorder.recording.recorder",
+            "hooktrace.recorder.recording.launch",
             "hooktrace.cli.record",
             __name__,
         ]

@@ -25,7 +25,7 @@ from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_h
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 import hooktrace
-from hooktrace.recorder.discover import ScriptRecorder
+from hooktrace.recorder.recording.discover import ScriptRecorder
 
 from .conftest import Figures
 

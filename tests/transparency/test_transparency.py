@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import hooktrace
-from hooktrace.analyze.summary import summary
+from hooktrace.analyze.overview.summary import summary
 
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TIMEOUT_S = 90  # per child: each takes a few seconds; a hung one fails its test

@@ -1,0 +1,121 @@
+"""Which call of a module a hook sees, and the gradient hooks on the tensors it recorded.
+
+Calls are counted per (phase, module) within a micro-step: a module called twice (a shared
+module, an RNN cell in a loop) records calls 0 and 1, and the gradients that reach its
+outputs later are recorded under the same numbers. Gradients are caught on the recorded
+tensors themselves (``Tensor.register_hook``; :mod:`hooktrace.recorder.hooks.attach` says why not
+the process-wide backward hooks), one hook a tensor.
+
+Apart from the recorder because this bookkeeping lives for one micro-step (the end of a
+backward pass clears it) and holds the recorder's only references to the step's tensors:
+weak ones, and hook handles, which keep no tensor alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from hooktrace.recorder.records.flatten import flatten
+
+_PRUNE_AT = 1024
+"""Gradient hook handles held before the dead ones are dropped, at least."""
+
+Target = tuple[str, int, str, str]
+"""Where a gradient is recorded: (module, call, kind, slot)."""
+
+HookFor = Callable[[list[Target]], Callable[[torch.Tensor], None]]
+"""Makes a tensor's gradient hook, which records the gradient as each of its targets."""
+
+
+class Calls:
+    """The calls counted and the gradients hooked in the current micro-step, and the
+    handles of every gradient hook still to remove."""
+
+    _hooked: dict[int, tuple[weakref.ref[torch.Tensor], int, int, list[Target]]]
+
+    def __init__(self) -> None:
+        self.handles: list[RemovableHandle] = []
+        self._prune_at = _PRUNE_AT
+        self.new_step()
+
+    def new_step(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}  # by (phase, module): calls so far
+        self._recomputed: dict[str, int] = {}
+        self.grad_hooked: set[tuple[str, int]] = set()  # (module, call)
+        # by id(tensor): the tensor, its version, its gradient hook's id, what that records
+        self._hooked = {}
+        self.output_specs: dict[tuple[str, int], str] = {}  # of calls with no tensor input
+
+    def backward_done(self) -> None:
+        """A backward pass completed: the next forward begins a micro-step."""
+        self.counts.clear()
+        self.grad_hooked.clear()
+        self._hooked.clear()
+        self._recomputed.clear()
+
+    def count(self, phase: str, name: str) -> int:
+        """The number of this call of ``name`` in ``phase``, counted."""
+        key = (phase, name)
+        call = self.counts.get(key, 0)
+        self.counts[key] = call + 1
+        return call
+
+    def hook_grad(self, tensor: torch.Tensor, target: Target, hook_for: HookFor) -> None:
+        """Record ``tensor``'s gradient as ``target``. One hook a tensor: one returned again
+        unchanged (a container's output is its last child's) takes one more target in the
+        hook it has, not a hook of its own; unless another hook came after ours, which may
+        change the gradient that the later module's record must see."""
+        hooked = self._hooked.get(id(tensor))
+        if hooked is not None:
+            seen, version, ours, targets = hooked
+            hooks = tensor._backward_hooks
+            # the same tensor, unchanged, and our hook still the last one on it
+            if seen() is tensor and tensor._version == version and _last(hooks) == ours:
+                targets.append(target)
+                return
+        targets = [target]
+        handle = tensor.register_hook(hook_for(targets))
+        self.handles.append(handle)
+        self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, handle.id, targets)
+
+    def recomputed(self, name: str, output: Any, hook_for: HookFor) -> None:
+        """A forward run again by activation checkpointing: record nothing twice.
+
+        Non-reentrant checkpointing keeps the original graph, whose hooks already fire. The
+        reentrant kind ran the original forward under no_grad, so gradients reach only the
+        recomputed outputs: hook those, under the original call's index.
+        """
+        call = self._recomputed.get(name, 0)
+        self._recomputed[name] = call + 1
+        if (name, call) in self.grad_hooked:
+            return
+        for slot, tensor in flatten(output):
+            if tensor.requires_grad:
+                self.grad_hooked.add((name, call))
+                self.hook_grad(tensor, (name, call, "grad_output", slot), hook_for)
+
+    def prune(self) -> None:
+        """The gradient hooks of a graph that is gone need no removing: their handles are
+        dropped now and then (a handle keeps no tensor alive)."""
+        if len(self.handles) >= self._prune_at:
+            self.handles = [h for h in self.handles if _alive(h)]
+            self._prune_at = max(_PRUNE_AT, 2 * len(self.handles))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _last(hooks: Mapping[int, Any] | None) -> int | None:
+    """The id of the hook registered last among ``hooks`` (a tensor's ``_backward_hooks``)."""
+    return next(reversed(hooks)) if hooks else None
+
+
+def _alive(handle: RemovableHandle) -> bool:
+    return handle.hooks_dict_ref() is not None

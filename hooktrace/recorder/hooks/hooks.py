@@ -1,0 +1,373 @@
+"""What the recorder does when torch calls it: a root's forward begins, a module returns, a
+gradient arrives, a backward pass ends, a watched tensor is seen.
+
+torch calls the process-wide hooks (:mod:`hooktrace.recorder.hooks.attach`) for every module call
+in the process. Each returns at once unless the module is in the table; ``is_compiling()``
+comes first, as dynamo cannot trace the look-up. A recorded call counts itself
+(:mod:`~hooktrace.recorder.hooks.calls`), hands each tensor to the hot path
+(:mod:`~hooktrace.recorder.records.observe`), hooks the gradients of its outputs, and tells the
+captures (:mod:`~hooktrace.recorder.nonfinite.capture`) where a NaN or Inf came out.
+
+These handlers are the base class of :class:`~hooktrace.recorder.recording.recorder.Recorder` rather
+than a collaborator of it: each reads and writes the recorder's per-step state (declared
+below, set by the recorder), ``hooktrace record``'s ScriptRecorder extends them by
+overriding (:mod:`~hooktrace.recorder.recording.discover`), and on the way to the hot path they must
+cost no more than a method call.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from hooktrace.recorder.hooks import attach
+from hooktrace.recorder.hooks.attach import ModuleTable, is_compiling
+from hooktrace.recorder.hooks.attach import in_backward as _in_backward
+from hooktrace.recorder.hooks.attach import in_transform as _in_transform
+from hooktrace.recorder.hooks.calls import Calls, Target
+from hooktrace.recorder.hooks.names import Names
+from hooktrace.recorder.nonfinite import finite
+from hooktrace.recorder.nonfinite.capture import Captures
+from hooktrace.recorder.records.flatten import describe_call, flatten, flatten_call
+from hooktrace.recorder.records.observe import Observer
+from hooktrace.recorder.records.params import queue_records
+from hooktrace.recorder.records.pending import PendingStep
+from hooktrace.recorder.records.staging import Staged
+
+
+class Hooks:
+    """The recorder's hook handlers."""
+
+    # the recorder's state that the handlers read and write
+    inputs: bool
+    params: bool
+    current_step: int
+    micro_step: int
+    _recording: bool
+    _full_step: bool
+    _pending: PendingStep
+    _params_phase: str | None  # the phase whose forward recorded the step's parameters
+    _root_depth: int  # > 0 inside a root's forward
+    _phase: str  # the phase of the root's forward running, or of the last one
+    _backward_active: bool
+    _paused: int  # > 0 while torch.jit.trace re-runs the model to check its graph
+    _lock: threading.RLock
+    _table: ModuleTable
+    _names: Names
+    _calls: Calls
+    _observer: Observer
+    _captures: Captures
+    # what the recorder does for them
+    _fault: Callable[[BaseException, str], None]
+    _restructure: Callable[[nn.Module], None]
+
+    # -- the process-wide hooks ------------------------------------------------------------
+
+    def _pre(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
+    ) -> None:
+        if is_compiling():
+            return
+        entry = self._table.get(module)
+        if entry is None or not (entry.root or self.inputs) or self._paused or attach.traced():
+            return
+        if _in_backward() or _in_transform():
+            return
+        with self._lock:
+            if entry.root:
+                self._enter_root(module, args)
+            if entry.name is not None and self.inputs and self._recording:
+                try:
+                    if kwargs is None:
+                        kwargs = attach.call_kwargs()
+                    with _unseen():
+                        self._on_inputs(entry.name, module, args, kwargs)
+                except Exception as exc:
+                    self._fault(exc, f"the inputs of {entry.name!r}")
+
+    def _post(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
+        if is_compiling():
+            return
+        entry = self._table.get(module)
+        if entry is None or entry.name is None or not self._recording:
+            return
+        if self._paused or attach.traced() or _in_transform():
+            return
+        with self._lock:
+            try:
+                if type(output) is torch.Tensor:
+                    self._on_forward(entry.name, module, args, kwargs, output, entry.channels_first)
+                else:  # a container, or a tensor subclass: see _unseen()
+                    with _unseen():
+                        self._on_forward(
+                            entry.name, module, args, kwargs, output, entry.channels_first
+                        )
+            except Exception as exc:
+                self._fault(exc, f"the forward of {entry.name!r}")
+
+    def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """Runs after ``_post``, also when the forward raised: the root's records carry the
+        root's phase, and an exception leaves no depth behind."""
+        if is_compiling():
+            return
+        entry = self._table.get(module)
+        if entry is None or not entry.root or self._paused or attach.traced():
+            return
+        if not _in_backward() and not _in_transform():
+            with self._lock:
+                self._root_depth = max(0, self._root_depth - 1)
+
+    def _grad_hook(self, targets: list[Target]) -> Callable[[torch.Tensor], None]:
+        """A tensor's gradient hook: records the gradient as each (module, call, kind, slot)
+        of ``targets`` (a tensor several modules returned is each one's output)."""
+
+        def hook(grad: torch.Tensor) -> None:
+            if self._recording and not _in_transform():
+                with self._lock:
+                    module = targets[0][0]
+                    try:
+                        stats = None
+                        for module, call, kind, slot in targets:
+                            stats = self._on_grad(module, call, kind, slot, grad)
+                        if self._captures.armed:
+                            self._after_gradient(targets, grad, stats)
+                    except Exception as exc:
+                        self._fault(exc, f"the backward of {module!r}")
+
+        return hook
+
+    # -- what they do ----------------------------------------------------------------------
+
+    def _enter_root(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._root_depth == 0:
+            if self._backward_active:  # the last backward raised before it finished
+                self._backward_active = False
+            training = torch.is_grad_enabled() and module.training
+            self._phase = "train" if training else "eval"
+            if self._recording and self._params_phase is None:  # the step's first forward
+                try:
+                    self._restructure(module)
+                except Exception as exc:
+                    self._fault(exc, f"naming the modules of {type(module).__name__}")
+            # parameters as the step's first forward finds them, and again as its first
+            # training forward does, where an evaluation came first (an EMA callback may
+            # have swapped them in for it): each phase's records hold what it used
+            wanted = self._params_phase is None or (self._params_phase == "eval" and training)
+            if self._recording and self.params and wanted:
+                self._params_phase = self._phase
+                try:
+                    self._record_params("param")
+                    self._record_params("buffer")
+                except Exception as exc:
+                    self._fault(exc, "the parameters")
+            self._captures.new_pass()
+            if (
+                self._captures.armed
+                and self._recording
+                and self._phase == "train"
+                and not self._table.is_replica(module)  # held weakly: a re-run would keep it
+            ):
+                try:
+                    self._captures.enter_root(module, args, attach.call_kwargs())
+                except Exception as exc:  # a capture's failure is its own
+                    where = self._where_now("train", 0)
+                    self._captures.failure(exc, f"the forward of {type(module).__name__}", where)
+        self._root_depth += 1
+
+    def _phase_of(self, module: nn.Module) -> str:
+        """Inside a root's forward, the root's phase; outside, the module's own."""
+        if self._root_depth:
+            return self._phase
+        return "train" if torch.is_grad_enabled() and module.training else "eval"
+
+    def _on_inputs(
+        self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
+        phase = self._phase_of(module)
+        call = self._calls.counts.get((phase, name), 0)  # the forward hook counts the call
+        full = self._full_step and name in self._names.full_modules
+        if full:  # what replay needs to call the module again
+            spec = call_spec(module, args, kwargs)
+            if any(True for _ in flatten_call(args, kwargs)):
+                self._pending.specs[len(self._pending.meta)] = spec
+            else:  # no tensor input: the spec goes on the call's first output
+                self._calls.output_specs[(name, call)] = spec
+        for slot, tensor in flatten_call(args, kwargs):
+            self._observe(name, call, "input", slot, tensor, phase=phase, full=full, units=True)
+
+    def _on_forward(
+        self,
+        name: str,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+        channels_first: bool,
+    ) -> None:
+        calls = self._calls
+        if _in_backward():
+            calls.recomputed(name, output, self._grad_hook)
+            return
+        phase = self._phase_of(module)
+        call = calls.count(phase, name)
+        full = self._full_step and name in self._names.full_modules
+        specs = calls.output_specs
+        spec = specs.pop((name, call), None) if specs else None
+        if spec is not None:
+            self._pending.specs[len(self._pending.meta)] = spec
+        outputs = (("0", output),) if isinstance(output, torch.Tensor) else flatten(output)
+        captures = self._captures
+        armed = captures.armed
+        nonfinite = hooked = False
+        for slot, tensor in outputs:
+            if channels_first and tensor.dim() == 3:
+                self._observer.channel_shapes.add(tensor.shape)
+            stats = self._observe(
+                name, call, "output", slot, tensor, phase=phase, full=full, units=True
+            )
+            if armed and not nonfinite:
+                nonfinite = self._nonfinite(stats, tensor)
+            if phase == "train" and tensor.requires_grad:
+                hooked = True
+                calls.grad_hooked.add((name, call))
+                calls.hook_grad(tensor, (name, call, "grad_output", slot), self._grad_hook)
+        if not armed:
+            return
+        if hooked:
+            captures.note_call((name, call), module)
+        if nonfinite:
+            where = self._where_now(phase, call)
+            tensors = [("0", output)] if isinstance(output, torch.Tensor) else list(flatten(output))
+            try:
+                captures.after_forward(name, module, args, kwargs, tensors, where, self._queued)
+            except Exception as exc:  # a capture's failure is its own: the recording goes on
+                captures.failure(exc, f"the forward of {name!r}", where)
+
+    def _on_grad(self, module: str, call: int, kind: str, slot: str, grad: torch.Tensor) -> Any:
+        if not self._backward_active:
+            self._backward_active = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        full = self._full_step and self._names.wants_full(module)
+        return self._observe(module, call, kind, slot, grad, phase="train", full=full, units=False)
+
+    def _backward_done(self) -> None:
+        """Queued on the autograd engine: runs once when a backward pass completes."""
+        with self._lock:
+            self._backward_active = False
+            self.micro_step += 1
+            self._calls.backward_done()
+            self._captures.backward_done()
+
+    def watch(self, tensor: torch.Tensor, name: str) -> None:
+        if not self._recording or _in_backward() or _in_transform():
+            return
+        with self._lock:
+            try:
+                phase = (
+                    self._phase
+                    if self._root_depth
+                    else ("train" if torch.is_grad_enabled() else "eval")
+                )
+                call = self._calls.count(phase, name)
+                full = self._full_step and self._names.wants_full(name)
+                self._observe(name, call, "tensor", "0", tensor, phase=phase, full=full, units=True)
+                if phase == "train" and tensor.requires_grad:
+                    self._calls.hook_grad(tensor, (name, call, "grad_tensor", "0"), self._grad_hook)
+            except Exception as exc:
+                self._fault(exc, f"the watched tensor {name!r}")
+
+    def _observe(
+        self,
+        module: str,
+        call: int,
+        kind: str,
+        slot: str,
+        tensor: torch.Tensor,
+        *,
+        phase: str,
+        full: bool,
+        units: bool,
+        note: str = "",
+        histogram: bool = True,
+    ) -> Any:
+        """The hot path (:meth:`~hooktrace.recorder.records.observe.Observer.observe`): queue this
+        tensor's record in the step. Returns its statistics (None: not summarised)."""
+        return self._observer.observe(self._pending, self.micro_step, module, call, kind, slot,
+                                      tensor, phase=phase, full=full, units=units, note=note,
+                                      histogram=histogram)  # fmt: skip
+
+    def _record_params(self, kind: str) -> None:
+        """Parameters and buffers as the step's first forward finds them; gradients as
+        accumulated at the step's end (labelled with the step's last micro-step)."""
+        full_step = self._full_step
+        saved_micro_step = self.micro_step
+        if kind == "grad_param":
+            self.micro_step = max(self.micro_step - 1, 0)
+        try:
+            names, observer = self._names, self._observer
+            queue_records(
+                kind,
+                names.buffer_entries if kind == "buffer" else names.param_entries,
+                names.param_records,
+                self._pending,
+                phase="train" if kind == "grad_param" else self._phase,
+                micro_step=self.micro_step,
+                saved_whole=names.full_modules if full_step else (),
+                histograms=observer.histograms if kind in observer.histogram_now else None,
+                observe=self._observe,
+            )
+        finally:
+            self.micro_step = saved_micro_step
+
+    # -- what the captures are told --------------------------------------------------------
+
+    def _nonfinite(self, stats: Any, tensor: torch.Tensor) -> bool:
+        """Whether a recorded tensor holds a NaN or Inf, from its statistics where they are at
+        hand (a CPU tensor's), else by a look of its own where that costs no host sync."""
+        known = finite.nonfinite(stats, tensor, on_device=self._captures.device_checks)
+        if known is not None:
+            return known
+        return isinstance(stats, Staged) and finite.check(tensor)
+
+    def _queued(self, tensor: torch.Tensor) -> bool | None:
+        """A tensor's non-finiteness from statistics already queued for it, if any."""
+        cached = self._observer.lookup(tensor)
+        return finite.nonfinite(cached[0], tensor) if cached is not None else None
+
+    def _where_now(self, phase: str, call: int) -> dict[str, Any]:
+        return {"step": self.current_step, "micro_step": self.micro_step, "phase": phase,
+                "call": call}  # fmt: skip
+
+    def _after_gradient(self, targets: list[Target], grad: torch.Tensor, stats: Any) -> None:
+        try:
+            bad = self._nonfinite(stats, grad)
+            where = self._where_now("train", targets[0][1]) if bad else {}
+            self._captures.after_gradient(targets, grad, bad, where)
+        except Exception as exc:  # a capture's failure is its own: the recording goes on
+            where = self._where_now("train", targets[0][1])
+            self._captures.failure(exc, f"the backward of {targets[0][0]!r}", where)
+
+
+def call_spec(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    """What replay needs to call ``module`` again as it was called (docs/FORMAT.md)."""
+    spec = describe_call(args, kwargs)
+    spec["training"] = module.training
+    spec["grad_enabled"] = torch.is_grad_enabled()
+    # dropout inside the module draws from here: replay restores it
+    spec["cpu_rng_state"] = base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()
+    return json.dumps(spec, separators=(",", ":"))
+
+
+def _unseen() -> Any:
+    """A tensor subclass's ``__torch_function__`` sees every attribute read and every
+    operation on its tensors: within this, the recorder's do not reach it, so a script's
+    subclass cannot tell it is recorded."""
+    return torch._C.DisableTorchFunctionSubclass()

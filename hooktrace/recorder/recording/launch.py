@@ -1,0 +1,109 @@
+"""Run a training script as ``python SCRIPT ARGS`` would, with recording installed first.
+
+The script's output, exit code and exceptions pass through unchanged: an uncaught exception
+prints the script's own traceback (hooktrace's frames cut off) and exits 1; SIGINT and
+SIGTERM finalize the trace, then end the process as they would have without hooktrace.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+import traceback
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+from hooktrace.recorder.recording.discover import ScriptRecorder
+from hooktrace.trace import schema
+
+
+class Terminated(BaseException):
+    """Raised in the main thread by SIGTERM, as SIGINT raises KeyboardInterrupt: not an
+    Exception, so neither hooks nor most scripts catch it on the way out."""
+
+
+def run_script(
+    script: Path, args: list[str], *, out: Path, options: dict[str, Any], command: list[str]
+) -> int:
+    """Record ``script`` into ``out``; returns the exit code the script would have had.
+
+    Exits the process by the signal itself when the script was ended by SIGINT or SIGTERM.
+    """
+    script = script.resolve()
+    recorder = ScriptRecorder(str(out), command=command, **options)
+    sys.argv = [str(script), *args]
+    sys.path[0] = str(script.parent)
+    previous_term = signal.getsignal(signal.SIGTERM)
+
+    recording_pid = os.getpid()
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != recording_pid:
+            # a process forked from the script (a DataLoader or pool worker) inherited this
+            # handler: it dies of the signal, as it would have unrecorded
+            _die_by(signal.SIGTERM, signal.SIG_DFL)
+            return
+        # only raise: finishing the trace here could wait on a lock the interrupted code holds
+        raise Terminated()
+
+    if previous_term in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+        if code == 0:
+            recorder.close()
+        else:
+            recorder.close(status=schema.STATUS_FAILED, error=f"the script exited with code {code}")
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)  # sys.exit("message") prints the message
+        return code
+    except Terminated:
+        recorder.close(status=schema.STATUS_INCOMPLETE, error="terminated by SIGTERM")
+        _die_by(signal.SIGTERM, signal.SIG_DFL)
+        return 128 + signal.SIGTERM  # not reached
+    except KeyboardInterrupt as exc:
+        recorder.close(status=schema.STATUS_INCOMPLETE, error="interrupted by SIGINT")
+        _print_script_traceback(exc, script)
+        _die_by(signal.SIGINT, signal.SIG_DFL)
+        return 130  # not reached
+    except BaseException as exc:
+        recorder.close(status=schema.STATUS_FAILED, error=f"{type(exc).__name__}: {exc}")
+        _print_script_traceback(exc, script)
+        return 1
+    finally:
+        if signal.getsignal(signal.SIGTERM) is on_sigterm:
+            signal.signal(signal.SIGTERM, previous_term or signal.SIG_DFL)
+    recorder.close()
+    return 0
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    return 1
+
+
+def _print_script_traceback(exc: BaseException, script: Path) -> None:
+    """The traceback Python would print, from the script's first frame on."""
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None and Path(tb.tb_frame.f_code.co_filename) != script:
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb or exc.__traceback__, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def _die_by(signum: signal.Signals, handler: Any) -> None:
+    """End the process the way ``signum`` would have without hooktrace."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    signal.signal(
+        signum, handler if callable(handler) or handler == signal.SIG_IGN else signal.SIG_DFL
+    )
+    os.kill(os.getpid(), signum)

@@ -1,0 +1,415 @@
+"""The recorder: hooks on modules, tensors and optimizers, and the step they belong to.
+
+Hooks only observe: they queue statistics on the tensor's device and append to lists. At each
+step boundary the step's observations go to the background writer. A fault inside hooktrace
+warns once and stops recording (``strict=True`` raises instead); the trace written so far is
+kept. Every hook is removed when the recorder closes, normally or by an exception.
+
+Here the :class:`Recorder` owns the recording's state: it is set up, installed, and ended
+here. What happens in between lives apart, in the order data flows: the process-wide hooks
+and the patches of torch (``attach``, ``patches``), the roots and names (``names``), what a
+hook does (``hooks``, ``calls``), the hot path from a tensor to a queued record
+(``observe``), the parameters (``params``), the step's end (``steps``), the captures of a
+first NaN (``capture``), warnings (``faults``) and the run directory (``rundir``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Collection
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
+
+from hooktrace.errors import ConfigError, RecordingError
+from hooktrace.recorder.hooks.calls import Calls
+from hooktrace.recorder.hooks.hooks import attach, call_spec
+from hooktrace.recorder.hooks.names import Models, Names, name_roots, unwrap
+from hooktrace.recorder.hooks.select import ModuleFilter, Sampling, StepSpec, module_matcher
+from hooktrace.recorder.hooks.steps import Optimizers, Steps
+from hooktrace.recorder.nonfinite import capture
+from hooktrace.recorder.recording import rundir
+from hooktrace.recorder.recording.faults import fault_message
+from hooktrace.recorder.recording.faults import warn as _warn
+from hooktrace.recorder.recording.patches import (
+    COMPILE_HOOKS_WARNING,
+    CompiledCall,
+    Patches,
+    replicas_recorded,
+    warn_compiled,
+)
+from hooktrace.recorder.records.layout import Layouts
+from hooktrace.recorder.records.observe import Histograms, Observer
+from hooktrace.recorder.records.staging import StagingPool
+from hooktrace.recorder.stats.stats import route_taken
+from hooktrace.trace import schema
+from hooktrace.trace.writer import TraceWriter
+
+__all__ = ["DEFAULT_HISTOGRAMS", "CompiledCall", "Models", "Recorder", "active_recorder", "unwrap"]
+
+DEFAULT_HISTOGRAMS = ("param", "grad_param")
+"""The record kinds histogrammed unless told otherwise (docs/FORMAT.md, "histograms")."""
+
+_ACTIVE: Recorder | None = None
+
+
+def active_recorder() -> Recorder | None:
+    return _ACTIVE
+
+
+def _leave_in_child() -> None:
+    """A process forked while recording (a DataLoader worker, a multiprocessing pool) holds
+    a copy of the recorder without its writer thread: it records nothing, and may start a
+    recording of its own."""
+    global _ACTIVE
+    if _ACTIVE is not None:
+        _ACTIVE._orphan()
+        _ACTIVE = None
+
+
+os.register_at_fork(after_in_child=_leave_in_child)
+
+
+class Recorder(Steps):
+    """Records the named modules of one or more models into a run directory.
+
+    Use :func:`hooktrace.record` to make one. Steps advance on each optimizer step (any
+    ``torch.optim`` optimizer holding a recorded parameter) and on :meth:`step`.
+    """
+
+    out: Path  # the per-step state is declared where it is used: hooks.py, steps.py
+
+    def __init__(
+        self,
+        models: Models | None,
+        out: str | os.PathLike[str],
+        *,
+        modules: ModuleFilter = None,
+        exclude: ModuleFilter = None,
+        every: int = 1,
+        steps: StepSpec = None,
+        inputs: bool = False,
+        params: bool = True,
+        full_every: int | None = None,
+        full_steps: StepSpec = None,
+        full_modules: ModuleFilter = None,
+        max_tensor_mb: float = 256.0,
+        max_units: int = 65536,
+        compression: str | None = None,
+        buffer_mb: float = 256.0,
+        strict: bool = False,
+        overwrite: bool = False,
+        capture_nonfinite: bool = True,
+        capture_limit: int = capture.DEFAULT_LIMIT,
+        capture_max_mb: float = capture.DEFAULT_MAX_MB,
+        histograms: Collection[str] | None = DEFAULT_HISTOGRAMS,
+        histogram_every: int = 1,
+        command: list[str] | None = None,
+    ) -> None:
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RecordingError(
+                f"a recording into {_ACTIVE.out} is already active: close it before starting another"
+            )
+        self.out = Path(out)
+        self.strict = strict
+        self.inputs = inputs
+        self.params = params
+        self.max_tensor_bytes = int(max_tensor_mb * (1 << 20))
+        self.max_units = max_units
+        self._sampling = Sampling(
+            every=every,
+            steps=steps,
+            full_every=full_every,
+            full_steps=full_steps,
+            full_modules=full_modules,
+            histograms=histograms,
+            histogram_every=histogram_every,
+        )
+        if compression not in (None, "gzip", "lzf"):
+            raise ConfigError(f"compression must be gzip, lzf or none (got {compression!r})")
+        self._table = attach.ModuleTable()
+        self._names = Names(
+            self._table,
+            include=module_matcher(modules, default=True),
+            skip=module_matcher(exclude, default=False),
+            full=module_matcher(full_modules, default=True),
+        )
+        self.rank = rundir.rank()
+        rundir.prepare_out(self.out, rank=self.rank, overwrite=overwrite)
+
+        describe = rundir.describe
+        config = {
+            "modules": describe(modules), "exclude": describe(exclude), "every": every,
+            "steps": describe(steps), "inputs": inputs, "params": params,
+            "full_every": full_every, "full_steps": describe(full_steps),
+            "full_modules": describe(full_modules), "max_tensor_mb": max_tensor_mb,
+            "max_units": max_units, "compression": compression, "buffer_mb": buffer_mb,
+            "strict": strict, "capture_nonfinite": capture_nonfinite,
+            "capture_limit": capture_limit, "capture_max_mb": capture_max_mb,
+            "histograms": sorted(self._sampling.histogram_kinds), "histogram_every": histogram_every,
+        }  # fmt: skip
+        roots = list(name_roots(models)) if models is not None else []
+        self._writer = TraceWriter(
+            self.out,
+            rank=self.rank,
+            manifest=rundir.manifest(config=config, roots=roots, command=command)
+            if self.rank == 0
+            else None,
+            compression=compression,
+            max_buffer_bytes=int(buffer_mb * (1 << 20)),
+        )
+        self.current_step = 0
+        self.micro_step = 0
+        self.error: str | None = None
+        self._active = True
+        self._closed = False
+        self._handles: list[RemovableHandle] = []  # the process-wide and optimizer hooks'
+        self._calls = Calls()
+        self._paused = 0  # > 0 while torch.jit.trace re-runs the model to check its graph
+        self._patches = Patches()
+        # hooks may fire in several threads at once (nn.DataParallel's replicas, autograd's
+        # device threads, a user's threads): each takes this lock for what it changes
+        self._lock = threading.RLock()
+        self._staging_pool = StagingPool()
+        self._layouts = Layouts()
+        self._observer = Observer(
+            max_units=max_units,
+            max_tensor_bytes=self.max_tensor_bytes,
+            histograms=Histograms(_warn),
+        )
+        if capture_limit < 0 or capture_max_mb < 0:
+            raise ConfigError("capture_limit and capture_max_mb must be 0 or more")
+        self._captures = capture.Captures(
+            self.out,
+            self.rank,
+            enabled=capture_nonfinite,
+            limit=capture_limit,
+            max_mb=capture_max_mb,
+            call_spec=call_spec,
+            parameters=self._names.all_parameters,
+            locate=self._names.locate,
+            warn=_warn,
+        )
+        self._reset_step_state()
+        self._root_depth = 0
+        self._phase = "train"
+        self._backward_active = False
+        self._owners = Optimizers(self._names.param_ids)
+        self._unrecorded = 0  # optimizer steps of parameters no recorded model holds
+        self._submitted = 0  # steps handed to the writer
+        _ACTIVE = self
+        try:
+            if models is not None:
+                lone = isinstance(models, nn.Module)
+                for name, model in name_roots(models).items():
+                    self._add_root(name, model, prefixed=not lone)
+            self._install()
+        except BaseException:
+            self.close(status=schema.STATUS_FAILED, error="hooks could not be installed")
+            raise
+
+    @property
+    def roots(self) -> dict[str, nn.Module]:
+        """The root models recorded, by name."""
+        return self._names.roots
+
+    @property
+    def histograms_failed(self) -> int:
+        """Histograms not made, in the hooks (the writer counts its own)."""
+        return self._observer.histograms.failed
+
+    # -- public API --------------------------------------------------------------------------
+
+    def step(self, *, skipped: bool = False) -> None:
+        """Mark the end of a step, where no torch.optim optimizer marks it."""
+        with self._lock:
+            self._outside_forwards()
+            self._end_step(skipped=skipped)
+
+    def close(self, *, status: str = schema.STATUS_COMPLETE, error: str | None = None) -> None:
+        """Flush what was recorded, remove every hook and finish the trace. Idempotent."""
+        global _ACTIVE
+        if self._closed:
+            return
+        self._closed = True
+        finishing = status == schema.STATUS_COMPLETE  # not ended by an exception in flight
+        try:
+            with self._lock:
+                if self._active and self._pending.meta:
+                    self._submit()
+        finally:
+            with self._lock:
+                self._active = False
+                self._recording = False
+                self._detach()
+            if _ACTIVE is self:
+                _ACTIVE = None
+            if self.error is not None and status == schema.STATUS_COMPLETE:
+                status = schema.STATUS_INCOMPLETE
+            if status == schema.STATUS_COMPLETE and not self._submitted and self._unrecorded:
+                status = schema.STATUS_INCOMPLETE
+                error = error or (
+                    f"an optimizer stepped {self._unrecorded} time(s), but no recorded model "
+                    "holds its parameters: nothing was recorded"
+                )
+            extra = {
+                **(_route_taken() or {}),
+                **self._captures.status(),
+                "histograms_failed": self.histograms_failed,  # the writer adds its own
+            }
+            problem = self._writer.close(status, error=error or self.error, extra=extra, warn=False)
+        if problem is None:
+            return
+        if self.strict and finishing:
+            raise RecordingError(f"hooktrace failed at the end of the recording: {problem}")
+        # an exception in flight is the one to see: not replaced, even if strict
+        _warn(f"hooktrace: {problem}; training was not affected")
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        elif isinstance(exc, KeyboardInterrupt):
+            self.close(status=schema.STATUS_INCOMPLETE, error="interrupted (KeyboardInterrupt)")
+        else:
+            self.close(status=schema.STATUS_FAILED, error=f"{type(exc).__name__}: {exc}")
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("recording" if self._active else "stopped")
+        return (
+            f"<hooktrace Recorder {state} into '{self.out}': step {self.current_step}, "
+            f"{len(self._names.modules)} modules, {self._writer.steps_written} steps written>"
+        )
+
+    # -- installing hooks --------------------------------------------------------------------
+
+    def _install(self) -> None:
+        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_stepping))
+        self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+        self._handles.extend(attach.install(pre=self._pre, post=self._post, exit=self._exit))
+        patch = self._patches.patch
+        patch(nn.Module, "compile", self._wrap_module_compile)
+        patch(torch.jit._trace, "_check_trace", self._wrap_check_trace)
+        patch(nn.Module, "_replicate_for_data_parallel", replicas_recorded(self._table))
+        self._patches.ignore_warning(COMPILE_HOOKS_WARNING)
+
+    def _wrap_module_compile(self, original: Callable[..., None]) -> Callable[..., None]:
+        def compile(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+            original(module, *args, **kwargs)
+            if self._active:
+                with self._lock:
+                    self._patches.watch_compiled(module, self)
+                    entry = self._table.get(module)
+                    if entry is not None and entry.root:
+                        warn_compiled(next(n for n, m in self.roots.items() if m is module))
+
+        return compile
+
+    def _wrap_check_trace(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def _check_trace(*args: Any, **kwargs: Any) -> Any:
+            # torch.jit.trace runs the model again, eagerly, to compare: not a call of the run
+            self._paused += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._paused -= 1
+
+        return _check_trace
+
+    # -- roots and names ---------------------------------------------------------------------
+
+    def _add_root(self, root_name: str, root: nn.Module, *, prefixed: bool) -> nn.Module:
+        """Name a root model's modules and parameters (:class:`Names`) and write their rows.
+
+        Wrappers are looked through: DistributedDataParallel's ``module.`` and torch.compile's
+        ``_orig_mod.`` never appear in names. A compiled model is recorded on the outside only
+        (hooks inside a compiled graph would change it), with its parameters under its name.
+        Returns the module that was entered as the root.
+        """
+        inner, compiled = unwrap(root)
+        hooked = root if compiled else inner
+        if compiled:
+            warn_compiled(root_name)
+            self._names.known.update(id(m) for m in root.modules() if m is not root)
+            if inner is root:  # nn.Module.compile(): its calls never reach a hook outside
+                self._patches.watch_compiled(root, self)
+        written = self._names.add_root(root_name, hooked, prefixed=prefixed, compiled=compiled)
+        self._writer.add_modules(self._module_rows(root_name, written))
+        return hooked
+
+    def _restructure(self, root: nn.Module) -> None:
+        """Name what was assigned to ``root`` since its last step (:meth:`Names.restructure`)."""
+        named = self._names.restructure(root)
+        if named is not None:
+            root_name, written = named
+            self._writer.add_modules(self._module_rows(root_name, written))
+
+    def _module_rows(self, root_name: str, modules: dict[str, nn.Module]) -> list[dict[str, Any]]:
+        return self._names.rows(root_name, modules, first_step=self.current_step)
+
+    # -- the end, and faults -----------------------------------------------------------------
+
+    def _orphan(self) -> None:
+        """In a forked child: hooks return at once, nothing is written, nothing is closed."""
+        self._active = False
+        self._recording = False
+        self._closed = True
+        self._detach()  # the child's copies: its modules run without them
+
+    def _detach(self) -> None:
+        """Remove every hook and patch, and empty the table: torch is as it was."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._calls.remove()
+        self._table.clear()
+        self._patches.undo()
+
+    def _fault(self, exc: BaseException, where: str) -> None:
+        message = fault_message(exc, where, self.current_step)
+        if self.strict:
+            raise RecordingError(message) from exc
+        if self._active:
+            _warn(
+                f"{message}. Recording stopped; training goes on and the trace keeps every step "
+                f"written before (in {self.out})."
+            )
+        self.error = self.error or message
+        self._active = False
+        self._recording = False
+        self._pending = self._new_pending()
+
+    # -- what tests look at ------------------------------------------------------------------
+
+    @property
+    def _tensor_handles(self) -> list[RemovableHandle]:
+        return self._calls.handles
+
+    @property
+    def _scratch(self) -> torch.Tensor:
+        return self._observer.scratch
+
+
+def _route_taken() -> dict[str, Any] | None:
+    """How this process summarised large CPU tensors, for the final status (None: none were)."""
+    taken = route_taken()
+    if taken is None:
+        return None
+    return {"stats_route": taken.description, "stats_warmup_seconds": round(taken.warmup_s, 3)}

@@ -1,0 +1,115 @@
+"""The run directory a recording writes into: made ready, cleared of an earlier recording
+of this rank, and the manifest that says what recorded it.
+
+Apart from the recorder because none of it runs while recording: it is set-up, done once
+before the first hook, and what a rank may remove under torchrun is a question of its own.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hooktrace.errors import ConfigError
+from hooktrace.trace import schema
+from hooktrace.trace.captures import CAPTURES_DIR
+from hooktrace.trace.histograms import HISTOGRAMS_DIR
+
+_RANK_DIRS = (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, schema.TENSORS_DIR)
+
+
+def prepare_out(out: Path, *, rank: int, overwrite: bool) -> None:
+    """Make ``out`` ready for this rank's trace; refuse a file, or a trace already there
+    unless ``overwrite``."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out} is a file: give a directory for the trace")
+    if (out / schema.MANIFEST).exists() and rank == 0 and not overwrite:
+        raise ConfigError(
+            f"{out} already holds a trace: choose another output directory, delete it, "
+            "or pass overwrite=True"
+        )
+    if overwrite:
+        clear_trace(out, rank=rank, world_size=world_size())
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot create {out}: {exc.strerror}; choose a writable directory"
+        ) from exc
+
+
+def clear_trace(out: Path, *, rank: int, world_size: int) -> None:
+    """Remove what an earlier recording left of this rank; rank 0 also removes the manifest
+    and the ranks beyond this run's. Each rank removes its own only: under torchrun, rank 0
+    removing every rank's folders killed the writer of a rank that had begun writing."""
+    ranks = {rank} | (set() if rank else ranks_in(out) - set(range(world_size)))
+    for name in (*_RANK_DIRS, CAPTURES_DIR, HISTOGRAMS_DIR):
+        for r in ranks:
+            shutil.rmtree(out / schema.rank_dir(name, r), ignore_errors=True)
+    for r in ranks:
+        (out / schema.STATUS_DIR / f"rank={r}.json").unlink(missing_ok=True)
+    if rank == 0:
+        (out / schema.MANIFEST).unlink(missing_ok=True)
+
+
+def ranks_in(out: Path) -> set[int]:
+    found = set()
+    for path in out.glob("*/rank=*"):
+        number = path.name.removeprefix("rank=").removesuffix(".json")
+        if number.isdigit():
+            found.add(int(number))
+    return found
+
+
+def rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def manifest(
+    *, config: dict[str, Any], roots: list[str], command: list[str] | None
+) -> dict[str, Any]:
+    """The run's manifest (docs/FORMAT.md): written by rank 0 when its writer starts."""
+    return {
+        "format": schema.FORMAT_NAME,
+        "format_version": schema.FORMAT_VERSION,
+        "hooktrace_version": _version(),
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "command": command if command is not None else list(sys.argv),
+        "config": config,
+        "roots": roots,
+        "start_time": time.time(),
+        "world_size": world_size(),
+    }
+
+
+def describe(spec: Any) -> Any:
+    """An option as the manifest's config holds it: JSON, a function by its name."""
+    if spec is None or isinstance(spec, (str, int, float, bool)):
+        return spec
+    if callable(spec):
+        return f"<function {getattr(spec, '__qualname__', repr(spec))}>"
+    try:
+        return [describe(s) if not isinstance(s, range) else str(s) for s in spec]
+    except TypeError:
+        return repr(spec)
+
+
+def _version() -> str:
+    from hooktrace.package import __version__
+
+    return __version__

@@ -1,0 +1,252 @@
+"""The hot path: a tensor that a hook sees becomes a record queued in the step.
+
+:meth:`Observer.observe` runs for every recorded tensor of every module call: it queues the
+tensor's statistics (summarised now where that is cheap, or staged for the writer), its
+per-unit activity, its histogram where its kind takes one this step, and a copy of it on a
+full step. It never writes and never waits for a device; the step's records go to the writer
+at the step's end (:mod:`hooktrace.recorder.recording.recorder`).
+
+Apart from the recorder so that the path a tensor takes reads in one screen, with the state
+only it keeps: the latest tensors summarised (a container's output is its last child's, and
+one gradient may reach several hooks: each tensor is summarised once), the shapes of
+channels-first outputs, and the scratch buffer of the eager route.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hooktrace.recorder.records.layout import Meta
+from hooktrace.recorder.records.pending import PendingStep
+from hooktrace.recorder.records.staging import Staged, StagedUnits
+from hooktrace.recorder.stats import numba_kernels
+from hooktrace.recorder.stats.histogram import histogram as histogram_of
+from hooktrace.recorder.stats.histogram import histogram_many
+from hooktrace.recorder.stats.stats import (
+    nested_values,
+    plain,
+    python_subclass,
+    route,
+    shape_of,
+    stageable,
+    summarize_with_activity,
+    unit_dim,
+    unsupported,
+    usual,
+)
+from hooktrace.trace import schema
+
+_RECENT = 4
+"""Tensors whose statistics a hook remembers, the latest ones: a container's output is its
+last child's, and one gradient may reach several hooks in a row."""
+
+
+class Histograms:
+    """Histograms made in a hook. One that cannot be made costs itself, not the record nor
+    the recording: a warning says so, once a run, and the status counts ``failed``."""
+
+    def __init__(self, warn: Callable[[str], None]) -> None:
+        self.failed = 0  # histograms not made, in the hooks (the writer counts its own)
+        self._warn = warn
+
+    def one(self, tensor: torch.Tensor) -> Any:
+        return self._made(histogram_of, tensor)
+
+    def many(self, values: Sequence[torch.Tensor | None]) -> Any:
+        return self._made(histogram_many, values)
+
+    def _made(self, make: Callable[[Any], Any], values: Any) -> Any:
+        """``make(values)``, or None where it fails."""
+        try:
+            return make(values)
+        except Exception as exc:
+            self.failed += 1
+            if self.failed == 1:
+                self._warn(
+                    f"hooktrace: a histogram could not be made ({type(exc).__name__}: {exc}); "
+                    "the records go on without it (the status counts histograms_failed)"
+                )
+            return None
+
+
+class Observer:
+    """Queues recorded tensors into a step's records. ``max_units``: a tensor with more
+    units than that records no activity; ``max_tensor_bytes``: a larger tensor is not
+    saved whole on a full step (the step counts it dropped)."""
+
+    def __init__(self, *, max_units: int, max_tensor_bytes: int, histograms: Histograms) -> None:
+        self.max_units = max_units
+        self.max_tensor_bytes = max_tensor_bytes
+        self.histograms = histograms
+        self.scratch = torch.empty(0, dtype=torch.float32)
+        self.new_step(frozenset())
+
+    def new_step(self, histogram_kinds: frozenset[str]) -> None:
+        """A step begins; ``histogram_kinds`` take a histogram in it."""
+        self.histogram_now = histogram_kinds
+        self.channel_shapes: set[torch.Size] = set()  # of channels-first 3-D outputs
+        self.recent: OrderedDict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]] = (
+            OrderedDict()  # by id(tensor)
+        )
+
+    def observe(
+        self,
+        pending: PendingStep,
+        micro_step: int,
+        module: str,
+        call: int,
+        kind: str,
+        slot: str,
+        tensor: torch.Tensor,
+        *,
+        phase: str,
+        full: bool,
+        units: bool,
+        note: str = "",
+        histogram: bool = True,
+    ) -> Any:
+        """Queue this tensor's statistics (and its histogram, where its kind takes one this
+        step, unless ``histogram`` is False: made elsewhere) and note where they belong.
+        Returns the statistics (None for a tensor not summarised): a row on the CPU, a
+        tensor on a device, or where they will be made from a staged copy."""
+        if not usual(tensor):
+            self._unusual(pending, micro_step, module, call, kind, slot, tensor, phase, full)
+            return None
+        row = len(pending.meta)
+        cached = self.lookup(tensor)
+        if cached is None:
+            stats, counts = self._summarise(pending, tensor, units)
+            self._remember(tensor, stats, counts)
+        else:
+            stats, counts = cached
+        n_units = unit_size = 0
+        if counts is not None and units:
+            n_units = counts.units if isinstance(counts, StagedUnits) else counts.shape[0]
+            unit_size = tensor.numel() // max(n_units, 1)
+            pending.activity.append((row, counts))
+        pending.meta.append(
+            Meta(micro_step, phase, module, call, kind, slot, tensor.dtype,
+                 tuple(tensor.shape), n_units, unit_size, note)
+        )  # fmt: skip
+        pending.stats.append(stats)
+        if histogram and kind in self.histogram_now:  # as the statistics: staged, or now
+            binned = stats if type(stats) is Staged else self.histograms.one(tensor)
+            if binned is not None:
+                pending.histograms.append((row, binned))
+        if full:
+            self._snapshot(pending, row, tensor)
+        return stats
+
+    def _summarise(
+        self, pending: PendingStep, tensor: torch.Tensor, units: bool
+    ) -> tuple[Any, Any]:
+        """The statistics of ``tensor`` and its per-unit positive counts (None where it has
+        no units): a small CPU tensor read in place where its kernels are ready, else staged
+        for the writer; any other by :func:`summarize_with_activity`, on its own device."""
+        dim = None
+        if units and tensor.is_floating_point():
+            channels_first = tensor.dim() == 3 and tensor.shape in self.channel_shapes
+            dim = unit_dim(tensor, channels_first=channels_first)
+            if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
+                dim = None
+        if not stageable(tensor):
+            return summarize_with_activity(tensor, dim, scratch=self._scratch_for(tensor))
+        kernels = numba_kernels.staged()
+        summed = kernels.summarize_in_place(tensor, dim) if kernels is not None else None
+        if summed is not None:  # now, as the writer would from a copy
+            return summed
+        staged = pending.stage(tensor)  # summarised later, with the step's other small ones
+        return staged, StagedUnits(
+            staged.position, tuple(tensor.shape), dim
+        ) if dim is not None else None
+
+    def _remember(self, tensor: torch.Tensor, stats: Any, counts: Any) -> None:
+        """Keep what ``tensor`` was summarised to, for :meth:`lookup`."""
+        if tensor.is_inference():  # inference tensors keep no version counter
+            return
+        recent = self.recent  # (one C call each: hooks may fire in several threads)
+        recent.pop(id(tensor), None)  # an earlier version of it: now the latest
+        if len(recent) >= _RECENT:
+            recent.popitem(last=False)  # the oldest
+        recent[id(tensor)] = (weakref.ref(tensor), tensor._version, stats, counts)
+
+    def lookup(self, tensor: torch.Tensor) -> tuple[Any, Any] | None:
+        """Statistics already queued for this very tensor (a container's output is its last
+        child's output; one gradient reaches both): summarise each tensor once."""
+        recent = self.recent.get(id(tensor))
+        if recent is None:
+            return None
+        seen, version, stats, counts = recent
+        if seen() is not tensor or tensor._version != version:
+            return None
+        return stats, counts
+
+    def _unusual(
+        self,
+        pending: PendingStep,
+        micro_step: int,
+        module: str,
+        call: int,
+        kind: str,
+        slot: str,
+        tensor: torch.Tensor,
+        phase: str,
+        full: bool,
+    ) -> None:
+        """A tensor that is not a plain dense one. Nested tensors are summarised over their
+        values, Python subclasses as plain tensors; any other costs its own record only: a
+        record with no statistics, whose note says why (the recording goes on)."""
+        if python_subclass(tensor):
+            tensor = plain(tensor)
+            if usual(tensor):
+                self.observe(pending, micro_step, module, call, kind, slot, tensor,
+                             phase=phase, full=full, units=True, note="")  # fmt: skip
+                return
+        reason = unsupported(tensor)
+        if reason is None:  # nested: summarised over its values
+            values = nested_values(tensor)
+            note = f"nested: statistics over the values of its {tensor.size(0)} components"
+            self.observe(pending, micro_step, module, call, kind, slot, values,
+                         phase=phase, full=False, units=False, note=note)  # fmt: skip
+            return
+        pending.meta.append(
+            Meta(micro_step, phase, module, call, kind, slot, tensor.dtype,
+                 shape_of(tensor), 0, 0, schema.NOTE_SKIPPED + reason)
+        )  # fmt: skip
+        pending.stats.append(None)
+
+    def _scratch_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """One float32 buffer, grown to the largest CPU tensor seen, for counting in place on
+        the eager route (the one-pass kernel needs none)."""
+        # route() last: it loads numba, which a run with no large CPU tensor never needs
+        if not tensor.is_cpu or tensor.numel() < 4096 or route().one_pass is not None:
+            return None
+        if self.scratch.numel() < tensor.numel():
+            self.scratch = torch.empty(tensor.numel(), dtype=torch.float32)
+        return self.scratch
+
+    def _snapshot(self, pending: PendingStep, row: int, tensor: torch.Tensor) -> None:
+        """A copy of the tensor for the writer (a full step), unless it is too large."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.max_tensor_bytes:
+            pending.dropped += 1
+            return
+        source = tensor.detach()
+        if source.layout != torch.strided:
+            source = source.to_dense()
+        event = None
+        if source.device.type == "cuda":
+            copy = source.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        elif source.device.type == "cpu":
+            copy = source.clone(memory_format=torch.contiguous_format)
+        else:
+            copy = source.to("cpu")
+        pending.tensors.append((row, copy, event))
+        pending.nbytes += nbytes

@@ -1,0 +1,229 @@
+"""Parameters, buffers and parameter gradients: a record of each, every step.
+
+Most of a model's parameters are small: they are taken together (:class:`ParamRecords`),
+rather than each taking a hook's work. Once numba is loaded, one compiled call reads the
+float32, float64 and int64 ones in place; the others are staged (one copy per dtype) for the
+writer. Large ones, and those saved whole on a full step, take the hook's route one by one.
+
+Values are looked up by name every step (:func:`values_of`): a module may replace a buffer
+or a parameter with a new tensor (``model.double()`` replaces buffers, and a forward may
+assign ``self.count = self.count + 1``); the record is of the tensor there now. Where the
+name is gone, the tensor found at the start is recorded: pruning
+(``torch.nn.utils.prune``) moves ``weight`` to ``weight_orig``, the same parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import torch
+from torch import nn
+
+from hooktrace.recorder.records.layout import Meta
+from hooktrace.recorder.records.pending import PendingStep
+from hooktrace.recorder.records.staging import Staged, Staging
+from hooktrace.recorder.stats import numba_kernels
+from hooktrace.recorder.stats.stats import shape_of, stageable, usual
+
+if TYPE_CHECKING:
+    from hooktrace.recorder.records.observe import Histograms
+
+
+class Entry(NamedTuple):
+    """A parameter or buffer, recorded under ``module`` as ``slot``: ``table[attr]``, the
+    owning module's ``_parameters`` or ``_buffers`` (``slot`` and ``attr`` differ under a
+    compiled root, recorded as a whole); ``first`` is the tensor found there at the start."""
+
+    module: str
+    slot: str
+    table: dict[str, Any]
+    attr: str
+    first: torch.Tensor | None
+
+    @classmethod
+    def of(cls, module: str, slot: str, owner: nn.Module, attr: str) -> Entry:
+        table = owner._parameters if attr in owner._parameters else owner._buffers
+        return cls(module, slot, table, attr, table[attr])
+
+
+def values_of(entries: Sequence[Entry], kind: str) -> list[torch.Tensor | None]:
+    """The tensors the entries name now (parameters or buffers), or for ``grad_param`` the
+    parameters' gradients (None where there is none, or where the name holds None)."""
+    values = [table.get(attr, first) for _, _, table, attr, first in entries]
+    if kind == "grad_param":
+        return [None if p is None else p.grad for p in values]
+    return values
+
+
+@dataclass(frozen=True)
+class ParamRecords:
+    """The records of one kind of value (``param``, ``buffer`` or ``grad_param``), in entry
+    order. ``observed`` entries are summarised one by one, as a hook's tensor would be (large
+    values, and values saved whole on a full step); the others are staged, ``together`` by
+    dtype, or have no value (no record statistics)."""
+
+    metas: tuple[Meta, ...]
+    together: tuple[tuple[int, ...], ...]
+    observed: tuple[int, ...]
+
+    def stage(self, values: Sequence[torch.Tensor | None], staging: Staging) -> list[Any]:
+        """Each record's statistics, or what stands for them until the writer computes them
+        (None: none, or an observed entry's). Once the compiled kernels are ready, the values
+        they read in place are summarised now, in one call, and the rest staged (copied
+        aside, one copy per dtype); before, all of them are staged. Both give the same rows,
+        bit for bit."""
+        stats: list[Any] = [None] * len(self.metas)
+        kernels = numba_kernels.staged()
+        if kernels is not None and self.together:
+            indices = [i for group in self.together for i in group]
+            rows = kernels.summarize_tensors([values[i] for i in indices])
+            for i, row in zip(indices, rows, strict=True):
+                stats[i] = row
+        for group in self.together:
+            staged = [i for i in group if stats[i] is None]
+            if staged:
+                first = staging.add_many([values[i] for i in staged])  # type: ignore[misc]
+                for k, i in enumerate(staged):
+                    stats[i] = Staged(first + k)
+        return stats
+
+
+def param_records(
+    entries: Sequence[Entry],
+    values: Sequence[torch.Tensor | None],
+    *,
+    kind: str,
+    phase: str,
+    micro_step: int,
+    saved_whole: Collection[str],
+) -> ParamRecords:
+    """The records of ``values`` (:func:`values_of` of ``entries``). ``saved_whole``: the
+    modules whose values this step saves whole; their records take the hook's route, which
+    saves them."""
+    metas: list[Meta] = []
+    together: dict[torch.dtype, list[int]] = {}
+    observed: list[int] = []
+    for i, ((module, slot, *_), value) in enumerate(zip(entries, values, strict=True)):
+        if value is None:
+            metas.append(Meta(micro_step, phase, module, 0, kind, slot, None, (), 0, 0))
+            continue
+        shape = shape_of(value)
+        metas.append(Meta(micro_step, phase, module, 0, kind, slot, value.dtype, shape, 0, 0))
+        if module in saved_whole or not stageable(value):
+            observed.append(i)
+        else:
+            together.setdefault(value.dtype, []).append(i)
+    return ParamRecords(
+        tuple(metas), tuple(tuple(indices) for indices in together.values()), tuple(observed)
+    )
+
+
+class RecordsCache:
+    """:func:`param_records`, built once per kind and reused while what they depend on
+    holds: the entries, and each value's dtype, shape, device and layout (a value may be
+    replaced, or change shape, between steps). Checking that takes about a fifth of the
+    time building takes, every step, for every parameter, buffer and gradient."""
+
+    def __init__(self) -> None:
+        self._built: dict[str, tuple[tuple[Any, ...], ParamRecords]] = {}
+
+    def records(
+        self,
+        entries: Sequence[Entry],
+        values: Sequence[torch.Tensor | None],
+        *,
+        kind: str,
+        phase: str,
+        micro_step: int,
+        saved_whole: Collection[str],
+    ) -> ParamRecords:
+        key = None
+        if not saved_whole:  # a full step's records differ, and full steps are rare
+            try:
+                key = (
+                    len(entries),  # entries are only ever added
+                    phase,
+                    micro_step,
+                    [None if v is None else (v.dtype, v.shape, v.is_cpu, v.layout) for v in values],
+                )
+            except (RuntimeError, ValueError):  # a value without a shape: not kept
+                return param_records(
+                    entries, values, kind=kind, phase=phase, micro_step=micro_step,
+                    saved_whole=saved_whole,
+                )  # fmt: skip
+            built = self._built.get(kind)
+            if built is not None and built[0] == key:
+                return built[1]
+        records = param_records(
+            entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
+        )
+        if key is not None:
+            self._built[kind] = (key, records)
+        return records
+
+
+def queue_records(
+    kind: str,
+    entries: Sequence[Entry],
+    cache: RecordsCache,
+    pending: PendingStep,
+    *,
+    phase: str,
+    micro_step: int,
+    saved_whole: Collection[str],
+    histograms: Histograms | None,
+    observe: Callable[..., Any],
+) -> None:
+    """Queue one record per entry into ``pending``, in order: the staged and the in-place
+    ones together, the ``observed`` ones through ``observe`` (the hook's route, which saves
+    those of ``saved_whole`` modules). ``histograms``: None where ``kind`` takes none this
+    step (histograms queued after the records: an interrupt between leaves none pointing
+    past them)."""
+    values = values_of(entries, kind)
+    records = cache.records(
+        entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
+    )
+    stats = records.stage(values, pending.staging)
+    first_row = len(pending.meta)
+    wanted = histograms is not None
+    batched = {i for i in records.observed if wanted and _plain_cpu(values[i])}
+    done = 0
+    for i in records.observed:
+        pending.meta.extend(records.metas[done:i])
+        pending.stats.extend(stats[done:i])
+        module, slot, *_ = entries[i]
+        full = module in saved_whole
+        observe(module, 0, kind, slot, values[i], phase=phase, full=full, units=False,
+                histogram=i not in batched)  # fmt: skip
+        done = i + 1
+    pending.meta.extend(records.metas[done:])
+    pending.stats.extend(stats[done:])
+    if histograms is not None:
+        _queue_histograms(pending, first_row, values, stats, sorted(batched), histograms)
+
+
+def _queue_histograms(
+    pending: PendingStep,
+    first_row: int,
+    values: Sequence[torch.Tensor | None],
+    stats: Sequence[Any],
+    batched: Sequence[int],
+    histograms: Histograms,
+) -> None:
+    """The histograms of a kind's values, entry ``i`` being row ``first_row + i``: those
+    staged, from their copies, in the writer; those read in place and the ``batched``
+    ones (plain CPU tensors observed one by one), now, in one call. The hook's route made
+    the other observed ones' (on a device, or not plain tensors)."""
+    now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + list(batched))
+    counts = histograms.many([values[i] for i in now]) if now else None
+    if counts is not None:
+        pending.histograms.extend((first_row + i, c) for i, c in zip(now, counts, strict=True))
+    pending.histograms.extend((first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged)
+
+
+def _plain_cpu(value: torch.Tensor | None) -> bool:
+    """A value whose record the hook's route makes as it is (no unusual route) on the CPU."""
+    return value is not None and usual(value) and value.is_cpu

@@ -1,0 +1,12 @@
+"""The statistics of one tensor, computed on its own device without waiting for it.
+
+``stats.py`` decides a tensor's route (on its device, staged for the writer, or numba's
+one-pass kernel) and computes its statistics and per-unit activity; ``histogram.py`` its
+histogram over the fixed exponent bins (``histogram_bits.py``: where a float's bits put it).
+The numba kernels: ``kernel.py`` (one pass over a CPU tensor), ``staged_kernels.py`` (small
+tensors' rows, bit for bit as numpy), ``histogram_kernel.py``; ``numba_kernels.py`` hands them
+out once loaded; ``kernel_cache.py`` fills numba's cache in another process; ``omp.py`` runs
+the kernel on torch's own OpenMP threads.
+
+May import: nothing of the recorder.
+"""

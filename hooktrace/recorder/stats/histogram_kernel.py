@@ -1,0 +1,331 @@
+"""Histograms over the fixed exponent bins, compiled by numba: one pass over the values' bits.
+
+Each value is looked up in its format's table by the bits above its mantissa and counted
+where the table says (:mod:`hooktrace.recorder.stats.histogram_bits`): no float arithmetic, and no
+branch, ``counters[table[bits >> mantissa bits]] += 1``. The four extra counters (an exponent
+field of zeros or of ones, by sign) are sorted out afterwards, only where they counted
+anything: zeros and infinities by a second pass, a comparison, which vectorises; subnormals
+by a third, which runs only where a tensor has some.
+
+Float32, float64, float16 and bfloat16 tensors are read where they lie, a list of them in
+one call. The staged float64 copies of small tensors are read from the staging buffer, all
+of a step's in one call.
+
+This module imports numba: :mod:`hooktrace.recorder.stats.histogram` imports it only once the
+recorder has loaded numba for its statistics.
+"""
+
+from __future__ import annotations
+
+from typing import no_type_check
+
+import numba
+import numpy as np
+import torch
+from numba.cpython.unsafe.numbers import leading_zeros
+
+from hooktrace.recorder.stats import histogram_bits, omp
+from hooktrace.recorder.stats.histogram_bits import COUNTERS, HIGH, LOW
+from hooktrace.recorder.stats.kernel import _pointer_at
+from hooktrace.trace.histograms import NAN, NEG, NEG_INF, POS, POS_INF, WIDTH, ZERO
+
+FLOAT32, FLOAT64, FLOAT16, BFLOAT16 = 0, 1, 2, 3
+"""How the kernels name the dtypes they read."""
+
+_CODES = {
+    torch.float32: FLOAT32,
+    torch.float64: FLOAT64,
+    torch.float16: FLOAT16,
+    torch.bfloat16: BFLOAT16,
+}
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+_THREADS_FROM = 1 << 17
+"""Values from which a tensor is read by several threads, torch's OpenMP threads
+(:mod:`hooktrace.recorder.stats.omp`), as the statistics kernel does."""
+
+
+def histogram_tensors(tensors: list[torch.Tensor]) -> np.ndarray:
+    """:func:`hooktrace.recorder.stats.histogram.histogram_many` of CPU tensors: (len, ``WIDTH``)
+    int64. The tensors the kernel can read in place are read there (:func:`_readable`); the
+    others are copied first."""
+    out = np.zeros((len(tensors), WIDTH), dtype=np.int64)
+    readable = [_readable(t) for t in tensors]  # the copies live until the kernel has run
+    flush = histogram_bits.flushes_denormals()
+    threads = omp.threads()
+    places = []
+    for i, (t, address) in enumerate(readable):
+        n = t.numel()
+        if n == 0:
+            continue
+        if threads > 1 and n >= _THREADS_FROM:
+            code = _CODES[t.dtype]
+            omp.run(_in_place_threads, threads, address, n, code, threads, out[i], flush)
+        else:
+            places.append((address, n, _CODES[t.dtype], i))
+    if places:
+        _in_place(np.array(places, dtype=np.int64), out, flush)
+    return out
+
+
+def histogram_segments(values: np.ndarray, bounds: np.ndarray, positions: list[int]) -> np.ndarray:
+    """:func:`hooktrace.recorder.stats.histogram.histogram_staged` in one compiled call."""
+    out = np.zeros((len(positions), WIDTH), dtype=np.int64)
+    if positions:
+        at = np.asarray(positions, dtype=np.int64)
+        bounds = np.asarray(bounds, dtype=np.int64)
+        _staged(
+            np.ascontiguousarray(values, dtype=np.float64),
+            bounds,
+            at,
+            out,
+            histogram_bits.flushes_denormals(),
+        )
+    return out
+
+
+def warm_up() -> None:
+    """Compile the kernels (or load them from numba's cache)."""
+    histogram_tensors([torch.zeros(1)])  # one kernel for every dtype
+    histogram_segments(np.zeros(1), np.array([0, 1], dtype=np.int64), [0])
+    # the threaded kernel wherever numba's threads started (omp.join), whatever torch's
+    # count is now (it may grow later in the run); compiled on a team of one, which waits for
+    # no thread (a forked child's team may lack them)
+    if omp.started() > 1:
+        row = np.zeros(WIDTH, dtype=np.int64)
+        one = torch.zeros(1)
+        omp.run(_in_place_threads, 1, one.data_ptr(), 1, FLOAT32, 1, row, False)
+
+
+def _readable(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``t`` and where its values lie, if the kernel can read it there, else a copy it can
+    read and where that lies: values of a dtype it reads (``_CODES``; others as float64, as
+    the reference takes them) that fill ``numel()`` places in memory one after another, in
+    any order (:func:`_dense`)."""
+    if (
+        type(t) in _PLAIN
+        and t.dtype in _CODES
+        and t.layout is torch.strided
+        and _dense(t)
+        and not t.is_neg()
+    ):
+        try:
+            return t, t.data_ptr()
+        except RuntimeError:  # no storage to read (a functional tensor)
+            pass
+    source = t.detach()
+    if source.layout is not torch.strided:
+        source = source.to_dense()
+    copy = torch.empty(source.shape, dtype=t.dtype if t.dtype in _CODES else torch.float64)
+    copy.copy_(source)
+    return copy, copy.data_ptr()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values lie one after the other from ``data_ptr()``, in some order:
+    contiguous, transposed, permuted. A histogram does not depend on the order."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted(
+        (st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+_LANES = 4
+"""Copies of the counters, value ``j`` counted in copy ``j % _LANES``. An increment waits
+for the one before it to the same counter; with one copy, a tensor whose values share a few
+bins (zeros, a constant, most tensors) waits on nearly every value: 2.2 ns a value where all
+are 1.0, 0.6 with four copies (more cost more again)."""
+
+_LANES_FROM = 512
+"""Values from which the copies are used: adding them up costs about as much as counting
+that many values in one."""
+
+
+# the formats' tables and subnormal bins, as globals: numba compiles them in as constants
+_TABLE32 = histogram_bits.FLOAT32.table  # bfloat16's too
+_TABLE64 = histogram_bits.FLOAT64.table
+_TABLE16 = histogram_bits.FLOAT16.table
+_SUBNORMAL32 = histogram_bits.FLOAT32.subnormal
+_SUBNORMAL16 = histogram_bits.FLOAT16.subnormal
+_SUBNORMAL_BF16 = histogram_bits.BFLOAT16.subnormal
+
+_inline = numba.njit(inline="always", boundscheck=False)
+_jit = numba.njit(nogil=True, cache=True, boundscheck=False)
+
+
+@_inline
+@no_type_check
+def _histogram(
+    bits, mantissa, table, sign, infinity, subnormal, flushed, flush, row, counters
+):  # fmt: skip
+    """Add the histogram of ``bits`` (unsigned integers: floats' bits) to ``row`` (``WIDTH``
+    int64), as :func:`hooktrace.recorder.stats.histogram_bits.counts` does; the other arguments
+    but ``flush`` are a ``histogram_bits.Format``'s. ``counters``: int64 (``_LANES``,
+    ``COUNTERS``), zeros on entry and on return."""
+    n = bits.size
+    if n < _LANES_FROM:
+        for j in range(n):
+            counters[0, table[bits[j] >> mantissa]] += 1
+    else:
+        end = n - n % _LANES
+        for j in range(0, end, _LANES):
+            for lane in range(_LANES):
+                counters[lane, table[bits[j + lane] >> mantissa]] += 1
+        for j in range(end, n):
+            counters[0, table[bits[j] >> mantissa]] += 1
+        for lane in range(1, _LANES):
+            for s in range(COUNTERS):
+                counters[0, s] += counters[lane, s]
+                counters[lane, s] = 0
+    counts = counters[0]
+    low = counts[LOW] + counts[LOW + 1]
+    if low:
+        if flush and flushed:
+            counts[ZERO] += low
+        else:
+            zeros, negative_zeros = _count_two(bits, bits.dtype.type(0), sign)
+            counts[ZERO] += zeros + negative_zeros
+            rest, negative_rest = counts[LOW] - zeros, counts[LOW + 1] - negative_zeros
+            if subnormal < 0:
+                counts[POS] += rest
+                counts[NEG] += negative_rest
+            elif rest + negative_rest:
+                _subnormals(bits, mantissa, sign, subnormal, counts)
+    high = counts[HIGH] + counts[HIGH + 1]
+    if high:
+        infinities, negative_infinities = _count_two(bits, infinity, sign | infinity)
+        counts[POS_INF] += infinities
+        counts[NEG_INF] += negative_infinities
+        counts[NAN] += high - infinities - negative_infinities
+    for s in range(WIDTH):
+        row[s] += counts[s]
+    for s in range(COUNTERS):
+        counts[s] = 0
+
+
+@_inline
+@no_type_check
+def _count_two(bits, a, b):
+    """How many of ``bits`` equal ``a``, and how many ``b``."""
+    n_a = n_b = 0
+    for j in range(bits.size):
+        n_a += bits[j] == a
+        n_b += bits[j] == b
+    return n_a, n_b
+
+
+@_inline
+@no_type_check
+def _subnormals(bits, mantissa, sign, subnormal, counters):
+    """Count the subnormals of ``bits`` in their bins, by the bit length of their mantissa."""
+    below = bits.dtype.type(1) << mantissa  # the bits of the smallest normal value
+    magnitude_bits = sign - bits.dtype.type(1)
+    for j in range(bits.size):
+        magnitude = bits[j] & magnitude_bits
+        if magnitude != 0 and magnitude < below:
+            length = 64 - leading_zeros(np.uint64(magnitude))
+            counters[(NEG if bits[j] & sign else POS) + length + subnormal] += 1
+
+
+# One function per dtype, the dtype's constants written in: numba inlines _histogram into
+# each and the compiler folds them in.
+@_inline
+@no_type_check
+def _float32(bits, flush, row, counters):
+    _histogram(
+        bits, np.uint32(23), _TABLE32, np.uint32(0x80000000), np.uint32(0x7F800000),
+        _SUBNORMAL32, True, flush, row, counters,
+    )  # fmt: skip
+
+
+@_inline
+@no_type_check
+def _float64(bits, flush, row, counters):
+    _histogram(
+        bits, np.uint64(52), _TABLE64, np.uint64(0x8000000000000000),
+        np.uint64(0x7FF0000000000000), -1, True, flush, row, counters,
+    )  # fmt: skip
+
+
+@_inline
+@no_type_check
+def _float16(bits, flush, row, counters):
+    _histogram(
+        bits, np.uint16(10), _TABLE16, np.uint16(0x8000), np.uint16(0x7C00),
+        _SUBNORMAL16, False, flush, row, counters,
+    )  # fmt: skip
+
+
+@_inline
+@no_type_check
+def _bfloat16(bits, flush, row, counters):
+    _histogram(
+        bits, np.uint16(7), _TABLE32, np.uint16(0x8000), np.uint16(0x7F80),
+        _SUBNORMAL_BF16, True, flush, row, counters,
+    )  # fmt: skip
+
+
+@_jit
+@no_type_check
+def _tensor(address, n, dtype, lo, hi, flush, row, counters):
+    """Add the histogram of values ``lo`` to ``hi`` of a tensor of ``n`` values of ``dtype``
+    at ``address`` to ``row``."""
+    if dtype == FLOAT32:
+        _float32(numba.carray(_pointer_at(address, np.uint32), n)[lo:hi], flush, row, counters)
+    elif dtype == FLOAT64:
+        _float64(numba.carray(_pointer_at(address, np.uint64), n)[lo:hi], flush, row, counters)
+    elif dtype == FLOAT16:
+        _float16(numba.carray(_pointer_at(address, np.uint16), n)[lo:hi], flush, row, counters)
+    else:
+        _bfloat16(numba.carray(_pointer_at(address, np.uint16), n)[lo:hi], flush, row, counters)
+
+
+@_jit
+@no_type_check
+def _in_place(places, out, flush):
+    """Tensor ``k`` is ``places[k, 1]`` values of dtype ``places[k, 2]`` (``FLOAT32``, ...)
+    from address ``places[k, 0]``; its histogram is added to ``out[places[k, 3]]`` (int64,
+    ``WIDTH``)."""
+    counters = np.zeros((_LANES, COUNTERS), dtype=np.int64)
+    for k in range(places.shape[0]):
+        address, n, dtype, i = places[k, 0], places[k, 1], places[k, 2], places[k, 3]
+        _tensor(address, n, dtype, 0, n, flush, out[i], counters)
+
+
+@numba.njit(nogil=True, cache=True, parallel=True, boundscheck=False)
+@no_type_check
+def _in_place_threads(address, n, dtype, parts, row, flush):
+    """:func:`_in_place` of one tensor, cut into ``parts`` counted on threads of their own."""
+    per = (n + parts - 1) // parts
+    rows = np.empty((parts, WIDTH), dtype=np.int64)
+    for part in numba.prange(parts):
+        # no np.zeros here: each would be a parallel loop of its own
+        counters = np.empty((_LANES, COUNTERS), dtype=np.int64)
+        for lane in range(_LANES):
+            for s in range(COUNTERS):
+                counters[lane, s] = 0
+        for s in range(WIDTH):
+            rows[part, s] = 0
+        lo = part * per
+        _tensor(address, n, dtype, lo, min(n, lo + per), flush, rows[part], counters)
+    for part in range(parts):
+        for s in range(WIDTH):
+            row[s] += rows[part, s]
+
+
+@_jit
+@no_type_check
+def _staged(values, bounds, positions, out, flush):
+    """``out[i]`` (int64, ``WIDTH``) += the histogram of ``values[bounds[p]:bounds[p + 1]]``,
+    ``p = positions[i]``; ``values`` float64."""
+    bits = values.view(np.uint64)
+    counters = np.zeros((_LANES, COUNTERS), dtype=np.int64)
+    for i in range(positions.size):
+        p = positions[i]
+        _float64(bits[bounds[p] : bounds[p + 1]], flush, out[i], counters)

@@ -1,0 +1,113 @@
+"""``hooktrace.summary`` counted by DuckDB, checked against pandas over the same records."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from scale_runs import many_parts, with_nulls
+
+import hooktrace
+from hooktrace.analyze.overview.summary import summary
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return many_parts(tmp_path_factory.mktemp("summary") / "run")
+
+
+def _expected(records: object) -> dict[str, object]:
+    import pandas as pd
+
+    assert isinstance(records, pd.DataFrame)
+    per_module = records["module"].astype(str).value_counts()
+    return {
+        "records": len(records),
+        "kinds": records["kind"].astype(str).value_counts().to_dict(),
+        "phases": records["phase"].astype(str).value_counts().to_dict(),
+        "full_tensors": int((records["tensor_key"] != "").sum()),
+        "per_module": per_module.to_dict(),
+        "steps": sorted(records["step"].unique().tolist()),
+    }
+
+
+def test_summary_counts_what_pandas_counts(run: Path) -> None:
+    s = summary(run)
+    want = _expected(hooktrace.load(run).records)
+    assert s.records == want["records"] == 1600
+    assert s.kinds == want["kinds"]
+    assert s.phases == want["phases"]
+    assert s.full_tensors == want["full_tensors"]
+    assert s.steps == 40 and (s.first_step, s.last_step) == (0, 39)
+    per_module = want["per_module"]
+    assert isinstance(per_module, dict)
+    assert dict(zip(s.largest["module"], s.largest["records"], strict=True)) == {
+        m: per_module[m] for m in s.largest["module"]
+    }
+    assert s.not_summarised.empty
+
+
+def test_kinds_of_equal_counts_come_in_the_format_order(run: Path) -> None:
+    # each ReLU and Linear has one output and one grad_output a step: a tie
+    assert list(summary(run).kinds)[:2] == ["output", "grad_output"]
+
+
+def test_a_part_damaged_inside_is_left_out_with_a_warning(tmp_path: Path) -> None:
+    run = many_parts(tmp_path / "run")
+    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[3]
+    rows = pq.read_metadata(part).num_rows
+    chunk = pq.read_metadata(part).row_group(0).column(4)  # module
+    assert chunk.path_in_schema == "module"
+    data = bytearray(part.read_bytes())
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    for i in range(start + 8, start + chunk.total_compressed_size - 2):
+        data[i] ^= 0x5A
+    part.write_bytes(bytes(data))
+    with pytest.warns(hooktrace.TraceWarning, match="left out records/rank=0/part-000003"):
+        s = summary(run)
+    assert s.records == 1600 - rows
+    # counted by hooktrace's reader, as pandas counts what it could read
+    with pytest.warns(hooktrace.TraceWarning):
+        want = _expected(hooktrace.load(run).records)
+    assert (s.records, s.kinds, s.phases) == (want["records"], want["kinds"], want["phases"])
+    per_module = want["per_module"]
+    assert isinstance(per_module, dict)
+    assert dict(zip(s.largest["module"], s.largest["records"], strict=True)) == {
+        m: per_module[m] for m in s.largest["module"]
+    }
+
+
+def test_phases_and_full_tensors_are_counted_as_pandas_counts_them(tmp_path: Path) -> None:
+    # train and eval forwards, full tensors every other step: the kind-and-phase grouping
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run", full_every=2):
+        for _ in range(4):
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                model(torch.randn(5, 4))
+            model.train()
+    s = summary(tmp_path / "run")
+    want = _expected(hooktrace.load(tmp_path / "run").records)
+    assert set(s.phases) == {"train", "eval"} and s.full_tensors > 0
+    assert (s.records, s.kinds, s.phases) == (want["records"], want["kinds"], want["phases"])
+    assert s.full_tensors == want["full_tensors"]
+    assert dict(zip(s.largest["module"], s.largest["records"], strict=True)) == want["per_module"]
+
+
+def test_records_without_a_module_are_counted_once(tmp_path: Path) -> None:
+    # a part rewritten by another tool, with nulls where the schema has none: the grouping
+    # by module then has a NULL module, which is not the grouping by kind
+    run = many_parts(tmp_path / "run", steps=4)
+    with_nulls(sorted((run / "records" / "rank=0").glob("part-*.parquet"))[0], "module", [0, 1])
+    s = summary(run)
+    assert s.records == hooktrace.load(run).record_count
+    assert set(s.kinds) <= {"output", "grad_output", "param", "grad_param"}
+    assert sum(s.kinds.values()) == s.records

@@ -1,0 +1,187 @@
+"""``hooktrace summary`` and ``hooktrace check`` through CliRunner, and the help texts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+from click.testing import CliRunner
+from repo import ROOT
+from torch import nn
+
+import hooktrace
+from hooktrace.cli import COMMANDS, cli
+from hooktrace.trace import check_segments
+
+
+@pytest.fixture
+def run(run_dir: Path) -> Path:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, run_dir):
+        for _ in range(3):
+            model(torch.randn(5, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return run_dir
+
+
+def test_summary(run: Path) -> None:
+    result = CliRunner().invoke(cli, ["summary", str(run)])
+    assert result.exit_code == 0, result.output
+    assert "status    complete" in result.output
+    assert "3 trained (steps 0–2), 3 micro-steps, 0 skipped" in result.output
+    assert "modules   4 (roots: Sequential)" in result.output
+    data = json.loads(CliRunner().invoke(cli, ["summary", "--json", str(run)]).output)
+    assert data["steps"] == 3 and data["kinds"]["grad_output"] == 12  # root + 3 children, 3 steps
+
+
+def test_check_whole_and_broken(run: Path) -> None:
+    result = CliRunner().invoke(cli, ["check", str(run)])
+    assert (result.exit_code, result.output.split(":")[1].split()[0]) == (0, "whole")
+
+    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:100])  # truncated
+    result = CliRunner().invoke(cli, ["check", str(run)])
+    assert result.exit_code == 1
+    assert "unreadable, left out: records/rank=0/part-000000.parquet" in result.output
+
+
+def test_a_damaged_file_is_a_trace_warning_from_python(run: Path) -> None:
+    part = sorted((run / "records" / "rank=0").glob("part-*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:100])
+    with pytest.warns(hooktrace.TraceWarning, match="left out records/rank=0/part-000000"):
+        trace = hooktrace.load(run)
+        assert trace.skipped
+    assert issubclass(hooktrace.TraceWarning, UserWarning)
+
+
+@pytest.mark.parametrize("block", [1 << 26, 40, 8, 4], ids=["whole", "row", "2 values", "1"])
+def test_check_reads_every_full_tensor_against_its_checksum(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, block: int
+) -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with hooktrace.record(model, run_dir, full_every=1):
+        model(torch.randn(5, 4)).sum().backward()
+    # (5, 8) float32 outputs: rows of 32 bytes, read whole, a row, 2 values or 1 at a time
+    monkeypatch.setattr(check_segments, "_BLOCK_BYTES", block)
+    assert CliRunner().invoke(cli, ["check", str(run_dir)]).exit_code == 0
+
+    segment = next((run_dir / "tensors" / "rank=0").glob("seg-*.h5"))
+    with h5py.File(segment, "r") as f:  # the last row of the first layer's output
+        dataset = f[hooktrace.load(run_dir).record("0", "output", step=0)["tensor_key"]]
+        offset = dataset.id.get_offset() + dataset.id.get_storage_size() - 1
+    data = bytearray(segment.read_bytes())
+    data[offset] ^= 0x01
+    segment.write_bytes(bytes(data))
+    result = CliRunner().invoke(cli, ["check", str(run_dir)])
+    assert result.exit_code == 1
+    assert "1 full tensor(s) cannot be read (t/" in result.output
+    assert "no longer matches its checksum): those are lost" in result.output
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p / "missing", "no run at"),
+        (lambda p: p, "is not a hooktrace run"),
+        (lambda p: (p / "f").write_text("x") and p / "f", "is a file"),
+    ],
+)
+def test_bad_runs_get_one_line_and_exit_2(tmp_path: Path, make, message: str) -> None:  # type: ignore[no-untyped-def]
+    for command in ("summary", "check"):
+        result = CliRunner().invoke(cli, [command, str(make(tmp_path))])
+        assert result.exit_code == 2, result.output
+        assert message in result.output
+        assert len(result.output.strip().splitlines()) == 1
+        assert "Traceback" not in result.output
+
+
+def test_future_format_version_is_refused(run: Path) -> None:
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["format_version"] = "9.0"
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(cli, ["summary", str(run)])
+    assert result.exit_code == 2 and "upgrade hooktrace" in result.output
+
+
+def test_every_command_has_help_with_an_example() -> None:
+    for name in COMMANDS:
+        result = CliRunner().invoke(cli, [name, "--help"])
+        assert result.exit_code == 0, name
+        assert "Example:" in result.output, name
+        assert f"hooktrace {name}" in result.output, name
+
+
+def test_every_command_is_in_the_readme() -> None:
+    readme = (ROOT / "README.md").read_text()
+    for name in COMMANDS:
+        assert f"hooktrace {name}" in readme, name
+
+
+def test_python_m_hooktrace(run: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hooktrace", "summary", str(run)], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "status    complete" in result.stdout
+
+
+def test_the_command_line_runs_atexit_handlers_before_its_quick_exit(run: Path) -> None:
+    # hooktrace.cli.run skips the interpreter's teardown after an analyzer command, not the
+    # handlers registered to run at exit, nor the flush of what was printed
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(print, 'handler ran')\n"
+        "class Loud:\n"
+        "    def __del__(self):\n"
+        "        print('torn down')\n"
+        "keep = Loud()  # freed by the teardown, which prints\n"
+        f"sys.argv = ['hooktrace', 'summary', {str(run)!r}]\n"
+        "from hooktrace.cli import run\n"
+        "run()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "status    complete" in done.stdout and done.stdout.endswith("handler ran\n")
+    assert "torn down" not in done.stdout  # no teardown: the quick exit was taken
+    stopped = code.replace("'summary', ", "'summary', '--nope', ")
+    done = subprocess.run([sys.executable, "-c", stopped], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.startswith("hooktrace: error: No such option")
+    assert done.stdout == "handler ran\n"
+
+
+def test_a_recorded_script_gets_the_interpreters_whole_exit(tmp_path: Path) -> None:
+    # record hands the script its own argv; what the script left to the teardown (a file
+    # it never closed, an object's __del__) still happens after hooktrace record
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys\n"
+        "import torch\n"
+        "from torch import nn\n"
+        f"log = open({str(tmp_path / 'log.txt')!r}, 'w')  # never closed: flushed at exit\n"
+        "class Loud:\n"
+        "    def __del__(self):\n"
+        "        print('torn down')\n"
+        "keep = Loud()\n"
+        "model = nn.Linear(2, 1)\n"
+        "for step in range(2):\n"
+        "    model(torch.randn(3, 2)).sum().backward()\n"
+        "    log.write(f'step {step} {sys.argv[1:]}\\n')\n"
+    )
+    for args in ([], ["--", "--epochs", "1"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "hooktrace", "record", "-q", "--overwrite",
+             "-o", str(tmp_path / "run"), str(script), *args],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert "torn down" in done.stdout, args
+        expected = "['--epochs', '1']" if args else "[]"
+        assert (tmp_path / "log.txt").read_text() == (f"step 0 {expected}\nstep 1 {expected}\n"), (
+            args
+        )

@@ -1,0 +1,520 @@
+"""``hooktrace record SCRIPT``: real training loops, recorded through the CLI in subprocesses."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import click
+import pytest
+import torch
+from repo import ROOT
+
+import hooktrace
+from hooktrace.analyze.overview.summary import summary
+
+PRELUDE = """
+import sys, torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+def batch(i):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(6, 4, generator=g), torch.randint(0, 2, (6,), generator=g)
+criterion = nn.CrossEntropyLoss()
+"""
+
+LOOPS = {
+    "optimizer": (
+        """
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(4):
+            x, y = batch(i)
+            criterion(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        """,
+        {"steps": [0, 1, 2, 3], "micro_steps": [1, 1, 1, 1], "skipped": []},
+    ),
+    "accumulation": (
+        """
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for i in range(6):
+            x, y = batch(i)
+            (criterion(model(x), y) / 3).backward()
+            if (i + 1) % 3 == 0:
+                opt.step()
+                opt.zero_grad()
+        """,
+        {"steps": [0, 1], "micro_steps": [3, 3], "skipped": []},
+    ),
+    "grad_scaler_skip": (
+        """
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")
+        for i in range(4):
+            x, y = batch(i)
+            loss = criterion(model(x), y)
+            if i == 2:
+                loss = loss * float("inf")  # overflow: the scaler skips this step
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        """,
+        {"steps": [0, 1, 2, 3], "micro_steps": [1, 1, 1, 1], "skipped": [2]},
+    ),
+    "manual_skip": (
+        """
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(4):
+            x, y = batch(i)
+            loss = criterion(model(x), y) * (float("nan") if i == 1 else 1.0)
+            loss.backward()
+            if torch.isfinite(loss):
+                opt.step()
+            opt.zero_grad()
+        """,
+        {"steps": [0, 1, 2, 3], "micro_steps": [1, 1, 1, 1], "skipped": [1]},
+    ),
+    "lbfgs": (
+        """
+        opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+        x, y = batch(0)
+        calls = 0
+        def closure():
+            global calls
+            calls += 1
+            opt.zero_grad()
+            loss = criterion(model(x), y)
+            loss.backward()
+            return loss
+        for i in range(3):
+            opt.step(closure)
+        print("CLOSURE_CALLS", calls)
+        """,
+        {"steps": [0, 1, 2], "skipped": []},
+    ),
+    "no_optimizer": (
+        """
+        for i in range(3):
+            x, y = batch(i)
+            criterion(model(x), y).backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.data.add_(p.grad, alpha=-0.1)
+                    p.grad = None
+        """,
+        {"steps": [0, 1, 2], "micro_steps": [1, 1, 1], "skipped": []},
+    ),
+    "eval_inside_training": (
+        """
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for i in range(4):
+            x, y = batch(i)
+            criterion(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i % 2 == 1:
+                model.eval()
+                with torch.no_grad():
+                    for j in range(3):
+                        model(batch(100 + j)[0])
+                model.train()
+        """,
+        # steps 0-3 train; evaluations after steps 1 and 3 land in steps 2 and 4, phase eval
+        {
+            "steps": [0, 1, 2, 3, 4],
+            "micro_steps": [1, 1, 1, 1, 0],
+            "skipped": [],
+            "eval_steps": [2, 4],
+        },
+    ),
+    "inference_only": (
+        """
+        model.eval()
+        with torch.no_grad():
+            for i in range(5):
+                model(batch(i)[0])
+        """,
+        {"steps": [0, 1, 2, 3, 4], "micro_steps": [0, 0, 0, 0, 0], "skipped": []},
+    ),
+}
+
+
+def _script(tmp_path: Path, body: str, name: str = "train.py") -> Path:
+    path = tmp_path / name
+    path.write_text(PRELUDE + textwrap.dedent(body))
+    return path
+
+
+def _record(
+    *args: str, cwd: Path | None = None, **kwargs: object
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hooktrace", "record", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        **kwargs,
+    )  # type: ignore[call-overload,no-any-return]
+
+
+@pytest.mark.parametrize("loop", list(LOOPS))
+def test_steps_in_real_training_loops(tmp_path: Path, loop: str) -> None:
+    body, expected = LOOPS[loop]
+    run = tmp_path / "run"
+    result = _record("-q", "-o", str(run), str(_script(tmp_path, body)))
+    assert result.returncode == 0, result.stderr
+    trace = hooktrace.load(run)
+    steps = trace.steps
+    assert list(steps["step"]) == expected["steps"]
+    if "micro_steps" in expected:
+        assert list(steps["micro_steps"]) == expected["micro_steps"]
+    assert list(steps.loc[steps["skipped"], "step"]) == expected["skipped"]
+    if loop == "lbfgs":  # every closure evaluation is a backward pass of its step
+        calls = int(result.stdout.split("CLOSURE_CALLS")[1])
+        assert steps["micro_steps"].sum() == calls and (steps["micro_steps"] >= 1).all()
+    records = trace.records
+    if "eval_steps" in expected:
+        assert (
+            sorted(set(records.loc[records["phase"] == "eval", "step"])) == expected["eval_steps"]
+        )
+    # names as in named_modules(); the loss module is a root of its own
+    assert {"0", "1", "2", "Sequential"} <= set(records["module"])
+    assert trace.status == "complete"
+
+
+def test_the_script_runs_as_main_with_its_own_argv_path_and_file(tmp_path: Path) -> None:
+    (tmp_path / "helper_mod.py").write_text("VALUE = 41\n")
+    script = _script(
+        tmp_path,
+        """
+        import helper_mod
+        print("ARGV", sys.argv)
+        print("FILE", __file__)
+        print("NAME", __name__, helper_mod.VALUE + 1)
+        """,
+    )
+    result = _record(
+        "-q", "-o", str(tmp_path / "run"), str(script), "--epochs", "3", "-x", cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"ARGV ['{script}', '--epochs', '3', '-x']" in result.stdout
+    assert f"FILE {script}" in result.stdout
+    # `record train.py -- ARGS`, as PRODUCT.md writes it: the separator is not the script's
+    result = _record(
+        "-q", "-o", str(tmp_path / "run2"), str(script), "--", "--epochs", "3", cwd=ROOT
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"ARGV ['{script}', '--epochs', '3']" in result.stdout
+    result = _record("-q", "-o", str(tmp_path / "run3"), str(script), "--", "--", cwd=ROOT)
+    assert f"ARGV ['{script}', '--']" in result.stdout  # a second one is the script's
+    assert "NAME __main__ 42" in result.stdout
+
+
+def test_a_script_that_raises_keeps_its_traceback_and_exit_code(tmp_path: Path) -> None:
+    body = """
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(3):
+        x, y = batch(i)
+        criterion(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    raise ValueError("boom at the end")
+    """
+    script = _script(tmp_path, body)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    result = _record("-q", "-o", str(tmp_path / "run"), str(script))
+    assert result.returncode == plain.returncode == 1
+    assert result.stderr == plain.stderr  # the script's own traceback, no hooktrace frames
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.status == "failed"
+    assert "ValueError: boom at the end" in trace.manifest["ranks"]["0"]["error"]
+    assert list(trace.steps["step"]) == [0, 1, 2]
+
+
+def test_the_closing_report_says_how_statistics_were_computed(tmp_path: Path) -> None:
+    body = """
+    wide = nn.Sequential(nn.Linear(4, 1000), nn.ReLU())  # (16, 1000) outputs: the kernel's
+    opt = torch.optim.SGD(wide.parameters(), lr=0.1)
+    for i in range(2):
+        wide(torch.randn(16, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    result = _record("-o", str(tmp_path / "run"), str(_script(tmp_path, body)))
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-2].startswith("hooktrace: complete: 2 steps")
+    assert lines[-1].startswith("hooktrace: statistics: one-pass (numba ")
+    assert lines[-1].endswith(" s to load, once")
+    small = _record("-o", str(tmp_path / "small"), str(_script(tmp_path, LOOPS["optimizer"][0])))
+    assert "statistics:" not in small.stderr  # no tensor large enough: numba never loaded
+
+
+def test_exit_codes_pass_through(tmp_path: Path) -> None:
+    result = _record("-q", "-o", str(tmp_path / "a"), str(_script(tmp_path, "sys.exit(3)")))
+    assert result.returncode == 3
+    assert hooktrace.load(tmp_path / "a").status == "failed"
+    result = _record(
+        "-q", "-o", str(tmp_path / "b"), str(_script(tmp_path, "sys.exit(0)", "ok.py"))
+    )
+    assert result.returncode == 0
+    assert hooktrace.load(tmp_path / "b").status == "complete"
+
+
+LONG_LOOP = """
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+print("READY", flush=True)
+i = 0
+while True:
+    x, y = batch(i)
+    criterion(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    i += 1
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signals_finalize_the_trace_then_end_the_process_as_usual(
+    tmp_path: Path, signum: int
+) -> None:
+    script = _script(tmp_path, LONG_LOOP)
+    outcomes = []
+    for recorded in (False, True):
+        command = [sys.executable, str(script)]
+        if recorded:
+            command = [
+                sys.executable,
+                "-m",
+                "hooktrace",
+                "record",
+                "-q",
+                "-o",
+                str(tmp_path / "run"),
+                str(script),
+            ]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "READY"
+        time.sleep(1.5)  # let a few steps reach the disk
+        proc.send_signal(signum)
+        proc.communicate(timeout=60)
+        outcomes.append(proc.returncode)
+    assert outcomes[0] == outcomes[1]  # as without hooktrace
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.status == "incomplete"
+    assert ("SIGTERM" if signum == signal.SIGTERM else "SIGINT") in trace.manifest["ranks"]["0"][
+        "error"
+    ]
+    assert len(trace.steps) > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--every", "0"], "--every"),
+        (["--steps", "9-2"], "bad step range"),
+        (["--modules", "("], "bad module pattern"),
+        (["--compression", "zip"], "--compression"),
+        (["--config", "missing.toml"], "cannot read --config"),
+    ],
+)
+def test_bad_options_fail_before_the_script_starts(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    marker = tmp_path / "started"
+    script = _script(tmp_path, f"open({str(marker)!r}, 'w').write('x')")
+    result = _record(*args, "-o", str(tmp_path / "run"), str(script), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not marker.exists()
+
+
+def test_missing_script_and_config_file(tmp_path: Path) -> None:
+    result = _record(str(tmp_path / "nope.py"))
+    assert result.returncode == 2 and "no such script" in result.stderr
+    config = tmp_path / "hooktrace.toml"
+    config.write_text('every = 2\nmodules = ["^0$"]\nparams = false\n')
+    result = _record(
+        "-q",
+        "--config",
+        str(config),
+        "-o",
+        str(tmp_path / "run"),
+        str(_script(tmp_path, LOOPS["optimizer"][0])),
+    )
+    assert result.returncode == 0, result.stderr
+    trace = hooktrace.load(tmp_path / "run")
+    assert list(trace.steps["step"]) == [0, 2]
+    assert set(trace.records["module"]) == {"0"}
+    config.write_text("evry = 2\n")
+    result = _record("--config", str(config), str(_script(tmp_path, "")))
+    assert result.returncode == 2 and "unknown key(s) evry" in result.stderr
+
+
+@pytest.mark.parametrize("example", ["mlp_classifier", "cnn_classifier", "tiny_gpt"])
+def test_examples_train_bit_identically_under_hooktrace_record(
+    tmp_path: Path, example: str
+) -> None:
+    script = ROOT / "examples" / f"{example}.py"
+    plain = subprocess.run(
+        [sys.executable, str(script), "--save-params", str(tmp_path / "plain.pt")],
+        capture_output=True,
+        text=True,
+    )
+    assert plain.returncode == 0, plain.stderr
+    recorded = _record(
+        "-q", "-o", str(tmp_path / "run"), str(script), "--save-params", str(tmp_path / "rec.pt")
+    )
+    assert recorded.returncode == 0, recorded.stderr
+    # the same output (losses printed to 4 digits), but for the path the script saved to
+    assert recorded.stdout.replace("rec.pt", "plain.pt") == plain.stdout
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "rec.pt")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.status == "complete" and len(trace.steps) >= 20
+
+
+def test_torchrun_two_ranks_write_one_run(tmp_path: Path) -> None:
+    script = tmp_path / "ddp.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch, torch.distributed as dist
+            from torch import nn
+            from torch.nn.parallel import DistributedDataParallel as DDP
+            dist.init_process_group("gloo")
+            torch.manual_seed(0)
+            model = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(dist.get_rank())
+            for i in range(3):
+                model(torch.randn(5, 4, generator=g)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            dist.destroy_process_group()
+            """
+        )
+    )
+    run = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "hooktrace", "record", "--overwrite", "-o", str(run), str(script)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    # each rank counts its own steps (all ranks' rows were counted: "6 steps" for 3)
+    finals = sorted(line for line in result.stderr.splitlines() if "records in" in line)
+    assert finals == [
+        f"hooktrace: rank {r}: complete: 3 steps, 48 records in {run}" for r in (0, 1)
+    ]
+    trace = hooktrace.load(run)
+    found = summary(trace)
+    assert (found.steps, found.micro_steps) == (3, 3)  # micro-steps were summed over ranks
+    assert trace.manifest["world_size"] == 2 and trace.ranks == [0, 1]
+    assert trace.status == "complete"
+    records = trace.records
+    assert set(records["rank"]) == {0, 1}
+    assert {"0", "1", "2", "Sequential"} == set(records["module"])  # no "module." prefix
+    # data-parallel ranks hold equal parameters, and see different data
+    params = (
+        records[records["kind"] == "param"]
+        .set_index(["step", "module", "slot", "rank"])["norm"]
+        .unstack()
+    )
+    assert (params[0] == params[1]).all()
+    outputs = (
+        records[records["kind"] == "output"]
+        .set_index(["step", "module", "slot", "rank"])["mean"]
+        .unstack()
+    )
+    assert (outputs[0] != outputs[1]).any()
+
+
+def test_a_compiled_model_is_recorded_from_the_outside(tmp_path: Path) -> None:
+    body = """
+    compiled = torch.compile(model, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(3):
+        x, y = batch(i)
+        criterion(compiled(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(model.state_dict(), sys.argv[1])
+    """
+    script = _script(tmp_path, body)
+    plain = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "plain.pt")], capture_output=True, text=True
+    )
+    assert plain.returncode == 0, plain.stderr
+    result = _record("-o", str(tmp_path / "run"), str(script), str(tmp_path / "rec.pt"))
+    assert result.returncode == 0, result.stderr
+    assert "runs under torch.compile" in result.stderr and "TORCHDYNAMO_DISABLE=1" in result.stderr
+    a, b = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "rec.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    records = hooktrace.load(tmp_path / "run").records
+    assert set(records["module"]) == {"Sequential", "CrossEntropyLoss"}
+    assert set(records.loc[records["module"] == "Sequential", "kind"]) == {
+        "output",
+        "grad_output",
+        "param",
+        "grad_param",
+    }
+    assert set(records.loc[records["kind"] == "param", "slot"]) == {
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    }
+    # found in the compiled model's submodules, with their values and gradients
+    params = records[records["kind"].isin(["param", "grad_param"])]
+    assert (params["dtype"] == "float32").all() and params["mean"].notna().all()
+
+
+def test_every_option_has_help_with_an_example() -> None:
+    from hooktrace.cli.record import record
+
+    for param in record.params:
+        if isinstance(param, click.Option) and param.name not in ("quiet", "strict"):
+            assert param.help and "e.g." in param.help, param.name
+
+
+def test_without_torch_record_says_to_install_it(tmp_path: Path) -> None:
+    script = _script(tmp_path, "")
+    code = f"import sys; sys.modules['torch'] = None\nfrom hooktrace.cli import main\nmain(['record', {str(script)!r}])"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()]
+    assert "needs PyTorch" in result.stderr and "pip install torch" in result.stderr
+
+
+def test_an_unhashable_optimizer_is_found_and_steps(tmp_path: Path) -> None:
+    """``hooktrace record`` keeps the optimizers it sees; one whose class defines ``__eq__``
+    without ``__hash__`` (a dataclass's) made the script's own constructor fail (found in
+    review)."""
+    body = """
+    class Compared(torch.optim.SGD):
+        def __eq__(self, other):
+            return self is other
+    opt = Compared(model.parameters(), lr=0.1)
+    for i in range(3):
+        x, y = batch(i)
+        criterion(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    run = tmp_path / "run"
+    result = _record("-q", "-o", str(run), str(_script(tmp_path, body)))
+    assert result.returncode == 0, result.stderr
+    assert list(hooktrace.load(run).steps["step"]) == [0, 1, 2]

@@ -1,0 +1,293 @@
+"""Parameter, buffer and gradient records (hooktrace.recorder.records.params)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+import hooktrace
+from hooktrace.recorder.records.params import Entry, param_records
+from hooktrace.recorder.records.staging import Staged, Staging
+from hooktrace.recorder.stats import numba_kernels
+from hooktrace.recorder.stats.stats import route, summarize_staged
+
+
+def _entries(*names: str) -> list[Entry]:
+    return [Entry(*name.split("."), {}, name.split(".")[1], None) for name in names]
+
+
+def test_small_values_are_staged_by_dtype_and_the_rest_left_to_the_hook(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(numba_kernels, "staged", lambda: None)  # as before the kernels are ready
+    entries = _entries("a.weight", "a.bias", "b.weight", "b.bias", "c.weight")
+    values = [
+        torch.ones(3, 2),
+        torch.ones(3, dtype=torch.float64),
+        torch.ones(9000),  # too large to stage
+        None,  # no gradient
+        torch.ones(2),  # saved whole this step
+    ]
+    records = param_records(
+        entries, values, kind="grad_param", phase="train", micro_step=1, saved_whole={"c"}
+    )
+    assert records.together == ((0,), (1,))  # float32, then float64, in entry order
+    assert records.observed == (2, 4)
+    assert [m.module for m in records.metas] == ["a", "a", "b", "b", "c"]
+    assert records.metas[3].dtype is None and records.metas[3].shape == ()
+    assert records.metas[0].shape == (3, 2) and records.metas[0].micro_step == 1
+
+    staging = Staging()
+    stats = records.stage(values, staging)
+    assert stats == [Staged(0), Staged(1), None, None, None]
+    assert staging.lengths == [6, 3]
+
+
+def test_values_are_summarised_in_place_once_the_kernels_are_loaded() -> None:
+    """No copy: float32, float64 and int64 rows come back now, equal bit for bit to what the
+    writer makes of the staged copies; other dtypes are still staged."""
+    route()  # loads numba, as the first large tensor of a run does
+    assert numba_kernels.staged() is not None
+    entries = _entries("a.weight", "a.bias", "b.weight", "b.count", "b.scale", "b.mask")
+    generator = torch.Generator().manual_seed(0)
+    values = [
+        torch.randn(30, 20, generator=generator),
+        torch.tensor([0.0, -0.0, float("inf"), 1e30]),
+        torch.randn(7, generator=generator) * 1e-20,
+        torch.tensor(3, dtype=torch.int64),
+        torch.randn(5, generator=generator, dtype=torch.float64),
+        torch.tensor([True, False, True]),
+    ]
+    records = param_records(
+        entries, values, kind="param", phase="train", micro_step=0, saved_whole=()
+    )
+    staging = Staging()
+    stats = records.stage(values, staging)
+    assert [type(s).__name__ for s in stats] == ["ndarray"] * 5 + ["Staged"]
+    assert staging.lengths == [3]
+
+    copies = [v.double().numpy().ravel() for v in values]
+    want = summarize_staged(np.concatenate(copies), np.array([c.size for c in copies]))
+    assert np.array_equal(np.stack(stats[:5]), want[:5], equal_nan=True)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.fc(x))))
+
+
+def _expected(model: nn.Module, kind: str) -> dict[str, np.ndarray | None]:
+    if kind == "buffer":
+        return {name: b.double().numpy().copy() for name, b in model.named_buffers()}
+    if kind == "param":
+        return {name: p.detach().double().numpy().copy() for name, p in model.named_parameters()}
+    return {
+        name: None if p.grad is None else p.grad.double().numpy().copy()
+        for name, p in model.named_parameters()
+    }
+
+
+def test_records_follow_the_values_when_their_layout_changes(run_dir: Path) -> None:
+    """Each record holds its own step's values, when a dtype changes (``double()``, which
+    replaces the buffers) and when a parameter loses its gradient."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want: dict[int, dict[tuple[str, str], np.ndarray | None]] = {}
+    dtypes = {}
+    with hooktrace.record(model, run_dir):
+        for step in range(6):
+            if step == 3:
+                model.double()
+            if step == 4:
+                model.fc.weight.requires_grad_(False)
+            dtype = torch.float64 if step >= 3 else torch.float32
+            dtypes[step] = "float64" if step >= 3 else "float32"
+            want[step] = {
+                (kind, name): value
+                for kind in ("param", "buffer")
+                for name, value in _expected(model, kind).items()
+            }
+            model(torch.randn(8, 4, dtype=dtype)).sum().backward()
+            want[step] |= {("grad_param", n): v for n, v in _expected(model, "grad_param").items()}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    records = hooktrace.load(run_dir).records
+    records = records[records["kind"].isin(["param", "buffer", "grad_param"])]
+    for step, expected in want.items():
+        rows = records[records["step"] == step]
+        assert len(rows) == len(expected), step
+        for row in rows.itertuples():
+            key = (row.kind, f"{row.module.removeprefix('_Net.')}.{row.slot}")
+            value = expected[key]
+            if value is None:
+                assert row.dtype == "None" and np.isnan(row.mean), (step, key)
+                continue
+            if row.kind != "buffer" or row.slot != "num_batches_tracked":
+                assert row.dtype == dtypes[step], (step, key)
+            assert row.shape == ",".join(map(str, value.shape)), (step, key)
+            assert row.min == value.min() and row.max == value.max(), (step, key)
+            np.testing.assert_allclose(row.mean, value.mean(), rtol=1e-6, err_msg=str(key))
+
+
+class _Counting(nn.Module):
+    """Replaces its buffer with a new tensor on every call, as custom modules often do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return self.fc(x)
+
+
+def test_a_buffer_replaced_by_the_model_is_recorded_as_it_is_now(run_dir: Path) -> None:
+    """The recorder used to keep the buffer tensor it found when it started: a module that
+    assigns a new one recorded the first one's values for ever."""
+    model = _Counting()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, run_dir):
+        for _ in range(4):
+            model(torch.ones(3, 2)).sum().backward()
+            opt.step()
+    records = hooktrace.load(run_dir).records
+    calls = records[(records["kind"] == "buffer") & (records["slot"] == "calls")]
+    # as each step's first forward finds it: before that forward's own call
+    assert calls.sort_values("step")["mean"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_parameter_replaced_or_pruned_mid_run_keeps_being_recorded(run_dir: Path) -> None:
+    """A new Parameter assigned in place of the old one is recorded from then on; pruning
+    moves ``weight`` to ``weight_orig`` (the same parameter), which is recorded still."""
+    torch.manual_seed(0)
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, run_dir):
+        for step in range(4):
+            if step == 2:
+                model.head.bias = nn.Parameter(torch.full((2,), 7.0))
+                prune.l1_unstructured(model.fc, "weight", amount=0.5)
+            orig = model.fc._parameters.get("weight_orig", model.fc.weight).detach().clone()
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    records = hooktrace.load(run_dir).records
+    later = records[records["step"] == 3]
+    bias = later[(later["kind"] == "param") & (later["module"] == "head")]
+    assert bias.loc[bias["slot"] == "bias", "mean"].tolist() == [7.0]
+    weight = later[(later["module"] == "fc") & (later["slot"] == "weight")]
+    assert set(weight["kind"]) == {"param", "grad_param"}
+    param = weight[weight["kind"] == "param"].iloc[0]
+    assert param["min"] == orig.min().item() and param["max"] == orig.max().item()
+    assert (weight["dtype"] == "float32").all()
+
+
+class _Extra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+        self.extra = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + self.extra.sum()
+
+
+def test_a_parameter_given_new_data_of_another_shape_is_recorded_with_it(run_dir: Path) -> None:
+    """``p.data = ...`` keeps the Parameter and changes what it holds: the records built for
+    one step must not be reused for the next (the recorder reuses them while every value's
+    dtype, shape, device and layout hold). The last shape is too large to be taken with the
+    small values: it takes the hook's route."""
+    model = _Extra()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    datas = [torch.zeros(2), torch.arange(5.0), torch.arange(5.0) - 9, torch.arange(10000.0)]
+    with hooktrace.record(model, run_dir):
+        for data in datas:
+            model.extra.data = data
+            model(torch.ones(3, 2)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    records = hooktrace.load(run_dir).records
+    extra = records[(records["slot"] == "extra") & (records["kind"] == "param")]
+    extra = extra.sort_values("step")
+    assert extra["shape"].tolist() == ["2", "5", "5", "10000"]
+    assert extra["min"].tolist() == [0.0, 0.0, -9.0, 0.0]
+    assert extra["max"].tolist() == [0.0, 4.0, -5.0, 9999.0]
+    grads = records[(records["slot"] == "extra") & (records["kind"] == "grad_param")]
+    assert grads.sort_values("step")["shape"].tolist() == ["2", "5", "5", "10000"]
+
+
+def test_a_parameter_its_module_sets_to_none_is_recorded_without_a_value(run_dir: Path) -> None:
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, run_dir):
+        for step in range(2):
+            if step == 1:
+                model.head.bias = None
+            model(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    records = hooktrace.load(run_dir).records
+    bias = records[(records["module"] == "head") & (records["slot"] == "bias")]
+    by_step = bias.set_index(["step", "kind"])
+    assert by_step.loc[(0, "param"), "dtype"] == "float32"
+    for kind in ("param", "grad_param"):
+        assert by_step.loc[(1, kind), "dtype"] == "None" and np.isnan(
+            by_step.loc[(1, kind), "mean"]
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_parameters_read_in_place_are_recorded_as_staged_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """The same training recorded twice, once with the values read in place and once staged:
+    every statistic of every parameter, buffer and gradient record is equal. Every one of
+    them is read in place, the int64 ``num_batches_tracked`` too."""
+    from hooktrace.recorder.stats import numba_kernels, staged_kernels
+
+    route()
+    read: list[int] = []
+    real = staged_kernels.summarize_tensors
+
+    def counting(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
+        rows = real(tensors)
+        read.extend(1 for row in rows if row is not None)
+        return rows
+
+    records = {}
+    for name in ("in_place", "staged"):
+        if name == "in_place":
+            monkeypatch.setattr(staged_kernels, "summarize_tensors", counting)
+        else:
+            monkeypatch.setattr(numba_kernels, "staged", lambda: None)
+        torch.manual_seed(0)
+        model = _Net().to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hooktrace.record(model, tmp_path / name):
+            for _ in range(3):
+                model(torch.randn(8, 4, dtype=dtype)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        loaded = hooktrace.load(tmp_path / name).records
+        records[name] = loaded[loaded["kind"].isin(["param", "buffer", "grad_param"])]
+    assert len(read) == 3 * (6 + 3 + 6)  # parameters, buffers, gradients, a step
+    columns = ["step", "module", "kind", "slot", "dtype", "mean", "std", "min", "max", "norm"]
+    columns += ["zero_fraction", "nan_count", "inf_count"]
+    in_place, staged = (records[n][columns].reset_index(drop=True) for n in records)
+    assert len(in_place) == 3 * (6 + 3 + 6)
+    pd.testing.assert_frame_equal(in_place, staged, check_exact=True)
