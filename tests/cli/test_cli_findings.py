@@ -18,8 +18,8 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from nonfinite_runs import shown
+from recorded_runs import MLP, NaNForward, train
 from repo import ROOT
-from test_anomalies import MLP, NaNForward, train
 
 import hooktrace
 from hooktrace.cli import cli

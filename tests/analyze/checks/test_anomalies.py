@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,108 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from nonfinite_runs import Log, Sqrt, record_run, source_line
+from recorded_runs import MLP, InfBackward, NaNForward, ZeroFrom, train
 from repo import SAMPLES
 from torch import nn
 
 import hooktrace
 from hooktrace.errors import ConfigError
-
-# --- models and the training loop ------------------------------------------------------------
-
-
-class MLP(nn.Module):
-    """fc1 -> relu1 -> fault -> fc2 -> relu2 -> fc3; ``fault`` is where a fault is planted."""
-
-    def __init__(self, fault: nn.Module | None = None, act: type[nn.Module] = nn.ReLU) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.relu1 = act()
-        self.fault = fault if fault is not None else nn.Identity()
-        self.fc2 = nn.Linear(32, 32)
-        self.relu2 = nn.ReLU()
-        self.fc3 = nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(self.relu2(self.fc2(self.fault(self.relu1(self.fc1(x))))))
-
-
-class Armed(nn.Module):
-    """A fault that switches on when the training loop sets ``armed``."""
-
-    armed = False
-
-
-class NaNForward(Armed):
-    """sqrt of a centred activation once armed: NaN wherever it is below its mean."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.sqrt(x - x.mean()) if self.armed else x * 1.0
-
-
-class _DivideGradByZero(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, armed: bool) -> torch.Tensor:
-        ctx.armed = armed
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (grad / torch.zeros_like(grad) if ctx.armed else grad), None
-
-
-class InfBackward(Armed):
-    """Identity forward; once armed, a custom backward that divides the gradient by zero."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DivideGradByZero.apply(x, self.armed)  # type: ignore[no-any-return]
-
-
-class ZeroFrom(Armed):
-    """Multiplies by zero once armed: nothing upstream gets a gradient any more."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * (0.0 if self.armed else 1.0)
-
-
-def train(
-    model: nn.Module,
-    out: Path,
-    *,
-    steps: int = 40,
-    lr: float = 0.1,
-    arm_at: int | None = None,
-    loss_scale: float = 1.0,
-    frozen_at: int | None = None,
-    before_step: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-    **record: Any,
-) -> dict[str, list[float]]:
-    """A seeded SGD run on a teacher problem, recorded into ``out``; returns each Linear's
-    gradient norm per step (the L2 norm over its parameters), measured with plain torch.
-    ``frozen_at``: a step whose update is skipped (learning rate 0)."""
-    torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(1)
-    teacher = torch.randn(16, 4, generator=generator)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    norms: dict[str, list[float]] = {n: [] for n in linears}
-    with hooktrace.record(model, out, **record):
-        for step in range(steps):
-            if arm_at is not None and step == arm_at:
-                model.get_submodule("fault").armed = True
-            x = torch.randn(32, 16, generator=generator)
-            y = (x @ teacher).argmax(dim=1)
-            if before_step is not None:
-                x = before_step(step, x)
-            loss = F.cross_entropy(model(x), y) * loss_scale
-            loss.backward()
-            for name, module in linears.items():
-                grads = [p.grad.pow(2).sum() for p in module.parameters() if p.grad is not None]
-                norms[name].append(float(torch.stack(grads).sum().sqrt()) if grads else 0.0)
-            for group in opt.param_groups:
-                group["lr"] = 0.0 if step == frozen_at else lr
-            opt.step()
-            opt.zero_grad()
-    return norms
 
 
 def of_kind(found: hooktrace.analyze.checks.anomalies.Anomalies, kind: str) -> pd.DataFrame:

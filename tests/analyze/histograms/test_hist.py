@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner, Result
+from recorded_runs import record_known, without_histograms
 from repo import GOLDEN, ROOT
 from torch import nn
 
@@ -35,37 +36,6 @@ from hooktrace.errors import ConfigError, TraceError
 
 SAMPLES = ROOT / "sample_traces"
 UPDATE = os.environ.get("HOOKTRACE_UPDATE_GOLDEN") == "1"
-
-# The parameters of a Linear(6, 2), set by hand: magnitudes 2^-30 .. 2^20 across float16's
-# limits (2^-24, 2^-14, 2^16), two zeros, four negatives.
-WEIGHT = [
-    [2.0**-30, 2.0**-20, 2.0**-10, 1.0, 2.0**10, 2.0**17],
-    [-(2.0**-26), -(2.0**-16), 0.0, 0.0, -3.0, -(2.0**20)],
-]
-BIAS = [0.5, -0.25]
-
-
-def known_input(step: int) -> torch.Tensor:
-    """The input at ``step``; with the loss the output's sum, each row of the weight's
-    gradient is this input: 2^(step-20), 1, 0 (Inf at step 3), -8, 2^(-30-step), 3."""
-    x = torch.tensor([[2.0 ** (step - 20), 1.0, 0.0, -8.0, 2.0 ** (-30 - step), 3.0]])
-    if step == 3:
-        x[0, 2] = float("inf")
-    return x
-
-
-def record_known(out: Path, steps: int = 4, **options: object) -> Path:
-    layer = nn.Linear(6, 2)
-    with torch.no_grad():
-        layer.weight.copy_(torch.tensor(WEIGHT))
-        layer.bias.copy_(torch.tensor(BIAS))
-    opt = torch.optim.SGD(layer.parameters(), lr=0.0)  # the parameters stay as set
-    with hooktrace.record(layer, out, capture_nonfinite=False, **options):
-        for step in range(steps):
-            layer(known_input(step)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -348,20 +318,6 @@ def test_bad_options_say_what_the_trace_holds(
     with pytest.raises(ConfigError) as caught:
         hist(mlp[0], **options)  # type: ignore[arg-type]
     assert message in str(caught.value)
-
-
-def without_histograms(out: Path, *, older: bool) -> Path:
-    """A real recording with no histograms: recorded with histograms off, or made to look as
-    a trace written before format 1.3 (no histograms/, no such configuration)."""
-    record_known(out, steps=1, histograms=None)
-    if older:
-        manifest = json.loads((out / "manifest.json").read_text())
-        for key in ("histograms", "histogram_every"):
-            manifest["config"].pop(key)
-        manifest["format_version"] = "1.2"
-        (out / "manifest.json").write_text(json.dumps(manifest))
-    assert not (out / "histograms").exists()
-    return out
 
 
 def test_a_trace_without_histograms_says_how_to_record_them(tmp_path: Path) -> None:

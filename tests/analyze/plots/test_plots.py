@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner, Result
+from recorded_runs import LONG, MLP, SCRIPT, record_odd_names, train
 from repo import ROOT
-from test_anomalies import MLP, train
 from torch import nn
 
 import hooktrace
@@ -41,35 +41,6 @@ from hooktrace.cli import cli
 from hooktrace.errors import ConfigError
 
 SAMPLES = ROOT / "sample_traces"
-LONG = "transformer_layer_with_a_rather_long_name"
-SCRIPT = "<script>alert(1)</script>"
-
-
-class OddNames(nn.Module):
-    """Names a picture or a page must survive: long, with mathtext dollars, with HTML."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoder = nn.ModuleDict({LONG: nn.Sequential(nn.Linear(4, 8), nn.ReLU())})
-        self.add_module("cost$in$dollars", nn.Linear(8, 8))
-        self.add_module(SCRIPT, nn.ReLU())
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = getattr(self, "cost$in$dollars")(self.encoder[LONG](x))
-        return self.head(getattr(self, SCRIPT)(x))  # type: ignore[no-any-return]
-
-
-def record_odd_names(out: Path) -> Path:
-    torch.manual_seed(0)
-    model = OddNames()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with hooktrace.record(model, out):
-        for _ in range(4):
-            model(torch.randn(8, 4)).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -411,7 +382,7 @@ def test_help_needs_neither_pandas_nor_matplotlib() -> None:
 
 @pytest.fixture(scope="module")
 def known_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from test_hist import record_known
+    from recorded_runs import record_known
 
     return record_known(tmp_path_factory.mktemp("known") / "run")
 
@@ -450,7 +421,7 @@ def test_histograms_command_and_a_trace_without_them(known_run: Path, tmp_path: 
                   "-o", tmp_path / "h.svg")  # fmt: skip
     assert done.exit_code == 0 and done.output == ""
     assert (tmp_path / "h.svg").read_text().lstrip().startswith("<?xml")
-    from test_hist import without_histograms
+    from recorded_runs import without_histograms
 
     off = without_histograms(tmp_path / "off", older=False)
     none = invoke("plot", off, "--what", "histograms", "-o", tmp_path / "x.png")

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner, Result
 from nonfinite_runs import Log, record_run, source_line
+from recorded_runs import record_odd_names
 from repo import ROOT
-from test_plots import record_odd_names
 
 from hooktrace.analyze.report.report import report
 from hooktrace.cli import cli
@@ -202,7 +202,7 @@ def test_progress_bar_only_on_a_terminal_and_not_when_quiet() -> None:
 @pytest.fixture(scope="module")
 def vanishing_page(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A run whose gradients vanish (the loss scaled by 1e-9): flagged, and histogrammed."""
-    from test_anomalies import MLP, train
+    from recorded_runs import MLP, train
 
     run = tmp_path_factory.mktemp("vanishing") / "run"
     train(MLP(), run, steps=5, loss_scale=1e-9)
