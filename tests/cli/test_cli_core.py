@@ -155,6 +155,28 @@ def test_the_command_line_runs_atexit_handlers_before_its_quick_exit(run: Path) 
     assert done.stdout == "handler ran\n"
 
 
+def test_a_recorded_script_stays_main_until_the_interpreter_ends(tmp_path: Path) -> None:
+    """As under ``python train.py``, the script's module is ``__main__`` to the end: its
+    ``atexit`` handlers find it, and the teardown empties it name by name. Run by
+    ``runpy.run_path``, it was a namespace left in a reference cycle, which the garbage
+    collector could free raw stream first: an unclosed file lost its last writes, now and
+    then (found when the package's layout changed when collections happened)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "import torch\n"
+        "MARK = 'the script'\n"
+        "atexit.register(lambda: print('main is', sys.modules['__main__'].__dict__.get('MARK')))\n"
+        "torch.nn.Linear(2, 1)(torch.ones(1, 2)).sum().backward()\n"
+    )
+    for command in ([], ["-m", "hooktrace", "record", "-q", "-o", str(tmp_path / "run")]):
+        done = subprocess.run(
+            [sys.executable, *command, str(script)], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == "main is the script\n", command
+
+
 def test_a_recorded_script_gets_the_interpreters_whole_exit(tmp_path: Path) -> None:
     # record hands the script its own argv; what the script left to the teardown (a file
     # it never closed, an object's __del__) still happens after hooktrace record

@@ -7,8 +7,10 @@ SIGTERM finalize the trace, then end the process as they would have without hook
 
 from __future__ import annotations
 
+import builtins
+import importlib.machinery
+import io
 import os
-import runpy
 import signal
 import sys
 import traceback
@@ -52,7 +54,7 @@ def run_script(
     if previous_term in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        _run_as_main(script)
     except SystemExit as exc:
         code = _exit_code(exc.code)
         if code == 0:
@@ -80,6 +82,28 @@ def run_script(
             signal.signal(signal.SIGTERM, previous_term or signal.SIG_DFL)
     recorder.close()
     return 0
+
+
+def _run_as_main(script: Path) -> None:
+    """Run ``script`` as ``python script`` does: in a new module ``__main__`` that stays in
+    ``sys.modules``. The interpreter's teardown then empties it first, one name at a time, as it
+    does a script's: a file the script never closed is flushed before it is freed. (A script
+    run by ``runpy.run_path`` leaves a namespace in a reference cycle once it returns; the
+    garbage collector may then free a file's raw stream before the buffer that holds its
+    last writes.)"""
+    module = type(sys)("__main__")
+    module.__dict__.update(
+        __file__=str(script),
+        __cached__=None,
+        __builtins__=builtins,
+        __loader__=importlib.machinery.SourceFileLoader("__main__", str(script)),
+        __spec__=None,
+        __package__=None,
+    )
+    with io.open_code(str(script)) as source:
+        code = compile(source.read(), str(script), "exec")
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)
 
 
 def _exit_code(code: object) -> int:
