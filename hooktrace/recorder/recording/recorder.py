@@ -408,7 +408,7 @@ class Recorder(Steps):
 
 
 def _route_taken() -> dict[str, Any] | None:
-    """How this process summarised large CPU tensors, for the final status (None: none were)."""
+    """How this process summarised CPU tensors, for the final status (None: none were)."""
     taken = route_taken()
     if taken is None:
         return None

@@ -156,7 +156,7 @@ class Observer:
                 dim = None
         if not stageable(tensor):
             return summarize_with_activity(tensor, dim, scratch=self._scratch_for(tensor))
-        kernels = numba_kernels.staged()
+        kernels = numba_kernels.staged_loading()
         summed = kernels.summarize_in_place(tensor, dim) if kernels is not None else None
         if summed is not None:  # now, as the writer would from a copy
             return summed
@@ -223,7 +223,7 @@ class Observer:
     def _scratch_for(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """One float32 buffer, grown to the largest CPU tensor seen, for counting in place on
         the eager route (the one-pass kernel needs none)."""
-        # route() last: it loads numba, which a run with no large CPU tensor never needs
+        # route() last: it loads numba, which a run with no CPU tensor never needs
         if not tensor.is_cpu or tensor.numel() < 4096 or route().one_pass is not None:
             return None
         if self.scratch.numel() < tensor.numel():

@@ -76,8 +76,8 @@ class ParamRecords:
         aside, one copy per dtype); before, all of them are staged. Both give the same rows,
         bit for bit."""
         stats: list[Any] = [None] * len(self.metas)
-        kernels = numba_kernels.staged()
-        if kernels is not None and self.together:
+        kernels = numba_kernels.staged_loading() if self.together else None
+        if kernels is not None:
             indices = [i for group in self.together for i in group]
             rows = kernels.summarize_tensors([values[i] for i in indices])
             for i, row in zip(indices, rows, strict=True):

@@ -12,7 +12,7 @@ tensor's smallest or largest value is a zero of both signs, they order -0.0 befo
 numpy returns either.) Side by side they take about 5% off the reference CNN's recorded
 step (docs/PERFORMANCE.md).
 
-They are loaded from numba's cache with the one-pass kernel, at the first large CPU tensor
+They are loaded from numba's cache with the one-pass kernel, at the first CPU tensor
 (:func:`hooktrace.recorder.stats.stats.route`, :mod:`hooktrace.recorder.stats.kernel_cache`).
 """
 

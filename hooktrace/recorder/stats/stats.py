@@ -226,8 +226,9 @@ def summarize_with_activity(
 
 @dataclass(frozen=True)
 class Route:
-    """How this process summarises large CPU tensors: the one-pass kernel, or the eager route
-    where it is missing or switched off (``one_pass`` None)."""
+    """How this process summarises CPU tensors: the one-pass kernel (and the small tensors'
+    kernels beside it), or the eager route where it is missing or switched off (``one_pass``
+    None)."""
 
     description: str
     warmup_s: float
@@ -310,14 +311,14 @@ def _decide(before: Route | None) -> Route:
 
 
 def route_taken() -> Route | None:
-    """The route if this process has summarised a large CPU tensor yet, else None."""
+    """The route if this process has summarised a CPU tensor yet, else None."""
     return _route
 
 
 def numba_loaded() -> bool:
     """Whether this process took the one-pass route, and so loaded numba: other compiled
-    kernels (the histograms') may then be loaded too. A run with no large CPU tensor (a GPU
-    model, a tiny one) never imports numba."""
+    kernels (the histograms') may then be loaded too. A run with no CPU tensor (a GPU model)
+    never imports numba."""
     return _route is not None and _route.one_pass is not None
 
 

@@ -1,0 +1,154 @@
+"""What recording costs the host per module call: the figure a GPU run pays in Python.
+
+On a GPU a module call costs the host a few microseconds to launch its kernels, and whatever
+a hook does in Python comes on top of that. Here compute is next to nothing: a chain of 200
+``nn.Linear(8, 8)``, batch 2, SGD, one torch thread. What a recorded training step costs
+beyond a plain one, divided by 200, is the host cost of recording one module call, with
+everything that comes with it (its output and output gradient, its parameters, their
+gradients and histograms, the writer thread's share of the interpreter).
+
+Each repetition runs every variant once, in turn, so that drift on a shared machine falls on
+all of them alike; each figure is the median over repetitions. The variants:
+
+  plain          no hooks: the step itself (its time / 200 is "the nn.Linear call itself")
+  no-op hook     one process-wide no-op forward hook
+  defaults       hooktrace.record(model, out)
+  no histograms  histograms=None
+  no capture     histograms=None, capture_nonfinite=False
+  outputs only   histograms=None, capture_nonfinite=False, params=False
+
+Run: python benchmarks/bench_host.py [--reps 7] [--steps 20] [--layers 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_forward_hook
+
+import hooktrace
+
+# the kernels that read small tensors in place are what a recording uses once numba's cache
+# holds them: compile them here where it lacks them, rather than time the staged route
+os.environ.setdefault("HOOKTRACE_ONE_PASS", "wait")
+
+Variant = Callable[[nn.Module, Path], contextlib.AbstractContextManager[Any]]
+
+RECORDED: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "no histograms": {"histograms": None},
+    "no capture": {"histograms": None, "capture_nonfinite": False},
+    "outputs only": {"histograms": None, "capture_nonfinite": False, "params": False},
+}
+
+
+@contextlib.contextmanager
+def plain(model: nn.Module, out: Path) -> Iterator[None]:
+    yield
+
+
+@contextlib.contextmanager
+def noop_hook(model: nn.Module, out: Path) -> Iterator[None]:
+    handle = register_module_forward_hook(lambda module, args, output: None)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def recorded(options: dict[str, Any]) -> Variant:
+    def variant(model: nn.Module, out: Path) -> contextlib.AbstractContextManager[Any]:
+        return hooktrace.record(model, out / "run", overwrite=True, **options)
+
+    return variant
+
+
+VARIANTS: dict[str, Variant] = {
+    "plain": plain,
+    "no-op hook": noop_hook,
+    **{name: recorded(options) for name, options in RECORDED.items()},
+}
+
+
+def make_model(layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers)))
+
+
+def time_steps(variant: Variant, model: nn.Module, out: Path, steps: int) -> float:
+    """Seconds per training step under ``variant`` (after two steps of warm-up inside it)."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 8)
+
+    def step() -> None:
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with variant(model, out):
+        step()
+        step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        elapsed = time.perf_counter() - start
+    return elapsed / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps a variant a rep")
+    parser.add_argument("--layers", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model = make_model(args.layers)
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    with tempfile.TemporaryDirectory() as tmp:
+        time_steps(VARIANTS["defaults"], model, Path(tmp), 2)  # numba's kernels loaded
+        for _ in range(args.reps):
+            for name, variant in VARIANTS.items():
+                gc.collect()
+                times[name].append(time_steps(variant, model, Path(tmp), args.steps))
+    per_call = {n: [t / args.layers * 1e6 for t in ts] for n, ts in times.items()}
+    plain_us = statistics.median(per_call["plain"])
+    print(
+        f"torch {torch.__version__}, 1 thread; {args.layers} x nn.Linear(8, 8), batch 2, SGD; "
+        f"medians of {args.reps} interleaved repetitions of {args.steps} steps"
+    )
+    print(f"{'variant':<16}{'step':>10}{'x plain':>9}{'host us / module call':>24}")
+    for name, ts in times.items():
+        step = statistics.median(ts)
+        extra = statistics.median(
+            [c - p for c, p in zip(per_call[name], per_call["plain"], strict=True)]
+        )
+        label = f"{plain_us:.1f} (the call itself)" if name == "plain" else f"{extra:+.1f}"
+        print(f"{name:<16}{step * 1e3:>8.2f}ms{step / statistics.median(times['plain']):>8.2f}x"
+              f"{label:>24}")  # fmt: skip
+    print("\neach option's share of the defaults, us / module call (paired by repetition):")
+    shares = {
+        "histograms": ("defaults", "no histograms"),
+        "non-finite capture": ("no histograms", "no capture"),
+        "parameters, their gradients": ("no capture", "outputs only"),
+        "outputs, output gradients": ("outputs only", "plain"),
+    }
+    for what, (this, less) in shares.items():
+        diff = statistics.median(
+            [a - b for a, b in zip(per_call[this], per_call[less], strict=True)]
+        )
+        print(f"  {what:<30}{diff:+8.1f}")
+
+
+if __name__ == "__main__":
+    main()
