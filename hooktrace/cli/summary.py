@@ -49,7 +49,9 @@ def render(s: Summary) -> str:
         f"ranks     {', '.join(map(str, s.ranks)) or 'none'}",
         f"steps     {s.steps} {'trained' if s.micro_steps else 'recorded'} (steps {span}), "
         f"{s.micro_steps} micro-steps, {s.skipped_steps} skipped" + _evaluation_only(s),
-        f"modules   {s.modules} (roots: {', '.join(s.roots) or '-'})",
+        f"modules   {s.modules} (roots: {', '.join(s.roots) or '-'}"
+        + (f"; only evaluated: {', '.join(s.evaluated_roots)}" if s.evaluated_roots else "")
+        + ")",
         f"records   {s.records:,}: " + ", ".join(f"{k} {v:,}" for k, v in s.kinds.items()),
         "phases    " + (", ".join(f"{k} {v:,}" for k, v in s.phases.items()) or "-"),
         f"tensors   {s.full_tensors:,} full tensors saved",

@@ -42,8 +42,10 @@ The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``
   (a container returning its last child's output) is reported once.
 - ``vanishing_gradient`` (warning): a gradient norm above zero and below ``vanishing_below``.
   Gradients that merely shrink as the loss goes down are not flagged.
-- ``no_gradient`` (warning): a parameter whose ``.grad`` was None at every recorded step:
-  frozen (requires_grad=False) or unused in the forward pass.
+- ``no_gradient`` (warning): a parameter whose ``.grad`` was None at every recorded step,
+  though it requires one: unused in the forward pass, or cut off from the loss. A frozen
+  parameter (requires_grad=False: a frozen backbone, an EMA copy) has no ``grad_param``
+  record to miss.
 - ``zero_gradient`` (info): parameter gradients exactly zero.
 - ``saturated`` (info): Tanh, Hardtanh, Softsign (range -1..1) and Sigmoid, Hardsigmoid
   (0..1) outputs, mapped onto [-1, 1], with a mean square of at least ``saturation``: then at
@@ -243,8 +245,8 @@ def _parameter_findings(scan: Scan) -> list[Finding]:
                 "no_gradient", "warning", scan.names[module], int(group["first"].min()),
                 rank=int(rank), slot=slots, last_step=int(group["last"].max()), count=steps,
                 evidence=f"{slots}: .grad was None at all {steps} recorded step(s)",
-                explanation="never gets a gradient: the parameter is frozen (requires_grad=False) "
-                "or not used in the forward pass",
+                explanation="never gets a gradient, though it requires one: it is not used in "
+                "the forward pass, or the loss does not depend on it (a detach, a no_grad block)",
             )
         )  # fmt: skip
     if not scan.zero:

@@ -36,6 +36,7 @@ class Summary:
     skipped_steps: int
     modules: int
     roots: list[str]
+    evaluated_roots: list[str]  # roots that only ran evaluation passes, where others trained
     records: int
     kinds: dict[str, int]
     phases: dict[str, int]
@@ -68,7 +69,7 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
     trace's size.
     """
     trace = run if isinstance(run, Trace) else load(run)
-    counts, groups, recorded, skipped = _counted(trace)
+    counts, groups, recorded, skipped, trained = _counted(trace)
     steps_table = trace.steps
     manifest = trace.manifest
     start, end = manifest.get("start_time"), manifest.get("end_time")
@@ -96,6 +97,7 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         skipped_steps=int(steps_table.groupby("step")["skipped"].any().sum()),
         modules=int(trace.modules["module"].nunique()) if not trace.modules.empty else len(counts),
         roots=_roots(trace),
+        evaluated_roots=_evaluated_roots(trace, trained),
         records=int(groups["records"].sum()),
         kinds=_counts(groups, "kind", schema.KINDS),
         phases=_counts(groups, "phase", schema.PHASES),
@@ -122,9 +124,12 @@ _NOT_SUMMARISED = f"""
 """
 
 
-def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame, pd.Series, pd.DataFrame]:
+def _counted(
+    trace: Trace,
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.Series, pd.DataFrame, set[str]]:
     """Records per module (``module``, ``records``); per (kind, phase), with their full
-    tensors and those not summarised; the steps recorded, and the records not summarised.
+    tensors and those not summarised; the steps recorded, the records not summarised, and
+    the modules with records in the train phase.
     Where DuckDB cannot read a part (damaged inside: DuckDB does not check page checksums
     but fails on what it cannot decode), hooktrace's own reader counts instead, and leaves
     the damaged parts out with a warning."""
@@ -134,7 +139,8 @@ def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame, pd.Series, pd.Da
         found = trace.sql(_groups_query(trace))
         per_module = found.pop("by_kind").to_numpy() == 0
         counts = found.loc[per_module, ["module", "records"]]
-        groups = found.loc[~per_module].drop(columns="module")
+        trained = set(found.loc[per_module & (found["trained"] > 0).to_numpy(), "module"])
+        groups = found.loc[~per_module].drop(columns=["module", "trained"])
         counted = records_per_step(trace)
         recorded = trace.sql(_RECORDED_STEPS)["step"] if counted is None else counted["step"]
         skipped = (
@@ -149,6 +155,8 @@ def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame, pd.Series, pd.Da
         rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key", "note"])
         per_name = rows["module"].astype(str).value_counts(sort=False)
         counts = per_name.rename_axis("module").rename("records").reset_index()
+        ran = (rows["phase"].astype(str) == "train") & rows["kind"].astype(str).isin(_CALLS)
+        trained = set(rows.loc[ran, "module"].astype(str))
         keys = [rows[c].astype(str) for c in ("kind", "phase")]
         full = (rows["tensor_key"] != "").rename("full_tensors")
         groups = full.groupby(keys).agg(["size", "sum"])
@@ -157,7 +165,7 @@ def _counted(trace: Trace) -> tuple[pd.DataFrame, pd.DataFrame, pd.Series, pd.Da
     counts = counts.astype({"module": str, "records": "int64"})
     groups = groups.astype({"kind": str, "phase": str})
     skipped = skipped.astype({"module": str, "kind": str, "reason": str, "records": "int64"})
-    return counts, groups, recorded, skipped.reset_index(drop=True)
+    return counts, groups, recorded, skipped.reset_index(drop=True), trained
 
 
 def _groups_query(trace: Trace) -> str:
@@ -184,11 +192,19 @@ def _groups_query(trace: Trace) -> str:
         if note is None or (note[0] < NOTE_SKIPPED + "\U0010ffff" and note[1] >= NOTE_SKIPPED)
         else "0"
     )
+    calls = ", ".join(f"'{kind}'" for kind in _CALLS)
+    trained = f"count(*) FILTER (WHERE phase = 'train' AND kind IN ({calls}))"
     return (
         f"SELECT {keys}, grouping(module) AS by_kind, count(*) AS records, "
-        f"{full} AS full_tensors, {skipped} AS not_summarised FROM records "
-        f"GROUP BY GROUPING SETS ({sets})"
+        f"{full} AS full_tensors, {skipped} AS not_summarised, {trained} AS trained "
+        f"FROM records GROUP BY GROUPING SETS ({sets})"
     )
+
+
+_CALLS = ("input", "output", "grad_output")
+"""The kinds a module's own call records: a training pass of the module, where their phase is
+train (parameters are recorded with the phase of the step's first training forward, whichever
+root it ran)."""
 
 
 def _plain(text: object) -> bool:
@@ -225,6 +241,19 @@ def _roots(trace: Trace) -> list[str]:
     if modules.empty:
         return list(trace.manifest.get("roots") or [])
     return list(dict.fromkeys(modules.loc[modules["depth"] == 0, "module"]))
+
+
+def _evaluated_roots(trace: Trace, trained: set[str]) -> list[str]:
+    """The roots none of whose modules ran a training pass (an EMA copy, a frozen teacher, a
+    model loaded for evaluation), where another root did; none in a run that never trained
+    (an inference run: every root is evaluated, and saying so says nothing)."""
+    modules = trace.modules
+    if not trained or modules.empty or "root" not in modules:
+        return []
+    roots = modules.groupby("root", sort=False)["module"].agg(
+        lambda names: trained.isdisjoint(names)
+    )
+    return [str(root) for root, evaluated in roots.items() if evaluated]
 
 
 def _counts(groups: pd.DataFrame, column: str, order: tuple[str, ...]) -> dict[str, int]:

@@ -36,7 +36,7 @@ from hooktrace.recorder.nonfinite import finite
 from hooktrace.recorder.nonfinite.capture import Captures
 from hooktrace.recorder.records.flatten import describe_call, flatten, flatten_call
 from hooktrace.recorder.records.observe import Observer
-from hooktrace.recorder.records.params import queue_records
+from hooktrace.recorder.records.params import queue_records, trainable
 from hooktrace.recorder.records.pending import PendingStep
 from hooktrace.recorder.records.staging import Staged
 
@@ -306,16 +306,18 @@ class Hooks:
 
     def _record_params(self, kind: str) -> None:
         """Parameters and buffers as the step's first forward finds them; gradients as
-        accumulated at the step's end (labelled with the step's last micro-step)."""
+        accumulated at the step's end (labelled with the step's last micro-step), of the
+        parameters that require one (a frozen backbone's, an EMA copy's have none to miss)."""
         full_step = self._full_step
         saved_micro_step = self.micro_step
         if kind == "grad_param":
             self.micro_step = max(self.micro_step - 1, 0)
         try:
             names, observer = self._names, self._observer
+            entries = names.buffer_entries if kind == "buffer" else names.param_entries
             queue_records(
                 kind,
-                names.buffer_entries if kind == "buffer" else names.param_entries,
+                trainable(entries) if kind == "grad_param" else entries,
                 names.param_records,
                 self._pending,
                 phase="train" if kind == "grad_param" else self._phase,

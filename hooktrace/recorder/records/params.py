@@ -58,6 +58,18 @@ def values_of(entries: Sequence[Entry], kind: str) -> list[torch.Tensor | None]:
     return values
 
 
+def trainable(entries: Sequence[Entry]) -> list[Entry]:
+    """The entries whose parameter requires a gradient now: those whose ``grad_param`` is
+    recorded. A parameter frozen for good (a frozen backbone, an EMA copy made with
+    ``requires_grad_(False)``) gets no gradient by design, and no record saying it got none;
+    one frozen or unfrozen mid-run is recorded from then on."""
+    return [
+        entry
+        for entry in entries
+        if getattr(entry.table.get(entry.attr, entry.first), "requires_grad", False)
+    ]
+
+
 @dataclass(frozen=True)
 class ParamRecords:
     """The records of one kind of value (``param``, ``buffer`` or ``grad_param``), in entry
@@ -144,7 +156,7 @@ class RecordsCache:
         if not saved_whole:  # a full step's records differ, and full steps are rare
             try:
                 key = (
-                    len(entries),  # entries are only ever added
+                    [(entry.module, entry.slot) for entry in entries],  # (some left out)
                     phase,
                     micro_step,
                     [None if v is None else (v.dtype, v.shape, v.is_cpu, v.layout) for v in values],

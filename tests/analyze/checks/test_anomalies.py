@@ -7,6 +7,7 @@ come from plain torch in the training loop, not from hooktrace.
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -210,14 +211,50 @@ class FrozenAndUnused(nn.Module):
         return self.fc(self.relu(self.frozen(x)))
 
 
-def test_frozen_and_unused_parameters_never_get_a_gradient(tmp_path: Path) -> None:
+def test_unused_parameters_never_get_a_gradient_and_frozen_ones_are_not_asked_for_one(
+    tmp_path: Path,
+) -> None:
+    """A parameter that requires a gradient and never gets one is a finding; a frozen one
+    (requires_grad False) gets none by design: no grad_param record, no finding."""
     train(FrozenAndUnused(), tmp_path / "run", steps=8)
     found = hooktrace.anomalies(tmp_path / "run")
-    assert kinds_and_modules(found) == {("no_gradient", "frozen"), ("no_gradient", "unused")}
+    assert kinds_and_modules(found) == {("no_gradient", "unused")}
     rows = of_kind(found, "no_gradient")
     assert set(rows["slot"]) == {"bias, weight"} and set(rows["count"]) == {8}
     assert set(rows["severity"]) == {"warning"}
     assert "never gets a gradient" in rows["explanation"][0]
+    records = hooktrace.load(tmp_path / "run").query(columns=["module", "kind"])
+    kinds = records.groupby("module")["kind"].agg(set)
+    assert kinds["frozen"] == {"output", "param"}  # its output needs no gradient either
+    assert "grad_param" in kinds["fc"] and "grad_param" in kinds["unused"]
+
+
+def test_an_ema_copy_evaluated_each_step_is_healthy(tmp_path: Path) -> None:
+    """The EMA pattern: a deep copy whose parameters require no gradient, updated from the
+    model's and evaluated after every step. Its parameters are recorded, never a gradient
+    of theirs, and nothing is reported."""
+    torch.manual_seed(0)
+    model = MLP()
+    ema = copy.deepcopy(model).requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    with hooktrace.record({"model": model, "ema": ema}, tmp_path / "run"):
+        for _ in range(4):
+            x = torch.randn(32, 16, generator=generator)
+            F.cross_entropy(model(x), x[:, :4].argmax(dim=1)).backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for averaged, current in zip(ema.parameters(), model.parameters(), strict=True):
+                    averaged.lerp_(current, 0.1)
+                ema(x)
+    found = hooktrace.anomalies(tmp_path / "run")
+    assert found.findings.empty, found.findings[["kind", "module"]]
+    records = hooktrace.load(tmp_path / "run").query(columns=["module", "kind", "phase"])
+    ema_records = records[records["module"].str.startswith("ema")]
+    assert set(ema_records["kind"]) == {"output", "param"}
+    assert set(ema_records.loc[ema_records["kind"] == "output", "phase"]) == {"eval"}
+    assert (records["kind"] == "grad_param").sum() == 4 * 6  # the model's 6, each step
 
 
 def test_gradients_exactly_zero(tmp_path: Path) -> None:

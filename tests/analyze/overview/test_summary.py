@@ -111,3 +111,59 @@ def test_records_without_a_module_are_counted_once(tmp_path: Path) -> None:
     assert s.records == hooktrace.load(run).record_count
     assert set(s.kinds) <= {"output", "grad_output", "param", "grad_param"}
     assert sum(s.kinds.values()) == s.records
+
+
+def _ema_run(out: Path) -> Path:
+    """A model trained 3 steps, its EMA copy (no gradients) evaluated after each, and a
+    teacher evaluated before: two roots that only ever evaluate."""
+    import copy
+
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    ema = copy.deepcopy(model).requires_grad_(False)
+    teacher = nn.Linear(4, 2).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record({"model": model, "ema": ema, "teacher": teacher}, out):
+        for _ in range(3):
+            x = torch.randn(6, 4)
+            with torch.no_grad():
+                target = teacher(x)
+            (model(x) - target).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                ema(x)
+    return out
+
+
+def test_roots_that_only_evaluate_are_named(tmp_path: Path) -> None:
+    found = summary(_ema_run(tmp_path / "run"))
+    assert found.roots == ["model", "ema", "teacher"]
+    assert found.evaluated_roots == ["ema", "teacher"]
+    assert "(roots: model, ema, teacher; only evaluated: ema, teacher)" in _cli_summary(
+        tmp_path / "run"
+    )
+
+
+def test_no_root_is_said_to_only_evaluate_in_a_run_that_never_trains(tmp_path: Path) -> None:
+    import torch
+
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad(), hooktrace.record(model, tmp_path / "run") as rec:
+        for _ in range(2):
+            model(torch.randn(3, 4))
+            rec.step()
+    assert summary(tmp_path / "run").evaluated_roots == []
+
+
+def _cli_summary(run: Path) -> str:
+    from click.testing import CliRunner
+
+    from hooktrace.cli import cli
+
+    result = CliRunner().invoke(cli, ["summary", str(run)])
+    assert result.exit_code == 0, result.output
+    return result.stdout
