@@ -27,7 +27,8 @@ def check(run: Path) -> None:
 
     report = check_run(run)
     verdict = "whole" if report.whole else "INCOMPLETE"
-    click.echo(f"{report.path}: {verdict} (status {report.status}, {report.steps} steps readable)")
+    readable = f"{report.steps} step{'' if report.steps == 1 else 's'} readable"
+    click.echo(f"{report.path}: {verdict} (status {report.status}, {readable})")
     for problem in report.problems:
         click.echo(f"  lost: {problem}")
     for note in report.notes:

@@ -273,6 +273,20 @@ def _default_out(script: Path) -> Path:
     return Path("runs") / f"{script.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _many(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def _why_empty(trace: Any) -> str:
+    """Why a recording holds no record: what a newcomer checks first."""
+    if trace.modules.empty:
+        return "no nn.Module was called: hooktrace records the models the script calls"
+    return (
+        "modules were called, but no step ended: a step ends at an optimizer's step() over "
+        "a recorded model's parameters"
+    )
+
+
 def _report(out: Path) -> None:
     try:
         from hooktrace.trace.reader import load
@@ -286,13 +300,14 @@ def _report(out: Path) -> None:
         status = trace.manifest["ranks"].get(str(rank), {}).get("status", trace.status)
         who = f"rank {rank}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         trained = int((steps["micro_steps"] > 0).sum())  # the steps the script's log counts
-        counted = f"{trained} steps" if trained else f"{len(steps)} steps"
+        counted = _many(trained or len(steps), "step")
         if trained and trained < len(steps):
             others = len(steps) - trained
             counted += f" and {others} of evaluation only" if others > 1 else " and an evaluation"
+        records = int(steps["records"].sum()) if len(steps) else 0
         click.echo(
-            f"hooktrace: {who}{status}: {counted}, "
-            f"{int(steps['records'].sum()) if len(steps) else 0:,} records in {out}",
+            f"hooktrace: {who}{status}: {counted}, {_many(records, 'record')} in {out}"
+            + ("" if records or status != "complete" else f" ({_why_empty(trace)})"),
             err=True,
         )
         routes = {

@@ -52,7 +52,10 @@ def render(s: Summary) -> str:
         f"modules   {s.modules} (roots: {', '.join(s.roots) or '-'}"
         + (f"; only evaluated: {', '.join(s.evaluated_roots)}" if s.evaluated_roots else "")
         + ")",
-        f"records   {s.records:,}: " + ", ".join(f"{k} {v:,}" for k, v in s.kinds.items()),
+        f"records   {s.records:,}"
+        + "".join(
+            (": " if i == 0 else ", ") + f"{k} {v:,}" for i, (k, v) in enumerate(s.kinds.items())
+        ),
         "phases    " + (", ".join(f"{k} {v:,}" for k, v in s.phases.items()) or "-"),
         f"tensors   {s.full_tensors:,} full tensors saved",
         f"histogram {_histograms(s)}",

@@ -117,15 +117,14 @@ def _check_ranks(trace: Trace, seen: Seen, report: CheckReport) -> None:
         rank = int(key)
         status = info.get("status")
         mine = sorted(step for r, step in seen.steps if r == rank)
-        last = str(mine[-1]) if mine else "none (no step was flushed)"
+        when = f"after step {mine[-1]}" if mine else "before any step was flushed"
         if status == schema.STATUS_RECORDING:
-            report.problems.append(
-                f"rank {rank} did not finish (still running, or killed): steps after {last} are lost"
-            )
+            lost = f"steps after {mine[-1]} are lost" if mine else "no step was flushed"
+            report.problems.append(f"rank {rank} did not finish (still running, or killed): {lost}")
             continue  # its counts were written when it started
         if status in (schema.STATUS_FAILED, schema.STATUS_INCOMPLETE):
             why = " ".join(str(info.get("error") or "no reason given").split())
-            report.problems.append(f"rank {rank} is {status} after step {last}: {why}")
+            report.problems.append(f"rank {rank} is {status} {when}: {why}")
         if info.get("steps_lost"):
             report.problems.append(
                 f"rank {rank} lost {info['steps_lost']} step(s) the writer could not write"

@@ -239,6 +239,63 @@ def test_a_script_that_raises_keeps_its_traceback_and_exit_code(tmp_path: Path) 
     assert list(trace.steps["step"]) == [0, 1, 2]
 
 
+def test_a_script_that_does_not_compile_is_reported_as_python_reports_it(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("import torch\ndef (\n")
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    result = _record("-q", "-o", str(tmp_path / "run"), str(script))
+    assert result.returncode == plain.returncode == 1
+    assert result.stderr == plain.stderr  # no frame of hooktrace's, nor of runpy's
+    assert "SyntaxError" in result.stderr and "hooktrace" not in result.stderr
+
+
+def test_the_closing_report_says_why_a_run_holds_no_record(tmp_path: Path) -> None:
+    quiet = tmp_path / "quiet.py"
+    quiet.write_text("import torch\nprint(torch.ones(2).sum().item())\n")
+    result = _record("-o", str(tmp_path / "run"), str(quiet))
+    assert result.returncode == 0, result.stderr
+    closing = result.stderr.splitlines()[-1]
+    assert closing == (
+        f"hooktrace: complete: 0 steps, 0 records in {tmp_path / 'run'} (no nn.Module was "
+        "called: hooktrace records the models the script calls)"
+    )
+    again = _record("-o", str(tmp_path / "run"), str(quiet))
+    assert again.returncode == 2
+    assert "overwrite it (hooktrace record --overwrite; overwrite=True in Python)" in (again.stderr)
+    summary = subprocess.run(
+        [sys.executable, "-m", "hooktrace", "summary", str(tmp_path / "run")],
+        capture_output=True,
+        text=True,
+    )
+    assert "records   0\n" in summary.stdout  # no colon with nothing after it
+
+
+def test_check_counts_steps_in_words_that_read(tmp_path: Path) -> None:
+    """One step is "1 step", and a rank that failed before its first step says so."""
+    body = """
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(STEPS):
+        x, y = batch(i)
+        criterion(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    raise ValueError("boom")
+    """
+    for steps in (0, 1):
+        script = _script(tmp_path, body.replace("STEPS", str(steps)))
+        run = tmp_path / f"run{steps}"
+        assert _record("-q", "-o", str(run), str(script)).returncode == 1
+        checked = subprocess.run(
+            [sys.executable, "-m", "hooktrace", "check", str(run)], capture_output=True, text=True
+        )
+        assert checked.returncode == 1, checked.stderr
+        first, lost = checked.stdout.splitlines()[:2]
+        readable = "1 step readable" if steps else "0 steps readable"
+        assert first == f"{run}: INCOMPLETE (status failed, {readable})"
+        when = "after step 0" if steps else "before any step was flushed"
+        assert lost.startswith(f"  lost: rank 0 is failed {when}: ValueError: boom")
+
+
 def test_the_closing_report_says_how_statistics_were_computed(tmp_path: Path) -> None:
     body = """
     wide = nn.Sequential(nn.Linear(4, 1000), nn.ReLU())  # (16, 1000) outputs: the kernel's

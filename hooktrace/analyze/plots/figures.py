@@ -388,8 +388,13 @@ def _short(name: str, width: int = NAME_WIDTH) -> str:
 
 
 def _plain(text: str) -> str:
-    """Text that matplotlib draws as it is: ``$`` would start mathtext."""
-    return text.replace("$", r"\$")
+    """Text that matplotlib draws as it is: ``$`` would start mathtext, and a character no
+    font draws (a NUL, a line break, a byte that was not UTF-8, in a module's name) is shown
+    as its escape, as Python writes it (``\\x00``), not as a box and a warning."""
+    text = text.replace("$", r"\$")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 def _name(trace: Trace) -> str:

@@ -83,7 +83,7 @@ def report(
         body.append(f'<p class="note">{escaped(no_pictures)}</p>')
     body.append(
         f'<p class="note">Made by hooktrace {escaped(__version__)}. The same from the shell: '
-        + ", ".join(f"<code>hooktrace {c} {escaped(names[0])}</code>" for c in _COMMANDS)
+        + ", ".join(_command(c, names[0]) for c in _COMMANDS)
         + (
             f", <code>hooktrace diff {' '.join(escaped(n) for n in names)}</code>"
             if len(names) > 1
@@ -101,7 +101,7 @@ def report(
     return page
 
 
-_COMMANDS = ("summary", "anomalies", "dead-relus", "plot")
+_COMMANDS = ("summary", "anomalies", "dead-relus", "plot -o picture.png")
 _DIFF_COLUMNS = {
     "first_step": "since step",
     "differing": "records differing",
@@ -297,3 +297,10 @@ def _why_no_pictures() -> str | None:
 
 def _label(trace: Trace) -> str:
     return str(trace.path)
+
+
+def _command(command: str, run: str) -> str:
+    """``hooktrace COMMAND RUN [OPTIONS]``, as a reader would type it (the run before the
+    options, as the CLI reference writes them)."""
+    name, _, options = command.partition(" ")
+    return f"<code>hooktrace {name} {escaped(run)}{' ' + options if options else ''}</code>"

@@ -119,7 +119,11 @@ def _print_script_traceback(exc: BaseException, script: Path) -> None:
     tb: TracebackType | None = exc.__traceback__
     while tb is not None and Path(tb.tb_frame.f_code.co_filename) != script:
         tb = tb.tb_next
-    traceback.print_exception(type(exc), exc, tb or exc.__traceback__, file=sys.stderr)
+    compiled = isinstance(exc, SyntaxError) and exc.filename == str(script)
+    if tb is None and not compiled:  # not the script's own error: all of it
+        tb = exc.__traceback__
+    # a script that does not compile never ran: Python shows where, and no frame
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
     sys.stderr.flush()
 
 

@@ -32,8 +32,8 @@ def prepare_out(out: Path, *, rank: int, overwrite: bool) -> None:
         raise ConfigError(f"{out} is a file: give a directory for the trace")
     if (out / schema.MANIFEST).exists() and rank == 0 and not overwrite:
         raise ConfigError(
-            f"{out} already holds a trace: choose another output directory, delete it, "
-            "or pass overwrite=True"
+            f"{out} already holds a trace: choose another output directory, delete it, or "
+            "overwrite it (hooktrace record --overwrite; overwrite=True in Python)"
         )
     if overwrite:
         clear_trace(out, rank=rank, world_size=world_size())

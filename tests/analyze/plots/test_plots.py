@@ -213,6 +213,25 @@ def test_each_picture_is_drawn(tmp_path: Path, run: str, what: str, against: str
         assert "first divergence (circled): step 12, output of blocks.1.norm" in title
 
 
+def test_names_no_font_draws_are_shown_as_their_escapes(tmp_path: Path) -> None:
+    """A module named with a NUL, a line break or bytes that were not UTF-8 is labelled with
+    Python's escapes, and matplotlib warns of no missing glyph."""
+    model = nn.Sequential()
+    for name in ("a\x00b", "line\nbreak", "\udcff\udcfe"):
+        model.add_module(name, nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run"):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Glyph 0 missing from font(s)" is a UserWarning
+        figure = plot(tmp_path / "run", what="activations", output=tmp_path / "odd.png")
+    labels = {label.get_text() for label in figure.axes[0].get_yticklabels()}
+    assert {r"a\x00b", r"line\nbreak", r"\udcff\udcfe"} <= labels
+
+
 def test_long_and_odd_names_stay_readable(odd_run: Path, tmp_path: Path) -> None:
     figure = plot(odd_run, what="activations", output=tmp_path / "odd.png")
     decode_png(tmp_path / "odd.png")

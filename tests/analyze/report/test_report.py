@@ -4,6 +4,7 @@ and the pictures of the sample traces, every name escaped; and the progress bar.
 from __future__ import annotations
 
 import base64
+import html
 import io
 import shutil
 from html.parser import HTMLParser
@@ -84,6 +85,25 @@ def test_a_run_page_holds_summary_findings_and_pictures(nan_page: str) -> None:
         assert text in nan_page
     # gradient norms, activations, dead units; the flagged modules' distributions
     assert len(page.images()) == 3 + 1
+
+
+def test_the_footer_commands_run_as_written(
+    nan_page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each command the page suggests runs as it is written (plot needs its output)."""
+    monkeypatch.chdir(tmp_path)
+    import re
+    import shlex
+
+    commands = re.findall(
+        r"<code>(hooktrace [^<]+)</code>", nan_page.split("The same from the shell")[1]
+    )
+    assert [c.split()[1] for c in commands] == ["summary", "anomalies", "dead-relus", "plot"]
+    for command in commands:
+        args = shlex.split(html.unescape(command))[1:]
+        result = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert result.exit_code in (0, 1), (command, result.output)
+    assert (tmp_path / "picture.png").is_file()
 
 
 def test_a_run_page_names_the_captured_operation_and_line(tmp_path: Path) -> None:
