@@ -108,7 +108,7 @@ def tensorboard_command(
         else f"step {result.first_step}"
     )
     click.echo(
-        f"hooktrace: wrote {result.scalars:,} scalars ({result.series:,} series), "
+        f"hooktrace: wrote {result.charts:,} scalar charts ({result.scalars:,} values), "
         f"{result.histograms:,} histograms{_left_out(result.nonfinite_histograms)} and the "
         f"run's text, {span}, into {logdir} "
         f"(runs {', '.join(result.runs)}); view: tensorboard --logdir {logdir}",

@@ -77,6 +77,9 @@ class TensorBoardExport:
     series: int
     """Series of records shown (module, kind, slot and call, per TensorBoard run): each has
     a scalar tag per statistic."""
+    charts: int
+    """Scalar charts TensorBoard shows: a tag per series and statistic, one chart for a tag
+    whatever the runs that hold it (train and eval are drawn together)."""
     histograms: int
     """Histograms written."""
     nonfinite_histograms: int
@@ -196,6 +199,7 @@ def _result(writer: EventWriter, logdir: Path, has_histograms: bool) -> TensorBo
         steps=len(steps), first_step=steps[0] if steps else None,
         last_step=steps[-1] if steps else None, scalars=writer.scalars,
         series=len(writer.series), histograms=writer.histograms,
+        charts=len({prefix for *_, prefix in writer.series}) * len(writer.stats),
         nonfinite_histograms=writer.nonfinite_histograms, has_histograms=has_histograms,
     )  # fmt: skip
 

@@ -41,7 +41,7 @@ def texts(trace: Trace, rank: int, *, stats: Sequence[str], calls: str) -> list[
         ("steps written", str(status.get("steps_written", ""))),
         ("records written", str(status.get("records_written", ""))),
     ]  # fmt: skip
-    config = [(k, f"`{json.dumps(v)}`") for k, v in sorted((manifest.get("config") or {}).items())]
+    config = [(k, _value(v)) for k, v in sorted((manifest.get("config") or {}).items())]
     export = [
         ("exported", f"{when(time.time())} by hooktrace {version()}"),
         ("statistics", ", ".join(stats)),
@@ -55,18 +55,26 @@ def texts(trace: Trace, rank: int, *, stats: Sequence[str], calls: str) -> list[
     ]  # fmt: skip
     return [
         ("hooktrace/command", "```\n" + shlex.join(str(c) for c in command) + "\n```"),
-        ("hooktrace/run", table(run)),
-        ("hooktrace/config", table(config)),
-        ("hooktrace/export", table(export)),
+        ("hooktrace/run", table(run, header=("run", ""))),
+        ("hooktrace/config", table(config, header=("recording option", "value"))),
+        ("hooktrace/export", table(export, header=("export", ""))),
     ]
 
 
-def table(rows: list[tuple[str, str]]) -> str:
-    """A two-column markdown table."""
-    lines = ["| | |", "|---|---|"]
+def table(rows: list[tuple[str, str]], *, header: tuple[str, str]) -> str:
+    """A two-column markdown table under ``header`` (markdown tables have one: an empty one
+    shows as an empty row)."""
+    lines = [f"| {_cell(header[0])} | {_cell(header[1])} |", "|---|---|"]
     for key, value in rows:
         lines.append(f"| {_cell(key)} | {_cell(str(value))} |")
     return "\n".join(lines)
+
+
+def _value(value: Any) -> str:
+    """A recording option as code: a string as it was given (a regex keeps its single
+    backslashes), anything else as JSON (``null``, ``true``, lists)."""
+    shown = value if isinstance(value, str) else json.dumps(value)
+    return f"`{shown}`"
 
 
 def _cell(text: str) -> str:

@@ -15,7 +15,7 @@ import pandas as pd
 from hooktrace.analyze.histograms.histograms import hist, histogrammed, in_order, per_step
 from hooktrace.analyze.histograms.precision import percent
 from hooktrace.analyze.plots import figures, plots
-from hooktrace.analyze.report.html import escaped, html_figure, html_table
+from hooktrace.analyze.report.html import escaped, html_figure, html_table, note
 from hooktrace.errors import HooktraceError
 from hooktrace.trace.reader import Trace
 from hooktrace.trace.schema import KINDS
@@ -67,7 +67,7 @@ def distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None)
             f"{', '.join(kinds) or 'nothing'}; these modules record none of those)."
         )
     if frame is None:
-        return [*out, *(f'<p class="note">{escaped(n)}</p>' for n in notes)]
+        return [*out, *(note(n) for n in notes)]
     if len(chosen) < len(records):
         notes.append(
             f"{len(chosen)} of the {len(records)} histogrammed records of these modules shown: "
@@ -106,7 +106,7 @@ def distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None)
         [*columns, *shares.values()],
         numeric={"step", "values", "zero", "NaN", "Inf", *shares.values()},
     )
-    out += [f'<p class="note">{escaped(n)}</p>' for n in notes]
+    out += [note(n) for n in notes]
     if no_pictures is None:
         figure = figures.histograms_figure(trace, frame)
         out.append(

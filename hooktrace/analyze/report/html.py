@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
@@ -72,3 +73,9 @@ def html_figure(figure: Figure, caption: str) -> str:
 
 def escaped(value: object) -> str:
     return html.escape(str(value), quote=True)
+
+
+def note(text: object) -> str:
+    """A note of the analyses as a paragraph: escaped, its `code spans` (the analyses write
+    their notes as Markdown, for the terminal and TensorBoard) as code."""
+    return '<p class="note">' + re.sub(r"`([^`]+)`", r"<code>\1</code>", escaped(text)) + "</p>"

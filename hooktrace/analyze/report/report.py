@@ -34,7 +34,7 @@ from hooktrace.analyze.plots.tables import (
     silent_unit_table,
 )
 from hooktrace.analyze.report.distributions import distributions
-from hooktrace.analyze.report.html import STYLE, escaped, html_figure, html_table
+from hooktrace.analyze.report.html import STYLE, escaped, html_figure, html_table, note
 from hooktrace.errors import HooktraceError
 from hooktrace.package import __version__
 from hooktrace.trace.reader import Trace, load
@@ -215,7 +215,7 @@ def _diff_section(
     if not modules.empty:
         out.append(f"<p>The modules that differ most at step {result.last_step}, the last:</p>")
         out += html_table(modules, list(modules.columns), numeric=set(modules.columns) - {"module"})
-    out += [f'<p class="note">{escaped(note)}</p>' for note in result.notes]
+    out += [note(n) for n in result.notes]
     if no_pictures is None and not table.empty:
         caption = "largest relative difference per module and step; the first divergence circled"
         out.append(
@@ -229,7 +229,7 @@ def _findings(findings: pd.DataFrame, notes: Iterable[str]) -> list[str]:
         out = ["<h3>Findings</h3>", '<p class="match">No anomalies and no dead layers found.</p>']
     else:
         counts = findings["severity"].value_counts()
-        tally = ", ".join(f"{counts[s]} {s}" for s in SEVERITIES if s in counts)
+        tally = ", ".join(_severities(int(counts[s]), s) for s in SEVERITIES if s in counts)
         out = [
             f"<h3>Findings ({escaped(tally)})</h3>",
             "<table>",
@@ -248,7 +248,7 @@ def _findings(findings: pd.DataFrame, notes: Iterable[str]) -> list[str]:
                 f'<div class="why">{escaped(row["explanation"])}</div>{_captured(row)}</td></tr>'
             )
         out.append("</table>")
-    return out + [f'<p class="note">{escaped(note)}</p>' for note in notes]
+    return out + [note(n) for n in notes]
 
 
 def _captured(finding: dict[Any, Any]) -> str:
@@ -304,3 +304,8 @@ def _command(command: str, run: str) -> str:
     options, as the CLI reference writes them)."""
     name, _, options = command.partition(" ")
     return f"<code>hooktrace {name} {escaped(run)}{' ' + options if options else ''}</code>"
+
+
+def _severities(n: int, severity: str) -> str:
+    """``2 errors``, ``1 warning``, ``3 info``."""
+    return f"{n} {severity}{'s' if n != 1 and severity != 'info' else ''}"

@@ -156,6 +156,22 @@ def test_the_run_is_described_in_text(tmp_path: Path) -> None:
     assert "| full_steps | `null` |" in texts["hooktrace/config"]
     assert "| statistics | norm |" in texts["hooktrace/export"]
     assert [e.step for e in run.Tensors("hooktrace/run")] == [0]
+    # a header TensorBoard shows as the table's head, not an empty row above it
+    assert texts["hooktrace/config"].startswith("| recording option | value |\n|---|---|\n")
+    assert "| |" not in "".join(texts.values())
+
+
+def test_a_regex_option_is_shown_as_it_was_given(tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with hooktrace.record(model, tmp_path / "run", modules=r"^1\.?"):
+        model(torch.ones(1, 2)).sum().backward()
+    export_tensorboard(tmp_path / "run", tmp_path / "tb")
+    run = events(tmp_path / "tb" / "rank=0")
+    config = tensor_util.make_ndarray(run.Tensors("hooktrace/config")[0].tensor_proto).item()
+    assert "| modules | `^1\\.?` |" in config.decode()
 
 
 def test_filters_choose_steps_modules_kinds_and_statistics(tmp_path: Path) -> None:
@@ -239,7 +255,7 @@ def test_a_trace_without_histograms_says_so_in_one_line(
     assert done.stderr.splitlines() == [
         f"hooktrace: {run} holds no histograms ({why}; record with `hooktrace record "
         "--histograms param,grad_param`): exported its scalars and text",
-        f"hooktrace: wrote 12,000 scalars (50 series), 0 histograms and the run's text, steps "
+        f"hooktrace: wrote 400 scalar charts (12,000 values), 0 histograms and the run's text, steps "
         f"0–29, into {tmp_path / 'tb'} (runs rank=0); view: tensorboard --logdir {tmp_path / 'tb'}",
     ]
     assert events(tmp_path / "tb" / "rank=0").Tags()["histograms"] == []
@@ -464,7 +480,7 @@ def test_logdir_is_new_empty_or_an_earlier_export_replaced_whole(tmp_path: Path)
     first = invoke("export", "tensorboard", SAMPLES / "healthy", logdir)
     assert first.exit_code == 0, first.output
     assert first.output.splitlines()[-1].startswith(
-        "hooktrace: wrote 12,000 scalars (50 series), 720 histograms and the run's text"
+        "hooktrace: wrote 400 scalar charts (12,000 values), 720 histograms and the run's text"
     )
     marker = json.loads((logdir / MARKER).read_text())
     assert marker["run"] == str((SAMPLES / "healthy").resolve()) and marker["scalars"] == 12_000
@@ -593,7 +609,9 @@ def run_blocked(blocked: str, *args: object) -> subprocess.CompletedProcess[str]
 def test_exports_without_torch(tmp_path: Path) -> None:
     done = run_blocked("torch", "export", "tensorboard", SAMPLES / "dead", tmp_path / "tb")
     assert done.stdout == "exit 0\n", done.stderr
-    assert done.stderr.startswith("hooktrace: wrote 12,000 scalars (50 series), 720 histograms")
+    assert done.stderr.startswith(
+        "hooktrace: wrote 400 scalar charts (12,000 values), 720 histograms"
+    )
     assert len(scalars(tmp_path / "tb" / "rank=0")) == 12_000
 
 

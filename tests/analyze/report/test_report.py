@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 import shutil
 from html.parser import HTMLParser
 from pathlib import Path
@@ -79,7 +80,7 @@ def invoke(*args: object) -> Result:
 def test_a_run_page_holds_summary_findings_and_pictures(nan_page: str) -> None:
     page = Page(nan_page)
     assert page.headings[:2] == [f"hooktrace report: {SAMPLES / 'nan'}", str(SAMPLES / "nan")]
-    assert "Findings (2 error, 4 warning)" in page.headings
+    assert "Findings (2 errors, 4 warnings)" in page.headings
     for text in ("nonfinite_forward", "log_probs", "produced the first Inf of the forward pass",
                  "nonfinite_param", "activation_spike", "30 recorded (0–29)"):  # fmt: skip
         assert text in nan_page
@@ -87,12 +88,18 @@ def test_a_run_page_holds_summary_findings_and_pictures(nan_page: str) -> None:
     assert len(page.images()) == 3 + 1
 
 
+def test_notes_show_their_code_spans_as_code(nan_page: str) -> None:
+    """The analyses write notes as Markdown (for the terminal and TensorBoard); the page
+    shows their `code spans` as code, not as backticks."""
+    assert "see <code>hooktrace anomalies</code>" in nan_page
+    assert "`" not in "".join(re.findall(r'<p class="note">(.*?)</p>', nan_page))
+
+
 def test_the_footer_commands_run_as_written(
     nan_page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each command the page suggests runs as it is written (plot needs its output)."""
     monkeypatch.chdir(tmp_path)
-    import re
     import shlex
 
     commands = re.findall(
