@@ -46,7 +46,7 @@ def activation_tables(
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per module and step, over the module's train-phase outputs: the root mean square of
     the values (from mean and std, weighted by numel; inf when they held a NaN or an Inf),
-    and the fraction of exact zeros. NaN where nothing was recorded."""
+    and the fraction of exact zeros (inf there too). NaN where nothing was recorded."""
     trace = trace_of(run)
     rows = trace.query(
         columns=["step", "module", "numel", "mean", "std", "zero_fraction"],
@@ -68,6 +68,7 @@ def activation_tables(
     sums = weighted.groupby(["module", "step"], observed=True).sum(min_count=1)
     rms = ((sums["sq"] / sums["n"]) ** 0.5).unstack("step")
     zeros = (sums["zeros"] / sums["n"]).unstack("step")
+    zeros = zeros.mask(np.isinf(rms), np.inf)  # no fraction of values that are not numbers
     return _ordered(trace, rms), _ordered(trace, zeros)
 
 
@@ -81,13 +82,24 @@ def silent_unit_table(
 ) -> pd.DataFrame:
     """Per ReLU-family layer (rows; ``module [call n]`` for a module called more than once
     per micro-step) and step: the share of its units positive in under ``threshold`` of their
-    values at that step (train phase, calls and micro-steps of the step summed)."""
+    values at that step (train phase, calls and micro-steps of the step summed); inf where
+    its outputs held a NaN or an Inf (drawn red: a NaN is no sign of silence)."""
     trace = trace_of(run)
     types = modules_of_type(trace.modules, RELU_FAMILY)
     if not types:  # (an empty module filter would match nothing anyway)
         return pd.DataFrame()
     rows = trace.query(
-        columns=["step", "module", "call", "units", "unit_size", "activity_offset", "segment"],
+        columns=[
+            "step",
+            "module",
+            "call",
+            "units",
+            "unit_size",
+            "activity_offset",
+            "segment",
+            "nan_count",
+            "inf_count",
+        ],
         kinds=["output"],
         phases=["train"],
         ranks=[rank],
@@ -99,6 +111,11 @@ def silent_unit_table(
         return pd.DataFrame()
     positive: dict[tuple[str, int, int], np.ndarray] = {}
     values: dict[tuple[str, int, int], int] = {}
+    # a NaN is no value a unit can be silent on: such cells are non-finite (red), not silent
+    nonfinite = rows[(rows["nan_count"] > 0) | (rows["inf_count"] > 0)]
+    broken = set(
+        zip(nonfinite["module"].astype(str), nonfinite["call"], nonfinite["step"], strict=True)
+    )
     for segment, part in rows.groupby(rows["segment"].astype(str), sort=False):
         width = int(part["units"].max())
         slices = trace.read_activity(str(segment), part["activity_offset"].tolist(), width)
@@ -119,9 +136,9 @@ def silent_unit_table(
     calls = rows.groupby(rows["module"].astype(str), observed=True)["call"].nunique()
     silent = pd.Series(
         {
-            (layer_name(module, call, int(calls[module])), step): float(
-                np.mean(counts < threshold * values[(module, call, step)])
-            )
+            (layer_name(module, call, int(calls[module])), step): np.inf
+            if (module, call, step) in broken
+            else float(np.mean(counts < threshold * values[(module, call, step)]))
             for (module, call, step), counts in positive.items()
         }
     )

@@ -81,6 +81,20 @@ def test_non_finite_cells_are_inf_and_missing_ones_nan() -> None:
     assert grad_norm_table(SAMPLES / "nan", modules="no such module").empty
 
 
+def test_nan_outputs_are_drawn_as_non_finite_not_as_silence_or_zeros() -> None:
+    """From step 16 of the NaN sample the ReLU layers output NaN: neither silent units nor a
+    share of zeros (both would read as dead), but the red non-finite cells."""
+    silent = silent_unit_table(SAMPLES / "nan")
+    assert np.isinf(silent.loc[:, 16:].to_numpy()).all()
+    assert np.isfinite(silent.loc[:, :15].to_numpy()).all()
+    rms, zeros = activation_tables(SAMPLES / "nan")
+    assert (np.isinf(zeros.to_numpy()) == np.isinf(rms.to_numpy())).all()
+    assert np.isinf(zeros.loc["blocks.0.act", 16]) and zeros.loc["blocks.0.act", 15] < 1
+    figure = plot(SAMPLES / "nan", what="dead-units")
+    legend = figure.axes[0].get_legend()
+    assert legend is not None and "NaN or Inf" in [t.get_text() for t in legend.get_texts()]
+
+
 def test_activation_tables_match_the_full_tensors() -> None:
     trace = hooktrace.load(SAMPLES / "healthy")
     rms, zeros = activation_tables(trace)
