@@ -81,7 +81,11 @@ def distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None)
     for _, mine in rows.groupby(["rank", "module", "kind", "slot"], sort=False):
         when = worst[str(mine["module"].iloc[0])][1]
         before = mine[mine["step"] <= when]
-        at.append(before.iloc[-1] if not before.empty else mine.iloc[0])
+        finite = before[before["lowest"].notna()]  # a step all NaN has no range to show
+        if not finite.empty:
+            at.append(finite.iloc[-1])
+        else:
+            at.append(before.iloc[-1] if not before.empty else mine.iloc[0])
     table = pd.DataFrame(at)
     table["range of |x|"] = [
         _exponent_range(lo, hi) for lo, hi in zip(table["lowest"], table["highest"], strict=True)
@@ -97,9 +101,11 @@ def distributions(trace: Trace, findings: pd.DataFrame, no_pictures: str | None)
     table = table.rename(columns={"numel": "values", "nan": "NaN", "inf": "Inf"})
     columns = ["module", "kind", "slot", "step", "values", "range of |x|", "zero", "NaN", "Inf"]
     out.append(
-        "<p>Each record at the step where its module's worst finding begins (or the "
-        "histogrammed step before it; the finding's own line names its worst step): the range of its nonzero finite values, and as shares of them the negative "
-        "ones and what float16 would make of them.</p>"
+        "<p>Each record at the step where its module's worst finding begins, or the last "
+        "histogrammed step before it that held finite values (a record all NaN has none to "
+        "show; the finding's own line names its worst step): the range of its nonzero finite "
+        "values, and as shares of them the negative ones and what float16 would make of "
+        "them.</p>"
     )
     out += html_table(
         table,

@@ -206,12 +206,16 @@ def _diff_section(
     if first is not None:
         out.append(f"<p>First divergence: {escaped(first.describe())}</p>")
         values = [(k, a_, b_) for k, (a_, b_) in first.values.items()]
-        values += [(f"full tensor {k}", v, "") for k, v in first.errors.items()]
         if values:  # none when the record is in one run only
-            frame = pd.DataFrame(values, columns=["value", "run A", "run B"])
+            frame = pd.DataFrame(values, columns=["statistic", "run A", "run B"])
             out += html_table(frame, list(frame.columns), numeric={"run A", "run B"})
+        errors = [(k.replace("_", " "), v) for k, v in first.errors.items()]
+        if errors:  # where both runs saved the tensor in full: A against B
+            frame = pd.DataFrame(errors, columns=["full tensor", "A against B"])
+            out += html_table(frame, list(frame.columns), numeric={"A against B"})
     out += [f"<p>{escaped(line)}</p>" for line in result.structure.lines()]
     modules = result.modules.head(10).rename(columns=_DIFF_COLUMNS)
+    modules = modules.dropna(axis=1, how="all")  # (max abs error: only where saved in full)
     if not modules.empty:
         out.append(f"<p>The modules that differ most at step {result.last_step}, the last:</p>")
         out += html_table(modules, list(modules.columns), numeric=set(modules.columns) - {"module"})

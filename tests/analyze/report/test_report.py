@@ -155,7 +155,12 @@ def test_two_runs_page_holds_the_diff(pair_page: Path) -> None:
     assert page.headings[1] == "Diff"
     assert "DIFFER" in text and "846 of 1,500" in text
     assert "First divergence: step 12, forward pass: output of &#x27;blocks.1.norm&#x27;" in text
-    assert "full tensor cosine" in text
+    # the full tensors' comparison is a table of its own, A against B, not under "run A"
+    assert "<th>statistic</th><th>run A</th><th>run B</th>" in text
+    assert "<th>full tensor</th><th>A against B</th>" in text
+    assert re.search(r"<td[^>]*>cosine</td><td[^>]*>0\.99999", text)
+    # no column that is empty in every row (max abs error: only where saved in full)
+    assert "max abs error</th>" not in text
     assert "No anomalies and no dead layers found." in text
     assert len(page.images()) == 1 + 3 + 3  # the diff, then three per run
 
@@ -253,11 +258,18 @@ def test_flagged_modules_show_their_distributions(vanishing_page: str) -> None:
     assert len(page.images()) == 3 + 1  # the run's pictures, and the distributions
 
 
-def test_the_nan_samples_page_shows_the_flagged_parameters_non_finite(nan_page: str) -> None:
+def test_the_nan_samples_page_shows_the_flagged_parameters_before_they_turn_nan(
+    nan_page: str,
+) -> None:
+    """embed's parameters are all NaN from step 16 (nonfinite_param): a row of that step has
+    no range and no shares to show ("-" in every column), so the table shows step 15, the
+    last they held finite values, which is what led into the fault."""
     section = nan_page.partition("Distributions of the flagged modules")[2].partition("<h3>")[0]
-    # embed's parameters are NaN from step 16 (nonfinite_param), 512 + 32 of them
     assert '<td class="mono">embed</td><td class="mono">param</td>' in section
-    assert '<td class="num">16</td><td class="num">512</td><td class="mono">-</td>' in section
+    assert '<td class="num">15</td><td class="num">512</td><td class="mono">2^-13 to 2^-1</td>' in (
+        section
+    )
+    assert '<td class="mono">-</td>' not in section
     assert "Not histogrammed: log_probs" in section
 
 
