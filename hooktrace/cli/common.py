@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 EXIT_ERROR = 2
+EXIT_INCOMPLETE = 1
+"""An answer given without what damaged parts of the trace held (each named in a warning):
+``hooktrace check`` exits 1 on such a trace, and so does every command that answered."""
 
 
 class CommandError(click.ClickException):
@@ -47,10 +50,21 @@ def library_errors(func: F) -> F:
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         caught: list[warnings.WarningMessage] = []
+        answered = False  # the command printed its answer (an error is no answer)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", TraceWarning)
-                return func(*args, **kwargs)
+                try:
+                    result = func(*args, **kwargs)
+                except SystemExit as exc:  # diff's DIFFER, check's INCOMPLETE: answers too
+                    answered = exc.code in (None, 0, EXIT_INCOMPLETE)
+                    if answered and _damaged(caught):
+                        raise SystemExit(EXIT_INCOMPLETE) from None
+                    raise
+                answered = True
+            if _damaged(caught):  # an answer without what damaged parts held: as check exits
+                raise SystemExit(EXIT_INCOMPLETE)
+            return result
         except HooktraceError as exc:
             raise CommandError(_one_line(str(exc))) from exc
         except OSError as exc:
@@ -58,15 +72,28 @@ def library_errors(func: F) -> F:
                 _one_line(f"{exc.strerror or exc}: {exc.filename or ''}".strip(": "))
             ) from exc
         finally:  # outside catch_warnings: showing a warning there would record it again
+            damaged = False
             for warning in caught:
                 if issubclass(warning.category, TraceWarning):
                     click.echo(f"hooktrace: warning: {_one_line(str(warning.message))}", err=True)
+                    damaged = True
                 else:  # not ours: shown as Python would have shown it
                     warnings.showwarning(
                         warning.message, warning.category, warning.filename, warning.lineno
                     )
+            if damaged and answered:
+                click.echo(
+                    "hooktrace: warning: the answer leaves out what the damaged parts held; "
+                    "`hooktrace check RUN` says what was lost",
+                    err=True,
+                )
 
     return wrapper  # type: ignore[return-value]
+
+
+def _damaged(caught: list[warnings.WarningMessage]) -> bool:
+    """Whether the reader left a damaged part of a trace out (its only warnings)."""
+    return any(issubclass(w.category, TraceWarning) for w in caught)
 
 
 def _one_line(text: str) -> str:

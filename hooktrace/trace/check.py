@@ -134,7 +134,7 @@ def _check_ranks(trace: Trace, seen: Seen, report: CheckReport) -> None:
             steps_written = info.get("steps_written")
             report.problems.append(
                 f"rank {rank} wrote {written} records of {steps_written} step(s), but only "
-                f"{readable} of {len(mine)} step(s) are readable: files were "
+                f"{readable} records, of {len(mine)} step(s), are readable: files were "
                 "deleted or damaged"
             )
 

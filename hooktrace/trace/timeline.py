@@ -54,6 +54,7 @@ class Traced(Protocol):
     module: ``Trace.timeline()``)."""
 
     path: Path
+    skipped: list[str]  # the damaged parts left out
 
     @property
     def steps(self) -> pd.DataFrame: ...
@@ -366,6 +367,11 @@ def _no_step(trace: Traced, step: int, rank: int) -> str:
     else:
         recorded = sorted(
             int(s) for s in trace.query(columns=["step"], ranks=[rank])["step"].unique()
+        )
+    if step in recorded and trace.skipped:
+        return (
+            f"step {step} of {trace.path} (rank {rank}) was recorded, but its records are in a "
+            f"damaged part, left out: `hooktrace check {trace.path}` says what was lost"
         )
     if not recorded:
         ranks = ", ".join(map(str, trace.ranks)) or "none"

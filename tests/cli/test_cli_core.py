@@ -207,3 +207,49 @@ def test_a_recorded_script_gets_the_interpreters_whole_exit(tmp_path: Path) -> N
         assert (tmp_path / "log.txt").read_text() == (f"step 0 {expected}\nstep 1 {expected}\n"), (
             args
         )
+
+
+def test_a_damaged_records_part_is_named_and_the_answer_exits_as_check_does(
+    tmp_path: Path,
+) -> None:
+    """sample_traces/healthy with its one records part cut to 100 bytes: every command that
+    answers names the damaged part, says its answer leaves it out, and exits 1 as check
+    does; one that cannot answer says why (the damage, not a filter or a missing step)."""
+    import shutil
+
+    run = tmp_path / "trunc"
+    shutil.copytree(ROOT / "sample_traces" / "healthy", run)
+    part = run / "records" / "rank=0" / "part-000000.parquet"
+    part.write_bytes(part.read_bytes()[:100])
+
+    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hooktrace", *args], capture_output=True, text=True
+        )
+
+    left_out = f"hooktrace: warning: {run}: left out records/rank=0/part-000000.parquet:"
+    for answered in (["summary", str(run)], ["anomalies", str(run)], ["check", str(run)]):
+        done = invoke(*answered)
+        assert done.returncode == 1, (answered, done.stderr)
+        if answered[0] != "check":  # check lists it among what was lost, on stdout
+            assert done.stderr.startswith(left_out), done.stderr
+            assert done.stderr.rstrip().endswith(
+                "the answer leaves out what the damaged parts held; "
+                "`hooktrace check RUN` says what was lost"
+            )
+    replay = invoke("replay", str(run), "--step", "3")
+    assert replay.returncode == 2
+    assert replay.stderr.splitlines()[-1] == (
+        f"hooktrace: error: step 3 of {run} (rank 0) was recorded, but its records are in a "
+        f"damaged part, left out: `hooktrace check {run}` says what was lost"
+    )
+    diff = invoke("diff", str(ROOT / "sample_traces" / "healthy"), str(run))
+    assert diff.returncode == 2
+    assert diff.stderr.splitlines()[-1] == (
+        f"hooktrace: error: run B ({run}) has no readable records: 1 damaged part(s) were "
+        f"left out; `hooktrace check {run}` says what was lost"
+    )
+    check = invoke("check", str(run))
+    assert "rank 0 wrote 1500 records of 30 step(s), but only 0 records, of 0 step(s), are " in (
+        check.stdout
+    )

@@ -249,9 +249,20 @@ def _plan(
         )
     counts = _step_counts(trace, names, kinds, ranks, in_range)
     if counts.empty:
+        filtered = modules is not None or kinds is not None or ranks is not None
+        filtered = filtered or in_range.ranges is not None
+        if trace.skipped:
+            raise NothingToCompare(
+                f"run {side} ({trace.path}) has no readable records"
+                + (" that match the filters" if filtered else "")
+                + f": {len(trace.skipped)} damaged part(s) were left out; "
+                f"`hooktrace check {trace.path}` says what was lost"
+            )
         raise NothingToCompare(
             f"run {side} ({trace.path}) has no records that match the filters (modules, kinds, "
             "ranks, steps): loosen them"
+            if filtered
+            else f"run {side} ({trace.path}) holds no records"
         )
     return _Plan(counts, names or [])
 
