@@ -113,7 +113,8 @@ def replay(
     from hooktrace.trace.reader import load
 
     pattern = _compile(modules)
-    frame = timeline(run, step, micro_step=micro_step, rank=rank)
+    trace = load(run)  # once: a damaged part is named once
+    frame = timeline(trace, step, micro_step=micro_step, rank=rank)
     shown = frame
     if pattern is not None:
         shown = shown[shown["module"].map(lambda name: bool(pattern.search(name)))]
@@ -123,7 +124,7 @@ def replay(
         emit_frame(shown.reset_index(drop=True), fmt, output)
         return
     marked = largest_jumps(frame, top=jumps) if jumps else frame.iloc[:0]
-    captured = step_lines(load(run), run, step=step, rank=rank)
+    captured = step_lines(trace, run, step=step, rank=rank)
     text = render(
         frame,
         shown,

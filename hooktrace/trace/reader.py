@@ -337,12 +337,23 @@ class Trace:
             frame = frame.sort_values(["rank", "step", "seq"], kind="stable")
         return frame.reset_index(drop=True)
 
+    def damaged(self, kind_dir: str) -> list[str]:
+        """The parts of ``kind_dir`` (``records``, ``histograms``, ...) left out as damaged,
+        each with why (as :attr:`skipped` lists them)."""
+        return [entry for entry in self.skipped if entry.startswith(f"{kind_dir}/")]
+
     @property
     def no_histograms_because(self) -> str:
         """Why the trace holds no histograms, and how to record them, in a clause (where it
         does hold some, what was asked for)."""
         kinds = self.manifest.get("config", {}).get("histograms")
         how = "record with `hooktrace record --histograms param,grad_param`"
+        damaged = self.damaged(histograms.HISTOGRAMS_DIR)
+        if damaged:
+            return (
+                f"its {len(damaged)} histograms part(s) are damaged, left out: "
+                f"`hooktrace check {printable(self.path)}` says what was lost"
+            )
         if kinds == []:
             return f"it was recorded with histograms off; {how}"
         if kinds is None:

@@ -253,3 +253,33 @@ def test_a_damaged_records_part_is_named_and_the_answer_exits_as_check_does(
     assert "rank 0 wrote 1500 records of 30 step(s), but only 0 records, of 0 step(s), are " in (
         check.stdout
     )
+
+
+def test_a_damaged_histograms_part_is_not_called_missing(tmp_path: Path) -> None:
+    """Histograms written and damaged are not 'none recorded: record with --histograms';
+    and replay, which reads the trace once, names the damaged part once."""
+    import shutil
+
+    run = tmp_path / "trunc"
+    shutil.copytree(ROOT / "sample_traces" / "healthy", run)
+    part = run / "histograms" / "rank=0" / "part-000000.parquet"
+    part.write_bytes(part.read_bytes()[:100])
+
+    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "hooktrace", *args], capture_output=True, text=True
+        )
+
+    damaged = f"its 1 histograms part(s) are damaged, left out: `hooktrace check {run}`"
+    anomalies = invoke("anomalies", str(run))
+    assert anomalies.returncode == 1
+    assert f"note: no low-precision check was made: {damaged}" in anomalies.stdout
+    assert "--histograms" not in anomalies.stdout
+    hist = invoke("hist", str(run))
+    assert hist.returncode == 2
+    assert hist.stderr.splitlines()[-1] == (
+        f"hooktrace: error: {run} holds no histograms: {damaged} says what was lost"
+    )
+    replay = invoke("replay", str(run), "--step", "3")
+    assert replay.returncode == 1
+    assert replay.stderr.count("left out histograms/rank=0/part-000000.parquet") == 1

@@ -39,7 +39,7 @@ import pandas as pd
 
 from hooktrace.analyze.findings import Finding, StepsSpec, module_pattern, step_filter
 from hooktrace.errors import ConfigError, TraceError
-from hooktrace.trace.histograms import MAGNITUDE_BINS, bin_of_exponent
+from hooktrace.trace.histograms import HISTOGRAMS_DIR, MAGNITUDE_BINS, bin_of_exponent
 from hooktrace.trace.reader import Trace, load
 
 
@@ -141,6 +141,8 @@ def findings(
     last step that counted; count: the steps that counted."""
     check_bounds(underflow_above, overflow_above)
     if not trace.has_histograms:
+        if trace.damaged(HISTOGRAMS_DIR):  # written, and damaged: not "record them"
+            return [], [f"no low-precision check was made: {trace.no_histograms_because}"]
         return [], [NO_HISTOGRAMS]
     bounds = {"underflow": underflow_above, "overflow": overflow_above}
     table, per_slot = _query(trace, [MODULE_KEYS, SLOT_KEYS], steps, None, None, bounds)
