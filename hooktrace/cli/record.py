@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from hooktrace.cli.common import CommandError
+from hooktrace.trace.schema import COLD_ROUTE
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -273,6 +274,22 @@ def _default_out(script: Path) -> Path:
     return Path("runs") / f"{script.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _route_said(route: str, warmup: float) -> str:
+    """How the statistics were computed, as the final report says it: on a first run (numba's
+    cache without hooktrace's kernels, a fresh install), in words that say what happens next
+    rather than the route's description (which the trace's status keeps)."""
+    if route.startswith("one-pass"):
+        return f"{route}, {warmup:.2f} s to load, once"
+    if route == COLD_ROUTE:
+        return (
+            "computed by torch's own operations this time. hooktrace's faster kernels were "
+            "not compiled yet on this machine (a fresh install): a background process at idle "
+            "priority compiles them, once, about 30 s, and ends by itself; the next runs load "
+            "them"
+        )
+    return route
+
+
 def _many(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
@@ -316,8 +333,7 @@ def _report(out: Path) -> None:
             if "stats_route" in s
         }
         for route, warmup in sorted(routes)[:1]:  # ranks on one machine agree
-            paid = f", {warmup:.2f} s to load, once" if route.startswith("one-pass") else ""
-            click.echo(f"hooktrace: statistics: {route}{paid}", err=True)
+            click.echo(f"hooktrace: statistics: {_route_said(route, warmup)}", err=True)
         _report_captures(trace, out, rank)
     except Exception as exc:  # the report is a courtesy; the script's exit code matters
         click.echo(f"hooktrace: wrote {out} ({exc})", err=True)

@@ -115,6 +115,10 @@ RECORD_SCHEMA: Final = pa.schema(
 NOTE_SKIPPED: Final = "skipped: "
 """The prefix of the note of a record whose tensor was not summarised; the reason follows."""
 
+COLD_ROUTE: Final = "eager (numba's cache lacked the one-pass kernel; compiling it for later)"
+"""A rank status's ``stats_route`` on a first run, whose numba cache lacked hooktrace's
+kernels: torch's reductions, while a process aside compiles the kernels for later runs."""
+
 STEP_SCHEMA: Final = pa.schema(
     [
         pa.field("step", pa.int64(), nullable=False),

@@ -576,3 +576,17 @@ def test_an_unhashable_optimizer_is_found_and_steps(tmp_path: Path) -> None:
     result = _record("-q", "-o", str(run), str(_script(tmp_path, body)))
     assert result.returncode == 0, result.stderr
     assert list(hooktrace.load(run).steps["step"]) == [0, 1, 2]
+
+
+def test_a_first_run_says_in_plain_words_what_computes_the_statistics() -> None:
+    """On a machine whose numba cache lacks the kernels (a fresh install), the final line
+    says what happened and what happens next, not the route's description."""
+    from hooktrace.cli.record import _route_said
+    from hooktrace.trace.schema import COLD_ROUTE
+
+    said = _route_said(COLD_ROUTE, 0.0)
+    assert said.startswith("computed by torch's own operations this time.")
+    assert "once, about 30 s, and ends by itself; the next runs load them" in said
+    assert "numba's cache lacked" not in said
+    loaded = _route_said("one-pass (numba 0.68.1, on torch's OpenMP threads)", 0.5)
+    assert loaded == "one-pass (numba 0.68.1, on torch's OpenMP threads), 0.50 s to load, once"

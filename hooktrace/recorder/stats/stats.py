@@ -36,6 +36,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin as _LAZY  # type: ignore[attr-defined]
 
 from hooktrace.recorder.stats import kernel_cache
+from hooktrace.trace import schema
 
 STATS_WIDTH = 8
 """mean, std, min, max, norm, zero count, NaN count, Inf count (float64)."""
@@ -295,7 +296,7 @@ def _decide(before: Route | None) -> Route:
                     "eager (numba's cache lacked the kernels; none could compile)", 0, None
                 )
             return Route(
-                "eager (numba's cache lacked the one-pass kernel; compiling it for later)",
+                schema.COLD_ROUTE,
                 0.0,
                 None,
                 filling=True,
