@@ -362,7 +362,13 @@ def test_signals_finalize_the_trace_then_end_the_process_as_usual(
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "READY"
-        time.sleep(1.5)  # let a few steps reach the disk
+        time.sleep(1.5)  # let a few steps run
+        # and, recorded, reach the disk (the first step loads the kernels: on a busy machine
+        # that may take longer than the sleep)
+        flushed = tmp_path / "run" / "records" / "rank=0"
+        deadline = time.monotonic() + 60
+        while recorded and not any(flushed.glob("part-*.parquet")) and time.monotonic() < deadline:
+            time.sleep(0.05)
         proc.send_signal(signum)
         proc.communicate(timeout=60)
         outcomes.append(proc.returncode)

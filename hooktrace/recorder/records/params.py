@@ -63,11 +63,12 @@ def trainable(entries: Sequence[Entry]) -> list[Entry]:
     recorded. A parameter frozen for good (a frozen backbone, an EMA copy made with
     ``requires_grad_(False)``) gets no gradient by design, and no record saying it got none;
     one frozen or unfrozen mid-run is recorded from then on."""
-    return [
-        entry
-        for entry in entries
-        if getattr(entry.table.get(entry.attr, entry.first), "requires_grad", False)
-    ]
+    kept = []
+    for entry in entries:
+        value = entry.table.get(entry.attr, entry.first)
+        if value is None or value.requires_grad:  # None: recorded without a value, as ever
+            kept.append(entry)
+    return kept
 
 
 @dataclass(frozen=True)

@@ -93,15 +93,16 @@ def _expected(model: nn.Module, kind: str) -> dict[str, np.ndarray | None]:
         return {name: b.double().numpy().copy() for name, b in model.named_buffers()}
     if kind == "param":
         return {name: p.detach().double().numpy().copy() for name, p in model.named_parameters()}
-    return {
+    return {  # the gradients of the parameters that require one (a frozen one has none)
         name: None if p.grad is None else p.grad.double().numpy().copy()
         for name, p in model.named_parameters()
+        if p.requires_grad
     }
 
 
 def test_records_follow_the_values_when_their_layout_changes(run_dir: Path) -> None:
     """Each record holds its own step's values, when a dtype changes (``double()``, which
-    replaces the buffers) and when a parameter loses its gradient."""
+    replaces the buffers) and when a parameter is frozen (its gradient no longer recorded)."""
     torch.manual_seed(0)
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
