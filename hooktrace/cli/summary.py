@@ -34,6 +34,18 @@ def summary(run: Path, as_json: bool) -> None:
         click.echo(render(result), nl=False)
 
 
+def _steps_line(s: Summary, span: str) -> str:
+    if not s.steps and s.written_steps:  # written, and none readable: damaged parts
+        return (
+            f"steps     none readable of {s.written_steps} written ({s.micro_steps} "
+            "micro-steps): their records are in damaged parts"
+        )
+    return (
+        f"steps     {s.steps} {'trained' if s.micro_steps else 'recorded'} (steps {span}), "
+        f"{s.micro_steps} micro-steps, {s.skipped_steps} skipped" + _evaluation_only(s)
+    )
+
+
 def render(s: Summary) -> str:
     span = f"{s.first_step}–{s.last_step}" if s.steps else "none"
     duration = f", {s.duration_s:.1f} s" if s.duration_s is not None else ""
@@ -47,8 +59,7 @@ def render(s: Summary) -> str:
         lines.append(f"command   {' '.join(s.command)}")
     lines += [
         f"ranks     {', '.join(map(str, s.ranks)) or 'none'}",
-        f"steps     {s.steps} {'trained' if s.micro_steps else 'recorded'} (steps {span}), "
-        f"{s.micro_steps} micro-steps, {s.skipped_steps} skipped" + _evaluation_only(s),
+        _steps_line(s, span),
         f"modules   {s.modules} (roots: {', '.join(s.roots) or '-'}"
         + (f"; only evaluated: {', '.join(s.evaluated_roots)}" if s.evaluated_roots else "")
         + ")",

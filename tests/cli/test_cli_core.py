@@ -237,6 +237,11 @@ def test_a_damaged_records_part_is_named_and_the_answer_exits_as_check_does(
                 "the answer leaves out what the damaged parts held; "
                 "`hooktrace check RUN` says what was lost"
             )
+    summary = invoke("summary", str(run))
+    assert (
+        "steps     none readable of 30 written (30 micro-steps): their records are in damaged "
+        "parts\n" in summary.stdout
+    )
     replay = invoke("replay", str(run), "--step", "3")
     assert replay.returncode == 2
     assert replay.stderr.splitlines()[-1] == (

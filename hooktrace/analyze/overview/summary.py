@@ -33,6 +33,7 @@ class Summary:
     """Steps recorded that never trained in a run that did: an evaluation after the last
     optimizer step, or before the first."""
     micro_steps: int
+    written_steps: int  # steps the steps table holds, readable records or not
     skipped_steps: int
     modules: int
     roots: list[str]
@@ -94,6 +95,7 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         evaluation_only=evaluation_only,
         # each rank writes its own row for a step: a step counts once, whatever the ranks
         micro_steps=int(steps_table.groupby("step")["micro_steps"].max().sum()),
+        written_steps=int(steps_table["step"].nunique()) if not steps_table.empty else 0,
         skipped_steps=int(steps_table.groupby("step")["skipped"].any().sum()),
         modules=int(trace.modules["module"].nunique()) if not trace.modules.empty else len(counts),
         roots=_roots(trace),
