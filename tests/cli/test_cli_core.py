@@ -209,23 +209,31 @@ def test_a_recorded_script_gets_the_interpreters_whole_exit(tmp_path: Path) -> N
         )
 
 
+def _healthy_cut(tmp_path: Path, kind_dir: str) -> Path:
+    """A copy of sample_traces/healthy with its one ``kind_dir`` part cut to 100 bytes."""
+    import shutil
+
+    run = tmp_path / "trunc"
+    shutil.copytree(ROOT / "sample_traces" / "healthy", run)
+    part = run / kind_dir / "rank=0" / "part-000000.parquet"
+    part.write_bytes(part.read_bytes()[:100])
+    return run
+
+
+def invoke(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m hooktrace ARGS``, in a process of its own (exit codes as a shell sees them)."""
+    return subprocess.run(
+        [sys.executable, "-m", "hooktrace", *args], capture_output=True, text=True
+    )
+
+
 def test_a_damaged_records_part_is_named_and_the_answer_exits_as_check_does(
     tmp_path: Path,
 ) -> None:
     """sample_traces/healthy with its one records part cut to 100 bytes: every command that
     answers names the damaged part, says its answer leaves it out, and exits 1 as check
     does; one that cannot answer says why (the damage, not a filter or a missing step)."""
-    import shutil
-
-    run = tmp_path / "trunc"
-    shutil.copytree(ROOT / "sample_traces" / "healthy", run)
-    part = run / "records" / "rank=0" / "part-000000.parquet"
-    part.write_bytes(part.read_bytes()[:100])
-
-    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "hooktrace", *args], capture_output=True, text=True
-        )
+    run = _healthy_cut(tmp_path, "records")
 
     left_out = f"hooktrace: warning: {run}: left out records/rank=0/part-000000.parquet:"
     for answered in (["summary", str(run)], ["anomalies", str(run)], ["check", str(run)]):
@@ -263,17 +271,7 @@ def test_a_damaged_records_part_is_named_and_the_answer_exits_as_check_does(
 def test_a_damaged_histograms_part_is_not_called_missing(tmp_path: Path) -> None:
     """Histograms written and damaged are not 'none recorded: record with --histograms';
     and replay, which reads the trace once, names the damaged part once."""
-    import shutil
-
-    run = tmp_path / "trunc"
-    shutil.copytree(ROOT / "sample_traces" / "healthy", run)
-    part = run / "histograms" / "rank=0" / "part-000000.parquet"
-    part.write_bytes(part.read_bytes()[:100])
-
-    def invoke(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "hooktrace", *args], capture_output=True, text=True
-        )
+    run = _healthy_cut(tmp_path, "histograms")
 
     damaged = f"its 1 histograms part(s) are damaged, left out: `hooktrace check {run}`"
     anomalies = invoke("anomalies", str(run))
