@@ -282,10 +282,9 @@ def _route_said(route: str, warmup: float) -> str:
         return f"{route}, {warmup:.2f} s to load, once"
     if route == COLD_ROUTE:
         return (
-            "computed by torch's own operations this time. hooktrace's faster kernels were "
-            "not compiled yet on this machine (a fresh install): a background process at idle "
-            "priority compiles them, once, about 30 s, and ends by itself; the next runs load "
-            "them"
+            "computed by torch's own operations this time: hooktrace's faster kernels were "
+            "not compiled yet on this machine (a fresh install); a process at idle priority "
+            "compiles them, once, and the next runs load them"
         )
     return route
 

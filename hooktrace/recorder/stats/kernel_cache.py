@@ -1,21 +1,28 @@
 """numba's cache of hooktrace's kernels: loaded where it holds them, filled elsewhere where not.
 
-Compiling the kernels takes some 20 s on a machine whose numba cache lacks them (a fresh
-install, a new numba or hooktrace); loading them from the cache takes about half a second.
-A recording must not wait the 20 s, so the recorder never compiles a kernel in its own
-process (unless ``HOOKTRACE_ONE_PASS=wait`` asks it to):
+Compiling the kernels takes a minute or two on a machine whose numba cache lacks them (a
+fresh install, a new numba or hooktrace); loading them from the cache takes about half a
+second. A recording must not wait for the compile, so the recorder never compiles a kernel
+in its own process (unless ``HOOKTRACE_ONE_PASS=wait`` asks it to):
 
 - :func:`load` runs a kernel set's warm-up only where every kernel it calls is in numba's
   cache. At the first kernel missing it stops, having compiled nothing, and says so: numba
   announces each compile with a ``numba:compile`` event (numba's event API) before it
   starts, and the listener installed here raises there, in this thread only.
 - :func:`fill` then starts a process of its own (:func:`main`) that compiles every kernel
-  into the cache, detached and at idle priority: it runs on after the recording ends, and
-  the next run loads. One compiles at a time per user and cache (a file lock): the fillers
-  of other ranks wait for it, then load what it compiled, a few seconds.
+  into the cache, detached and at idle priority, while the recording goes on. One compiles at
+  a time per user and cache (a file lock): the fillers of other ranks wait for it, then load
+  what it compiled, a few seconds.
 - :func:`filled` says when the filler this process started has ended, so that the recorder
-  loads the kernels then, mid-run (:func:`hooktrace.recorder.stats.stats.route`). Beside a training
-  that keeps every core busy, an idle-priority filler may only get to run once it has ended.
+  loads the kernels then, mid-run (:func:`hooktrace.recorder.stats.stats.route`). Beside a
+  training that keeps every core busy, an idle-priority filler may only get to run once the
+  training has ended.
+- The filler never outlives the process that started it. At that process's exit, a filler
+  still compiling is waited for (:func:`_finish_at_exit`: a line on stderr says why, at most
+  :data:`EXIT_WAIT_S`, Ctrl-C skips it), so that a short first run still fills the cache; and
+  once that process has gone, however it ended (killed by a scheduler, a timeout, SIGKILL),
+  the filler ends too, within a moment (:func:`_end_with`). A CI job or a batch scheduler
+  finds nothing of hooktrace's left behind.
 
 Why not compile in a thread of the recording's own process: short runs on a cold cache that
 exited while such a thread compiled ended with ``terminate called without an active
@@ -27,10 +34,12 @@ hooktrace's runs in the recording's process once the recording has ended.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import hashlib
 import os
+import select
 import sys
 import tempfile
 import threading
@@ -44,6 +53,12 @@ _report = -1
 """The read end of the filler's report pipe while it runs."""
 _polled = 0.0
 _succeeded = False
+_said = b""
+"""What the filler has written on the report pipe so far."""
+
+EXIT_WAIT_S = 300.0
+"""How long a process's exit waits for its filler to finish: about four times what the
+compile takes on a free core of the 2-core CI machine (75 to 85 s)."""
 
 
 class _Cold(BaseException):
@@ -137,29 +152,69 @@ def fill() -> bool:
         os.close(write)
     os.set_blocking(read, False)
     _report, _state = read, "running"
+    atexit.register(_finish_at_exit)
     return True
 
 
 def filled() -> bool:
     """Whether the filler this process started has ended (successfully or not): checked at
     most once a second, so that the hot path may ask on every call."""
-    global _state, _polled, _succeeded
+    global _polled
     if _state != "running":
         return _state == "ended"
     now = time.monotonic()
     if now - _polled < 1.0:
         return False
     _polled = now
-    said = b""
+    return _drain()
+
+
+def _drain() -> bool:
+    """Read what the filler has written, and whether it has ended (its end of the pipe is
+    closed, whatever became of it); on its end, close this end and keep what it said."""
+    global _state, _said, _succeeded
     try:
         while chunk := os.read(_report, 16):
-            said += chunk
+            _said += chunk
     except BlockingIOError:
-        if not said:
-            return False  # still compiling
+        return False  # still compiling
     os.close(_report)
-    _state, _succeeded = "ended", said.startswith(b"ok")
+    _state, _succeeded = "ended", _said.startswith(b"ok")
     return True
+
+
+def _wait(seconds: float) -> bool:
+    """Wait at most ``seconds`` for the filler to end; say whether it has."""
+    deadline = time.monotonic() + seconds
+    while _state == "running":
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        select.select([_report], [], [], left)
+        _drain()
+    return True
+
+
+def _finish_at_exit() -> None:
+    """At this process's exit, let a filler still compiling finish, so that the next run
+    loads the kernels; it ends with this process otherwise (:func:`_end_with`)."""
+    if _state != "running" or _wait(0.5):
+        return
+    with contextlib.suppress(Exception):
+        print(
+            "hooktrace: compiling its faster statistics kernels for this machine, once, before"
+            f" exiting (a minute or two, at most {EXIT_WAIT_S / 60:.0f} min; Ctrl-C skips it,"
+            " and the next run compiles them again)",
+            file=sys.stderr,
+            flush=True,
+        )
+    with contextlib.suppress(KeyboardInterrupt):
+        if _wait(EXIT_WAIT_S):
+            return
+    with contextlib.suppress(Exception):
+        print(
+            "hooktrace: the kernels were not compiled; the next run starts again", file=sys.stderr
+        )
 
 
 def succeeded() -> bool:
@@ -207,10 +262,26 @@ def _yield_to_training() -> None:
         os.nice(19)
 
 
+def _end_with(report: int) -> None:
+    """End this filler as soon as the process that started it has gone, however it ended: a
+    thread waits for the report pipe to lose its reader (``POLLERR``: the pipe's far end was
+    that process's, and its forks drop theirs, :func:`_forget`)."""
+
+    def watch() -> None:
+        poller = select.poll()
+        poller.register(report, 0)  # only errors and hang-ups: no reader left
+        poller.poll()
+        os._exit(1)  # numba writes each cache file whole (a rename), or not at all
+
+    threading.Thread(target=watch, name="hooktrace-filler-watch", daemon=True).start()
+
+
 def main(report: int | None = None) -> None:
     """The filler: wait for any other (another rank's), then compile what the cache lacks
     (loading what it holds), and say so on the ``report`` pipe where :func:`fill` gave one."""
     _yield_to_training()
+    if report is not None:
+        _end_with(report)
     with open(_lock_path(), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         warm_up()

@@ -7,9 +7,11 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numba
@@ -94,6 +96,111 @@ def test_a_cold_cache_is_filled_aside_and_the_run_takes_the_kernel_once_it_is(
     assert warm["routes"][0].startswith("one-pass (numba ")
     assert "eager before" not in warm["routes"][0]
     assert warm["histograms"] == [True]
+
+
+def _fillers(cache: Path, called: bytes = b"c.main(") -> list[int]:
+    """The fillers at work on ``cache``, by their command line and environment."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            command = (proc / "cmdline").read_bytes()
+            environment = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours
+            continue
+        if called in command and f"NUMBA_CACHE_DIR={cache}".encode() in environment:
+            found.append(int(proc.name))
+    return found
+
+
+_STAND_IN = (
+    "import os, sys, time; sys.path.insert(0, sys.argv[1]);"
+    "import hooktrace.recorder.stats.kernel_cache as c; c._end_with(int(sys.argv[2]));"
+    "time.sleep({seconds}); open({marker!r}, 'w').close(); os.write(int(sys.argv[2]), b'ok')"
+)
+"""A filler that takes ``seconds`` to compile and leaves a marker where it has."""
+
+_EXITS_AT_ONCE = """
+import sys
+from hooktrace.recorder.stats import kernel_cache
+kernel_cache._FILL = sys.argv[1]
+assert kernel_cache.fill()
+print("started", flush=True)
+"""
+
+
+def _start(tmp_path: Path, seconds: float) -> tuple[subprocess.Popen[str], Path]:
+    """A process that starts a stand-in filler and exits at once."""
+    marker = tmp_path / "filled"
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    stand_in = _STAND_IN.format(seconds=seconds, marker=str(marker))
+    script = subprocess.Popen(
+        [sys.executable, "-c", _EXITS_AT_ONCE, stand_in],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    return script, marker
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
+def test_a_process_exits_once_its_filler_has_filled_the_cache(tmp_path: Path) -> None:
+    """A first run shorter than the compile still fills the cache: its exit waits for the
+    filler, and says why; once it has returned, nothing of hooktrace's runs (a CI job or a
+    batch scheduler would wait for it or kill it). The compile is a stand-in of 4 s."""
+    began = time.monotonic()
+    script, marker = _start(tmp_path, 4)
+    _, said = script.communicate(timeout=60)
+    assert script.returncode == 0, said
+    assert time.monotonic() - began >= 4
+    assert marker.exists()
+    assert said.startswith("hooktrace: compiling its faster statistics kernels for this machine")
+    assert "Ctrl-C skips it" in said and "not compiled" not in said
+    assert _fillers(tmp_path, b"c._end_with(") == []
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
+def test_ctrl_c_at_exit_skips_the_wait_and_ends_the_filler(tmp_path: Path) -> None:
+    script, marker = _start(tmp_path, 120)
+    assert script.stderr is not None
+    assert "compiling its faster statistics kernels" in script.stderr.readline()
+    script.send_signal(signal.SIGINT)
+    _, said = script.communicate(timeout=20)
+    assert script.returncode == 0, said
+    assert said.strip() == "hooktrace: the kernels were not compiled; the next run starts again"
+    deadline = time.monotonic() + 20
+    while _fillers(tmp_path, b"c._end_with("):
+        assert time.monotonic() < deadline, "the filler outlived the skipped wait"
+        time.sleep(0.1)
+    assert not marker.exists()
+
+
+_STARTS_A_FILLER = """
+import time
+from hooktrace.recorder.stats import kernel_cache
+assert kernel_cache.fill()
+print("started", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
+def test_the_filler_ends_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """Killed by a scheduler or a timeout (no exit handler runs), the recording's process
+    takes its filler with it, though the filler is in a session of its own."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("HOOKTRACE_ONE_PASS")
+    script = subprocess.Popen(
+        [sys.executable, "-c", _STARTS_A_FILLER], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert script.stdout is not None and script.stdout.readline() == "started\n"
+    deadline = time.monotonic() + 60
+    while not _fillers(tmp_path):
+        assert time.monotonic() < deadline, "no filler started"
+        time.sleep(0.1)
+    script.kill()
+    script.wait()
+    deadline = time.monotonic() + 20
+    while _fillers(tmp_path):
+        assert time.monotonic() < deadline, "the filler outlived the process that started it"
+        time.sleep(0.1)
 
 
 def test_load_runs_a_warm_up_only_where_nothing_needs_compiling() -> None:
