@@ -129,8 +129,10 @@ class Hooks:
         """A tensor's gradient hook: records the gradient as each (module, call, kind, slot)
         of ``targets`` (a tensor several modules returned is each one's output)."""
 
-        def hook(grad: torch.Tensor) -> None:
-            if self._recording and not _in_transform():
+        def hook(grad: torch.Tensor | None) -> None:
+            # None: an output of a compiled graph that nothing outside it used (its loss was
+            # computed inside), where eager would not call the hook at all
+            if grad is not None and self._recording and not _in_transform():
                 with self._lock:
                     module = targets[0][0]
                     try:
