@@ -197,24 +197,28 @@ def _wait(seconds: float) -> bool:
 
 def _finish_at_exit() -> None:
     """At this process's exit, let a filler still compiling finish, so that the next run
-    loads the kernels; it ends with this process otherwise (:func:`_end_with`)."""
-    if _state != "running" or _wait(0.5):
+    loads the kernels; it ends with this process otherwise (:func:`_end_with`). A Ctrl-C
+    anywhere in here, even before the line that offers it, skips the wait."""
+    if _state != "running":
         return
-    with contextlib.suppress(Exception):
-        print(
+    try:
+        if _wait(0.5):
+            return
+        _say(
             "hooktrace: compiling its faster statistics kernels for this machine, once, before"
             f" exiting (a minute or two, at most {EXIT_WAIT_S / 60:.0f} min; Ctrl-C skips it,"
-            " and the next run compiles them again)",
-            file=sys.stderr,
-            flush=True,
+            " and the next run compiles them again)"
         )
-    with contextlib.suppress(KeyboardInterrupt):
         if _wait(EXIT_WAIT_S):
             return
-    with contextlib.suppress(Exception):
-        print(
-            "hooktrace: the kernels were not compiled; the next run starts again", file=sys.stderr
-        )
+    except KeyboardInterrupt:
+        pass
+    _say("hooktrace: the kernels were not compiled; the next run starts again")
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(Exception):  # no stderr left to say it on
+        print(line, file=sys.stderr, flush=True)
 
 
 def succeeded() -> bool:
