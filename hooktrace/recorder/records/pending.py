@@ -21,6 +21,7 @@ from hooktrace.recorder.records.layout import Layout, Layouts, Meta, dtype_name
 from hooktrace.recorder.records.staging import Staged, StagedUnits, Staging
 from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.histogram import histogram_staged
+from hooktrace.recorder.stats.host import as_numpy
 from hooktrace.recorder.stats.stats import STATS_WIDTH, Stats, activity_staged, summarize_staged
 from hooktrace.trace.histograms import WIDTH as HISTOGRAM_WIDTH
 from hooktrace.trace.step_data import StepData
@@ -284,8 +285,8 @@ def to_numpy(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     name = dtype_name(tensor.dtype)
     tensor = tensor.contiguous()
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(np.uint16), name
+        return as_numpy(tensor.view(torch.int16)).view(np.uint16), name
     try:
-        return tensor.numpy(), name
-    except TypeError:
-        return tensor.view(torch.uint8).numpy(), name
+        return as_numpy(tensor), name
+    except RuntimeError:  # float8: "Unsupported dtype in DLTensor", numpy has no such type
+        return as_numpy(tensor.view(torch.uint8)), name

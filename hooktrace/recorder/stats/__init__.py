@@ -6,7 +6,8 @@ histogram over the fixed exponent bins (``histogram_bits.py``: where a float's b
 The numba kernels: ``kernel.py`` (one pass over a CPU tensor), ``staged_kernels.py`` (small
 tensors' rows, bit for bit as numpy), ``histogram_kernel.py``; ``numba_kernels.py`` hands them
 out once loaded; ``kernel_cache.py`` fills numba's cache in another process; ``omp.py`` runs
-the kernel on torch's own OpenMP threads.
+the kernel on torch's own OpenMP threads. ``host.py`` gives numpy's view of a CPU tensor
+without ``Tensor.numpy()``, which would mark the script's storage as never resizable again.
 
 May import: nothing of the recorder.
 """

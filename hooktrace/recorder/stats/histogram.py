@@ -29,6 +29,7 @@ from hooktrace.recorder.stats.histogram_bits import (
     counts,
     flushes_denormals,
 )
+from hooktrace.recorder.stats.host import as_numpy
 from hooktrace.trace.histograms import (
     EXPONENT_MIN,
     MAGNITUDE_BINS,
@@ -102,7 +103,7 @@ def _histogram_bits(tensor: torch.Tensor, flush: bool) -> np.ndarray:
         if x.dtype not in _FORMATS:
             x = x.double()
     # in memory order: a view of a transposed or permuted tensor, a copy of a sliced one
-    bits = x.numpy().view(form.bits).ravel(order="K")
+    bits = as_numpy(x).view(form.bits).ravel(order="K")
     return counts(bits, form, flush)
 
 

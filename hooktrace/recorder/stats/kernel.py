@@ -42,6 +42,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from hooktrace.recorder.stats import omp
+from hooktrace.recorder.stats.host import as_numpy
 
 _BLOCK = 512
 """Values summed in float32 before the sum is added to the float64 total. Each vector lane
@@ -79,7 +80,7 @@ def one_pass(
     None where ``x`` holds a NaN or an infinity.
     """
     outer, units, inner, fold, columns = _plan(x.shape, dim)
-    values = x.detach().numpy().ravel()
+    values = as_numpy(x).ravel()  # not x.numpy(): that would pin x's storage (host.py)
     threads = omp.threads() if values.size >= _THREADS_FROM else 1
     if threads > 1:
         sums = omp.run(_one_pass_threads, threads, values, outer, units, inner, fold, columns)

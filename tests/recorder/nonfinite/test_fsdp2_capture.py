@@ -1,0 +1,85 @@
+"""A non-finite capture under FSDP2 (2 ranks, gloo, torchrun): the capture saves the
+module's parameters, which inside a block's forward are the views FSDP2 all-gathered, and
+FSDP2 frees them after the forward with ``storage.resize_(0)``. Saving them through
+``Tensor.numpy()`` had marked their storage as never to be resized again, and the reshard
+raised "Trying to resize storage that is not resizable" on every rank: the recording took
+the training down. Here an output overflows at step 2, deterministically."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hooktrace
+
+_SCRIPT = """
+import sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+
+class Amplify(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), Amplify(16)) for _ in range(2)))
+for block in model:
+    fully_shard(block)
+fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+data = torch.Generator().manual_seed(dist.get_rank())
+for step in range(3):
+    if step == 2:  # finite inputs and parameters, an infinite output: a capture
+        with torch.no_grad():
+            model[0][2].scale.fill_(3e38)
+    loss = model(4 * torch.randn(8, 16, generator=data)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    print(f"rank {dist.get_rank()} step {step} loss {loss.item():.6g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(tmp_path: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         *command],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+
+
+def _losses(stdout: str) -> list[str]:
+    return sorted(line for line in stdout.splitlines() if line.startswith("rank "))
+
+
+def test_a_capture_under_fsdp2_leaves_the_reshard_and_the_training_as_they_were(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "fsdp2_overflow.py"
+    script.write_text(_SCRIPT)
+    plain = _torchrun(tmp_path, str(script))
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    run = tmp_path / "run"
+    recorded = _torchrun(tmp_path, "-m", "hooktrace", "record", "-o", str(run), str(script))
+    assert recorded.returncode == 0, recorded.stderr[-3000:]
+    assert "not resizable" not in recorded.stderr
+    assert _losses(recorded.stdout) == _losses(plain.stdout)
+    assert len(_losses(plain.stdout)) == 6 and "step 2 loss nan" in plain.stdout
+    trace = hooktrace.load(run)
+    assert trace.status == "complete"
+    captures = trace.nonfinite_captures()
+    assert sorted(captures["rank"]) == [0, 1]
+    assert set(captures["module"]) == {"0.2"} and set(captures["step"]) == {2}
