@@ -114,7 +114,7 @@ class Scan:
         self.saturation = saturation
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
-        self.steps = 0
+        self._steps: set[int] = set()  # read, of any rank: a step of 2 ranks is one step
         self._con: Any = None  # the trace's (its records view), or one of the scan's own
         self._owned = False
         self._relations = f"hooktrace_{id(self):x}"  # ids, and a chunk of records
@@ -124,6 +124,11 @@ class Scan:
         self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
         self.zero: list[pd.DataFrame] = []  # rank, module: steps, first, last, slots
         self.saturated: list[pd.DataFrame] = []  # rank, module: steps, hit, first, last, value
+
+    @property
+    def steps(self) -> int:
+        """The steps read: one for all ranks' records of a step."""
+        return len(self._steps)
 
     def read(self, steps: tuple[int, int] | list[int] | None, chunk_rows: int) -> None:
         """Every record of ``steps``, through the records view: the steps that hold a NaN or
@@ -235,7 +240,7 @@ class Scan:
             ).fetchnumpy()
         if not len(recorded["step"]):
             return [], {}
-        self.steps += len(recorded["step"])
+        self._steps.update(np.unique(recorded["step"]).tolist())
         self.nonfinite.add_steps(recorded["rank"].astype(np.int64), recorded["step"])
         ids = self._module_ids(run(_FIRST_SHOWN.format(records=records, where=where)))
         more = "norm, nan_count, inf_count" + (", numel, mean, std" if self.ranges else "")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from nonfinite_runs import Log, Sqrt, record_run, source_line
 from recorded_runs import MLP, InfBackward, NaNForward, ZeroFrom, train
 from repo import SAMPLES
+from scale_runs import generate_trace
 from torch import nn
 
 import hooktrace
@@ -302,6 +303,15 @@ def test_chunks_and_step_ranges(tmp_path: Path) -> None:
     as_numpy = hooktrace.anomalies(tmp_path / "run", steps=(np.int64(5), np.int64(11))).findings
     pd.testing.assert_frame_equal(as_numpy, later)
     assert len(hooktrace.anomalies(tmp_path / "run", steps=[5])) == 1
+
+
+def test_a_step_of_two_ranks_is_counted_once(tmp_path: Path) -> None:
+    """A 2-rank run of 10 steps was said to span 20 steps, where ``summary`` said 10."""
+    for rank in (0, 1):
+        generate_trace(tmp_path / "run", steps=10, modules=4, rank=rank, world_size=2)
+    assert hooktrace.anomalies(tmp_path / "run").steps == 10
+    assert hooktrace.anomalies(tmp_path / "run", chunk_rows=8).steps == 10  # a chunk a step
+    assert hooktrace.anomalies(tmp_path / "run", steps="2-4").steps == 3
 
 
 @pytest.mark.parametrize(
