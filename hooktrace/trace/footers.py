@@ -107,7 +107,7 @@ def value_span(footers: Iterable[pq.FileMetaData], column: str) -> tuple[Any, An
     for metadata in footers:
         names = metadata.schema.names
         if column not in names:
-            if column != "note":
+            if column not in schema.EMPTY_WHEN_ABSENT:
                 return None
             spans = [("", "")]
         else:

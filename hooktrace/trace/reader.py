@@ -615,8 +615,9 @@ def records_frame(table: pa.Table) -> pd.DataFrame:
     """Records read as a pyarrow Table (:meth:`Trace.query_table`) as :meth:`Trace.query`
     returns them: a DataFrame in (rank, step, seq) order, notes "" where a 1.0 trace has none."""
     frame = table.to_pandas()
-    if "note" in frame.columns and frame["note"].hasnans:  # a 1.0 trace has no notes
-        frame["note"] = _no_notes(frame["note"])
+    for name in schema.EMPTY_WHEN_ABSENT:  # an older trace's parts lack them: ""
+        if name in frame.columns and frame[name].hasnans:
+            frame[name] = _no_notes(frame[name])
     order = [c for c in ("rank", "step", "seq") if c in frame.columns]
     if order and not in_order(frame, order):
         frame = frame.sort_values(order, kind="stable").reset_index(drop=True)
@@ -624,7 +625,8 @@ def records_frame(table: pa.Table) -> pd.DataFrame:
 
 
 def _no_notes(notes: pd.Series) -> pd.Series:
-    """Notes with "" where a trace written before format 1.1 has none."""
+    """Notes (or shard columns) with "" where a trace written before format 1.1 (1.4) has
+    none."""
     if isinstance(notes.dtype, pd.CategoricalDtype):
         if "" not in notes.cat.categories:
             notes = notes.cat.add_categories([""])

@@ -28,7 +28,7 @@ from typing import Final
 import pyarrow as pa
 
 FORMAT_NAME: Final = "hooktrace"
-FORMAT_VERSION: Final = "1.3"
+FORMAT_VERSION: Final = "1.4"
 """major.minor: a reader reads every minor version of its own major version."""
 
 TENSOR_CHECKSUM: Final = "crc32"
@@ -109,8 +109,26 @@ RECORD_SCHEMA: Final = pa.schema(
         # not the usual way ("skipped: ..." for a tensor hooktrace cannot summarise, whose
         # statistics are null; "nested: ..."); "" otherwise. Null in 1.0 traces.
         pa.field("note", _dict_str),
+        # since 1.4: what a record of a distributed tensor's local shard (a DTensor's: FSDP2's
+        # parameters and gradients, tensor parallelism's) is a part of; "" for a whole
+        # tensor. The logical tensor's shape, the device mesh's shape and this rank's
+        # coordinate in it ("2,2", "0,1"), the placements one per mesh dimension ("S(0)": a
+        # shard along dimension 0, "R": a replica, "P(sum)": a partial sum not yet reduced),
+        # and the shard's offset in the logical tensor ("32,0"). The statistics are the
+        # shard's own, ``shape`` and ``numel`` its own.
+        pa.field("logical_shape", _dict_str),
+        pa.field("mesh_shape", _dict_str),
+        pa.field("mesh_coord", _dict_str),
+        pa.field("placements", _dict_str),
+        pa.field("shard_offset", _dict_str),
     ]
 )
+
+SHARD_COLUMNS: Final = ("logical_shape", "mesh_shape", "mesh_coord", "placements", "shard_offset")
+"""The columns that say what a shard is a part of (since 1.4)."""
+
+EMPTY_WHEN_ABSENT: Final = ("note", *SHARD_COLUMNS)
+"""Text columns that read "" in parts of an older minor version, which lack them."""
 
 NOTE_SKIPPED: Final = "skipped: "
 """The prefix of the note of a record whose tensor was not summarised; the reason follows."""

@@ -153,10 +153,11 @@ def _select(
     columns = []
     for f in file_schema:
         if f.name not in present:
-            value = "''" if f.name == "note" else f"CAST(NULL AS {_sql_type(f.type)})"
+            empty = f.name in schema.EMPTY_WHEN_ABSENT
+            value = "''" if empty else f"CAST(NULL AS {_sql_type(f.type)})"
             columns.append(f"{value} AS {f.name}")
-        elif f.name == "note":
-            columns.append("coalesce(note, '') AS note")
+        elif f.name in schema.EMPTY_WHEN_ABSENT:
+            columns.append(f"coalesce({f.name}, '') AS {f.name}")
         else:
             columns.append(f'"{f.name}"')
     return f"SELECT rank, {', '.join(columns)} FROM {source}"

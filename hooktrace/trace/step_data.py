@@ -52,9 +52,9 @@ class StepData:
 RECORD_COLUMNS_IN = (
     "step", "micro_step", "phase", "seq", "module", "call", "kind", "slot", "dtype", "shape",
     "numel", "mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count",
-    "units", "unit_size", "call_spec", "note",
+    "units", "unit_size", "call_spec", "note", *schema.SHARD_COLUMNS,
 )  # fmt: skip
-_OPTIONAL: dict[str, list[str]] = {"call_spec": [], "note": []}
+_OPTIONAL: dict[str, list[str]] = {name: [] for name in ("call_spec", *schema.EMPTY_WHEN_ABSENT)}
 
 
 def table(columns: dict[str, Any], table_schema: pa.Schema) -> pa.Table:

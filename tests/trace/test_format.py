@@ -13,7 +13,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 import torch
-from repo import FIXTURES, ROOT
+from repo import FIXTURES, ROOT, SAMPLES
 from torch import nn
 
 import hooktrace
@@ -147,3 +147,18 @@ def test_every_command_reads_a_format_1_0_trace(command: str, tmp_path: Path) ->
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("older", [FORMAT_1_0, SAMPLES / "healthy"], ids=["1.0", "1.3"])
+def test_a_trace_from_before_shards_reads_them_as_whole_tensors(older: Path) -> None:
+    """Parts written before 1.4 have no shard columns: every record reads as a whole
+    tensor's, "" in each, through the reader and through SQL."""
+    trace = hooktrace.load(older)
+    assert trace.format_version < "1.4"
+    columns = list(schema.SHARD_COLUMNS)
+    records = trace.query(columns=["step", *columns], steps=[0, 1])
+    assert len(records) and (records[columns] == "").all().all()
+    counted = trace.sql(
+        "SELECT count(*) AS n, count(DISTINCT logical_shape || placements) AS kinds FROM records"
+    )
+    assert counted["n"].iloc[0] == trace.record_count and counted["kinds"].iloc[0] == 1

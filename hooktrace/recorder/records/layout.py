@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from hooktrace.trace.schema import NO_GRADIENT_DTYPE, NOTE_SKIPPED, RECORD_SCHEMA
+from hooktrace.trace.schema import NO_GRADIENT_DTYPE, NOTE_SKIPPED, RECORD_SCHEMA, SHARD_COLUMNS
 from hooktrace.trace.step_data import arrow_strings
 
 
@@ -36,6 +36,7 @@ class Meta(NamedTuple):
     units: int
     unit_size: int
     note: str = ""  # schema's ``note``: why there are no statistics, or how they were taken
+    shard: tuple[str, str, str, str, str] | None = None  # schema's SHARD_COLUMNS; None: whole
 
 
 class Layout:
@@ -46,9 +47,8 @@ class Layout:
 
     def __init__(self, meta: list[Meta]) -> None:
         n = len(meta)
-        (micro_step, phase, module, call, kind, slot, dtype, shape, units, unit_size, note) = (
-            zip(*meta, strict=True) if n else ((),) * len(Meta._fields)
-        )
+        (micro_step, phase, module, call, kind, slot, dtype, shape, units, unit_size, note,
+         shard) = zip(*meta, strict=True) if n else ((),) * len(Meta._fields)  # fmt: skip
         self.rows = n
         self.numel = np.array(
             [_numel(s) if d is not None else 0 for s, d in zip(shape, dtype, strict=True)],
@@ -63,6 +63,10 @@ class Layout:
             "shape": [shape_text(s) for s in shape],
             "note": list(note),
         }
+        whole = ("",) * len(SHARD_COLUMNS)  # a tensor that is no shard
+        shards = list(zip(*(s or whole for s in shard), strict=True)) if n else [()] * len(whole)
+        for name, column in zip(SHARD_COLUMNS, shards, strict=True):
+            strings[name] = list(column)
         self.columns: dict[str, Any] = {
             "micro_step": np.array(micro_step, dtype=np.int32),
             "seq": np.arange(n, dtype=np.int64),  # the order the hooks saw the records in

@@ -23,6 +23,7 @@ import torch
 
 from hooktrace.recorder.records.layout import Meta
 from hooktrace.recorder.records.pending import PendingStep
+from hooktrace.recorder.records.shards import Shard, dtensor, local_shard
 from hooktrace.recorder.records.staging import Staged, StagedUnits
 from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.histogram import histogram as histogram_of
@@ -109,6 +110,7 @@ class Observer:
         units: bool,
         note: str = "",
         histogram: bool = True,
+        shard: Shard | None = None,
     ) -> Any:
         """Queue this tensor's statistics (and its histogram, where its kind takes one this
         step, unless ``histogram`` is False: made elsewhere) and note where they belong.
@@ -131,7 +133,7 @@ class Observer:
             pending.activity.append((row, counts))
         pending.meta.append(
             Meta(micro_step, phase, module, call, kind, slot, tensor.dtype,
-                 tuple(tensor.shape), n_units, unit_size, note)
+                 tuple(tensor.shape), n_units, unit_size, note, shard)
         )  # fmt: skip
         pending.stats.append(stats)
         if histogram and kind in self.histogram_now:  # as the statistics: staged, or now
@@ -200,7 +202,13 @@ class Observer:
     ) -> None:
         """A tensor that is not a plain dense one. Nested tensors are summarised over their
         values, Python subclasses as plain tensors; any other costs its own record only: a
-        record with no statistics, whose note says why (the recording goes on)."""
+        record with no statistics, whose note says why (the recording goes on). A DTensor
+        is summarised over its local shard, which its record's shard columns place."""
+        if dtensor(tensor):
+            local, shard = local_shard(tensor)
+            self.observe(pending, micro_step, module, call, kind, slot, local,
+                         phase=phase, full=full, units=True, shard=shard)  # fmt: skip
+            return
         if python_subclass(tensor):
             tensor = plain(tensor)
             if usual(tensor):
