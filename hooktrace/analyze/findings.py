@@ -4,7 +4,8 @@ A finding is one thing worth a look: a kind (``nonfinite_forward``, ``exploding_
 ``dead_layer``, ...), a severity, the module and the step, the evidence as numbers and as a
 sentence, and a one-line explanation. Severities:
 
-- ``error``: training is broken: a NaN or Inf was produced, gradients explode;
+- ``error``: training is broken: a NaN or Inf was produced, gradients explode, the ranks'
+  replicas of a parameter came apart;
 - ``warning``: training is likely hurt: a dead layer, vanishing gradients, a gradient or
   activation spike, a parameter that never gets a gradient; or would be, in float16: values
   it would make Inf, a tenth or more of a gradient it would flush to zero;
@@ -37,6 +38,7 @@ KIND_ORDER: Final = (
     "nonfinite_backward",
     "nonfinite_param",
     "exploding_gradient",
+    "replicas_differ",
     "dead_layer",
     "vanishing_gradient",
     "no_gradient",

@@ -37,6 +37,11 @@ The checks, and what each finding's numbers mean (``value`` / ``reference`` / ``
   sqrt(spike_factor) times the baseline); other episodes are spikes. A norm above ``exploding_above`` is
   exploding even without a baseline. value: the peak norm; reference: the baseline (or the
   bound); count: high steps (spikes: episodes).
+- ``replicas_differ`` (error): in a run of several ranks, a parameter recorded whole on every
+  rank that agreed everywhere at its first recorded step (a data-parallel replica) and then
+  came apart (:mod:`hooktrace.analyze.checks.replicas`). value: how far apart the norms are,
+  relative; reference: the tolerance; count: the steps they differ; rank: the rank with the
+  larger norm.
 - ``activation_spike`` (warning): the same episodes on each module's output norm (root mean
   square over the step's records, train phase); a module whose outputs are exactly another's
   (a container returning its last child's output) is reported once.
@@ -70,7 +75,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from hooktrace.analyze.checks import series
+from hooktrace.analyze.checks import replicas, series
 from hooktrace.analyze.checks.anomaly_scan import Scan
 from hooktrace.analyze.checks.captured import (
     capture_column,
@@ -153,6 +158,7 @@ def anomalies(
     config = series.Config(window, spike_factor, explode_factor, exploding_above)
     scan, found = _scan(trace, step_filter(steps), saturation, chunk_rows, config, vanishing_below)
     found += _parameter_findings(scan)
+    found += replicas.findings(trace, step_filter(steps))
     found += _saturation_findings(scan, saturation)
     low, low_notes = precision.findings(
         trace, steps=steps, underflow_above=underflow_above, overflow_above=overflow_above
