@@ -38,13 +38,32 @@ def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
 @contextlib.contextmanager
 def removed_on_failure(tmp: Path) -> Any:
     """A write that fails (disk full, directory gone) leaves no temporary file behind: on a
-    full disk it would hold space the training itself may need."""
+    full disk it would hold space the training itself may need. The file is removed through
+    the directory it was begun in, held open meanwhile: a directory moved away mid-write
+    (and a file put in its place) still loses it."""
+    folder = _open_folder(tmp.parent)
     try:
         yield
     except BaseException:
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            if folder is None:
+                tmp.unlink()
+            else:
+                os.unlink(tmp.name, dir_fd=folder)
         raise
+    finally:
+        if folder is not None:
+            os.close(folder)
+
+
+def _open_folder(folder: Path) -> int | None:
+    """``folder`` open for removing files in it by name, where the platform allows."""
+    if os.unlink not in os.supports_dir_fd or not hasattr(os, "O_DIRECTORY"):
+        return None
+    try:
+        return os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # gone already: the write fails as it will
+        return None
 
 
 def write_parquet(table: pa.Table, directory: Path, index: int) -> None:

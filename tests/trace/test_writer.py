@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -13,12 +14,14 @@ import h5py
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 from click.testing import CliRunner
 from torch import nn
 
 import hooktrace
 from hooktrace.cli import cli
+from hooktrace.trace import crash_safe
 from hooktrace.trace.crash_safe import _Sink
 from hooktrace.trace.step_data import StepData, _concat
 from hooktrace.trace.writer import HOLD_BYTES, TraceWriter
@@ -257,3 +260,20 @@ def test_training_evaluation_and_full_steps_read_back_record_by_record(tmp_path:
         np.testing.assert_allclose(head["mean"].tolist()[-1], outputs[step].mean(), rtol=1e-6)
         specs = rows.loc[rows["call_spec"] != "", "module"].tolist()
         assert bool(specs) == (step in (1, 4)), step
+
+
+def test_a_write_whose_directory_is_moved_away_mid_write_leaves_no_temporary_file(
+    tmp_path: Path,
+) -> None:
+    """Found by CI (tests/reliability/test_disk.py, now and then): the records directory
+    moved away and replaced by a file while a part was written left the part's temporary
+    file in the moved directory, where its path no longer led."""
+    folder, moved = tmp_path / "rank=0", tmp_path / "moved"
+    folder.mkdir()
+    tmp = folder / ".part-000001.parquet.tmp"
+    with pytest.raises(NotADirectoryError), crash_safe.removed_on_failure(tmp):
+        tmp.write_bytes(b"half a part")
+        os.rename(folder, moved)
+        folder.write_text("not a directory\n")
+        os.replace(tmp, folder / "part-000001.parquet")  # as the write's last act
+    assert list(moved.iterdir()) == []
