@@ -5,12 +5,10 @@ parameters) without touching what FSDP2 does with its storages."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+from torchrun import torchrun
 
 import hooktrace
 
@@ -46,22 +44,13 @@ dist.destroy_process_group()
 """
 
 
-def _torchrun(where: Path, *command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         *command],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300, cwd=where,
-    )  # fmt: skip
-
-
 def test_fsdp2_trains_bit_identically_recorded(tmp_path: Path) -> None:
     script = tmp_path / "fsdp2.py"
     script.write_text(_SCRIPT)
-    plain = _torchrun(tmp_path, str(script), str(tmp_path / "plain.pt"))
+    plain = torchrun(tmp_path, str(script), str(tmp_path / "plain.pt"))
     assert plain.returncode == 0, plain.stderr[-3000:]
     record = ["-m", "hooktrace", "record", "-q", "-o", str(tmp_path / "run")]
-    recorded = _torchrun(tmp_path, *record, str(script), "--", str(tmp_path / "recorded.pt"))
+    recorded = torchrun(tmp_path, *record, str(script), "--", str(tmp_path / "recorded.pt"))
     assert recorded.returncode == 0, recorded.stderr[-3000:]
     for rank in (0, 1):
         losses = (tmp_path / f"plain.pt.rank{rank}").read_text().split()

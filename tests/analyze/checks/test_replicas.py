@@ -5,12 +5,10 @@ the start, as a hand-written tensor parallelism's shards would, and are no repli
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun import torchrun
 
 import hooktrace
 
@@ -43,12 +41,9 @@ dist.destroy_process_group()
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     where = tmp_path_factory.mktemp("replicas")
     (where / "ddp.py").write_text(_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "hooktrace", "record", "-q", "-o", str(where / "run"), str(where / "ddp.py")],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300, cwd=where,
-    )  # fmt: skip
+    done = torchrun(
+        where, "-m", "hooktrace", "record", "-q", "-o", str(where / "run"), str(where / "ddp.py")
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return where / "run"
 

@@ -7,10 +7,9 @@ the training down. Here an output overflows at step 2, deterministically."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from torchrun import torchrun
 
 import hooktrace
 
@@ -55,25 +54,16 @@ dist.destroy_process_group()
 """
 
 
-def _torchrun(tmp_path: Path, *command: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         *command],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
-
-
 def test_a_capture_under_fsdp2_leaves_the_reshard_and_the_training_as_they_were(
     tmp_path: Path,
 ) -> None:
     script = tmp_path / "fsdp2_overflow.py"
     script.write_text(_SCRIPT)
-    plain = _torchrun(tmp_path, str(script), "plain")
+    plain = torchrun(tmp_path, str(script), "plain")
     assert plain.returncode == 0, plain.stderr[-3000:]
     run = tmp_path / "run"
     record = ["-m", "hooktrace", "record", "-o", str(run)]
-    recorded = _torchrun(tmp_path, *record, str(script), "--", "recorded")
+    recorded = torchrun(tmp_path, *record, str(script), "--", "recorded")
     assert recorded.returncode == 0, recorded.stderr[-3000:]
     assert "not resizable" not in recorded.stderr
     for rank in (0, 1):

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
+from torchrun import torchrun
 
 import hooktrace
 
@@ -65,12 +63,9 @@ _COLUMNS = ["rank", "step", "module", "kind", "slot", "shape", "numel", "mean", 
 def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[hooktrace.Trace, list]:
     where = tmp_path_factory.mktemp("fsdp2")
     (where / "shards.py").write_text(_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "hooktrace", "record", "-q", "-o", str(where / "run"), str(where / "shards.py")],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300, cwd=where,
-    )  # fmt: skip
+    done = torchrun(
+        where, "-m", "hooktrace", "record", "-q", "-o", str(where / "run"), str(where / "shards.py")
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return hooktrace.load(where / "run"), json.loads(done.stdout)
 

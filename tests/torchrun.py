@@ -1,0 +1,20 @@
+"""Running a command on 2 ranks under torchrun, as users launch distributed training: gloo on
+the CPU, one thread a rank (bit-identical runs)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def torchrun(where: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node 2 COMMAND`` in
+    ``where``; its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         *command],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300, cwd=where,
+    )  # fmt: skip
