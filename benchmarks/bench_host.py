@@ -5,7 +5,10 @@ a hook does in Python comes on top of that. Here compute is next to nothing: a c
 ``nn.Linear(8, 8)``, batch 2, SGD, one torch thread. What a recorded training step costs
 beyond a plain one, divided by 200, is the host cost of recording one module call, with
 everything that comes with it (its output and output gradient, its parameters, their
-gradients and histograms, the writer thread's share of the interpreter).
+gradients and histograms, the writer thread's share of the interpreter). The loss is a mean
+squared error to a fixed target, which stays finite for thousands of steps: a run gone NaN
+would measure the non-finite capture at work, not a healthy run (the benchmark stops if a
+loss is not finite).
 
 Each repetition runs every variant once, in turn, so that drift on a shared machine falls on
 all of them alike; each figure is the median over repetitions. The variants:
@@ -89,12 +92,17 @@ def make_model(layers: int) -> nn.Module:
 def time_steps(variant: Variant, model: nn.Module, out: Path, steps: int) -> float:
     """Seconds per training step under ``variant`` (after two steps of warm-up inside it)."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(2, 8)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 8, generator=generator)
+    target = torch.randn(2, 8, generator=generator)
+    losses = []
 
     def step() -> None:
-        model(x).sum().backward()
+        loss = nn.functional.mse_loss(model(x), target)
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        losses.append(loss.detach())
 
     with variant(model, out):
         step()
@@ -103,6 +111,9 @@ def time_steps(variant: Variant, model: nn.Module, out: Path, steps: int) -> flo
         for _ in range(steps):
             step()
         elapsed = time.perf_counter() - start
+    if not torch.isfinite(torch.stack(losses)).all():
+        raise SystemExit("bench_host: the training diverged (a loss is not finite); its figures "
+                         "would measure a NaN run")
     return elapsed / steps
 
 
