@@ -112,8 +112,10 @@ def time_steps(variant: Variant, model: nn.Module, out: Path, steps: int) -> flo
             step()
         elapsed = time.perf_counter() - start
     if not torch.isfinite(torch.stack(losses)).all():
-        raise SystemExit("bench_host: the training diverged (a loss is not finite); its figures "
-                         "would measure a NaN run")
+        raise SystemExit(
+            "bench_host: the training diverged (a loss is not finite); its figures "
+            "would measure a NaN run"
+        )
     return elapsed / steps
 
 

@@ -29,6 +29,7 @@ from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.histogram import histogram as histogram_of
 from hooktrace.recorder.stats.histogram import histogram_many
 from hooktrace.recorder.stats.stats import (
+    STAGED_MAX_VALUES,
     nested_values,
     plain,
     python_subclass,
@@ -58,8 +59,17 @@ class Histograms:
     def one(self, tensor: torch.Tensor) -> Any:
         return self._made(histogram_of, tensor)
 
-    def many(self, values: Sequence[torch.Tensor | None]) -> Any:
-        return self._made(histogram_many, values)
+    def many(
+        self, values: Sequence[torch.Tensor | None], reads: dict[str, Any] | None = None
+    ) -> Any:
+        """The histograms of CPU ``values``; ``reads``: where the same values' places are
+        kept from step to step (:meth:`~hooktrace.recorder.records.params.ParamRecords.stage`)."""
+        kernels = numba_kernels.histograms() if reads is not None else None
+        if kernels is None:
+            return self._made(histogram_many, values)
+        if "histograms" not in reads:  # type: ignore[operator]
+            reads["histograms"] = kernels.TensorsInPlace()  # type: ignore[index]
+        return self._made(reads["histograms"].histograms, values)  # type: ignore[index]
 
     def _made(self, make: Callable[[Any], Any], values: Any) -> Any:
         """``make(values)``, or None where it fails."""
@@ -85,6 +95,7 @@ class Observer:
         self.max_tensor_bytes = max_tensor_bytes
         self.histograms = histograms
         self.scratch = torch.empty(0, dtype=torch.float32)
+        self._in_place: Any = None  # staged_kernels.InPlace, once its kernels are loaded
         self.new_step(frozenset())
 
     def new_step(self, histogram_kinds: frozenset[str]) -> None:
@@ -120,12 +131,12 @@ class Observer:
             self._unusual(pending, micro_step, module, call, kind, slot, tensor, phase, full)
             return None
         row = len(pending.meta)
-        cached = self.lookup(tensor)
-        if cached is None:
+        recent = self.recent.get(id(tensor))  # (lookup(), inline: this runs for every tensor)
+        if recent is not None and recent[0]() is tensor and tensor._version == recent[1]:
+            stats, counts = recent[2], recent[3]
+        else:
             stats, counts = self._summarise(pending, tensor, units)
             self._remember(tensor, stats, counts)
-        else:
-            stats, counts = cached
         n_units = unit_size = 0
         if counts is not None and units:
             n_units = counts.units if isinstance(counts, StagedUnits) else counts.shape[0]
@@ -156,12 +167,20 @@ class Observer:
             dim = unit_dim(tensor, channels_first=channels_first)
             if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
                 dim = None
+        in_place = self._in_place
+        if in_place is not None and tensor.numel() <= STAGED_MAX_VALUES:
+            summed = in_place.summarize(tensor, dim)  # now, as the writer would from a copy
+            if summed is not None:
+                return summed
         if not stageable(tensor):
             return summarize_with_activity(tensor, dim, scratch=self._scratch_for(tensor))
-        kernels = numba_kernels.staged_loading()
-        summed = kernels.summarize_in_place(tensor, dim) if kernels is not None else None
-        if summed is not None:  # now, as the writer would from a copy
-            return summed
+        if in_place is None:
+            kernels = numba_kernels.staged_loading()
+            if kernels is not None:
+                self._in_place = kernels.InPlace()
+                summed = self._in_place.summarize(tensor, dim)
+                if summed is not None:
+                    return summed
         staged = pending.stage(tensor)  # summarised later, with the step's other small ones
         return staged, StagedUnits(
             staged.position, tuple(tensor.shape), dim

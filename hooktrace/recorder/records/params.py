@@ -82,17 +82,22 @@ class ParamRecords:
     together: tuple[tuple[int, ...], ...]
     observed: tuple[int, ...]
 
-    def stage(self, values: Sequence[torch.Tensor | None], staging: Staging) -> list[Any]:
+    def stage(
+        self, values: Sequence[torch.Tensor | None], staging: Staging, reads: dict[str, Any]
+    ) -> list[Any]:
         """Each record's statistics, or what stands for them until the writer computes them
         (None: none, or an observed entry's). Once the compiled kernels are ready, the values
         they read in place are summarised now, in one call, and the rest staged (copied
         aside, one copy per dtype); before, all of them are staged. Both give the same rows,
-        bit for bit."""
+        bit for bit. ``reads``: what these records keep from step to step (where their values
+        lie), for as long as the records are those of the values (:class:`RecordsCache`)."""
         stats: list[Any] = [None] * len(self.metas)
         kernels = numba_kernels.staged_loading() if self.together else None
         if kernels is not None:
             indices = [i for group in self.together for i in group]
-            rows = kernels.summarize_tensors([values[i] for i in indices])
+            if "in_place" not in reads:
+                reads["in_place"] = kernels.TensorsInPlace()
+            rows = reads["in_place"].summarize([values[i] for i in indices])
             for i, row in zip(indices, rows, strict=True):
                 stats[i] = row
         for group in self.together:
@@ -141,7 +146,7 @@ class RecordsCache:
     time building takes, every step, for every parameter, buffer and gradient."""
 
     def __init__(self) -> None:
-        self._built: dict[str, tuple[tuple[Any, ...], ParamRecords]] = {}
+        self._built: dict[str, tuple[tuple[Any, ...], ParamRecords, dict[str, Any]]] = {}
 
     def records(
         self,
@@ -152,7 +157,8 @@ class RecordsCache:
         phase: str,
         micro_step: int,
         saved_whole: Collection[str],
-    ) -> ParamRecords:
+    ) -> tuple[ParamRecords, dict[str, Any]]:
+        """The records, and what they keep from step to step (:meth:`ParamRecords.stage`)."""
         key = None
         if not saved_whole:  # a full step's records differ, and full steps are rare
             try:
@@ -166,16 +172,17 @@ class RecordsCache:
                 return param_records(
                     entries, values, kind=kind, phase=phase, micro_step=micro_step,
                     saved_whole=saved_whole,
-                )  # fmt: skip
+                ), {}  # fmt: skip
             built = self._built.get(kind)
             if built is not None and built[0] == key:
-                return built[1]
+                return built[1], built[2]
         records = param_records(
             entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
         )
+        reads: dict[str, Any] = {}  # a new one whenever the records are new
         if key is not None:
-            self._built[kind] = (key, records)
-        return records
+            self._built[kind] = (key, records, reads)
+        return records, reads
 
 
 def queue_records(
@@ -196,10 +203,10 @@ def queue_records(
     step (histograms queued after the records: an interrupt between leaves none pointing
     past them)."""
     values = values_of(entries, kind)
-    records = cache.records(
+    records, reads = cache.records(
         entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
     )
-    stats = records.stage(values, pending.staging)
+    stats = records.stage(values, pending.staging, reads)
     first_row = len(pending.meta)
     wanted = histograms is not None
     batched = {i for i in records.observed if wanted and _plain_cpu(values[i])}
@@ -215,7 +222,7 @@ def queue_records(
     pending.meta.extend(records.metas[done:])
     pending.stats.extend(stats[done:])
     if histograms is not None:
-        _queue_histograms(pending, first_row, values, stats, sorted(batched), histograms)
+        _queue_histograms(pending, first_row, values, stats, sorted(batched), histograms, reads)
 
 
 def _queue_histograms(
@@ -225,13 +232,14 @@ def _queue_histograms(
     stats: Sequence[Any],
     batched: Sequence[int],
     histograms: Histograms,
+    reads: dict[str, Any],
 ) -> None:
     """The histograms of a kind's values, entry ``i`` being row ``first_row + i``: those
     staged, from their copies, in the writer; those read in place and the ``batched``
     ones (plain CPU tensors observed one by one), now, in one call. The hook's route made
     the other observed ones' (on a device, or not plain tensors)."""
     now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + list(batched))
-    counts = histograms.many([values[i] for i in now]) if now else None
+    counts = histograms.many([values[i] for i in now], reads) if now else None
     if counts is not None:
         pending.histograms.extend((first_row + i, c) for i, c in zip(now, counts, strict=True))
     pending.histograms.extend((first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged)

@@ -68,6 +68,45 @@ def histogram_tensors(tensors: list[torch.Tensor]) -> np.ndarray:
     return out
 
 
+class TensorsInPlace:
+    """:func:`histogram_tensors` of the same tensors step after step (a kind's parameters,
+    their gradients): where each lies is read every step, and the places are built again
+    only where one moved. Any tensor not read in place by one thread sends the whole list
+    to :func:`histogram_tensors`."""
+
+    def __init__(self) -> None:
+        self._addresses: list[int] = []
+        self._places = np.zeros((0, 4), dtype=np.int64)
+
+    def histograms(self, tensors: list[torch.Tensor]) -> np.ndarray:
+        addresses = [
+            t.data_ptr()
+            if type(t) in _PLAIN
+            and t.dtype in _CODES
+            and t.is_cpu
+            and t.layout is torch.strided
+            and t.is_contiguous()
+            and not t.is_neg()
+            and 0 < t.numel() < _THREADS_FROM
+            else 0
+            for t in tensors
+        ]
+        if not all(addresses):
+            return histogram_tensors(tensors)
+        if addresses != self._addresses:
+            self._addresses = addresses
+            self._places = np.array(
+                [
+                    (a, t.numel(), _CODES[t.dtype], i)
+                    for i, (a, t) in enumerate(zip(addresses, tensors, strict=True))
+                ],
+                dtype=np.int64,
+            ).reshape(-1, 4)
+        out = np.zeros((len(tensors), WIDTH), dtype=np.int64)
+        _in_place(self._places, out, histogram_bits.flushes_denormals())
+        return out
+
+
 def histogram_segments(values: np.ndarray, bounds: np.ndarray, positions: list[int]) -> np.ndarray:
     """:func:`hooktrace.recorder.stats.histogram.histogram_staged` in one compiled call."""
     out = np.zeros((len(positions), WIDTH), dtype=np.int64)

@@ -40,6 +40,7 @@ def warm_up() -> None:
     summarize_segments(np.zeros(1), np.array([0, 1], dtype=np.int64))
     unit_counts(np.zeros(1), np.array([[0, 1, 1, 1]], dtype=np.int64))
     summarize_tensors([torch.zeros(1)])  # one kernel for every dtype read in place
+    InPlace().summarize(torch.zeros(1), None)
 
 
 def summarize_segments(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
@@ -83,24 +84,96 @@ def summarize_tensors(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
     return rows
 
 
+class TensorsInPlace:
+    """:func:`summarize_tensors` of the same kind of tensors step after step (a model's
+    parameters, their gradients), for a caller that checks their dtypes and shapes still
+    hold: where each tensor lies is read every step, and the places are built again only
+    where one moved, or is no longer read in place (a parameter is updated in place, so
+    most steps find every address where it was)."""
+
+    def __init__(self) -> None:
+        self._addresses: list[int] = []
+        self._found: list[int] = []
+        self._places = np.zeros((0, 6), dtype=np.int64)
+
+    def summarize(self, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
+        flush = _DENORMAL64 == 0.0
+        if flush:
+            return summarize_tensors(tensors)  # float64 ones are staged then: rare
+        addresses = [
+            t.data_ptr()
+            if type(t) in _PLAIN and t.dtype in _IN_PLACE and t.is_contiguous() and not t.is_neg()
+            else 0
+            for t in tensors
+        ]  # the rest of _address() holds for a small CPU tensor of the dtype and shape checked
+        if addresses != self._addresses:
+            self._addresses = addresses
+            self._found = [i for i, address in enumerate(addresses) if address]
+            self._places = np.array(
+                [
+                    (addresses[i], tensors[i].numel(), _IN_PLACE[tensors[i].dtype], 0, 0, 0)
+                    for i in self._found
+                ],
+                dtype=np.int64,
+            ).reshape(-1, 6)
+        rows: list[np.ndarray | None] = [None] * len(tensors)
+        if self._found:
+            out = np.empty((len(self._found), 8), dtype=np.float64)
+            _in_place(self._places, out, _NO_COUNTS, flush)
+            for i, row in zip(self._found, out, strict=True):
+                rows[i] = row
+        return rows
+
+
+class InPlace:
+    """:func:`summarize_tensors` of one tensor at a time, with its positive counts per unit,
+    for the hooks: what the writer makes of the tensor staged, without staging it, and with
+    no allocation a tensor. Rows and counts are views into blocks allocated a few hundred
+    tensors at a time and never written again once handed out, so they stay valid for as
+    long as the step holds them. Not thread-safe: the recorder's lock is held around it."""
+
+    _ROWS = 256
+    _COUNTS = 8192
+
+    def __init__(self) -> None:
+        self._rows = np.empty((0, 8), dtype=np.float64)
+        self._row = 0
+        self._counts = np.zeros(0, dtype=np.int64)
+        self._at = 0
+
+    def summarize(
+        self, tensor: torch.Tensor, dim: int | None
+    ) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The statistics row of ``tensor`` and its positive counts per unit along ``dim``
+        (None: no counts), or None if the tensor cannot be read in place."""
+        address = _address(tensor)
+        if not address:
+            return None
+        if dim is None:
+            outer = units = inner = 0
+        else:
+            outer, units, inner = _plan(tuple(tensor.shape), dim)[:3]
+        i = self._row
+        if i == len(self._rows):
+            self._rows = np.empty((self._ROWS, 8), dtype=np.float64)
+            i = 0
+        self._row = i + 1
+        at = self._at
+        if at + units > len(self._counts):
+            self._counts = np.zeros(max(self._COUNTS, units), dtype=np.int64)
+            at = 0
+        self._at = at + units
+        rows, counts = self._rows, self._counts
+        _one_in_place(address, tensor.numel(), _IN_PLACE[tensor.dtype], outer, units, inner,
+                      rows, i, counts, at, _DENORMAL64 == 0.0)  # fmt: skip
+        return rows[i], counts[at : at + units] if dim is not None else None
+
+
 def summarize_in_place(
     tensor: torch.Tensor, dim: int | None
 ) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """:func:`summarize_tensors` of one tensor, with :func:`unit_counts` along ``dim`` (None:
-    no counts): what the writer makes of the tensor staged, without staging it. None if the
-    tensor cannot be read in place."""
-    address = _address(tensor)
-    if not address:
-        return None
-    shape = tensor.shape
-    outer, units, inner = (0, 0, 0) if dim is None else _plan(tuple(shape), dim)[:3]
-    counts = np.zeros(units, dtype=np.int64)
-    row = np.empty((1, 8), dtype=np.float64)
-    place = np.array(
-        [(address, tensor.numel(), _IN_PLACE[tensor.dtype], outer, units, inner)], dtype=np.int64
-    )
-    _in_place(place, row, counts, _flushes_denormals())
-    return row[0], counts if dim is not None else None
+    """:meth:`InPlace.summarize` with a block of its own."""
+    return InPlace().summarize(tensor, dim)
 
 
 def _address(t: torch.Tensor) -> int:
@@ -134,14 +207,14 @@ _IN_PLACE = {torch.float32: _FLOAT32, torch.float64: _FLOAT64, torch.int64: _INT
 """The dtypes read in place, and how the kernel names them. Others (half precision, bool,
 smaller integers) are rare in parameters and buffers, and staged."""
 _NO_COUNTS = np.zeros(0, dtype=np.int64)
-_DENORMAL32 = np.float32(1e-40)
+_DENORMAL64 = 5e-324  # the smallest float64: zero where this thread flushes denormals
 _SMALLEST_NORMAL32 = np.int32(0x00800000)  # the bits of float32's smallest normal value
 
 
 def _flushes_denormals() -> bool:
     """Whether this thread's CPU treats denormal floats as zero (``torch.set_flush_denormal``
     sets it per thread): numpy's scalar comparison runs on the CPU's own flags."""
-    return bool(_DENORMAL32 == 0)
+    return _DENORMAL64 == 0.0  # a Python float's comparison runs on the CPU's flags too
 
 
 # The writer's kernels, for the staged values of small tensors (float64). Their results must
@@ -244,6 +317,29 @@ def _in_place(places, out, counts, flush):
             _finish_row(integers, 0, n, extremes, zeros, nans, infs, out[i])
             _count_units(integers, 0, outer, units, inner, counts[at : at + units])
         at += units
+
+
+@_exact
+@no_type_check
+def _one_in_place(address, n, dtype, outer, units, inner, rows, i, counts, at, flush):
+    """:func:`_in_place` of one tensor, given as scalars, into ``rows[i]`` and
+    ``counts[at : at + units]`` (a hook's call: no array to build for it)."""
+    row, out = rows[i], counts[at : at + units]
+    if dtype == _FLOAT32:
+        values32 = numba.carray(_pointer_at(address, np.float32), n)
+        extremes, zeros, nans, infs = _scan32(values32, flush)
+        _finish_row(values32, 0, n, extremes, zeros, nans, infs, row)
+        _count_units(values32, 0, outer, units, inner, out)
+    elif dtype == _FLOAT64:
+        values64 = numba.carray(_pointer_at(address, np.float64), n)
+        extremes, zeros, nans, infs = _scan64(values64, 0, n)
+        _finish_row(values64, 0, n, extremes, zeros, nans, infs, row)
+        _count_units(values64, 0, outer, units, inner, out)
+    else:
+        integers = numba.carray(_pointer_at(address, np.int64), n)
+        extremes, zeros, nans, infs = _scan_int64(integers)
+        _finish_row(integers, 0, n, extremes, zeros, nans, infs, row)
+        _count_units(integers, 0, outer, units, inner, out)
 
 
 @_inline

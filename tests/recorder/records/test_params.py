@@ -44,7 +44,7 @@ def test_small_values_are_staged_by_dtype_and_the_rest_left_to_the_hook(
     assert records.metas[0].shape == (3, 2) and records.metas[0].micro_step == 1
 
     staging = Staging()
-    stats = records.stage(values, staging)
+    stats = records.stage(values, staging, {})
     assert stats == [Staged(0), Staged(1), None, None, None]
     assert staging.lengths == [6, 3]
 
@@ -68,13 +68,41 @@ def test_values_are_summarised_in_place_once_the_kernels_are_loaded() -> None:
         entries, values, kind="param", phase="train", micro_step=0, saved_whole=()
     )
     staging = Staging()
-    stats = records.stage(values, staging)
+    stats = records.stage(values, staging, {})
     assert [type(s).__name__ for s in stats] == ["ndarray"] * 5 + ["Staged"]
     assert staging.lengths == [3]
 
     copies = [v.double().numpy().ravel() for v in values]
     want = summarize_staged(np.concatenate(copies), np.array([c.size for c in copies]))
     assert np.array_equal(np.stack(stats[:5]), want[:5], equal_nan=True)
+
+
+def test_values_read_in_place_step_after_step_are_found_where_they_lie_now() -> None:
+    """A kind's places are kept from step to step (TensorsInPlace): a value updated in place
+    is read where it was, one replaced (a new gradient) where the new one lies, and one no
+    longer contiguous is left to the staged route; every read equals a fresh one."""
+    route()
+    kernels = numba_kernels.staged()
+    assert kernels is not None
+    reads = kernels.TensorsInPlace()
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 3, generator=generator)
+    b = torch.randn(5, generator=generator, dtype=torch.float64)
+    c = torch.arange(6)
+
+    def read(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
+        got, want = reads.summarize(tensors), kernels.summarize_tensors(tensors)
+        for x, y in zip(got, want, strict=True):
+            assert (x is None and y is None) or np.array_equal(x, y, equal_nan=True)
+        return got
+
+    assert read([a, b, c])[0][3] == a.max().item()
+    a.mul_(-2)  # the optimizer's update: where it was
+    assert read([a, b, c])[0][3] == a.max().item()
+    b = torch.randn(5, generator=generator, dtype=torch.float64) + 10  # replaced
+    assert read([a, b, c])[1][0] == b.mean().item()
+    rows = read([torch.randn(3, 4, generator=generator).t(), b, c])  # not contiguous
+    assert rows[0] is None and rows[1] is not None
 
 
 class _Net(nn.Module):
@@ -263,17 +291,17 @@ def test_parameters_read_in_place_are_recorded_as_staged_ones(
 
     route()
     read: list[int] = []
-    real = staged_kernels.summarize_tensors
+    real = staged_kernels.TensorsInPlace.summarize
 
-    def counting(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
-        rows = real(tensors)
+    def counting(self: object, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
+        rows = real(self, tensors)  # type: ignore[arg-type]
         read.extend(1 for row in rows if row is not None)
         return rows
 
     records = {}
     for name in ("in_place", "staged"):
         if name == "in_place":
-            monkeypatch.setattr(staged_kernels, "summarize_tensors", counting)
+            monkeypatch.setattr(staged_kernels.TensorsInPlace, "summarize", counting)
         else:
             monkeypatch.setattr(numba_kernels, "staged", lambda: None)
         torch.manual_seed(0)
