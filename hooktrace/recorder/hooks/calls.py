@@ -14,6 +14,7 @@ weak ones, and hook handles, which keep no tensor alive.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,9 @@ Target = tuple[str, int, str, str]
 HookFor = Callable[[list[Target]], Callable[[torch.Tensor], None]]
 """Makes a tensor's gradient hook, which records the gradient as each of its targets."""
 
+Handle = tuple["weakref.ref[dict[int, Any]]", int]
+"""A gradient hook to remove: the tensor's hooks (held weakly) and the hook's key there."""
+
 
 class Calls:
     """The calls counted and the gradients hooked in the current micro-step, and the
@@ -39,7 +43,7 @@ class Calls:
     _hooked: dict[int, tuple[weakref.ref[torch.Tensor], int, int, list[Target]]]
 
     def __init__(self) -> None:
-        self.handles: list[RemovableHandle] = []
+        self.handles: list[Handle] = []
         self._prune_at = _PRUNE_AT
         self.new_step()
 
@@ -79,9 +83,9 @@ class Calls:
                 targets.append(target)
                 return
         targets = [target]
-        handle = tensor.register_hook(hook_for(targets))
-        self.handles.append(handle)
-        self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, handle.id, targets)
+        hooks, key = _register_hook(tensor, hook_for(targets))
+        self.handles.append((weakref.ref(hooks), key))
+        self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, key, targets)
 
     def recomputed(self, name: str, output: Any, hook_for: HookFor) -> None:
         """A forward run again by activation checkpointing: record nothing twice.
@@ -107,9 +111,29 @@ class Calls:
             self._prune_at = max(_PRUNE_AT, 2 * len(self.handles))
 
     def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+        for hooks, key in self.handles:
+            alive = hooks()
+            if alive is not None:
+                alive.pop(key, None)
         self.handles.clear()
+
+
+def _register_hook(
+    tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]
+) -> tuple[dict[int, Any], int]:
+    """``tensor.register_hook(hook)``, as torch does it, for a plain tensor that requires a
+    gradient, without the handle object torch makes for each (this runs for every output
+    recorded in training); returns ``tensor._backward_hooks`` and the hook's key. Keys come
+    from torch's own counter, so that they never meet those of the script's hooks."""
+    hooks: dict[int, Any] | None = tensor._backward_hooks
+    if hooks is None:
+        hooks = tensor._backward_hooks = OrderedDict()
+        if tensor.grad_fn is not None:
+            tensor.grad_fn._register_hook_dict(tensor)
+    key = RemovableHandle.next_id
+    RemovableHandle.next_id = key + 1
+    hooks[key] = hook
+    return hooks, key
 
 
 def _last(hooks: Mapping[int, Any] | None) -> int | None:
@@ -117,5 +141,5 @@ def _last(hooks: Mapping[int, Any] | None) -> int | None:
     return next(reversed(hooks)) if hooks else None
 
 
-def _alive(handle: RemovableHandle) -> bool:
-    return handle.hooks_dict_ref() is not None
+def _alive(handle: Handle) -> bool:
+    return handle[0]() is not None

@@ -399,7 +399,7 @@ class Recorder(Steps):
     # -- what tests look at ------------------------------------------------------------------
 
     @property
-    def _tensor_handles(self) -> list[RemovableHandle]:
+    def _tensor_handles(self) -> list[Any]:
         return self._calls.handles
 
     @property

@@ -15,7 +15,6 @@ channels-first outputs, and the scratch buffer of the eager route.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -102,9 +101,7 @@ class Observer:
         """A step begins; ``histogram_kinds`` take a histogram in it."""
         self.histogram_now = histogram_kinds
         self.channel_shapes: set[torch.Size] = set()  # of channels-first 3-D outputs
-        self.recent: OrderedDict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]] = (
-            OrderedDict()  # by id(tensor)
-        )
+        self.recent: dict[int, tuple[weakref.ref[torch.Tensor], int, Any, Any]] = {}  # by id
 
     def observe(
         self,
@@ -187,13 +184,14 @@ class Observer:
         ) if dim is not None else None
 
     def _remember(self, tensor: torch.Tensor, stats: Any, counts: Any) -> None:
-        """Keep what ``tensor`` was summarised to, for :meth:`lookup`."""
+        """Keep what ``tensor`` was summarised to, for :meth:`lookup`: the latest few tensors
+        (forgotten all at once when there are more; a tensor summarised again is recorded the
+        same, at the cost of its summary)."""
         if tensor.is_inference():  # inference tensors keep no version counter
             return
         recent = self.recent  # (one C call each: hooks may fire in several threads)
-        recent.pop(id(tensor), None)  # an earlier version of it: now the latest
         if len(recent) >= _RECENT:
-            recent.popitem(last=False)  # the oldest
+            recent.clear()
         recent[id(tensor)] = (weakref.ref(tensor), tensor._version, stats, counts)
 
     def lookup(self, tensor: torch.Tensor) -> tuple[Any, Any] | None:
