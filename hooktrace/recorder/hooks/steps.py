@@ -181,10 +181,14 @@ def seal(pending: PendingStep, *, micro_steps: int) -> None:
         pending.tensors = [item for item in pending.tensors if item[0] < whole]
         pending.specs = {row: spec for row, spec in pending.specs.items() if row < whole}
         pending.histograms = [item for item in pending.histograms if item[0] < whole]
+        pending.histogram_blocks = [
+            (rows[rows < whole], counts[rows < whole]) for rows, counts in pending.histogram_blocks
+        ]
     pending.micro_steps = micro_steps
     pending.end_time = time.time()
     pending.nbytes += 96 * len(pending.meta) + pending.staging.nbytes
-    pending.nbytes += HISTOGRAM_WIDTH * 8 * len(pending.histograms)  # made whole there
+    histograms = len(pending.histograms) + sum(len(rows) for rows, _ in pending.histogram_blocks)
+    pending.nbytes += HISTOGRAM_WIDTH * 8 * histograms  # made whole there
 
 
 def nonfinite_rows(pending: PendingStep, first: int, *, device_checks: bool) -> bool:

@@ -241,7 +241,7 @@ def _queue_histograms(
     now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + list(batched))
     counts = histograms.many([values[i] for i in now], reads) if now else None
     if counts is not None:
-        pending.histograms.extend((first_row + i, c) for i, c in zip(now, counts, strict=True))
+        pending.histogram_blocks.append((np.asarray(now, dtype=np.int64) + first_row, counts))
     pending.histograms.extend((first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged)
 
 

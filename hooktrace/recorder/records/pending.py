@@ -37,6 +37,8 @@ class PendingStep:
         default_factory=list
     )
     histograms: list[tuple[int, np.ndarray | torch.Tensor | Staged]] = field(default_factory=list)
+    # several records' histograms made together: their rows (int64) and counts (rows of WIDTH)
+    histogram_blocks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     staging: Staging = field(default_factory=Staging)
     layouts: Layouts | None = None  # shared between steps; None: each step builds its own
     tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
@@ -67,7 +69,7 @@ class PendingStep:
         except Exception:
             histogram_rows = np.zeros(0, dtype=np.int64)
             histograms = np.zeros((0, HISTOGRAM_WIDTH), dtype=np.int64)
-            failed = len(self.histograms)
+            failed = len(self.histograms) + sum(len(rows) for rows, _ in self.histogram_blocks)
         with np.errstate(invalid="ignore", divide="ignore"):
             numel = layout.numel
             zero_fraction = np.where(numel > 0, stats[:, 5] / np.maximum(numel, 1), np.nan)
@@ -157,7 +159,7 @@ class PendingStep:
         """The histogrammed rows, in order, and their counts (one row of ``WIDTH`` each):
         staged tensors' made now, from their copies; a device's copied to the host, after
         :meth:`_statistics` waited for the devices."""
-        entries = sorted(self.histograms, key=lambda entry: entry[0])
+        entries = self.histograms
         rows = np.array([row for row, _ in entries], dtype=np.int64)
         counts = np.zeros((len(entries), HISTOGRAM_WIDTH), dtype=np.int64)
         staged: list[int] = []
@@ -180,7 +182,11 @@ class PendingStep:
             _wait_for_devices(tensors)
             for gathered_rows, gathered in _gather(tensors, on_device):
                 counts[gathered_rows] = gathered
-        return rows, counts
+        if self.histogram_blocks:
+            rows = np.concatenate([rows] + [block for block, _ in self.histogram_blocks])
+            counts = np.concatenate([counts] + [block for _, block in self.histogram_blocks])
+        order = np.argsort(rows, kind="stable")
+        return rows[order], counts[order]
 
     def _activity(self) -> list[tuple[int, np.ndarray]]:
         """Each record's per-unit positive counts (int64), in row order."""

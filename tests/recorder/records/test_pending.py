@@ -185,3 +185,31 @@ def test_layouts_keep_only_the_most_recent() -> None:
     assert layouts.of(metas[2]) is built[2] and layouts.of(metas[1]) is built[1]
     assert layouts.of(metas[0]) is not built[0]  # pushed out by the two after it
     assert layouts.built == 4
+
+
+def test_histograms_made_together_and_one_by_one_come_out_in_row_order() -> None:
+    """A kind's parameters are histogrammed in one call, queued as one block of rows; other
+    records' histograms one by one (staged, or made in the hook). The step's histograms come
+    out in row order, each with its own counts; sealing a step cut by a signal keeps only
+    the whole records' histograms, of the blocks too."""
+    from hooktrace.recorder.hooks.steps import seal
+    from hooktrace.trace.histograms import WIDTH
+
+    step = PendingStep(0, 0.0, staging=Staging(StagingPool()))
+    _stage_all(step, [torch.tensor([1.0, -2.0]), torch.tensor([0.0])] * 2)  # rows 0 to 3
+    block = np.arange(2 * WIDTH, dtype=np.int64).reshape(2, WIDTH)
+    step.histogram_blocks.append((np.array([1, 3]), block))
+    step.histograms.append((2, step.stats[2]))  # staged
+    one = np.full(WIDTH, 7, dtype=np.int64)
+    step.histograms.append((0, one))  # made in the hook
+    rows, counts = step._histograms()
+    assert rows.tolist() == [0, 1, 2, 3]
+    assert counts[0].tolist() == one.tolist()
+    assert counts[1].tolist() == block[0].tolist() and counts[3].tolist() == block[1].tolist()
+    assert counts[2].sum() == 2  # row 2, staged: its two values, 1.0 and -2.0
+
+    step.meta.append(Meta(0, "train", "cut", 0, "output", "0", torch.float32, (1,), 0, 0))
+    step.histogram_blocks.append((np.array([4]), block[:1]))  # its statistics never came
+    seal(step, micro_steps=1)
+    rows, _ = step._histograms()
+    assert rows.tolist() == [0, 1, 2, 3]
