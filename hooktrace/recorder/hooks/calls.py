@@ -121,10 +121,12 @@ class Calls:
 def _register_hook(
     tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]
 ) -> tuple[dict[int, Any], int]:
-    """``tensor.register_hook(hook)``, as torch does it, for a plain tensor that requires a
-    gradient, without the handle object torch makes for each (this runs for every output
-    recorded in training); returns ``tensor._backward_hooks`` and the hook's key. Keys come
-    from torch's own counter, so that they never meet those of the script's hooks."""
+    """``tensor.register_hook(hook)`` as torch does it for a tensor that requires a gradient
+    (the callers check), without the handle object torch makes for each (this runs for
+    every output recorded in training); returns ``tensor._backward_hooks`` and the hook's
+    key. Keys come from torch's own counter, so that they never meet the script's hooks'.
+    A subclass's ``__torch_function__`` does not see it, as none sees the recorder's other
+    calls (``hooks._unseen``)."""
     hooks: dict[int, Any] | None = tensor._backward_hooks
     if hooks is None:
         hooks = tensor._backward_hooks = OrderedDict()

@@ -129,7 +129,12 @@ class Observer:
             return None
         row = len(pending.meta)
         recent = self.recent.get(id(tensor))  # (lookup(), inline: this runs for every tensor)
-        if recent is not None and recent[0]() is tensor and tensor._version == recent[1]:
+        if (
+            recent is not None
+            and recent[0]() is tensor
+            and tensor._version == recent[1]
+            and (recent[3] is not None or not units)  # counts wanted now were not made then
+        ):
             stats, counts = recent[2], recent[3]
         else:
             stats, counts = self._summarise(pending, tensor, units)
@@ -184,9 +189,9 @@ class Observer:
         ) if dim is not None else None
 
     def _remember(self, tensor: torch.Tensor, stats: Any, counts: Any) -> None:
-        """Keep what ``tensor`` was summarised to, for :meth:`lookup`: the latest few tensors
-        (forgotten all at once when there are more; a tensor summarised again is recorded the
-        same, at the cost of its summary)."""
+        """Keep what ``tensor`` was summarised to, for :meth:`lookup`: the latest few tensors,
+        forgotten all at once when there are more (a tensor met again after that is
+        summarised again: the same record, at the cost of its summary)."""
         if tensor.is_inference():  # inference tensors keep no version counter
             return
         recent = self.recent  # (one C call each: hooks may fire in several threads)

@@ -70,40 +70,45 @@ def histogram_tensors(tensors: list[torch.Tensor]) -> np.ndarray:
 
 class TensorsInPlace:
     """:func:`histogram_tensors` of the same tensors step after step (a kind's parameters,
-    their gradients): where each lies is read every step, and the places are built again
-    only where one moved. Any tensor not read in place by one thread sends the whole list
-    to :func:`histogram_tensors`."""
+    their gradients): where each lies (and how many values it holds) is read every step,
+    and the places are built again when that changed. Any tensor not read in place by one
+    thread sends the whole list to :func:`histogram_tensors`."""
 
     def __init__(self) -> None:
-        self._addresses: list[int] = []
-        self._places = np.zeros((0, 4), dtype=np.int64)
+        # what the places were built for, and the places: one tuple, replaced whole
+        self._built: tuple[list[int], list[int], np.ndarray] = ([], [], np.zeros((0, 4)))
 
     def histograms(self, tensors: list[torch.Tensor]) -> np.ndarray:
-        addresses = [
-            t.data_ptr()
-            if type(t) in _PLAIN
-            and t.dtype in _CODES
-            and t.is_cpu
-            and t.layout is torch.strided
-            and t.is_contiguous()
-            and not t.is_neg()
-            and 0 < t.numel() < _THREADS_FROM
-            else 0
-            for t in tensors
-        ]
+        try:
+            addresses = [
+                t.data_ptr()
+                if type(t) in _PLAIN
+                and t.dtype in _CODES
+                and t.is_cpu
+                and t.layout is torch.strided
+                and t.is_contiguous()
+                and not t.is_neg()
+                and 0 < t.numel() < _THREADS_FROM
+                else 0
+                for t in tensors
+            ]
+        except RuntimeError:  # a tensor with no storage to read
+            return histogram_tensors(tensors)
         if not all(addresses):
             return histogram_tensors(tensors)
-        if addresses != self._addresses:
-            self._addresses = addresses
-            self._places = np.array(
+        sizes = [t.numel() for t in tensors]
+        built = self._built
+        if addresses != built[0] or sizes != built[1]:
+            places = np.array(
                 [
-                    (a, t.numel(), _CODES[t.dtype], i)
-                    for i, (a, t) in enumerate(zip(addresses, tensors, strict=True))
+                    (a, n, _CODES[t.dtype], i)
+                    for i, (a, n, t) in enumerate(zip(addresses, sizes, tensors, strict=True))
                 ],
                 dtype=np.int64,
             ).reshape(-1, 4)
+            built = self._built = (addresses, sizes, places)
         out = np.zeros((len(tensors), WIDTH), dtype=np.int64)
-        _in_place(self._places, out, histogram_bits.flushes_denormals())
+        _in_place(built[2], out, histogram_bits.flushes_denormals())
         return out
 
 

@@ -6,8 +6,8 @@ aside in the hook and summarised by numpy in the writer. These kernels give the 
 numpy gives, in the same order of operations (no fastmath, numpy's pairwise summation), so
 which of the two summarised a tensor never shows in a trace: a step's staged values, all of
 its tensors in one call (:func:`summarize_segments`, :func:`unit_counts`), and float32,
-float64 and int64 tensors read where they lie, in the hook (:func:`summarize_in_place`; a
-kind's parameters in one call, :func:`summarize_tensors`). (One difference: where a
+float64 and int64 tensors read where they lie, in the hook (:class:`InPlace`; a kind's
+parameters in one call, :class:`TensorsInPlace`). (One difference: where a
 tensor's smallest or largest value is a zero of both signs, they order -0.0 before 0.0;
 numpy returns either.) Side by side they take about 5% off the reference CNN's recorded
 step (docs/PERFORMANCE.md).
@@ -18,6 +18,7 @@ They are loaded from numba's cache with the one-pass kernel, at the first CPU te
 
 from __future__ import annotations
 
+import threading
 from typing import no_type_check
 
 import numba
@@ -86,41 +87,50 @@ def summarize_tensors(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
 
 class TensorsInPlace:
     """:func:`summarize_tensors` of the same kind of tensors step after step (a model's
-    parameters, their gradients), for a caller that checks their dtypes and shapes still
-    hold: where each tensor lies is read every step, and the places are built again only
-    where one moved, or is no longer read in place (a parameter is updated in place, so
-    most steps find every address where it was)."""
+    parameters, their gradients), for a caller that checks that each position still holds a
+    small strided CPU tensor of the same dtype and shape (``params.RecordsCache``): where
+    each tensor lies is read every step, and the places are built again when one moved or
+    is no longer read in place (a parameter is updated in place, so most steps find every
+    address where it was)."""
 
     def __init__(self) -> None:
-        self._addresses: list[int] = []
-        self._found: list[int] = []
-        self._places = np.zeros((0, 6), dtype=np.int64)
+        # the addresses, the positions read in place, and their places: one tuple, replaced
+        # whole, so that a thread reading it never sees the parts of two steps
+        self._built: tuple[list[int], list[int], np.ndarray] = ([], [], np.zeros((0, 6)))
 
     def summarize(self, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
         flush = _DENORMAL64 == 0.0
         if flush:
             return summarize_tensors(tensors)  # float64 ones are staged then: rare
-        addresses = [
-            t.data_ptr()
-            if type(t) in _PLAIN and t.dtype in _IN_PLACE and t.is_contiguous() and not t.is_neg()
-            else 0
-            for t in tensors
-        ]  # the rest of _address() holds for a small CPU tensor of the dtype and shape checked
-        if addresses != self._addresses:
-            self._addresses = addresses
-            self._found = [i for i, address in enumerate(addresses) if address]
-            self._places = np.array(
+        try:
+            addresses = [
+                t.data_ptr()
+                if type(t) in _PLAIN
+                and t.dtype in _IN_PLACE
+                and t.is_contiguous()
+                and not t.is_neg()
+                else 0
+                for t in tensors
+            ]  # the rest of _address(): the caller's checks (small CPU tensors, strided)
+        except RuntimeError:  # a tensor with no storage to read
+            return summarize_tensors(tensors)
+        built = self._built
+        if addresses != built[0]:
+            found = [i for i, address in enumerate(addresses) if address]
+            places = np.array(
                 [
                     (addresses[i], tensors[i].numel(), _IN_PLACE[tensors[i].dtype], 0, 0, 0)
-                    for i in self._found
+                    for i in found
                 ],
                 dtype=np.int64,
             ).reshape(-1, 6)
+            built = self._built = (addresses, found, places)
+        _, found, places = built
         rows: list[np.ndarray | None] = [None] * len(tensors)
-        if self._found:
-            out = np.empty((len(self._found), 8), dtype=np.float64)
-            _in_place(self._places, out, _NO_COUNTS, flush)
-            for i, row in zip(self._found, out, strict=True):
+        if found:
+            out = np.empty((len(found), 8), dtype=np.float64)
+            _in_place(places, out, _NO_COUNTS, flush)
+            for i, row in zip(found, out, strict=True):
                 rows[i] = row
         return rows
 
@@ -128,14 +138,16 @@ class TensorsInPlace:
 class InPlace:
     """:func:`summarize_tensors` of one tensor at a time, with its positive counts per unit,
     for the hooks: what the writer makes of the tensor staged, without staging it, and with
-    no allocation a tensor. Rows and counts are views into blocks allocated a few hundred
-    tensors at a time and never written again once handed out, so they stay valid for as
-    long as the step holds them. Not thread-safe: the recorder's lock is held around it."""
+    no array allocated a tensor. Rows and counts are views into blocks allocated a few
+    hundred tensors at a time and never written again once handed out, so they stay valid
+    for as long as the step holds them. Hooks in several threads may call it: each call
+    takes its place in the blocks under a lock of its own."""
 
     _ROWS = 256
     _COUNTS = 8192
 
     def __init__(self) -> None:
+        self._lock = threading.Lock()
         self._rows = np.empty((0, 8), dtype=np.float64)
         self._row = 0
         self._counts = np.zeros(0, dtype=np.int64)
@@ -153,17 +165,18 @@ class InPlace:
             outer = units = inner = 0
         else:
             outer, units, inner = _plan(tuple(tensor.shape), dim)[:3]
-        i = self._row
-        if i == len(self._rows):
-            self._rows = np.empty((self._ROWS, 8), dtype=np.float64)
-            i = 0
-        self._row = i + 1
-        at = self._at
-        if at + units > len(self._counts):
-            self._counts = np.zeros(max(self._COUNTS, units), dtype=np.int64)
-            at = 0
-        self._at = at + units
-        rows, counts = self._rows, self._counts
+        with self._lock:
+            i = self._row
+            if i == len(self._rows):
+                self._rows = np.empty((self._ROWS, 8), dtype=np.float64)
+                i = 0
+            self._row = i + 1
+            at = self._at
+            if at + units > len(self._counts):
+                self._counts = np.zeros(max(self._COUNTS, units), dtype=np.int64)
+                at = 0
+            self._at = at + units
+            rows, counts = self._rows, self._counts
         _one_in_place(address, tensor.numel(), _IN_PLACE[tensor.dtype], outer, units, inner,
                       rows, i, counts, at, _DENORMAL64 == 0.0)  # fmt: skip
         return rows[i], counts[at : at + units] if dim is not None else None
@@ -213,8 +226,8 @@ _SMALLEST_NORMAL32 = np.int32(0x00800000)  # the bits of float32's smallest norm
 
 def _flushes_denormals() -> bool:
     """Whether this thread's CPU treats denormal floats as zero (``torch.set_flush_denormal``
-    sets it per thread): numpy's scalar comparison runs on the CPU's own flags."""
-    return _DENORMAL64 == 0.0  # a Python float's comparison runs on the CPU's flags too
+    sets it per thread): a Python float's comparison runs on the CPU's own flags."""
+    return _DENORMAL64 == 0.0
 
 
 # The writer's kernels, for the staged values of small tensors (float64). Their results must
