@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,9 @@ from hooktrace.recorder.stats.stats import (
 )
 from hooktrace.trace import schema
 
+if TYPE_CHECKING:
+    from hooktrace.recorder.records.params import Reads
+
 _RECENT = 4
 """Tensors whose statistics a hook remembers, the latest ones: a container's output is its
 last child's, and one gradient may reach several hooks in a row."""
@@ -58,17 +61,15 @@ class Histograms:
     def one(self, tensor: torch.Tensor) -> Any:
         return self._made(histogram_of, tensor)
 
-    def many(
-        self, values: Sequence[torch.Tensor | None], reads: dict[str, Any] | None = None
-    ) -> Any:
+    def many(self, values: Sequence[torch.Tensor | None], reads: Reads | None = None) -> Any:
         """The histograms of CPU ``values``; ``reads``: where the same values' places are
-        kept from step to step (:meth:`~hooktrace.recorder.records.params.ParamRecords.stage`)."""
+        kept from step to step (:class:`~hooktrace.recorder.records.params.Reads`)."""
         kernels = numba_kernels.histograms() if reads is not None else None
-        if kernels is None:
+        if reads is None or kernels is None:
             return self._made(histogram_many, values)
-        if "histograms" not in reads:  # type: ignore[operator]
-            reads["histograms"] = kernels.TensorsInPlace()  # type: ignore[index]
-        return self._made(reads["histograms"].histograms, values)  # type: ignore[index]
+        if reads.histograms is None:
+            reads.histograms = kernels.TensorsInPlace()
+        return self._made(reads.histograms.histograms, values)
 
     def _made(self, make: Callable[[Any], Any], values: Any) -> Any:
         """``make(values)``, or None where it fails."""
@@ -170,19 +171,16 @@ class Observer:
             if dim is not None and not 0 < tensor.shape[dim] <= self.max_units:
                 dim = None
         in_place = self._in_place
+        if in_place is None and stageable(tensor):  # (numba loads at the first CPU tensor)
+            kernels = numba_kernels.staged_loading()
+            if kernels is not None:
+                in_place = self._in_place = kernels.InPlace()
         if in_place is not None and tensor.numel() <= STAGED_MAX_VALUES:
             summed = in_place.summarize(tensor, dim)  # now, as the writer would from a copy
             if summed is not None:
                 return summed
         if not stageable(tensor):
             return summarize_with_activity(tensor, dim, scratch=self._scratch_for(tensor))
-        if in_place is None:
-            kernels = numba_kernels.staged_loading()
-            if kernels is not None:
-                self._in_place = kernels.InPlace()
-                summed = self._in_place.summarize(tensor, dim)
-                if summed is not None:
-                    return summed
         staged = pending.stage(tensor)  # summarised later, with the step's other small ones
         return staged, StagedUnits(
             staged.position, tuple(tensor.shape), dim

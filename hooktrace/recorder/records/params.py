@@ -71,6 +71,16 @@ def trainable(entries: Sequence[Entry]) -> list[Entry]:
     return kept
 
 
+@dataclass
+class Reads:
+    """What a kind's records keep from step to step while they hold: where their values lie,
+    for the statistics (``staged_kernels.TensorsInPlace``) and the histograms
+    (``histogram_kernel.TensorsInPlace``) read in place. Made once the kernels are loaded."""
+
+    stats: Any = None
+    histograms: Any = None
+
+
 @dataclass(frozen=True)
 class ParamRecords:
     """The records of one kind of value (``param``, ``buffer`` or ``grad_param``), in entry
@@ -83,7 +93,7 @@ class ParamRecords:
     observed: tuple[int, ...]
 
     def stage(
-        self, values: Sequence[torch.Tensor | None], staging: Staging, reads: dict[str, Any]
+        self, values: Sequence[torch.Tensor | None], staging: Staging, reads: Reads
     ) -> list[Any]:
         """Each record's statistics, or what stands for them until the writer computes them
         (None: none, or an observed entry's). Once the compiled kernels are ready, the values
@@ -95,9 +105,9 @@ class ParamRecords:
         kernels = numba_kernels.staged_loading() if self.together else None
         if kernels is not None:
             indices = [i for group in self.together for i in group]
-            if "in_place" not in reads:
-                reads["in_place"] = kernels.TensorsInPlace()
-            rows = reads["in_place"].summarize([values[i] for i in indices])
+            if reads.stats is None:
+                reads.stats = kernels.TensorsInPlace()
+            rows = reads.stats.summarize([values[i] for i in indices])
             for i, row in zip(indices, rows, strict=True):
                 stats[i] = row
         for group in self.together:
@@ -146,7 +156,7 @@ class RecordsCache:
     time building takes, every step, for every parameter, buffer and gradient."""
 
     def __init__(self) -> None:
-        self._built: dict[str, tuple[tuple[Any, ...], ParamRecords, dict[str, Any]]] = {}
+        self._built: dict[str, tuple[tuple[Any, ...], ParamRecords, Reads]] = {}
 
     def records(
         self,
@@ -157,7 +167,7 @@ class RecordsCache:
         phase: str,
         micro_step: int,
         saved_whole: Collection[str],
-    ) -> tuple[ParamRecords, dict[str, Any]]:
+    ) -> tuple[ParamRecords, Reads]:
         """The records, and what they keep from step to step (:meth:`ParamRecords.stage`)."""
         key = None
         if not saved_whole:  # a full step's records differ, and full steps are rare
@@ -172,14 +182,14 @@ class RecordsCache:
                 return param_records(
                     entries, values, kind=kind, phase=phase, micro_step=micro_step,
                     saved_whole=saved_whole,
-                ), {}  # fmt: skip
+                ), Reads()  # fmt: skip
             built = self._built.get(kind)
             if built is not None and built[0] == key:
                 return built[1], built[2]
         records = param_records(
             entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
         )
-        reads: dict[str, Any] = {}  # a new one whenever the records are new
+        reads = Reads()  # a new one whenever the records are new
         if key is not None:
             self._built[kind] = (key, records, reads)
         return records, reads
@@ -232,7 +242,7 @@ def _queue_histograms(
     stats: Sequence[Any],
     batched: Sequence[int],
     histograms: Histograms,
-    reads: dict[str, Any],
+    reads: Reads,
 ) -> None:
     """The histograms of a kind's values, entry ``i`` being row ``first_row + i``: those
     staged, from their copies, in the writer; those read in place and the ``batched``

@@ -182,13 +182,6 @@ class InPlace:
         return rows[i], counts[at : at + units] if dim is not None else None
 
 
-def summarize_in_place(
-    tensor: torch.Tensor, dim: int | None
-) -> tuple[np.ndarray, np.ndarray | None] | None:
-    """:meth:`InPlace.summarize` with a block of its own."""
-    return InPlace().summarize(tensor, dim)
-
-
 def _address(t: torch.Tensor) -> int:
     """Where ``t``'s values lie, if they are ``numel()`` values of a dtype read in place
     (``_IN_PLACE``) one after the other: a plain contiguous CPU tensor with values, not a

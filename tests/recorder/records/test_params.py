@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.utils import prune
 
 import hooktrace
-from hooktrace.recorder.records.params import Entry, param_records
+from hooktrace.recorder.records.params import Entry, Reads, param_records
 from hooktrace.recorder.records.staging import Staged, Staging
 from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.stats import route, summarize_staged
@@ -44,7 +44,7 @@ def test_small_values_are_staged_by_dtype_and_the_rest_left_to_the_hook(
     assert records.metas[0].shape == (3, 2) and records.metas[0].micro_step == 1
 
     staging = Staging()
-    stats = records.stage(values, staging, {})
+    stats = records.stage(values, staging, Reads())
     assert stats == [Staged(0), Staged(1), None, None, None]
     assert staging.lengths == [6, 3]
 
@@ -68,7 +68,7 @@ def test_values_are_summarised_in_place_once_the_kernels_are_loaded() -> None:
         entries, values, kind="param", phase="train", micro_step=0, saved_whole=()
     )
     staging = Staging()
-    stats = records.stage(values, staging, {})
+    stats = records.stage(values, staging, Reads())
     assert [type(s).__name__ for s in stats] == ["ndarray"] * 5 + ["Staged"]
     assert staging.lengths == [3]
 

@@ -601,7 +601,7 @@ def test_denormals_read_in_place_count_as_the_staged_copy_counts_them() -> None:
     zeros too (it counted their bits, none zero, while its min said -0.0). Without the flag,
     both count them as the values they are."""
     from hooktrace.recorder.records.staging import Staging
-    from hooktrace.recorder.stats.staged_kernels import summarize_in_place, summarize_tensors
+    from hooktrace.recorder.stats.staged_kernels import InPlace, summarize_tensors
     from hooktrace.recorder.stats.stats import activity_staged, summarize_staged
 
     tensor = torch.tensor([[1e-40, -1e-40, 1.0, 2.0], [0.0, 3e-39, -1.0, 5.0]])
@@ -615,7 +615,7 @@ def test_denormals_read_in_place_count_as_the_staged_copy_counts_them() -> None:
             copy = staging.values().copy()
             want = summarize_staged(copy, np.array([8]))[0]
             (row,) = summarize_tensors([tensor])
-            summed = summarize_in_place(tensor, 1)
+            summed = InPlace().summarize(tensor, 1)
         finally:
             torch.set_flush_denormal(False)
         assert summed is not None and row is not None
@@ -671,14 +671,14 @@ def test_float64_denormals_are_not_read_in_place_where_the_thread_flushes_them()
     """A staged float64 copy keeps denormals (a byte copy), which a flushing thread's
     in-place read would take as zeros: there the tensor is staged, so the trace does not
     depend on when the kernels arrived (found in review)."""
-    from hooktrace.recorder.stats.staged_kernels import summarize_in_place, summarize_tensors
+    from hooktrace.recorder.stats.staged_kernels import InPlace, summarize_tensors
 
     tensor = torch.tensor([[1e-310, 2e-310, 1.0], [0.0, 3e-310, -1.0]], dtype=torch.float64)
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
         assert summarize_tensors([tensor]) == [None]
-        assert summarize_in_place(tensor, 1) is None
+        assert InPlace().summarize(tensor, 1) is None
     finally:
         torch.set_flush_denormal(False)
     (row,) = summarize_tensors([tensor])
