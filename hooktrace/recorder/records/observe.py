@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,12 +43,19 @@ from hooktrace.recorder.stats.stats import (
 )
 from hooktrace.trace import schema
 
-if TYPE_CHECKING:
-    from hooktrace.recorder.records.params import Reads
-
 _RECENT = 4
 """Tensors whose statistics a hook remembers, the latest ones: a container's output is its
 last child's, and one gradient may reach several hooks in a row."""
+
+
+@dataclass
+class Reads:
+    """What a kind's records keep from step to step while they hold: where their values lie,
+    for the statistics (``staged_kernels.TensorsInPlace``) and the histograms
+    (``histogram_kernel.TensorsInPlace``) read in place. Made once the kernels are loaded."""
+
+    stats: Any = None
+    histograms: Any = None
 
 
 class Histograms:
@@ -63,7 +71,7 @@ class Histograms:
 
     def many(self, values: Sequence[torch.Tensor | None], reads: Reads | None = None) -> Any:
         """The histograms of CPU ``values``; ``reads``: where the same values' places are
-        kept from step to step (:class:`~hooktrace.recorder.records.params.Reads`)."""
+        kept from step to step (:class:`Reads`)."""
         kernels = numba_kernels.histograms() if reads is not None else None
         if reads is None or kernels is None:
             return self._made(histogram_many, values)

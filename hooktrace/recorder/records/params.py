@@ -16,20 +16,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from torch import nn
 
 from hooktrace.recorder.records.layout import Meta
+from hooktrace.recorder.records.observe import Histograms, Reads
 from hooktrace.recorder.records.pending import PendingStep
 from hooktrace.recorder.records.staging import Staged, Staging
 from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.stats import shape_of, stageable, usual
-
-if TYPE_CHECKING:
-    from hooktrace.recorder.records.observe import Histograms
 
 
 class Entry(NamedTuple):
@@ -69,16 +67,6 @@ def trainable(entries: Sequence[Entry]) -> list[Entry]:
         if value is None or value.requires_grad:  # None: recorded without a value, as ever
             kept.append(entry)
     return kept
-
-
-@dataclass
-class Reads:
-    """What a kind's records keep from step to step while they hold: where their values lie,
-    for the statistics (``staged_kernels.TensorsInPlace``) and the histograms
-    (``histogram_kernel.TensorsInPlace``) read in place. Made once the kernels are loaded."""
-
-    stats: Any = None
-    histograms: Any = None
 
 
 @dataclass(frozen=True)

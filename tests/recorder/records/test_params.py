@@ -12,7 +12,8 @@ from torch import nn
 from torch.nn.utils import prune
 
 import hooktrace
-from hooktrace.recorder.records.params import Entry, Reads, param_records
+from hooktrace.recorder.records.observe import Reads
+from hooktrace.recorder.records.params import Entry, param_records
 from hooktrace.recorder.records.staging import Staged, Staging
 from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.stats import route, summarize_staged
