@@ -119,6 +119,10 @@ class ModuleTable:
                 return replica[1]
         return None
 
+    def by_id(self, module_id: int) -> Attached | None:
+        """The entry of the module with this id (a compiled graph names its modules by id)."""
+        return self._by_id.get(module_id)
+
     def is_replica(self, module: nn.Module) -> bool:
         """Whether ``module`` is an nn.DataParallel replica (held weakly, gone after its
         forward)."""

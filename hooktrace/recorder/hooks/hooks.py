@@ -20,17 +20,19 @@ from __future__ import annotations
 import base64
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from hooktrace.recorder.graphs.plan import Plan
 from hooktrace.recorder.hooks import attach
 from hooktrace.recorder.hooks.attach import ModuleTable, is_compiling
 from hooktrace.recorder.hooks.attach import in_backward as _in_backward
 from hooktrace.recorder.hooks.attach import in_transform as _in_transform
 from hooktrace.recorder.hooks.calls import Calls, Target
+from hooktrace.recorder.hooks.compiled import CompiledCalls
 from hooktrace.recorder.hooks.names import Names
 from hooktrace.recorder.nonfinite import finite
 from hooktrace.recorder.nonfinite.capture import Captures
@@ -61,6 +63,7 @@ class Hooks:
     _table: ModuleTable
     _names: Names
     _calls: Calls
+    _compiled: CompiledCalls
     _observer: Observer
     _captures: Captures
     # what the recorder does for them
@@ -145,6 +148,67 @@ class Hooks:
                         self._fault(exc, f"the backward of {module!r}")
 
         return hook
+
+    # -- compiled graphs (hooktrace.recorder.graphs.backend.Receiver) ------------------------
+
+    def graph_ran(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
+        """An instrumented graph ran: its module calls' outputs are recorded from the
+        statistics it computed (``extras``: a row each, and their per-unit counts)."""
+        if not self._recording or self._paused or _in_transform():
+            return
+        with self._lock:
+            try:
+                self._on_graph(plan, args, extras)
+            except Exception as exc:
+                self._fault(exc, "the statistics of a compiled graph")
+
+    def _on_graph(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
+        compiled = self._compiled
+        names = compiled.modules(plan, args)
+        compiled.delivered += 1
+        stats = extras[0].detach().clone()  # a graph may hand out the same buffers again
+        counts = extras[1].detach().clone() if plan.has_counts else None
+        phase = (
+            self._phase if self._root_depth else ("train" if torch.is_grad_enabled() else "eval")
+        )
+        training = phase == "train"
+        pending, observer, calls = self._pending, self._observer, self._calls
+        taps: dict[int, tuple[list[Target], torch.dtype, tuple[int, ...]]] = {}
+        for module_call, name in zip(plan.calls, names, strict=True):
+            if name is None:
+                continue
+            call = calls.count(phase, name)
+            for out in module_call.outputs:
+                span = out.counts
+                units = (
+                    counts[span[0] : span[1]] if span is not None and counts is not None else None
+                )
+                observer.summarised(pending, self.micro_step, name, call, "output", out.slot,
+                                    stats[out.row], units, out.dtype, out.shape, phase=phase)  # fmt: skip
+                if training and out.tap is not None:
+                    target = (name, call, "grad_output", out.slot)
+                    taps.setdefault(out.tap, ([], out.dtype, out.shape))[0].append(target)
+        for tap, expected in taps.items():
+            compiled.expect(tap, expected)
+
+    def graph_gradient(self, site: int, row: torch.Tensor) -> None:
+        """A compiled backward summarised the gradient at one of its taps (``row``)."""
+        if not self._recording or _in_transform():
+            return
+        with self._lock:
+            expected = self._compiled.arrived(site)
+            if expected is None:
+                return
+            targets, dtype, shape = expected
+            try:
+                if not self._backward_active:
+                    self._backward_active = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+                for module, call, kind, slot in targets:
+                    self._observer.summarised(self._pending, self.micro_step, module, call, kind,
+                                              slot, row, None, dtype, shape, phase="train")  # fmt: skip
+            except Exception as exc:
+                self._fault(exc, f"the backward of {targets[0][0]!r}")
 
     # -- what they do ----------------------------------------------------------------------
 
@@ -266,6 +330,7 @@ class Hooks:
             self._backward_active = False
             self.micro_step += 1
             self._calls.backward_done()
+            self._compiled.backward_done()
             self._captures.backward_done()
 
     def watch(self, tensor: torch.Tensor, name: str) -> None:

@@ -72,26 +72,31 @@ class Names:
         self._layouts_seen: dict[int, list[int]] = {}  # by root id: its modules' ids
 
     def add_root(
-        self, root_name: str, hooked: nn.Module, *, prefixed: bool, compiled: bool
+        self, root_name: str, hooked: nn.Module, *, prefixed: bool
     ) -> dict[str, nn.Module]:
         """Name a root model's modules and parameters, and enter the modules selected in the
         table. Modules already named (shared with an earlier root) keep their first name.
-        ``hooked`` is the module entered as the root (a compiled one is recorded on the
-        outside only, its parameters under its name). Returns the modules newly named."""
+        ``hooked`` is the module entered as the root: a compiled model's wrapper, whose
+        modules are named as the model's own (their records come from the compiled graphs,
+        :mod:`hooktrace.recorder.graphs`). Returns the modules newly named."""
         self.roots[root_name] = hooked
         self._prefixed[root_name] = prefixed
         self._root_names[id(hooked)] = root_name
         self._table.add_root(hooked)
-        return self._add_modules(root_name, hooked, prefixed=prefixed, compiled=compiled)
+        return self._add_modules(root_name, hooked, prefixed=prefixed)
 
     def _add_modules(
-        self, root_name: str, root: nn.Module, *, prefixed: bool, compiled: bool
+        self, root_name: str, root: nn.Module, *, prefixed: bool
     ) -> dict[str, nn.Module]:
         """Name ``root``'s modules not named yet (a module shared with an earlier root keeps
         its first name), with their parameters and buffers, and enter the selected ones in
         the table."""
         new: dict[str, nn.Module] = {}
-        for qualname, module in root.named_modules():
+        inner, _ = unwrap(root)
+        if inner is not root:  # a compiled model: its wrapper stands for it
+            self.known.add(id(inner))
+        named = [("", root)] + [(q, m) for q, m in inner.named_modules() if q]
+        for qualname, module in named:
             if id(module) in self.known:
                 continue
             self.known.add(id(module))
@@ -102,20 +107,19 @@ class Names:
         written = [name for name in new if name not in self.modules]
         self.modules.update(new)
         self.full_modules.update(name for name in new if self._full_match(name))
-        inner, _ = unwrap(self.roots[root_name])
         params, buffers = [], []
         for qualname, param in inner.named_parameters():
             if id(param) in self._entered:
                 continue
             self.param_ids.add(id(param))  # an optimizer holding it trains a recorded model
-            entry = _entry(root_name, inner, qualname, prefixed=prefixed, compiled=compiled)
+            entry = _entry(root_name, inner, qualname, prefixed=prefixed)
             if entry.module in new:
                 self._entered.add(id(param))
                 params.append(entry)
         for qualname, buffer in inner.named_buffers():
             if id(buffer) in self._entered:
                 continue
-            entry = _entry(root_name, inner, qualname, prefixed=prefixed, compiled=compiled)
+            entry = _entry(root_name, inner, qualname, prefixed=prefixed)
             if entry.module in new:
                 self._entered.add(id(buffer))
                 buffers.append(entry)
@@ -281,15 +285,10 @@ def _parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters() if not isinstance(p, lazy))
 
 
-def _entry(
-    root_name: str, inner: nn.Module, qualname: str, *, prefixed: bool, compiled: bool
-) -> Entry:
-    """A parameter or buffer of ``inner`` (a root) by its qualified name: under its own
-    module, or under the root where the root is compiled (its submodules are not recorded)."""
+def _entry(root_name: str, inner: nn.Module, qualname: str, *, prefixed: bool) -> Entry:
+    """A parameter or buffer of ``inner`` (a root) by its qualified name, under its module."""
     owner, _, attr = qualname.rpartition(".")
     found = inner.get_submodule(owner)
-    if compiled:
-        return Entry.of(_qualified(root_name, "", prefixed), qualname, found, attr)
     return Entry.of(_qualified(root_name, owner, prefixed), attr, found, attr)
 
 

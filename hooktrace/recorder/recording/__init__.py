@@ -6,5 +6,5 @@
 script as ``python`` would (``hooktrace record``); ``rundir.py`` the run directory made
 ready; ``faults.py`` how the recorder tells of its own faults.
 
-May import: stats, records, nonfinite, hooks.
+May import: stats, records, nonfinite, hooks, graphs.
 """

@@ -13,16 +13,19 @@ recording ends.
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from hooktrace.recorder.hooks.attach import ModuleTable, is_compiling
 from hooktrace.recorder.hooks.hooks import Hooks
-from hooktrace.recorder.recording.faults import warn
+
+_OUTPUT_GRAPH = "torch._dynamo.output_graph"
 
 COMPILE_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global hooks"
 
@@ -41,6 +44,32 @@ class Patches:
         original = owner.__dict__[name]
         setattr(owner, name, functools.wraps(original)(wrap(original)))
         self._restore.append(lambda: setattr(owner, name, original))
+
+    def instrument_graphs(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Wrap dynamo's hand-over of a captured graph to its backend with ``wrap``
+        (:mod:`hooktrace.recorder.graphs.backend`). Dynamo takes seconds to import: where the
+        script has not imported it yet, ``torch.compile`` is wrapped instead, to wrap the
+        hand-over at its first call (``nn.Module.compile`` calls it too)."""
+        if _OUTPUT_GRAPH in sys.modules:
+            self._wrap_output_graph(wrap)
+            return
+        wrapped = [False]
+
+        def wrap_compile(original: Callable[..., Any]) -> Callable[..., Any]:
+            def compile(*args: Any, **kwargs: Any) -> Any:
+                if not wrapped[0] and self._restore:
+                    wrapped[0] = True
+                    self._wrap_output_graph(wrap)
+                return original(*args, **kwargs)
+
+            return compile
+
+        self.patch(torch, "compile", wrap_compile)
+
+    def _wrap_output_graph(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        from torch._dynamo.output_graph import OutputGraph
+
+        self.patch(OutputGraph, "call_user_compiler", wrap)
 
     def ignore_warning(self, message: str) -> None:
         """torch warns about the process-wide hooks in the script's output: not the script's
@@ -70,14 +99,6 @@ class Patches:
         self._compiled_calls.clear()
         while self._restore:
             self._restore.pop()()
-
-
-def warn_compiled(root_name: str) -> None:
-    warn(
-        f"hooktrace: {root_name} runs under torch.compile: its outputs, gradients and "
-        "parameters are recorded, its submodules are not (hooks inside a compiled graph "
-        "would change it). Run with TORCHDYNAMO_DISABLE=1 to record every module."
-    )
 
 
 class CompiledCall:

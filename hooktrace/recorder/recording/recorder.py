@@ -31,7 +31,9 @@ from torch.optim.optimizer import (
 from torch.utils.hooks import RemovableHandle
 
 from hooktrace.errors import ConfigError, RecordingError
+from hooktrace.recorder.graphs import backend as graphs
 from hooktrace.recorder.hooks.calls import Calls
+from hooktrace.recorder.hooks.compiled import CompiledCalls
 from hooktrace.recorder.hooks.hooks import attach, call_spec
 from hooktrace.recorder.hooks.names import Models, Names, name_roots, unwrap
 from hooktrace.recorder.hooks.select import ModuleFilter, Sampling, StepSpec, module_matcher
@@ -45,7 +47,6 @@ from hooktrace.recorder.recording.patches import (
     CompiledCall,
     Patches,
     replicas_recorded,
-    warn_compiled,
 )
 from hooktrace.recorder.records.layout import Layouts
 from hooktrace.recorder.records.observe import Histograms, Observer
@@ -175,6 +176,8 @@ class Recorder(Steps):
         self._closed = False
         self._handles: list[RemovableHandle] = []  # the process-wide and optimizer hooks'
         self._calls = Calls()
+        self._compiled = CompiledCalls(self._names, self._table)
+        self._graph_failures = 0
         self._paused = 0  # > 0 while torch.jit.trace re-runs the model to check its graph
         self._patches = Patches()
         # hooks may fire in several threads at once (nn.DataParallel's replicas, autograd's
@@ -309,6 +312,20 @@ class Recorder(Steps):
         patch(torch.jit._trace, "_check_trace", self._wrap_check_trace)
         patch(nn.Module, "_replicate_for_data_parallel", replicas_recorded(self._table))
         self._patches.ignore_warning(COMPILE_HOOKS_WARNING)
+        self._patches.instrument_graphs(graphs.wrap_call_user_compiler)
+        graphs.receive(self)
+
+    def graph_failed(self, exc: BaseException, what: str) -> None:
+        """A graph could not be instrumented: it is compiled as the script asked, and its
+        modules are recorded from the outside only."""
+        if self.strict:
+            raise RecordingError(fault_message(exc, what, self.current_step)) from exc
+        self._graph_failures += 1
+        if self._graph_failures == 1:
+            _warn(
+                f"hooktrace: {what} failed ({type(exc).__name__}: {exc}); that graph runs as "
+                "compiled by the script, and the modules inside it are not recorded"
+            )
 
     def _wrap_module_compile(self, original: Callable[..., None]) -> Callable[..., None]:
         def compile(module: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -316,9 +333,6 @@ class Recorder(Steps):
             if self._active:
                 with self._lock:
                     self._patches.watch_compiled(module, self)
-                    entry = self._table.get(module)
-                    if entry is not None and entry.root:
-                        warn_compiled(next(n for n, m in self.roots.items() if m is module))
 
         return compile
 
@@ -339,18 +353,17 @@ class Recorder(Steps):
         """Name a root model's modules and parameters (:class:`Names`) and write their rows.
 
         Wrappers are looked through: DistributedDataParallel's ``module.`` and torch.compile's
-        ``_orig_mod.`` never appear in names. A compiled model is recorded on the outside only
-        (hooks inside a compiled graph would change it), with its parameters under its name.
-        Returns the module that was entered as the root.
+        ``_orig_mod.`` never appear in names. A compiled model's modules are named as an
+        eager one's: their records come from its graphs (:mod:`hooktrace.recorder.graphs`).
+        A module compiled in place (``nn.Module.compile()``) is called around its hooks: its
+        compiled call is wrapped to call them. Returns the module that was entered as the root.
         """
         inner, compiled = unwrap(root)
         hooked = root if compiled else inner
-        if compiled:
-            warn_compiled(root_name)
-            self._names.known.update(id(m) for m in root.modules() if m is not root)
-            if inner is root:  # nn.Module.compile(): its calls never reach a hook outside
-                self._patches.watch_compiled(root, self)
-        written = self._names.add_root(root_name, hooked, prefixed=prefixed, compiled=compiled)
+        for module in inner.modules():  # nn.Module.compile(): its calls never reach a hook
+            if module.__dict__.get("_compiled_call_impl") is not None:
+                self._patches.watch_compiled(module, self)
+        written = self._names.add_root(root_name, hooked, prefixed=prefixed)
         self._writer.add_modules(self._module_rows(root_name, written))
         return hooked
 
@@ -375,6 +388,7 @@ class Recorder(Steps):
 
     def _detach(self) -> None:
         """Remove every hook and patch, and empty the table: torch is as it was."""
+        graphs.receive(None)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -14,6 +14,7 @@ channels-first outputs, and the scratch buffer of the eager route.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -165,6 +166,34 @@ class Observer:
         if full:
             self._snapshot(pending, row, tensor)
         return stats
+
+    def summarised(
+        self,
+        pending: PendingStep,
+        micro_step: int,
+        module: str,
+        call: int,
+        kind: str,
+        slot: str,
+        stats: torch.Tensor,
+        counts: torch.Tensor | None,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        *,
+        phase: str,
+    ) -> None:
+        """Queue a record whose statistics were computed elsewhere (in a compiled graph):
+        ``stats`` a row of ``STATS_WIDTH``, ``counts`` the per-unit positive counts."""
+        row = len(pending.meta)
+        n_units = unit_size = 0
+        if counts is not None:
+            n_units = counts.shape[0]
+            unit_size = math.prod(shape) // max(n_units, 1)
+            pending.activity.append((row, counts))
+        pending.meta.append(
+            Meta(micro_step, phase, module, call, kind, slot, dtype, shape, n_units, unit_size)
+        )
+        pending.stats.append(stats)
 
     def _summarise(
         self, pending: PendingStep, tensor: torch.Tensor, units: bool

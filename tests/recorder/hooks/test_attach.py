@@ -144,7 +144,10 @@ def test_graphs_are_those_of_the_model_unrecorded(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
-def test_a_compiled_model_is_recorded_from_the_outside(tmp_path: Path, how: str) -> None:
+def test_a_compiled_model_is_recorded_inside_under_the_names_eager_gives(
+    tmp_path: Path, how: str
+) -> None:
+    torch._dynamo.reset()  # graphs compiled by an earlier test were compiled unrecorded
     torch.manual_seed(0)
     model = Net()
     compiled: nn.Module = model
@@ -152,38 +155,43 @@ def test_a_compiled_model_is_recorded_from_the_outside(tmp_path: Path, how: str)
         compiled = torch.compile(model, backend="eager")
     else:
         model.compile(backend="eager")
-    with (
-        pytest.warns(RuntimeWarning, match="runs under torch.compile") as caught,
-        hooktrace.record(compiled, tmp_path / "run") as rec,
-    ):
-        _train(compiled, steps=3)
-        assert rec.error is None
-    # torch's own warning about process-wide hooks is not shown to the script
-    assert not [w for w in caught if "global hooks" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with hooktrace.record(compiled, tmp_path / "run") as rec:
+            _train(compiled, steps=3)
+            assert rec.error is None
+    # neither hooktrace nor torch's warning about process-wide hooks reaches the script
+    assert not [
+        w for w in caught if "hooktrace" in str(w.message) or "global hooks" in str(w.message)
+    ]
     records = hooktrace.load(tmp_path / "run").records
     assert sorted(records["step"].unique()) == [0, 1, 2]
-    assert set(records["module"]) == {"Net"}
-    per_kind = records[records["step"] == 1].groupby("kind").size().to_dict()
-    assert per_kind == {"output": 1, "grad_output": 1, "param": 4, "grad_param": 4}
+    step = records[records["step"] == 1]
+    assert set(step["module"]) == {"Net", "fc1", "act", "fc2"}
+    outputs = step[step["kind"] == "output"]
+    assert list(outputs["module"]) == ["fc1", "act", "fc2", "Net"]  # as eager records them
+    assert set(step.loc[step["kind"] == "grad_output", "module"]) == {"Net", "fc1", "act", "fc2"}
+    assert len(step[step["kind"] == "param"]) == len(step[step["kind"] == "grad_param"]) == 4
     assert model.__dict__.get("_compiled_call_impl") is None or not isinstance(
         model.__dict__["_compiled_call_impl"], hooktrace.recorder.recording.recorder.CompiledCall
     )
 
 
 def test_module_compile_during_recording_is_recorded_from_then_on(tmp_path: Path) -> None:
+    torch._dynamo.reset()
     torch.manual_seed(0)
     model = Net()
     with hooktrace.record(model, tmp_path / "run") as rec:
         _train(model, steps=1)
-        with pytest.warns(RuntimeWarning, match="runs under torch.compile"):
-            model.compile(backend="eager")
+        model.compile(backend="eager")
         _train(model, steps=1)
         assert rec.error is None
     assert "CompiledCall" not in type(model.__dict__["_compiled_call_impl"]).__name__
     records = hooktrace.load(tmp_path / "run").records
-    step1 = records[records["step"] == 1]
-    assert set(step1.loc[step1["kind"] == "output", "module"]) == {"Net"}
-    assert len(step1[step1["kind"] == "param"]) == 4
+    step0, step1 = (records[records["step"] == s] for s in (0, 1))
+    for step in (step0, step1):
+        assert list(step.loc[step["kind"] == "output", "module"]) == ["fc1", "act", "fc2", "Net"]
+        assert len(step[step["kind"] == "param"]) == 4
 
 
 class Growing(nn.Module):
@@ -326,11 +334,10 @@ def test_hooktraces_warnings_never_raise_into_the_script(
         warnings.simplefilter("error")
         with hooktrace.record(model, tmp_path / "run") as rec:
             _train(model, steps=1)
-            model.compile(backend="eager")  # warns: recorded from the outside
+            model.compile(backend="eager")
             rec._observe = None  # type: ignore[assignment,method-assign]  # a planted fault
             _train(model, steps=1)
     err = capsys.readouterr().err
-    assert "hooktrace: Net runs under torch.compile" in err
     assert "hooktrace failed in the forward of 'Net' at step 1" in err
     assert rec.error is not None
 

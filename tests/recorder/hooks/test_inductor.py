@@ -35,6 +35,7 @@ class GPTLike(nn.Module):
 def _train(out: Path | None) -> tuple[list[float], dict[str, torch.Tensor], int | None]:
     """Three AdamW steps of a freshly seeded, inductor-compiled model, recorded into ``out``
     where given: the losses, the final parameters and the recording's error (None: none)."""
+    torch._dynamo.reset()  # each run compiles its own graphs: the recorded one instrumented
     torch.manual_seed(0)
     model = GPTLike()
     compiled = torch.compile(model)  # inductor, the default
@@ -58,10 +59,7 @@ def _train(out: Path | None) -> tuple[list[float], dict[str, torch.Tensor], int 
 
     if out is None:
         return steps(), {k: v.detach().clone() for k, v in model.state_dict().items()}, None
-    with (
-        pytest.warns(RuntimeWarning, match="runs under torch.compile"),
-        hooktrace.record(compiled, out) as rec,
-    ):
+    with hooktrace.record(compiled, out) as rec:
         losses = steps()
         error = rec.error
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, error
@@ -83,13 +81,19 @@ def test_a_model_compiled_by_inductor_is_recorded_every_step(runs: dict[str, obj
     records = trace.records
     assert sorted(records["step"].unique()) == [0, 1, 2]
     step = records[records["step"] == 1]
-    outputs = step[step["kind"] == "output"].sort_values("slot")
-    assert list(outputs["slot"]) == ["0", "1"]  # the logits and the loss
+    root = step[step["module"] == "GPTLike"]
+    assert list(root.loc[root["kind"] == "output", "slot"]) == ["0", "1"]  # logits, loss
     # the loss's gradient is 1; the logits', computed inside the graph, never leaves it
-    grads = step[step["kind"] == "grad_output"]
+    grads = root[root["kind"] == "grad_output"]
     assert list(grads["slot"]) == ["1"]
     assert grads["mean"].iloc[0] == 1.0
-    assert len(step[step["kind"] == "param"]) == len(step[step["kind"] == "grad_param"]) == 5
+    # the modules inside the graph, recorded from the statistics compiled into it
+    inside = step[step["module"] != "GPTLike"]
+    assert list(inside.loc[inside["kind"] == "output", "module"]) == ["emb", "fc", "head"]
+    assert list(inside.loc[inside["kind"] == "grad_output", "module"]) == ["head", "fc", "emb"]
+    assert (
+        len(step[step["kind"] == "param"]) == len(step[step["kind"] == "grad_param"]) == 3 * 2 - 1
+    )
 
 
 def test_recording_an_inductor_compiled_model_leaves_its_training_bit_identical(

@@ -1,0 +1,136 @@
+"""Graphs compiled while recording are compiled with their statistics in them.
+
+Dynamo hands every graph it captures to the script's backend (inductor, aot_eager, eager, or
+the script's own) in ``OutputGraph.call_user_compiler``. While a recording is on, that method
+is wrapped (:func:`wrap_call_user_compiler`): the graph gets its module calls' statistics
+(:func:`hooktrace.recorder.graphs.plan.instrument`), the script's backend compiles it, and the
+callable dynamo runs is wrapped in one that hands the extra outputs to the recorder and
+returns the graph's own. The backend, its mode and options, the graph count and the guards
+stay the script's: nothing recompiles, nothing breaks the graph.
+
+Where the instrumented graph cannot be compiled, the graph is put back as it was and
+compiled as the script asked (the recorder says so once): the script's compile never fails
+because of hooktrace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import fx
+
+from hooktrace.recorder.graphs import ops
+from hooktrace.recorder.graphs.plan import Plan, instrument
+
+
+class Receiver(Protocol):
+    """The recorder, as the graphs see it."""
+
+    max_units: int
+
+    def graph_ran(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
+        """An instrumented graph ran: ``extras`` are its statistics and counts."""
+
+    def graph_gradient(self, site: int, row: torch.Tensor) -> None:
+        """A tap's gradient summary arrived (in the backward)."""
+
+    def graph_failed(self, exc: BaseException, what: str) -> None:
+        """Instrumenting a graph failed: it is compiled as it was."""
+
+
+_receiver: list[Receiver | None] = [None]
+_taps = [0]
+
+
+def receive(receiver: Receiver | None) -> None:
+    """Send what instrumented graphs produce to ``receiver`` (None: to nobody)."""
+    _receiver[0] = receiver
+    ops.set_sink(receiver.graph_gradient if receiver is not None else None)
+
+
+def _new_tap() -> int:
+    _taps[0] += 1
+    return _taps[0]
+
+
+def wrap_call_user_compiler(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrap of ``OutputGraph.call_user_compiler``: while a receiver is set, the graph is
+    instrumented before the script's backend compiles it."""
+
+    def call_user_compiler(self: Any, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        receiver = _receiver[0]
+        if receiver is None:
+            return original(self, gm, example_inputs)
+        backend = self.compiler_fn
+        self.compiler_fn = _Instrumenting(backend, receiver)
+        try:
+            return original(self, gm, example_inputs)
+        finally:
+            self.compiler_fn = backend
+
+    return call_user_compiler
+
+
+class _Instrumenting:
+    """The script's backend, given the instrumented graph."""
+
+    def __init__(self, backend: Callable[..., Any], receiver: Receiver) -> None:
+        self.backend = backend
+        self.receiver = receiver
+        self.__name__ = getattr(backend, "__name__", type(backend).__name__)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        saved = gm.graph
+        try:
+            trial = fx.GraphModule(gm, _copy(saved))
+            for attribute in ("_param_name_to_source", "_source_to_user_stacks"):
+                if hasattr(gm, attribute):
+                    setattr(trial, attribute, getattr(gm, attribute))
+            plan = instrument(trial, max_units=self.receiver.max_units, new_tap=_new_tap)
+        except Exception as exc:
+            self.receiver.graph_failed(exc, "reading a compiled graph")
+            return self.backend(gm, example_inputs)
+        if plan is None:
+            return self.backend(gm, example_inputs)
+        try:
+            compiled = self.backend(trial, example_inputs)
+        except Exception as exc:
+            self.receiver.graph_failed(exc, "compiling a graph with its statistics")
+            return self.backend(gm, example_inputs)
+        return _Run(compiled, plan)
+
+    def __getattr__(self, name: str) -> Any:  # what dynamo asks of the backend
+        return getattr(self.backend, name)
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose nodes keep their ``_dynamo_source`` and metadata."""
+    copy = fx.Graph(owning_module=graph.owning_module)
+    mapping: dict[fx.Node, fx.Node] = {}
+    output = copy.graph_copy(graph, mapping)
+    copy.output(output)
+    for old, new in mapping.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    return copy
+
+
+class _Run:
+    """What dynamo calls for an instrumented graph: the compiled graph, its extra outputs
+    handed to the recorder."""
+
+    __slots__ = ("compiled", "plan", "returns")
+
+    def __init__(self, compiled: Callable[..., Any], plan: Plan) -> None:
+        self.compiled = compiled
+        self.plan = plan
+        self.returns = plan.returns
+
+    def __call__(self, *args: Any) -> Any:
+        outputs = self.compiled(*args)
+        receiver = _receiver[0]
+        if receiver is not None:
+            receiver.graph_ran(self.plan, args, outputs[self.returns :])
+        return outputs[: self.returns]

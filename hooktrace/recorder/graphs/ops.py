@@ -1,0 +1,94 @@
+"""What hooktrace adds to a compiled graph: statistics, per-unit counts and gradient taps.
+
+:func:`summary` and :func:`activity` are plain tensor operations, traced into the graph and
+compiled with the model by its backend (inductor fuses them with the model's own kernels):
+the same statistics as the hooks take on a device (``stats._summarize_on_device``), in
+float32, as one float64 row. They read a detached value, so the model's own computation and
+its gradients do not change.
+
+A gradient cannot leave a backward graph as an output. :func:`tap` is the identity in the
+forward; its backward summarises the gradient that reaches it and hands the row to
+``hooktrace::sink``, an operator with a side effect (so no compiler drops it), which calls
+the recorder (:func:`set_sink`). The row is copied there: a compiled backward reuses its
+buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Sink = Callable[[int, torch.Tensor], None]
+
+_sink: list[Sink | None] = [None]
+"""Where tapped gradients go: the recording's receiver, or None (graphs compiled while
+recording stay in dynamo's cache after it: their taps then do nothing)."""
+
+
+def set_sink(sink: Sink | None) -> None:
+    _sink[0] = sink
+
+
+def summary(x: torch.Tensor) -> torch.Tensor:
+    """mean, std, min, max, norm, zeros, NaNs, Infs of ``x`` as float64 (``STATS_WIDTH``)."""
+    x = x.detach().float()
+    var, mean = torch.var_mean(x, correction=0)
+    lo, hi = torch.aminmax(x)
+    norm = torch.linalg.vector_norm(x)
+    zeros = x.numel() - torch.count_nonzero(x)
+    nans = torch.count_nonzero(torch.isnan(x))
+    infs = torch.count_nonzero(torch.isinf(x))
+    return torch.stack([t.double() for t in (mean, var.sqrt(), lo, hi, norm, zeros, nans, infs)])
+
+
+def activity(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """How many values of each unit along ``dim`` are positive (int64)."""
+    others = [d for d in range(x.dim()) if d != dim]
+    positive = x.detach() > 0
+    return positive.sum(dim=others, dtype=torch.int64) if others else positive.long()
+
+
+def unit_dim(shape: tuple[int, ...], *, channels_first: bool) -> int | None:
+    """``stats.unit_dim`` for a shape: channels of 4-D and channels-first 3-D values, else
+    the last dimension; None for a scalar."""
+    if not shape:
+        return None
+    if len(shape) >= 4 or (len(shape) == 3 and channels_first):
+        return 1
+    return len(shape) - 1
+
+
+class _Tap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, site: int, copy: bool) -> torch.Tensor:
+        ctx.site = site
+        # a view of a value the graph returns is made again outside it, tap and all
+        return x.clone() if copy else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        torch.ops.hooktrace.sink(summary(grad), ctx.site)
+        return grad, None, None
+
+
+def tap(x: torch.Tensor, site: int, copy: bool = False) -> torch.Tensor:
+    """``x``, whose gradient is summarised and handed to the sink under ``site``; a copy of
+    it where the graph returns it (``copy``)."""
+    return _Tap.apply(x, site, copy)
+
+
+@torch.library.custom_op("hooktrace::sink", mutates_args=())
+def _sink_op(row: torch.Tensor, site: int) -> None:
+    sink = _sink[0]
+    if sink is not None:
+        sink(site, row.clone())
+
+
+@_sink_op.register_fake
+def _(row: torch.Tensor, site: int) -> None:
+    return None
+
+
+torch.fx.node.has_side_effect(torch.ops.hooktrace.sink.default)

@@ -1,0 +1,110 @@
+"""Which modules a compiled graph's call ran, and which call of them each tapped gradient is.
+
+A graph instrumented while compiling (:mod:`hooktrace.recorder.graphs`) names its module calls
+by their path from a frame's module. When it runs, the frame's module is found from a
+parameter the graph took (its anchor): one graph serves every block of a ``ModuleList``
+compiled block by block, each block with its own parameters. A frame with no parameter is
+named by the ids the graph was traced with. Both are remembered per graph and anchor.
+
+Gradients come back through the graph's taps in the backward, each tap once per call of the
+graph that reached it: a tap's calls are answered last first, as the backward runs them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hooktrace.recorder.graphs.plan import Plan
+from hooktrace.recorder.hooks.attach import ModuleTable
+from hooktrace.recorder.hooks.calls import Target
+from hooktrace.recorder.hooks.names import Names, unwrap
+
+Expected = tuple[list[Target], torch.dtype, tuple[int, ...]]
+"""Where a tap's gradient is recorded, and the dtype and shape of the value it reached."""
+
+_KEEP = 4096
+"""Module lists remembered, by graph and anchors, at most (forgotten all at once)."""
+
+
+class CompiledCalls:
+    """The recorder's view of instrumented graphs: their module names, their taps."""
+
+    def __init__(self, names: Names, table: ModuleTable) -> None:
+        self._names = names
+        self._table = table
+        self._modules: dict[tuple[int, tuple[int, ...]], list[str | None]] = {}
+        self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # by parameter id
+        self._taps: dict[int, list[Expected]] = {}
+        self.delivered = 0  # graph runs recorded (tests, and the outside record's warning)
+
+    def modules(self, plan: Plan, args: tuple[Any, ...]) -> list[str | None]:
+        """The recorded name of each module call of ``plan`` in this run (None: not
+        recorded)."""
+        anchors = tuple(id(args[index]) for index, _ in plan.anchors.values())
+        key = (id(plan), anchors)
+        found = self._modules.get(key)
+        if found is None:
+            if len(self._modules) >= _KEEP:
+                self._modules.clear()
+            found = self._modules[key] = self._resolve(plan, args)
+        return found
+
+    def renamed(self) -> None:
+        """Modules were named again (a model restructured): names found are stale."""
+        self._modules.clear()
+        self._owners.clear()
+
+    def _resolve(self, plan: Plan, args: tuple[Any, ...]) -> list[str | None]:
+        frames: dict[str, torch.nn.Module | None] = {}
+        for frame, (index, path) in plan.anchors.items():
+            frames[frame] = self._frame_module(args[index], path)
+        names: list[str | None] = []
+        for call in plan.calls:
+            frame_module = frames.get(call.frame)
+            module = None
+            if frame_module is not None:
+                try:
+                    module = frame_module.get_submodule(call.path) if call.path else frame_module
+                except AttributeError:
+                    module = None
+                entry = self._table.get(module) if module is not None else None
+            else:
+                entry = self._table.by_id(call.traced_id)
+            if entry is not None and entry.root and not call.path:
+                entry = None  # a root, recorded by its own hooks from the outside
+            names.append(entry.name if entry is not None else None)
+        return names
+
+    def _frame_module(self, parameter: Any, path: str) -> torch.nn.Module | None:
+        """The module whose parameter ``parameter`` is at ``path``."""
+        owner = self._owners.get(id(parameter))
+        if owner is None:
+            for root in self._names.roots.values():
+                inner, _ = unwrap(root)
+                for qualname, param in inner.named_parameters(remove_duplicate=False):
+                    self._owners[id(param)] = (inner, qualname)
+            owner = self._owners.get(id(parameter))
+        if owner is None:
+            return None
+        inner, qualname = owner
+        if qualname != path and not qualname.endswith("." + path):
+            return None
+        prefix = qualname[: len(qualname) - len(path)].rstrip(".")
+        try:
+            return inner.get_submodule(prefix) if prefix else inner
+        except AttributeError:
+            return None
+
+    def expect(self, tap: int, expected: Expected) -> None:
+        """A call of a graph reached ``tap``: its gradient is recorded as ``expected`` says."""
+        self._taps.setdefault(tap, []).append(expected)
+
+    def arrived(self, tap: int) -> Expected | None:
+        """Where the gradient that reached ``tap`` now is recorded (None: nowhere)."""
+        waiting = self._taps.get(tap)
+        return waiting.pop() if waiting else None
+
+    def backward_done(self) -> None:
+        self._taps.clear()

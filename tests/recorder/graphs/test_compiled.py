@@ -1,0 +1,226 @@
+"""Compiled models recorded from the inside (issue: compiled models).
+
+Every test here compiles for real: inductor, whose C++ kernels gcc builds on this CPU, is the
+default backend scripts use, and ``aot_eager`` (dynamo and AOTAutograd, no code generation)
+stands in where a test needs several compiles. Each run resets dynamo first: a graph compiled
+before a recording began is not instrumented, and dynamo would reuse it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hooktrace
+from tests.models import REFERENCE_GRAD_OUTPUTS, REFERENCE_OUTPUTS, ReferenceMLP, reference_input
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.fc(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+Run = tuple[list[float], dict[str, torch.Tensor], Counter[str]]
+
+
+def _train(
+    out: Path | None,
+    compile_model: Callable[[nn.Module], nn.Module] | None,
+    *,
+    steps: int = 3,
+) -> Run:
+    """``steps`` SGD steps of a freshly seeded :class:`Blocks`, compiled by
+    ``compile_model`` (None: eager), recorded into ``out`` where given: the losses, the final
+    parameters and dynamo's graph counters."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = Blocks()
+    run = compile_model(model) if compile_model is not None else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 8, generator=data) for _ in range(steps)]
+    losses: list[float] = []
+
+    def train() -> None:
+        for x in batches:
+            loss = run(x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+
+    if out is None:
+        train()
+    else:
+        with hooktrace.record(run, out, strict=True):
+            train()
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, params, Counter(torch._dynamo.utils.counters["stats"])
+
+
+def _inductor(model: nn.Module) -> nn.Module:
+    return torch.compile(model)  # type: ignore[return-value]
+
+
+@pytest.fixture(scope="module")
+def inductor_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    root = tmp_path_factory.mktemp("compiled")
+    return {
+        "plain": _train(None, _inductor),
+        "recorded": _train(root / "compiled", _inductor),
+        "eager": _train(root / "eager", None),
+        "root": root,
+    }
+
+
+def test_recording_a_compiled_model_leaves_its_training_and_graphs_as_they_were(
+    inductor_runs: dict[str, object],
+) -> None:
+    losses, params, counters = inductor_runs["plain"]  # type: ignore[misc]
+    recorded_losses, recorded_params, recorded_counters = inductor_runs["recorded"]  # type: ignore[misc]
+    assert recorded_losses == losses
+    for name, value in params.items():
+        assert torch.equal(recorded_params[name], value), name
+    # the same graphs, captured once: no graph break, no recompile per step
+    assert recorded_counters["unique_graphs"] == counters["unique_graphs"] == 1
+    assert recorded_counters["calls_captured"] == counters["calls_captured"]
+
+
+def test_every_module_inside_is_recorded_as_an_eager_run_records_it(
+    inductor_runs: dict[str, object],
+) -> None:
+    root: Path = inductor_runs["root"]  # type: ignore[assignment]
+    compiled = hooktrace.load(root / "compiled").records
+    eager = hooktrace.load(root / "eager").records
+    columns = ["step", "micro_step", "phase", "module", "call", "kind", "slot", "units"]
+    # in the same order, but for the root's gradient: caught outside the graph, before the
+    # backward of the graph whose taps catch the modules' inside
+    assert sorted(compiled[columns].values.tolist()) == sorted(eager[columns].values.tolist())
+    forward = compiled[compiled["kind"] != "grad_output"]
+    eager_forward = eager[eager["kind"] != "grad_output"]
+    assert forward[columns].values.tolist() == eager_forward[columns].values.tolist()
+    assert set(compiled["module"]) == {
+        "Blocks", "norm", "head",
+        *(f"blocks.{i}{inner}" for i in range(3) for inner in ("", ".fc", ".act")),
+    }  # fmt: skip
+
+
+def test_a_compiled_run_matches_the_eager_run_at_the_compilers_tolerance(
+    inductor_runs: dict[str, object],
+) -> None:
+    root: Path = inductor_runs["root"]  # type: ignore[assignment]
+    result = hooktrace.diff(root / "eager", root / "compiled", rtol=1e-4)
+    assert result.match, result
+    assert result.records == len(hooktrace.load(root / "eager").records)
+
+
+def test_dead_relus_are_counted_in_the_graph(inductor_runs: dict[str, object]) -> None:
+    root: Path = inductor_runs["root"]  # type: ignore[assignment]
+    compiled, eager = hooktrace.load(root / "compiled"), hooktrace.load(root / "eager")
+    for step in range(3):
+        for i in range(3):
+            counts = compiled.activity(f"blocks.{i}.act", step=step)
+            assert counts.tolist() == eager.activity(f"blocks.{i}.act", step=step).tolist()
+
+
+def test_reference_case_one_compiled_by_inductor_records_the_values_worked_out_by_hand(
+    tmp_path: Path,
+) -> None:
+    """REFERENCE_CASES.md, case 1, through inductor: outputs and output gradients whose
+    values are known by hand, and relu1's two active units."""
+    torch._dynamo.reset()
+    model = ReferenceMLP()
+    compiled = torch.compile(model)
+    with hooktrace.record(compiled, tmp_path / "run", strict=True):
+        compiled(reference_input()).sum().backward()
+    trace = hooktrace.load(tmp_path / "run")
+    records = trace.records.set_index(["module", "kind"])
+    for name, kind, values in [
+        *((m, "output", v) for m, v in REFERENCE_OUTPUTS.items()),
+        *((m, "grad_output", v) for m, v in REFERENCE_GRAD_OUTPUTS.items()),
+    ]:
+        expected = np.array(values, dtype=np.float64)
+        row = records.loc[(name, kind)]
+        assert row["mean"] == pytest.approx(expected.mean()), (name, kind)
+        assert row["std"] == pytest.approx(expected.std()), (name, kind)
+        assert (row["min"], row["max"]) == (expected.min(), expected.max()), (name, kind)
+        assert row["norm"] == pytest.approx(math.sqrt((expected**2).sum())), (name, kind)
+        assert row["zero_fraction"] == (expected == 0).mean(), (name, kind)
+        assert row["nan_count"] == row["inf_count"] == 0
+    assert trace.activity("relu1", step=0).tolist() == [1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_other_backends_record_the_same(tmp_path: Path, backend: str) -> None:
+    def compile_model(model: nn.Module) -> nn.Module:
+        return torch.compile(model, backend=backend)  # type: ignore[return-value]
+
+    plain = _train(None, compile_model, steps=2)
+    recorded = _train(tmp_path / "compiled", compile_model, steps=2)
+    assert recorded[0] == plain[0]
+    _train(tmp_path / "eager", None, steps=2)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+
+
+def test_blocks_compiled_one_by_one_are_each_recorded_under_their_own_names(
+    tmp_path: Path,
+) -> None:
+    """Large trainers compile each block: one graph then serves every block, and each call
+    is named from the parameters it was given."""
+
+    def compile_blocks(model: nn.Module) -> nn.Module:
+        for block in model.blocks:  # type: ignore[union-attr]
+            block.compile(backend="aot_eager")
+        return model
+
+    plain = _train(None, compile_blocks, steps=2)
+    recorded = _train(tmp_path / "compiled", compile_blocks, steps=2)
+    assert recorded[0] == plain[0]
+    assert recorded[2]["unique_graphs"] == plain[2]["unique_graphs"]
+    _train(tmp_path / "eager", None, steps=2)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+    assert result.records == len(hooktrace.load(tmp_path / "eager").records)
+
+
+def test_an_evaluation_under_no_grad_is_recorded_from_its_inference_graph(
+    tmp_path: Path,
+) -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Blocks().eval()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(4, 8)
+    with hooktrace.record(compiled, tmp_path / "run", strict=True), torch.no_grad():
+        compiled(x)
+    records = hooktrace.load(tmp_path / "run").records
+    assert set(records["phase"]) == {"eval"}
+    assert "grad_output" not in set(records["kind"])
+    assert len(records[records["kind"] == "output"]) == 1 + 3 * 3 + 2
