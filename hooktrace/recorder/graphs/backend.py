@@ -97,12 +97,27 @@ class _Instrumenting:
         try:
             compiled = self.backend(trial, example_inputs)
         except Exception as exc:
+            if _dynamo_control(exc):  # dynamo's own signal: analyse again, skip the frame
+                raise
             self.receiver.graph_failed(exc, "compiling a graph with its statistics")
             return self.backend(gm, example_inputs)
         return _Run(compiled, plan)
 
     def __getattr__(self, name: str) -> Any:  # what dynamo asks of the backend
         return getattr(self.backend, name)
+
+
+def _dynamo_control(exc: BaseException) -> bool:
+    """Whether ``exc`` is how dynamo steers its own compile (a restart of the analysis, a
+    frame to skip), which the backend's caller handles: not a failure."""
+    from torch._dynamo import exc as dynamo_exc
+
+    kinds = tuple(
+        getattr(dynamo_exc, name)
+        for name in ("RestartAnalysis", "SkipFrame", "ShortenTraceback")
+        if isinstance(getattr(dynamo_exc, name, None), type)
+    )
+    return isinstance(exc, kinds)
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:

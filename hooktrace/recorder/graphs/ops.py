@@ -6,6 +6,13 @@ the same statistics as the hooks take on a device (``stats._summarize_on_device`
 float32, as one float64 row. They read a detached value, so the model's own computation and
 its gradients do not change.
 
+Where a module call's outputs are, dynamo learns from the recorder's own forward hook: while
+dynamo traces a module's call it traces the process-wide hooks too, and the recorder's marks
+each output (:func:`mark_outputs`, ``hooktrace::mark``, an operator with a side effect so that
+dynamo keeps it). The marks name the output's slot, and the node's ``nn_module_stack`` names
+the module; :mod:`hooktrace.recorder.graphs.plan` reads them and takes them out of the graph
+before any backend sees it.
+
 A gradient cannot leave a backward graph as an output. :func:`tap` is the identity in the
 forward; its backward summarises the gradient that reaches it and hands the row to
 ``hooktrace::sink``, an operator with a side effect (so no compiler drops it), which calls
@@ -79,6 +86,37 @@ def tap(x: torch.Tensor, site: int, copy: bool = False) -> torch.Tensor:
     return _Tap.apply(x, site, copy)
 
 
+_MAX_DEPTH = 4
+"""Nesting of a module's outputs marked, at most (tuples of tuples of tensors)."""
+
+
+def mark_outputs(output: Any, slot: str = "", depth: int = 0) -> None:
+    """Mark each tensor of a module's output with its slot (as ``records.flatten`` names
+    them): runs while dynamo traces the module's call, so only what dynamo traces without a
+    graph break is looked into (tensors, tuples, lists, dicts with string keys)."""
+    if isinstance(output, torch.Tensor):
+        torch.ops.hooktrace.mark(output, slot or "0")
+    elif depth < _MAX_DEPTH and isinstance(output, (tuple, list)):
+        fields = getattr(output, "_fields", None)  # a namedtuple's slots are its fields
+        for i, item in enumerate(output):
+            key = fields[i] if fields is not None else str(i)
+            mark_outputs(item, f"{slot}.{key}" if slot else key, depth + 1)
+    elif depth < _MAX_DEPTH and type(output) is dict:
+        for key, item in output.items():
+            if isinstance(key, str):
+                mark_outputs(item, f"{slot}.{key}" if slot else key, depth + 1)
+
+
+@torch.library.custom_op("hooktrace::mark", mutates_args=())
+def _mark_op(x: torch.Tensor, slot: str) -> None:
+    """Never runs where the recorder instruments the graph (the marks are taken out)."""
+
+
+@_mark_op.register_fake
+def _(x: torch.Tensor, slot: str) -> None:
+    return None
+
+
 @torch.library.custom_op("hooktrace::sink", mutates_args=())
 def _sink_op(row: torch.Tensor, site: int) -> None:
     sink = _sink[0]
@@ -92,3 +130,5 @@ def _(row: torch.Tensor, site: int) -> None:
 
 
 torch.fx.node.has_side_effect(torch.ops.hooktrace.sink.default)
+torch.fx.node.has_side_effect(torch.ops.hooktrace.mark.default)
+MARKS = (torch.ops.hooktrace.mark, torch.ops.hooktrace.mark.default)

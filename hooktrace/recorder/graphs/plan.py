@@ -1,30 +1,30 @@
 """Where the module calls of a graph that dynamo captured return, and what is added to it.
 
-Dynamo tags each node of the graph it captures with ``nn_module_stack``: the module calls the
-node ran inside, outermost first, each keyed by the module's id (``"140…"``, ``"140…@1"`` for
-its second call in the graph) with its path from the compiled frame (``"L['self'].blocks.0.fc"``).
-A module call's outputs are its nodes that a node outside the call uses, or that the graph
-returns. Each such node is summarised in the graph (:mod:`hooktrace.recorder.graphs.ops`):
-its statistics become one row of an extra output of the graph, its per-unit activity a span
-of a second one, and its gradient is caught by a tap whose backward summarises it.
+While dynamo traces a module's call it traces the recorder's forward hook too, which marks
+each output with its slot (``ops.mark_outputs``). A mark's node says which value, its
+argument the slot, and its ``nn_module_stack`` the module: the calls it ran inside, outermost
+first, the last the module itself, keyed by the module's id (``"140…"``, ``"140…@1"`` for its
+second call in the graph) with its path from the compiled frame (``"L['self'].blocks.0.fc"``).
+A mark with no stack is the frame's own module (a module compiled on its own). The marks
+come in the order the hooks ran, which is the order an eager run records in; they are taken
+out of the graph here. Each value marked is summarised in the graph
+(:mod:`hooktrace.recorder.graphs.ops`): its statistics become one row of an extra output of
+the graph, its per-unit activity a span of a second one, and its gradient is caught by a tap
+whose backward summarises it. An output whose shape is dynamic returns its sizes too.
 
 Which module ran is settled when the graph runs, not here: one graph serves every block of a
 ``ModuleList`` compiled block by block. Each frame's modules are found at run time from a
 parameter the graph takes (its *anchor*): the parameter's name in the recorded model, less
 its path from the frame, is the frame's module. A frame with no parameter falls back on the
-ids the graph was traced with.
-
-What a graph cannot say is left out, and the plan says why (:attr:`Plan.notes`): a module
-that returns its input unchanged has no node; a tuple's outputs are numbered in the order
-their nodes were made, which may differ from the tuple's order.
+ids the graph was traced with. A dynamic dimension's units are not counted.
 """
 
 from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +44,11 @@ _CHANNELS_FIRST = (
 _SEGMENT = re.compile(r"\._modules\['([^']*)'\]|\._parameters\['([^']*)'\]|\.(\w+)|\[(\d+)\]")
 """One step of a dynamo source's name: a submodule, a parameter, an attribute, an index."""
 
+Dims = tuple[int, ...] | None
+
+_SELF = "L['self']"
+"""The frame of a module's own call (``Module._call_impl``), compiled on its own."""
+
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
 
 
@@ -57,7 +62,14 @@ class Output:
     counts: tuple[int, int] | None
     tap: int | None
     dtype: torch.dtype
-    shape: tuple[int, ...]
+    shape: tuple[int, ...]  # -1 where dynamic
+    dims: Dims = None  # where dynamic: its sizes' places among the graph's size outputs
+
+    def shape_of(self, sizes: Sequence[int]) -> tuple[int, ...]:
+        """The output's shape in this run (``sizes``: the graph's size outputs)."""
+        if self.dims is None:
+            return self.shape
+        return tuple(int(sizes[i]) for i in self.dims)
 
 
 @dataclass(frozen=True)
@@ -74,130 +86,146 @@ class Call:
 @dataclass
 class Plan:
     """What was added to one graph: the graph's own outputs come first (``returns`` of
-    them), then the statistics (one row per output summarised) and, where any units are
-    counted, the counts."""
+    them), then the statistics (one row per output summarised), the counts where any units
+    are counted, and the sizes of outputs whose shapes are dynamic (``Output.dims``)."""
 
     returns: int
     calls: list[Call]
     anchors: dict[str, tuple[int, str]]  # frame -> (placeholder index, parameter path)
     taps: int
     has_counts: bool
-    notes: list[str] = field(default_factory=list)
 
 
 def instrument(gm: fx.GraphModule, *, max_units: int, new_tap: Callable[[], int]) -> Plan | None:
-    """Add the statistics of every module call's outputs to ``gm`` (in place), and taps on
-    their gradients where the graph trains. None where the graph holds no module call."""
+    """Take the marks out of ``gm`` and add, in their place, the statistics of the values
+    they marked, and taps on their gradients where the graph trains. None where the graph
+    holds no mark (``gm`` is then unchanged)."""
     graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    calls = _module_calls(graph)
-    if not calls:
+    marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
+    if not marks:
         return None
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     output_node = next(n for n in graph.nodes if n.op == "output")
-    returns = output_node.args[0]
+    returns = len(output_node.args[0])
     training = torch.is_grad_enabled() and any(
         isinstance(v := p.meta.get("example_value"), torch.Tensor) and v.requires_grad
         for p in placeholders
     )
-    rows: list[fx.Node] = []
-    count_nodes: list[fx.Node] = []
-    counted = 0
-    made: dict[fx.Node, tuple[int, tuple[int, int] | None, int | None]] = {}
-    channel_shapes: set[tuple[int, ...]] = set()
+    calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node]]]] = {}
+    for mark in marks:
+        value, slot = mark.args
+        stack = mark.meta.get("nn_module_stack") or {}
+        key, (path, module_type) = next(reversed(stack.items()), ("", ("", None)))
+        calls.setdefault(key, (path, module_type, []))[2].append((str(slot), value))
+        graph.erase_node(mark)
+    adding = _Adding(graph, output_node, max_units=max_units, training=training, new_tap=new_tap)
     planned: list[Call] = []
-    notes: list[str] = []
-    positions = {node: i for i, node in enumerate(graph.nodes)}
-    order: list[tuple[int, int]] = []  # calls as eager records them: inner ones return first
-    for key, (path, module_type, depth, nodes) in calls.items():
+    for key, (path, module_type, marked) in calls.items():
         outputs = []
-        escaping = _escaping(nodes, key, output_node)
-        for slot, node in escaping:
-            value: torch.Tensor = node.meta["example_value"]  # a tensor (_escaping)
-            shape = tuple(value.shape)
-            if not all(isinstance(d, int) for d in shape):
-                notes.append(f"{path}: dynamic shape, not summarised in the graph")
-                continue
-            if issubclass(module_type, _CHANNELS_FIRST) and len(shape) == 3:
-                channel_shapes.add(shape)
-            if node not in made:
-                with graph.inserting_after(node):
-                    summary = graph.call_function(ops.summary, (node,))
-                rows.append(summary)
-                span = None
-                dim = ops.unit_dim(shape, channels_first=shape in channel_shapes)
-                if value.is_floating_point() and dim is not None and 0 < shape[dim] <= max_units:
-                    with graph.inserting_after(summary):
-                        counts = graph.call_function(ops.activity, (node, dim))
-                    count_nodes.append(counts)
-                    span = (counted, counted + shape[dim])
-                    counted += shape[dim]
-                tap = None
-                if training and value.requires_grad and not _mutated(node):
-                    tap = new_tap()
-                    anchor = summary if span is None else count_nodes[-1]
-                    returned = output_node in node.users
-                    with graph.inserting_after(anchor):
-                        tapped = graph.call_function(ops.tap, (node, tap, returned))
-                    for user in list(node.users):
-                        if user not in (summary, tapped) and user.target is not ops.activity:
-                            user.replace_input_with(node, tapped)
-                made[node] = (len(rows) - 1, span, tap)
-            row, span, tap = made[node]
-            outputs.append(Output(slot, row, span, tap, value.dtype, shape))
+        for slot, node in marked:
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor) and not value.is_complex():
+                channels_first = module_type is not None and issubclass(
+                    module_type, _CHANNELS_FIRST
+                )
+                outputs.append(adding.output(slot, node, value, channels_first=channels_first))
         if outputs:
-            traced_id = int(key.split("@")[0])
-            frame, relative = _split_path(path)
+            traced_id = int(key.split("@")[0]) if key else 0
+            # no stack: the frame's own module, a module's call compiled on its own
+            frame, relative = _split_path(path) if path else (_SELF, "")
             planned.append(Call(frame, relative, traced_id, tuple(outputs)))
-            last = max(positions[node] for _, node in escaping)
-            order.append((last, -depth))
-    if not rows:
-        return None
-    with graph.inserting_before(output_node):
-        extra = [graph.call_function(torch.stack, (rows,))]
-        if count_nodes:
-            extra.append(graph.call_function(torch.cat, (count_nodes,)))
+    extra = adding.finish()
     output_node.args = (tuple(output_node.args[0]) + tuple(extra),)  # taps' in place now
     graph.lint()
     gm.recompile()
-    taps = sum(1 for c in planned for o in c.outputs if o.tap is not None)
-    ranked = sorted(range(len(planned)), key=order.__getitem__)
     return Plan(
-        returns=len(returns),
-        calls=[planned[i] for i in ranked],
+        returns=returns,
+        calls=planned,
         anchors=_anchors(placeholders, {c.frame for c in planned}),
-        taps=taps,
-        has_counts=bool(count_nodes),
-        notes=notes,
+        taps=sum(1 for c in planned for o in c.outputs if o.tap is not None),
+        has_counts=bool(adding.count_nodes),
     )
 
 
-def _module_calls(graph: fx.Graph) -> dict[str, tuple[str, type, int, list[fx.Node]]]:
-    """Each module call in the graph (by its ``nn_module_stack`` key, in the order of its
-    first node): its path, its module's type, its depth, and its nodes, nested calls'
-    included."""
-    calls: dict[str, tuple[str, type, int, list[fx.Node]]] = {}
-    for node in graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
-        stack = node.meta.get("nn_module_stack") or {}
-        for depth, (key, (path, module_type)) in enumerate(stack.items()):
-            if key not in calls:
-                calls[key] = (path, module_type, depth, [])
-            calls[key][3].append(node)
-    return calls
+class _Adding:
+    """The nodes added to one graph: each value's statistics once (a value several modules
+    returned is each one's output), its counts, its tap, its sizes."""
 
+    def __init__(
+        self,
+        graph: fx.Graph,
+        output_node: fx.Node,
+        *,
+        max_units: int,
+        training: bool,
+        new_tap: Callable[[], int],
+    ) -> None:
+        self.graph = graph
+        self.output_node = output_node
+        self.max_units = max_units
+        self.training = training
+        self.new_tap = new_tap
+        self.rows: list[fx.Node] = []
+        self.count_nodes: list[fx.Node] = []
+        self.counted = 0
+        self.sizes: list[fx.Node] = []  # dynamic outputs' sizes, returned after the statistics
+        self.channel_shapes: set[tuple[int, ...]] = set()  # of channels-first 3-D outputs
+        self.made: dict[fx.Node, tuple[int, tuple[int, int] | None, int | None, Dims]] = {}
 
-def _escaping(nodes: list[fx.Node], key: str, output_node: fx.Node) -> list[tuple[str, fx.Node]]:
-    """The call's tensor nodes used outside it, slotted ``0``, ``1``, ... in the order made."""
-    escaping = []
-    for node in nodes:
-        if not isinstance(node.meta.get("example_value"), torch.Tensor):
-            continue
-        for user in node.users:
-            if user is output_node or key not in (user.meta.get("nn_module_stack") or {}):
-                escaping.append(node)
-                break
-    return [(str(i), node) for i, node in enumerate(escaping)]
+    def output(
+        self, slot: str, node: fx.Node, value: torch.Tensor, *, channels_first: bool
+    ) -> Output:
+        shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
+        static = -1 not in shape
+        if static and channels_first and len(shape) == 3:
+            self.channel_shapes.add(shape)
+        if node not in self.made:
+            self.made[node] = self._summarise(node, value, shape, static)
+        row, span, tap, dims = self.made[node]
+        return Output(slot, row, span, tap, value.dtype, shape, dims)
+
+    def _summarise(
+        self, node: fx.Node, value: torch.Tensor, shape: tuple[int, ...], static: bool
+    ) -> tuple[int, tuple[int, int] | None, int | None, Dims]:
+        graph = self.graph
+        with graph.inserting_after(node):
+            summary = graph.call_function(ops.summary, (node,))
+        self.rows.append(summary)
+        last = summary
+        span = None
+        dim = ops.unit_dim(shape, channels_first=shape in self.channel_shapes)
+        # (a dynamic dimension is -1: its units are not counted)
+        if value.is_floating_point() and dim is not None and 0 < shape[dim] <= self.max_units:
+            with graph.inserting_after(summary):
+                last = graph.call_function(ops.activity, (node, dim))
+            self.count_nodes.append(last)
+            span = (self.counted, self.counted + shape[dim])
+            self.counted += shape[dim]
+        tap = None
+        if self.training and value.requires_grad and not _mutated(node):
+            tap = self.new_tap()
+            returned = self.output_node in node.users
+            with graph.inserting_after(last):
+                tapped = graph.call_function(ops.tap, (node, tap, returned))
+            for user in list(node.users):
+                if user not in (summary, last, tapped):
+                    user.replace_input_with(node, tapped)
+        dims = None
+        if not static:  # its sizes leave the graph with the statistics
+            dims = tuple(range(len(self.sizes), len(self.sizes) + len(shape)))
+            for d in range(len(shape)):
+                with graph.inserting_before(self.output_node):
+                    size = graph.call_function(torch.ops.aten.sym_size.int, (node, d))
+                self.sizes.append(size)
+        return len(self.rows) - 1, span, tap, dims
+
+    def finish(self) -> list[fx.Node]:
+        """The extra outputs: the statistics, the counts (if any), the sizes."""
+        with self.graph.inserting_before(self.output_node):
+            extra = [self.graph.call_function(torch.stack, (self.rows,))]
+            if self.count_nodes:
+                extra.append(self.graph.call_function(torch.cat, (self.count_nodes,)))
+        return extra + self.sizes
 
 
 def _mutated(node: fx.Node) -> bool:

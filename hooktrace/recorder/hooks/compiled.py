@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hooktrace.recorder.graphs.plan import Plan
-from hooktrace.recorder.hooks.attach import ModuleTable
+from hooktrace.recorder.hooks.attach import Attached, ModuleTable
 from hooktrace.recorder.hooks.calls import Target
 from hooktrace.recorder.hooks.names import Names, unwrap
 
@@ -34,14 +34,35 @@ class CompiledCalls:
     def __init__(self, names: Names, table: ModuleTable) -> None:
         self._names = names
         self._table = table
-        self._modules: dict[tuple[int, tuple[int, ...]], list[str | None]] = {}
+        self._modules: dict[tuple[int, tuple[int, ...]], list[Attached | None]] = {}
         self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # by parameter id
         self._taps: dict[int, list[Expected]] = {}
-        self.delivered = 0  # graph runs recorded (tests, and the outside record's warning)
+        self.delivered = 0  # graph runs recorded
+        self._delivered_before = 0  # ... when the current root call began
+        self._warned = False
 
-    def modules(self, plan: Plan, args: tuple[Any, ...]) -> list[str | None]:
-        """The recorded name of each module call of ``plan`` in this run (None: not
-        recorded)."""
+    def entering(self) -> None:
+        """A root's call begins."""
+        self._delivered_before = self.delivered
+
+    def unseen(self, root: torch.nn.Module) -> bool:
+        """Whether the root's call that ends now ran compiled graphs that were compiled
+        before the recording began (dynamo keeps them, without statistics): it ran compiled,
+        it has modules inside, and no graph of its call handed in records. Once a run."""
+        if self._warned or self.delivered != self._delivered_before:
+            return False
+        compiled = type(root).__name__ == "OptimizedModule" or (
+            root.__dict__.get("_compiled_call_impl") is not None
+        )
+        inner, _ = unwrap(root)
+        if not compiled or next(iter(inner.children()), None) is None:
+            return False
+        self._warned = True
+        return True
+
+    def modules(self, plan: Plan, args: tuple[Any, ...]) -> list[Attached | None]:
+        """The table's entry of each module call of ``plan`` in this run (None: a module
+        not recorded)."""
         anchors = tuple(id(args[index]) for index, _ in plan.anchors.values())
         key = (id(plan), anchors)
         found = self._modules.get(key)
@@ -56,11 +77,11 @@ class CompiledCalls:
         self._modules.clear()
         self._owners.clear()
 
-    def _resolve(self, plan: Plan, args: tuple[Any, ...]) -> list[str | None]:
+    def _resolve(self, plan: Plan, args: tuple[Any, ...]) -> list[Attached | None]:
         frames: dict[str, torch.nn.Module | None] = {}
         for frame, (index, path) in plan.anchors.items():
             frames[frame] = self._frame_module(args[index], path)
-        names: list[str | None] = []
+        entries: list[Attached | None] = []
         for call in plan.calls:
             frame_module = frames.get(call.frame)
             module = None
@@ -72,10 +93,8 @@ class CompiledCalls:
                 entry = self._table.get(module) if module is not None else None
             else:
                 entry = self._table.by_id(call.traced_id)
-            if entry is not None and entry.root and not call.path:
-                entry = None  # a root, recorded by its own hooks from the outside
-            names.append(entry.name if entry is not None else None)
-        return names
+            entries.append(entry)
+        return entries
 
     def _frame_module(self, parameter: Any, path: str) -> torch.nn.Module | None:
         """The module whose parameter ``parameter`` is at ``path``."""

@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.compiler import is_exporting
 
+from hooktrace.recorder.graphs.ops import mark_outputs
 from hooktrace.recorder.graphs.plan import Plan
 from hooktrace.recorder.hooks import attach
-from hooktrace.recorder.hooks.attach import ModuleTable, is_compiling
+from hooktrace.recorder.hooks.attach import Attached, ModuleTable, is_compiling
 from hooktrace.recorder.hooks.attach import in_backward as _in_backward
 from hooktrace.recorder.hooks.attach import in_transform as _in_transform
 from hooktrace.recorder.hooks.calls import Calls, Target
@@ -69,6 +71,7 @@ class Hooks:
     # what the recorder does for them
     _fault: Callable[[BaseException, str], None]
     _restructure: Callable[[nn.Module], None]
+    _compiled_before: Callable[[Any], None]  # a compiled root ran graphs not instrumented
 
     # -- the process-wide hooks ------------------------------------------------------------
 
@@ -97,7 +100,9 @@ class Hooks:
     def _post(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
-        if is_compiling():
+        if is_compiling():  # dynamo traces this: the outputs are marked in its graph
+            if not is_exporting() and type(module).__name__ != "OptimizedModule":
+                mark_outputs(output)
             return
         entry = self._table.get(module)
         if entry is None or entry.name is None or not self._recording:
@@ -127,6 +132,8 @@ class Hooks:
         if not _in_backward() and not _in_transform():
             with self._lock:
                 self._root_depth = max(0, self._root_depth - 1)
+                if self._root_depth == 0 and self._recording and self._compiled.unseen(module):
+                    self._compiled_before(entry)
 
     def _grad_hook(self, targets: list[Target]) -> Callable[[torch.Tensor], None]:
         """A tensor's gradient hook: records the gradient as each (module, call, kind, slot)
@@ -164,32 +171,57 @@ class Hooks:
 
     def _on_graph(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
         compiled = self._compiled
-        names = compiled.modules(plan, args)
+        entries = compiled.modules(plan, args)
         compiled.delivered += 1
         stats = extras[0].detach().clone()  # a graph may hand out the same buffers again
         counts = extras[1].detach().clone() if plan.has_counts else None
+        sizes = extras[2 if plan.has_counts else 1 :]
+        outside = self._root_depth > 0  # inside a root's call, whose hooks record the root
+        entered = None
+        if not outside:  # a compiled function that calls the model: its root runs in here
+            entered = next((e for e in entries if e is not None and e.root), None)
+            if entered is not None:
+                self._enter_root(entered.module, ())
+        try:
+            self._graph_records(plan, entries, stats, counts, sizes, roots=not outside)
+        finally:
+            if entered is not None:
+                self._root_depth = max(0, self._root_depth - 1)
+
+    def _graph_records(
+        self,
+        plan: Plan,
+        entries: list[Attached | None],
+        stats: torch.Tensor,
+        counts: torch.Tensor | None,
+        sizes: Sequence[Any],
+        *,
+        roots: bool,
+    ) -> None:
+        """Queue the records of a graph's module calls (``roots``: its roots' calls too)."""
         phase = (
             self._phase if self._root_depth else ("train" if torch.is_grad_enabled() else "eval")
         )
         training = phase == "train"
         pending, observer, calls = self._pending, self._observer, self._calls
         taps: dict[int, tuple[list[Target], torch.dtype, tuple[int, ...]]] = {}
-        for module_call, name in zip(plan.calls, names, strict=True):
-            if name is None:
+        for module_call, entry in zip(plan.calls, entries, strict=True):
+            if entry is None or entry.name is None or (entry.root and not roots):
                 continue
+            name = entry.name
             call = calls.count(phase, name)
             for out in module_call.outputs:
-                span = out.counts
+                span, shape = out.counts, out.shape_of(sizes)
                 units = (
                     counts[span[0] : span[1]] if span is not None and counts is not None else None
                 )
                 observer.summarised(pending, self.micro_step, name, call, "output", out.slot,
-                                    stats[out.row], units, out.dtype, out.shape, phase=phase)  # fmt: skip
+                                    stats[out.row], units, out.dtype, shape, phase=phase)  # fmt: skip
                 if training and out.tap is not None:
                     target = (name, call, "grad_output", out.slot)
-                    taps.setdefault(out.tap, ([], out.dtype, out.shape))[0].append(target)
+                    taps.setdefault(out.tap, ([], out.dtype, shape))[0].append(target)
         for tap, expected in taps.items():
-            compiled.expect(tap, expected)
+            self._compiled.expect(tap, expected)
 
     def graph_gradient(self, site: int, row: torch.Tensor) -> None:
         """A compiled backward summarised the gradient at one of its taps (``row``)."""
@@ -246,6 +278,8 @@ class Hooks:
                 except Exception as exc:  # a capture's failure is its own
                     where = self._where_now("train", 0)
                     self._captures.failure(exc, f"the forward of {type(module).__name__}", where)
+        if self._root_depth == 0:
+            self._compiled.entering()
         self._root_depth += 1
 
     def _phase_of(self, module: nn.Module) -> str:

@@ -55,17 +55,6 @@ class ScriptRecorder(Recorder):
         self._patches.patch(torch.optim.Optimizer, "zero_grad", self._wrap_zero_grad)
         self._patches.patch(torch.amp.GradScaler, "step", self._wrap_scaler_step)
 
-    def _wrap_module_compile(self, original: Callable[..., None]) -> Callable[..., None]:
-        recorded = super()._wrap_module_compile(original)
-
-        def compile(module: nn.Module, *args: Any, **kwargs: Any) -> None:
-            recorded(module, *args, **kwargs)
-            if self._active and self._table.get(module) is None:
-                with self._lock:  # not yet found: its first call will find it
-                    self._patches.watch_compiled(module, self)
-
-        return compile
-
     # -- finding roots ---------------------------------------------------------------------
     #
     # The process-wide hooks count the depth of every module call: a module called at depth

@@ -1,11 +1,11 @@
 """What the recorder changes in torch while it records, and puts back when it ends.
 
-The process-wide hooks (:mod:`hooktrace.recorder.hooks.attach`) see every module call, but three
-kinds of call go around them: a module compiled in place (``nn.Module.compile()``) calls its
-compiled function instead of its hooks; ``nn.DataParallel`` calls per-device copies of the
-module, made each forward; and ``torch.jit.trace`` runs the model again to check its graph,
-which is no call of the run. The recorder patches those three places, and filters a warning
-that torch prints because process-wide hooks exist. Apart from the hooks because each of
+The process-wide hooks (:mod:`hooktrace.recorder.hooks.attach`) see every module call, but
+two kinds of call go around them: ``nn.DataParallel`` calls per-device copies of the module,
+made each forward; and ``torch.jit.trace`` runs the model again to check its graph, which is
+no call of the run. Compiled graphs are instrumented where dynamo hands them to their
+backend (:mod:`hooktrace.recorder.graphs`). The recorder patches those places, and filters
+a warning that torch prints because process-wide hooks exist. Apart from the hooks because each of
 these is a change to torch itself, undone in one place (:meth:`Patches.undo`) however the
 recording ends.
 """
@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from hooktrace.recorder.hooks.attach import ModuleTable, is_compiling
-from hooktrace.recorder.hooks.hooks import Hooks
+from hooktrace.recorder.hooks.attach import ModuleTable
 
 _OUTPUT_GRAPH = "torch._dynamo.output_graph"
 
@@ -31,11 +30,10 @@ COMPILE_HOOKS_WARNING = r"Using `torch.compile\(module\)` when there are global 
 
 
 class Patches:
-    """The attributes of torch replaced while recording, and the compiled calls wrapped."""
+    """The attributes of torch replaced while recording."""
 
     def __init__(self) -> None:
         self._restore: list[Callable[[], None]] = []  # undoes what was patched, in reverse
-        self._compiled_calls: list[CompiledCall] = []
 
     def patch(
         self, owner: Any, name: str, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
@@ -45,13 +43,23 @@ class Patches:
         setattr(owner, name, functools.wraps(original)(wrap(original)))
         self._restore.append(lambda: setattr(owner, name, original))
 
-    def instrument_graphs(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    def instrument_graphs(
+        self,
+        wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+        hooks: list[types.CodeType],
+    ) -> None:
         """Wrap dynamo's hand-over of a captured graph to its backend with ``wrap``
-        (:mod:`hooktrace.recorder.graphs.backend`). Dynamo takes seconds to import: where the
-        script has not imported it yet, ``torch.compile`` is wrapped instead, to wrap the
-        hand-over at its first call (``nn.Module.compile`` calls it too)."""
+        (:mod:`hooktrace.recorder.graphs.backend`), and have dynamo never compile the
+        process-wide ``hooks`` as frames of their own, nor what they call. Traced inside a
+        module's call, the hooks mark its outputs in the graph; called from a frame that
+        dynamo runs eagerly (a module's own call, where dynamo compiles its forward alone),
+        they must run eagerly too and record as they do without a compiler: compiled, the
+        forward hook would make a graph of its marks alone, and the recorder's own
+        functions would be compiled. Dynamo takes seconds to import: where the script has
+        not imported it yet, ``torch.compile`` is wrapped instead, to do this at its first
+        call (``nn.Module.compile`` calls it too)."""
         if _OUTPUT_GRAPH in sys.modules:
-            self._wrap_output_graph(wrap)
+            self._wrap_output_graph(wrap, hooks)
             return
         wrapped = [False]
 
@@ -59,16 +67,25 @@ class Patches:
             def compile(*args: Any, **kwargs: Any) -> Any:
                 if not wrapped[0] and self._restore:
                     wrapped[0] = True
-                    self._wrap_output_graph(wrap)
+                    self._wrap_output_graph(wrap, hooks)
                 return original(*args, **kwargs)
 
             return compile
 
         self.patch(torch, "compile", wrap_compile)
 
-    def _wrap_output_graph(self, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    def _wrap_output_graph(
+        self,
+        wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
+        hooks: list[types.CodeType],
+    ) -> None:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.output_graph import OutputGraph
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
 
+        eager = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+        for code in hooks:  # (hooktrace's own code: left so after the recording)
+            set_code_exec_strategy(code, eager)
         self.patch(OutputGraph, "call_user_compiler", wrap)
 
     def ignore_warning(self, message: str) -> None:
@@ -85,54 +102,10 @@ class Patches:
 
         self._restore.append(remove)
 
-    def watch_compiled(self, module: nn.Module, recorder: Hooks) -> None:
-        """nn.Module.compile() makes the module's calls skip every hook outside the compiled
-        frame: its compiled call is wrapped in one that calls the hooks around it."""
-        compiled = module.__dict__.get("_compiled_call_impl")
-        if compiled is not None and not isinstance(compiled, CompiledCall):
-            self._compiled_calls.append(CompiledCall(recorder, module, compiled))
-
     def undo(self) -> None:
-        """Put back every compiled call wrapped and every attribute patched."""
-        for compiled_call in self._compiled_calls:
-            compiled_call.restore()
-        self._compiled_calls.clear()
+        """Put back every attribute patched."""
         while self._restore:
             self._restore.pop()()
-
-
-class CompiledCall:
-    """Stands in for the compiled call of a module compiled in place (nn.Module.compile):
-    torch calls it instead of the module's hooks, so it calls the recorder's around the
-    compiled function. It sits in the module's ``_compiled_call_impl``, which
-    ``nn.Module.__getstate__`` leaves out: pickling, ``torch.save`` and copies never see it.
-    The recorder puts the compiled function back when it closes."""
-
-    def __init__(self, recorder: Hooks, module: nn.Module, compiled: Callable[..., Any]):
-        self._recorder = recorder
-        self._module = weakref.ref(module)
-        self.compiled = compiled
-        module.__dict__["_compiled_call_impl"] = self
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._module()
-        if module is None or is_compiling():
-            return self.compiled(*args, **kwargs)
-        recorder = self._recorder
-        recorder._pre(module, args, kwargs)
-        try:
-            output = self.compiled(*args, **kwargs)
-        except BaseException:
-            recorder._exit(module, args, None)
-            raise
-        recorder._post(module, args, kwargs, output)
-        recorder._exit(module, args, output)
-        return output
-
-    def restore(self) -> None:
-        module = self._module()
-        if module is not None and module.__dict__.get("_compiled_call_impl") is self:
-            module.__dict__["_compiled_call_impl"] = self.compiled
 
 
 def replicas_recorded(

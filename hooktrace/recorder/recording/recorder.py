@@ -44,7 +44,6 @@ from hooktrace.recorder.recording.faults import fault_message
 from hooktrace.recorder.recording.faults import warn as _warn
 from hooktrace.recorder.recording.patches import (
     COMPILE_HOOKS_WARNING,
-    CompiledCall,
     Patches,
     replicas_recorded,
 )
@@ -55,7 +54,7 @@ from hooktrace.recorder.stats.stats import route_taken
 from hooktrace.trace import schema
 from hooktrace.trace.writer import TraceWriter
 
-__all__ = ["DEFAULT_HISTOGRAMS", "CompiledCall", "Models", "Recorder", "active_recorder", "unwrap"]
+__all__ = ["DEFAULT_HISTOGRAMS", "Models", "Recorder", "active_recorder", "unwrap"]
 
 DEFAULT_HISTOGRAMS = ("param", "grad_param")
 """The record kinds histogrammed unless told otherwise (docs/FORMAT.md, "histograms")."""
@@ -308,12 +307,25 @@ class Recorder(Steps):
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
         self._handles.extend(attach.install(pre=self._pre, post=self._post, exit=self._exit))
         patch = self._patches.patch
-        patch(nn.Module, "compile", self._wrap_module_compile)
         patch(torch.jit._trace, "_check_trace", self._wrap_check_trace)
         patch(nn.Module, "_replicate_for_data_parallel", replicas_recorded(self._table))
         self._patches.ignore_warning(COMPILE_HOOKS_WARNING)
-        self._patches.instrument_graphs(graphs.wrap_call_user_compiler)
+        hooks = [
+            cls.__dict__[name].__code__
+            for cls in type(self).__mro__
+            for name in ("_pre", "_post", "_exit")
+            if name in cls.__dict__
+        ]
+        self._patches.instrument_graphs(graphs.wrap_call_user_compiler, hooks)
         graphs.receive(self)
+
+    def _compiled_before(self, entry: Any) -> None:
+        _warn(
+            f"hooktrace: {entry.name or 'a compiled model'} runs graphs that were compiled "
+            "before the recording began: the modules inside them are not recorded, only its "
+            "outputs and parameters. Start recording before the model's first call (or call "
+            "torch._dynamo.reset() first)."
+        )
 
     def graph_failed(self, exc: BaseException, what: str) -> None:
         """A graph could not be instrumented: it is compiled as the script asked, and its
@@ -326,15 +338,6 @@ class Recorder(Steps):
                 f"hooktrace: {what} failed ({type(exc).__name__}: {exc}); that graph runs as "
                 "compiled by the script, and the modules inside it are not recorded"
             )
-
-    def _wrap_module_compile(self, original: Callable[..., None]) -> Callable[..., None]:
-        def compile(module: nn.Module, *args: Any, **kwargs: Any) -> None:
-            original(module, *args, **kwargs)
-            if self._active:
-                with self._lock:
-                    self._patches.watch_compiled(module, self)
-
-        return compile
 
     def _wrap_check_trace(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def _check_trace(*args: Any, **kwargs: Any) -> Any:
@@ -355,14 +358,10 @@ class Recorder(Steps):
         Wrappers are looked through: DistributedDataParallel's ``module.`` and torch.compile's
         ``_orig_mod.`` never appear in names. A compiled model's modules are named as an
         eager one's: their records come from its graphs (:mod:`hooktrace.recorder.graphs`).
-        A module compiled in place (``nn.Module.compile()``) is called around its hooks: its
-        compiled call is wrapped to call them. Returns the module that was entered as the root.
+        Returns the module that was entered as the root.
         """
         inner, compiled = unwrap(root)
         hooked = root if compiled else inner
-        for module in inner.modules():  # nn.Module.compile(): its calls never reach a hook
-            if module.__dict__.get("_compiled_call_impl") is not None:
-                self._patches.watch_compiled(module, self)
         written = self._names.add_root(root_name, hooked, prefixed=prefixed)
         self._writer.add_modules(self._module_rows(root_name, written))
         return hooked

@@ -172,9 +172,8 @@ def test_a_compiled_model_is_recorded_inside_under_the_names_eager_gives(
     assert list(outputs["module"]) == ["fc1", "act", "fc2", "Net"]  # as eager records them
     assert set(step.loc[step["kind"] == "grad_output", "module"]) == {"Net", "fc1", "act", "fc2"}
     assert len(step[step["kind"] == "param"]) == len(step[step["kind"] == "grad_param"]) == 4
-    assert model.__dict__.get("_compiled_call_impl") is None or not isinstance(
-        model.__dict__["_compiled_call_impl"], hooktrace.recorder.recording.recorder.CompiledCall
-    )
+    # nothing of hooktrace in the model's compiled call
+    assert "hooktrace" not in type(model.__dict__.get("_compiled_call_impl")).__module__
 
 
 def test_module_compile_during_recording_is_recorded_from_then_on(tmp_path: Path) -> None:
@@ -186,7 +185,7 @@ def test_module_compile_during_recording_is_recorded_from_then_on(tmp_path: Path
         model.compile(backend="eager")
         _train(model, steps=1)
         assert rec.error is None
-    assert "CompiledCall" not in type(model.__dict__["_compiled_call_impl"]).__name__
+    assert "hooktrace" not in type(model.__dict__["_compiled_call_impl"]).__module__
     records = hooktrace.load(tmp_path / "run").records
     step0, step1 = (records[records["step"] == s] for s in (0, 1))
     for step in (step0, step1):
