@@ -8,6 +8,9 @@ callable dynamo runs is wrapped in one that hands the extra outputs to the recor
 returns the graph's own. The backend, its mode and options, the graph count and the guards
 stay the script's: nothing recompiles, nothing breaks the graph.
 
+Where some steps go unrecorded, the graph is compiled twice, with and without its
+statistics, and each step runs the one it needs (no recompile per step).
+
 Where the instrumented graph cannot be compiled, the graph is put back as it was and
 compiled as the script asked (the recorder says so once): the script's compile never fails
 because of hooktrace.
@@ -29,6 +32,14 @@ class Receiver(Protocol):
     """The recorder, as the graphs see it."""
 
     max_units: int
+
+    @property
+    def skips_steps(self) -> bool:
+        """Some steps go unrecorded: graphs are compiled without statistics too."""
+
+    @property
+    def recording_graphs(self) -> bool:
+        """The step running is recorded."""
 
     def graph_ran(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
         """An instrumented graph ran: ``extras`` are its statistics and counts."""
@@ -101,7 +112,8 @@ class _Instrumenting:
                 raise
             self.receiver.graph_failed(exc, "compiling a graph with its statistics")
             return self.backend(gm, example_inputs)
-        return _Run(compiled, plan)
+        plain = self.backend(gm, example_inputs) if self.receiver.skips_steps else None
+        return _Run(compiled, plan, plain)
 
     def __getattr__(self, name: str) -> Any:  # what dynamo asks of the backend
         return getattr(self.backend, name)
@@ -134,16 +146,24 @@ def _copy(graph: fx.Graph) -> fx.Graph:
 
 class _Run:
     """What dynamo calls for an instrumented graph: the compiled graph, its extra outputs
-    handed to the recorder."""
+    handed to the recorder. Where steps go unrecorded (``every``, ``steps``), the graph
+    compiled without statistics (``plain``) runs in them: they do not pay for statistics."""
 
-    __slots__ = ("compiled", "plan", "returns")
+    __slots__ = ("compiled", "plain", "plan", "returns")
 
-    def __init__(self, compiled: Callable[..., Any], plan: Plan) -> None:
+    def __init__(
+        self, compiled: Callable[..., Any], plan: Plan, plain: Callable[..., Any] | None
+    ) -> None:
         self.compiled = compiled
+        self.plain = plain
         self.plan = plan
         self.returns = plan.returns
 
     def __call__(self, *args: Any) -> Any:
+        if self.plain is not None:
+            receiver = _receiver[0]
+            if receiver is None or not receiver.recording_graphs:
+                return self.plain(*args)
         outputs = self.compiled(*args)
         receiver = _receiver[0]
         if receiver is not None:

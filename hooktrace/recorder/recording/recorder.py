@@ -319,6 +319,16 @@ class Recorder(Steps):
         self._patches.instrument_graphs(graphs.wrap_call_user_compiler, hooks)
         graphs.receive(self)
 
+    @property
+    def skips_steps(self) -> bool:
+        """Whether some steps go unrecorded (graphs compile a variant without statistics)."""
+        steps = self._sampling.steps
+        return steps.every > 1 or steps.ranges is not None
+
+    @property
+    def recording_graphs(self) -> bool:
+        return self._recording
+
     def _compiled_before(self, entry: Any) -> None:
         _warn(
             f"hooktrace: {entry.name or 'a compiled model'} runs graphs that were compiled "

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import hooktrace
+from hooktrace.recorder.graphs import ops
 from tests.models import REFERENCE_GRAD_OUTPUTS, REFERENCE_OUTPUTS, ReferenceMLP, reference_input
 
 
@@ -364,3 +365,44 @@ def test_a_graph_break_leaves_two_graphs_each_recorded(tmp_path: Path) -> None:
 
 def _nothing() -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
+
+
+def test_steps_not_recorded_run_the_graph_compiled_without_statistics(tmp_path: Path) -> None:
+    """``every=2``: the graph is compiled with and without its statistics, and the steps
+    not recorded run the latter (no summary runs in them), with training bit-identical."""
+    summaries = []
+    original = ops.summary
+
+    def counted(x: torch.Tensor) -> torch.Tensor:  # runs where the graph runs (eager backend)
+        summaries.append(1)
+        return original(x)
+
+    def compile_model(model: nn.Module) -> nn.Module:
+        return torch.compile(model, backend="eager")  # type: ignore[return-value]
+
+    plain = _train(None, compile_model, steps=4)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "summary", counted)
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        model = Blocks()
+        compiled = compile_model(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = torch.Generator().manual_seed(1)
+        losses, per_step = [], []
+        with hooktrace.record(compiled, tmp_path / "run", every=2, strict=True):
+            for _ in range(4):
+                before = len(summaries)
+                loss = compiled(torch.randn(4, 8, generator=data)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                per_step.append(len(summaries) - before)
+    assert losses == plain[0]
+    assert per_step[1] == per_step[3] == 0 and per_step[0] == per_step[2] > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == plain[2]["unique_graphs"]
+    records = hooktrace.load(tmp_path / "run").records
+    assert sorted(records["step"].unique()) == [0, 2]
+    assert "blocks.1.act" in set(records["module"])
