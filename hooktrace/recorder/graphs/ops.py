@@ -71,7 +71,8 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, site: int, copy: bool) -> torch.Tensor:
         ctx.site = site
-        # a view of a value the graph returns is made again outside it, tap and all
+        # a view of a value the graph returns is made again outside it, tap and all; and a
+        # view may not be changed in place
         return x.clone() if copy else x.view_as(x)
 
     @staticmethod
@@ -82,7 +83,7 @@ class _Tap(torch.autograd.Function):
 
 def tap(x: torch.Tensor, site: int, copy: bool = False) -> torch.Tensor:
     """``x``, whose gradient is summarised and handed to the sink under ``site``; a copy of
-    it where the graph returns it (``copy``)."""
+    it (``copy``) where the graph returns it or changes it in place."""
     return _Tap.apply(x, site, copy)
 
 

@@ -21,6 +21,8 @@ ids the graph was traced with. A dynamic dimension's units are not counted.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 import re
 from collections.abc import Callable, Sequence
@@ -202,11 +204,11 @@ class _Adding:
             span = (self.counted, self.counted + shape[dim])
             self.counted += shape[dim]
         tap = None
-        if self.training and value.requires_grad and not _mutated(node):
+        if self.training and value.requires_grad:
             tap = self.new_tap()
-            returned = self.output_node in node.users
+            copy = self.output_node in node.users or _mutated(node)
             with graph.inserting_after(last):
-                tapped = graph.call_function(ops.tap, (node, tap, returned))
+                tapped = graph.call_function(ops.tap, (node, tap, copy))
             for user in list(node.users):
                 if user not in (summary, last, tapped):
                     user.replace_input_with(node, tapped)
@@ -229,15 +231,27 @@ class _Adding:
 
 
 def _mutated(node: fx.Node) -> bool:
-    """Whether a later node changes ``node`` in place: a tap's output may not be."""
+    """Whether a later node changes ``node`` in place (``x += y``, ``x.add_(y)``,
+    ``F.relu(x, inplace=True)``): its tap hands on a copy, which a view may not be."""
     for user in node.users:
         target: Any = user.target
-        if target in _IN_PLACE:
+        if target in _IN_PLACE or user.kwargs.get("inplace") is True:
             return True
         name = target if isinstance(target, str) else getattr(target, "__name__", "")
         if name.endswith("_") and not name.endswith("__"):
             return True
+        if callable(target) and True in user.args[1:] and "inplace" in _parameters(target):
+            return True
     return False
+
+
+@functools.lru_cache(maxsize=256)
+def _parameters(target: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of a function's parameters (none where Python cannot tell)."""
+    try:
+        return tuple(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return ()
 
 
 def _split_path(path: str) -> tuple[str, str]:

@@ -406,3 +406,49 @@ def test_steps_not_recorded_run_the_graph_compiled_without_statistics(tmp_path: 
     records = hooktrace.load(tmp_path / "run").records
     assert sorted(records["step"].unique()) == [0, 2]
     assert "blocks.1.act" in set(records["module"])
+
+
+class InPlace(nn.Module):
+    """A convolution followed by ``ReLU(inplace=True)`` and ``+=``: the values the modules
+    returned are changed in place after them (torchvision's blocks, the reference CNN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.act = nn.ReLU(inplace=True)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(self.conv(x)).mean(dim=(2, 3))
+        y = self.fc(h)
+        y += 1.0
+        return y
+
+
+def test_outputs_changed_in_place_are_recorded_as_they_were_returned(tmp_path: Path) -> None:
+    """Found by benchmarks/bench_compiled.py: the tap's view of a value changed in place
+    failed the compile (the graph then went unrecorded)."""
+
+    def train(out: Path, compile_: bool) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = InPlace()
+        run = torch.compile(model, backend="aot_eager") if compile_ else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with hooktrace.record(run, out, strict=True):
+            for x in torch.randn(2, 2, 3, 6, 6, generator=torch.Generator().manual_seed(1)):
+                loss = run(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+
+    compiled = train(tmp_path / "compiled", True)
+    eager = train(tmp_path / "eager", False)
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+    kinds = hooktrace.load(tmp_path / "compiled").records.groupby("module")["kind"].agg(set)
+    assert all({"output", "grad_output"} <= kinds[m] for m in ("conv", "act", "fc")), kinds
