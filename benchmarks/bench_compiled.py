@@ -13,7 +13,11 @@ bench_record.py) four variants train one step at a time (forward, loss, backward
                   an eager run
 
 Each variant has its own copy of the model and its own backend function (dynamo keeps a
-graph per backend, so the compiled variants never run each other's graphs). Repetitions
+graph per backend, so the compiled variants never run each other's graphs). Each window
+starts a recording of its own, and dynamo compiles the graph again at each (it guards on the
+process-wide hooks' keys, new with each recording; inductor's FX graph cache makes these
+compiles short): they fall in the untimed warm-up steps, and the recompile limit is raised
+for them. Repetitions
 interleave the variants so that the machine's drift falls on all of them alike; ratios are
 paired by repetition and their median printed with the quartiles. The first step of each
 compiled variant (capture and compile, the FX graph cache off) is timed on its own: what
@@ -144,7 +148,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--models", default="SmallCNN,TinyTransformer")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch._dynamo.config.recompile_limit = 1024  # a recompile per recording: see above
+    torch._dynamo.config.accumulated_recompile_limit = 1 << 16
     for name in args.models.split(","):
         bench(name, args.reps, args.seconds)
 

@@ -18,6 +18,7 @@ because of hooktrace.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -25,7 +26,7 @@ import torch
 from torch import fx
 
 from hooktrace.recorder.graphs import ops
-from hooktrace.recorder.graphs.plan import Plan, instrument
+from hooktrace.recorder.graphs.plan import Plan, instrument, strip_marks
 
 
 class Receiver(Protocol):
@@ -46,6 +47,9 @@ class Receiver(Protocol):
 
     def graph_gradient(self, site: int, row: torch.Tensor) -> None:
         """A tap's gradient summary arrived (in the backward)."""
+
+    def records_module(self, module_id: int) -> bool:
+        """Whether the module with this id is recorded."""
 
     def graph_failed(self, exc: BaseException, what: str) -> None:
         """Instrumenting a graph failed: it is compiled as it was."""
@@ -99,21 +103,32 @@ class _Instrumenting:
             for attribute in ("_param_name_to_source", "_source_to_user_stacks"):
                 if hasattr(gm, attribute):
                     setattr(trial, attribute, getattr(gm, attribute))
-            plan = instrument(trial, max_units=self.receiver.max_units, new_tap=_new_tap)
+            plan = instrument(
+                trial,
+                max_units=self.receiver.max_units,
+                new_tap=_new_tap,
+                recorded=self.receiver.records_module,
+            )
         except Exception as exc:
             self.receiver.graph_failed(exc, "reading a compiled graph")
-            return self.backend(gm, example_inputs)
-        if plan is None:
-            return self.backend(gm, example_inputs)
+            return self._as_it_was(gm, example_inputs)
+        if plan is None:  # no module recorded: the graph without its marks
+            return self.backend(trial, example_inputs)
         try:
             compiled = self.backend(trial, example_inputs)
         except Exception as exc:
             if _dynamo_control(exc):  # dynamo's own signal: analyse again, skip the frame
                 raise
             self.receiver.graph_failed(exc, "compiling a graph with its statistics")
-            return self.backend(gm, example_inputs)
-        plain = self.backend(gm, example_inputs) if self.receiver.skips_steps else None
+            return self._as_it_was(gm, example_inputs)
+        plain = self._as_it_was(gm, example_inputs) if self.receiver.skips_steps else None
         return _Run(compiled, plan, plain)
+
+    def _as_it_was(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """The graph compiled as the script's backend would have it: without the marks."""
+        with contextlib.suppress(Exception):  # left in, they do nothing when they run
+            strip_marks(gm)
+        return self.backend(gm, example_inputs)
 
     def __getattr__(self, name: str) -> Any:  # what dynamo asks of the backend
         return getattr(self.backend, name)

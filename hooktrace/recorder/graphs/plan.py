@@ -98,10 +98,17 @@ class Plan:
     has_counts: bool
 
 
-def instrument(gm: fx.GraphModule, *, max_units: int, new_tap: Callable[[], int]) -> Plan | None:
+def instrument(
+    gm: fx.GraphModule,
+    *,
+    max_units: int,
+    new_tap: Callable[[], int],
+    recorded: Callable[[int], bool],
+) -> Plan | None:
     """Take the marks out of ``gm`` and add, in their place, the statistics of the values
-    they marked, and taps on their gradients where the graph trains. None where the graph
-    holds no mark (``gm`` is then unchanged)."""
+    they marked, and taps on their gradients where the graph trains; only of modules
+    ``recorded`` (by id: a model that is not recorded pays nothing). None where no mark is
+    left (the graph then only loses its marks)."""
     graph = gm.graph
     marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
     if not marks:
@@ -118,8 +125,13 @@ def instrument(gm: fx.GraphModule, *, max_units: int, new_tap: Callable[[], int]
         value, slot = mark.args
         stack = mark.meta.get("nn_module_stack") or {}
         key, (path, module_type) = next(reversed(stack.items()), ("", ("", None)))
-        calls.setdefault(key, (path, module_type, []))[2].append((str(slot), value))
         graph.erase_node(mark)
+        if key and not recorded(int(key.split("@")[0])):
+            continue  # (no stack: the frame's own module, known only when the graph runs)
+        calls.setdefault(key, (path, module_type, []))[2].append((str(slot), value))
+    if not calls:
+        gm.recompile()
+        return None
     adding = _Adding(graph, output_node, max_units=max_units, training=training, new_tap=new_tap)
     planned: list[Call] = []
     for key, (path, module_type, marked) in calls.items():
@@ -147,6 +159,13 @@ def instrument(gm: fx.GraphModule, *, max_units: int, new_tap: Callable[[], int]
         taps=sum(1 for c in planned for o in c.outputs if o.tap is not None),
         has_counts=bool(adding.count_nodes),
     )
+
+
+def strip_marks(gm: fx.GraphModule) -> None:
+    """Take the marks out of ``gm``, adding nothing (a graph compiled as it was)."""
+    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops.MARKS]:
+        gm.graph.erase_node(node)
+    gm.recompile()
 
 
 class _Adding:

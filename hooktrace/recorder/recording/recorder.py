@@ -329,6 +329,10 @@ class Recorder(Steps):
     def recording_graphs(self) -> bool:
         return self._recording
 
+    def records_module(self, module_id: int) -> bool:
+        entry = self._table.by_id(module_id)
+        return entry is not None and entry.name is not None
+
     def _compiled_before(self, entry: Any) -> None:
         _warn(
             f"hooktrace: {entry.name or 'a compiled model'} runs graphs that were compiled "

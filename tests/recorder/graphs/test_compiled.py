@@ -452,3 +452,28 @@ def test_outputs_changed_in_place_are_recorded_as_they_were_returned(tmp_path: P
     assert result.match, result
     kinds = hooktrace.load(tmp_path / "compiled").records.groupby("module")["kind"].agg(set)
     assert all({"output", "grad_output"} <= kinds[m] for m in ("conv", "act", "fc")), kinds
+
+
+def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> None:
+    """The process-wide hook marks every module's outputs while dynamo traces; a graph of
+    modules the recording does not hold (a teacher model, a compiled loss) is compiled
+    without statistics."""
+    summaries = []
+    original = ops.summary
+
+    def counted(x: torch.Tensor) -> torch.Tensor:
+        summaries.append(1)
+        return original(x)
+
+    torch._dynamo.reset()
+    recorded, bystander = Blocks(), Blocks()
+    compiled = torch.compile(bystander, backend="eager")
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        hooktrace.record(recorded, tmp_path / "run", strict=True),
+    ):
+        patch.setattr(ops, "summary", counted)
+        recorded(torch.randn(4, 8)).sum().backward()
+        compiled(torch.randn(4, 8)).sum().backward()
+    assert summaries == []
+    assert "blocks.0.fc" in set(hooktrace.load(tmp_path / "run").records["module"])
