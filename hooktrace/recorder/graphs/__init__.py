@@ -5,5 +5,5 @@ the statistics of those values to it; ``ops.py`` holds what is added (the statis
 per-unit counts, the taps that summarise gradients in the backward); ``backend.py`` hands
 the instrumented graph to the script's own backend and the statistics to the recorder.
 
-May import: nothing of the recorder.
+May import: stats.
 """

@@ -209,27 +209,43 @@ class _Adding:
         self, node: fx.Node, value: torch.Tensor, shape: tuple[int, ...], static: bool
     ) -> tuple[int, tuple[int, int] | None, int | None, Dims]:
         graph = self.graph
-        with graph.inserting_after(node):
-            summary = graph.call_function(ops.summary, (node,))
-        self.rows.append(summary)
-        last = summary
-        span = None
         dim = ops.unit_dim(shape, channels_first=shape in self.channel_shapes)
         # (a dynamic dimension is -1: its units are not counted)
-        if value.is_floating_point() and dim is not None and 0 < shape[dim] <= self.max_units:
-            with graph.inserting_after(summary):
-                last = graph.call_function(ops.activity, (node, dim))
+        counting = (
+            value.is_floating_point() and dim is not None and 0 < shape[dim] <= self.max_units
+        )
+        span = None
+        if counting:
+            span = (self.counted, self.counted + shape[dim])  # type: ignore[index]
+            self.counted += shape[dim]  # type: ignore[index]
+        if value.device.type == "cpu" and ops.CPU_OPERATOR:  # the hooks' route, called
+            with graph.inserting_after(node):
+                both = graph.call_function(ops.summarize_cpu, (node, dim if counting else -1))
+            with graph.inserting_after(both):
+                summary = graph.call_function(operator.getitem, (both, 0))
+            last = summary
+            if counting:
+                with graph.inserting_after(summary):
+                    last = graph.call_function(operator.getitem, (both, 1))
+        else:  # statistics the compiler fuses with the model's kernels
+            with graph.inserting_after(node):
+                summary = graph.call_function(ops.summary, (node,))
+            last = summary
+            if counting:
+                with graph.inserting_after(summary):
+                    last = graph.call_function(ops.activity, (node, dim))
+        self.rows.append(summary)
+        if counting:
             self.count_nodes.append(last)
-            span = (self.counted, self.counted + shape[dim])
-            self.counted += shape[dim]
         tap = None
         if self.training and value.requires_grad:
             tap = self.new_tap()
             copy = self.output_node in node.users or _mutated(node)
             with graph.inserting_after(last):
                 tapped = graph.call_function(ops.tap, (node, tap, copy))
+            ours = {summary, last, tapped, *summary.all_input_nodes} - {node}
             for user in list(node.users):
-                if user not in (summary, last, tapped):
+                if user not in ours:
                     user.replace_input_with(node, tapped)
         dims = None
         if not static:  # its sizes leave the graph with the statistics

@@ -13,6 +13,7 @@ import math
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -371,18 +372,18 @@ def test_steps_not_recorded_run_the_graph_compiled_without_statistics(tmp_path: 
     """``every=2``: the graph is compiled with and without its statistics, and the steps
     not recorded run the latter (no summary runs in them), with training bit-identical."""
     summaries = []
-    original = ops.summary
+    original = ops.summarize_with_activity
 
-    def counted(x: torch.Tensor) -> torch.Tensor:  # runs where the graph runs (eager backend)
+    def counted(x: torch.Tensor, dim: int | None) -> Any:  # what the graphs' operator calls
         summaries.append(1)
-        return original(x)
+        return original(x, dim)
 
     def compile_model(model: nn.Module) -> nn.Module:
         return torch.compile(model, backend="eager")  # type: ignore[return-value]
 
     plain = _train(None, compile_model, steps=4)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "summary", counted)
+        patch.setattr(ops, "summarize_with_activity", counted)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         torch.manual_seed(0)
@@ -459,11 +460,11 @@ def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> N
     modules the recording does not hold (a teacher model, a compiled loss) is compiled
     without statistics."""
     summaries = []
-    original = ops.summary
+    original = ops.summarize_with_activity
 
-    def counted(x: torch.Tensor) -> torch.Tensor:
+    def counted(x: torch.Tensor, dim: int | None) -> Any:  # what the graphs' operator calls
         summaries.append(1)
-        return original(x)
+        return original(x, dim)
 
     torch._dynamo.reset()
     recorded, bystander = Blocks(), Blocks()
@@ -472,8 +473,33 @@ def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> N
         pytest.MonkeyPatch.context() as patch,
         hooktrace.record(recorded, tmp_path / "run", strict=True),
     ):
-        patch.setattr(ops, "summary", counted)
+        patch.setattr(ops, "summarize_with_activity", counted)
         recorded(torch.randn(4, 8)).sum().backward()
         compiled(torch.randn(4, 8)).sum().backward()
     assert summaries == []
     assert "blocks.0.fc" in set(hooktrace.load(tmp_path / "run").records["module"])
+
+
+def test_statistics_compiled_into_the_graph_as_on_a_device_match_the_eager_run(
+    tmp_path: Path,
+) -> None:
+    """On a device the statistics are tensor operations that inductor compiles with the
+    model; on the CPU an operator takes the hooks' route. The device's route, run here on
+    the CPU: its records match the eager run's."""
+
+    def compile_model(model: nn.Module) -> nn.Module:
+        return torch.compile(model)  # type: ignore[return-value]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "CPU_OPERATOR", False)
+        plain = _train(None, compile_model, steps=2)
+        recorded = _train(tmp_path / "compiled", compile_model, steps=2)
+    assert recorded[0] == plain[0]
+    _train(tmp_path / "eager", None, steps=2)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+    records = hooktrace.load(tmp_path / "compiled")
+    assert (
+        records.activity("blocks.1.act", step=1).tolist()
+        == hooktrace.load(tmp_path / "eager").activity("blocks.1.act", step=1).tolist()
+    )
