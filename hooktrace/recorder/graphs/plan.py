@@ -148,6 +148,9 @@ def instrument(
             # no stack: the frame's own module, a module's call compiled on its own
             frame, relative = _split_path(path) if path else (_SELF, "")
             planned.append(Call(frame, relative, traced_id, tuple(outputs)))
+    if not planned:  # marks of values with nothing to summarise (complex, not tensors)
+        gm.recompile()
+        return None
     extra = adding.finish()
     output_node.args = (tuple(output_node.args[0]) + tuple(extra),)  # taps' in place now
     graph.lint()

@@ -503,3 +503,34 @@ def test_statistics_compiled_into_the_graph_as_on_a_device_match_the_eager_run(
         records.activity("blocks.1.act", step=1).tolist()
         == hooktrace.load(tmp_path / "eager").activity("blocks.1.act", step=1).tolist()
     )
+
+
+class Spectrum(nn.Module):
+    """A module whose only output is complex: nothing of it is summarised."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft(x)
+
+
+class WithSpectrum(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spectrum = Spectrum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.spectrum(x).abs()
+
+
+def test_a_graph_whose_marked_values_hold_nothing_to_summarise_compiles_as_it_was(
+    tmp_path: Path,
+) -> None:
+    """Its marks are taken out and nothing added (an empty stack of statistics failed the
+    instrumented compile, which fell back with a warning)."""
+    torch._dynamo.reset()
+    model = WithSpectrum()
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(2, 8)
+    with hooktrace.record(compiled, tmp_path / "run", strict=True):
+        out = compiled(x)
+    assert torch.equal(out, model(x))
+    assert "spectrum" not in set(hooktrace.load(tmp_path / "run").records["module"])
