@@ -1,8 +1,8 @@
 """What hooktrace adds to a compiled graph: statistics, per-unit counts and gradient taps.
 
-:func:`summary` and :func:`activity` are plain tensor operations, traced into the graph and
+:func:`summary` and ``stats.activity`` are plain tensor operations, traced into the graph and
 compiled with the model by its backend (inductor fuses them with the model's own kernels):
-the same statistics as the hooks take on a device (``stats._summarize_on_device``), in
+the same statistics as the hooks take on a device (``stats.summarize_on_device``), in
 float32, as one float64 row. A CPU value is summarised by :func:`summarize_cpu` instead, an
 operator that takes the hooks' own route. They read a detached value, so the model's own
 computation and its gradients do not change.
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from hooktrace.recorder.stats.stats import STATS_WIDTH, summarize_with_activity
+from hooktrace.recorder.stats.stats import STATS_WIDTH, summarize_on_device, summarize_with_activity
 
 Sink = Callable[[int, torch.Tensor], None]
 
@@ -46,32 +46,9 @@ def set_sink(sink: Sink | None) -> None:
 
 
 def summary(x: torch.Tensor) -> torch.Tensor:
-    """mean, std, min, max, norm, zeros, NaNs, Infs of ``x`` as float64 (``STATS_WIDTH``)."""
-    x = x.detach().float()
-    var, mean = torch.var_mean(x, correction=0)
-    lo, hi = torch.aminmax(x)
-    norm = torch.linalg.vector_norm(x)
-    zeros = x.numel() - torch.count_nonzero(x)
-    nans = torch.count_nonzero(torch.isnan(x))
-    infs = torch.count_nonzero(torch.isinf(x))
-    return torch.stack([t.double() for t in (mean, var.sqrt(), lo, hi, norm, zeros, nans, infs)])
-
-
-def activity(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """How many values of each unit along ``dim`` are positive (int64)."""
-    others = [d for d in range(x.dim()) if d != dim]
-    positive = x.detach() > 0
-    return positive.sum(dim=others, dtype=torch.int64) if others else positive.long()
-
-
-def unit_dim(shape: tuple[int, ...], *, channels_first: bool) -> int | None:
-    """``stats.unit_dim`` for a shape: channels of 4-D and channels-first 3-D values, else
-    the last dimension; None for a scalar."""
-    if not shape:
-        return None
-    if len(shape) >= 4 or (len(shape) == 3 and channels_first):
-        return 1
-    return len(shape) - 1
+    """mean, std, min, max, norm, zeros, NaNs, Infs of ``x`` as float64 (``STATS_WIDTH``):
+    the hooks' statistics on a device, of the detached value in float32."""
+    return summarize_on_device(x.detach().float())
 
 
 def summarize_cpu(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,6 +33,7 @@ import torch
 from torch import fx
 
 from hooktrace.recorder.graphs import ops
+from hooktrace.recorder.stats.stats import activity, unit_dim
 
 _CHANNELS_FIRST = (
     torch.nn.modules.conv._ConvNd,
@@ -94,7 +95,6 @@ class Plan:
     returns: int
     calls: list[Call]
     anchors: dict[str, tuple[int, str]]  # frame -> (placeholder index, parameter path)
-    taps: int
     has_counts: bool
 
 
@@ -159,7 +159,6 @@ def instrument(
         returns=returns,
         calls=planned,
         anchors=_anchors(placeholders, {c.frame for c in planned}),
-        taps=sum(1 for c in planned for o in c.outputs if o.tap is not None),
         has_counts=bool(adding.count_nodes),
     )
 
@@ -212,7 +211,7 @@ class _Adding:
         self, node: fx.Node, value: torch.Tensor, shape: tuple[int, ...], static: bool
     ) -> tuple[int, tuple[int, int] | None, int | None, Dims]:
         graph = self.graph
-        dim = ops.unit_dim(shape, channels_first=shape in self.channel_shapes)
+        dim = unit_dim(value, channels_first=shape in self.channel_shapes)
         # (a dynamic dimension is -1: its units are not counted)
         counting = (
             value.is_floating_point() and dim is not None and 0 < shape[dim] <= self.max_units
@@ -236,7 +235,7 @@ class _Adding:
             last = summary
             if counting:
                 with graph.inserting_after(summary):
-                    last = graph.call_function(ops.activity, (node, dim))
+                    last = graph.call_function(activity, (node, dim))
         self.rows.append(summary)
         if counting:
             self.count_nodes.append(last)

@@ -34,7 +34,7 @@ from hooktrace.recorder.hooks.attach import Attached, ModuleTable, is_compiling
 from hooktrace.recorder.hooks.attach import in_backward as _in_backward
 from hooktrace.recorder.hooks.attach import in_transform as _in_transform
 from hooktrace.recorder.hooks.calls import Calls, Target
-from hooktrace.recorder.hooks.compiled import CompiledCalls
+from hooktrace.recorder.hooks.compiled import CompiledCalls, Expected
 from hooktrace.recorder.hooks.names import Names
 from hooktrace.recorder.nonfinite import finite
 from hooktrace.recorder.nonfinite.capture import Captures
@@ -204,7 +204,7 @@ class Hooks:
         )
         training = phase == "train"
         pending, observer, calls = self._pending, self._observer, self._calls
-        taps: dict[int, tuple[list[Target], torch.dtype, tuple[int, ...]]] = {}
+        taps: dict[int, Expected] = {}
         for module_call, entry in zip(plan.calls, entries, strict=True):
             if entry is None or entry.name is None or (entry.root and not roots):
                 continue

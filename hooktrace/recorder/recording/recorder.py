@@ -384,6 +384,7 @@ class Recorder(Steps):
         """Name what was assigned to ``root`` since its last step (:meth:`Names.restructure`)."""
         named = self._names.restructure(root)
         if named is not None:
+            self._compiled.renamed()  # graphs' modules found by name are found again
             root_name, written = named
             self._writer.add_modules(self._module_rows(root_name, written))
 

@@ -195,7 +195,7 @@ def summarize(tensor: torch.Tensor, *, scratch: torch.Tensor | None = None) -> S
         return None
     if x.is_cpu:
         return _summarize_on_host(x, scratch_view(scratch, x))
-    return _summarize_on_device(x)
+    return summarize_on_device(x)
 
 
 def summarize_with_activity(
@@ -369,7 +369,7 @@ def _std(x: torch.Tensor, mean: float, squares: float) -> float:
     return math.sqrt(max(var, 0.0))
 
 
-def _summarize_on_device(x: torch.Tensor) -> torch.Tensor:
+def summarize_on_device(x: torch.Tensor) -> torch.Tensor:
     var, mean = torch.var_mean(x, correction=0)
     lo, hi = torch.aminmax(x)
     norm = torch.linalg.vector_norm(x)

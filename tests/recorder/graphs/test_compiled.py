@@ -364,6 +364,17 @@ def test_a_graph_break_leaves_two_graphs_each_recorded(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+def _count_summaries(patch: pytest.MonkeyPatch, summaries: list[int]) -> None:
+    """Append to ``summaries`` each time the graphs' CPU operator summarises a value."""
+    original = ops.summarize_with_activity
+
+    def counted(x: torch.Tensor, dim: int | None) -> Any:
+        summaries.append(1)
+        return original(x, dim)
+
+    patch.setattr(ops, "summarize_with_activity", counted)
+
+
 def _nothing() -> contextlib.AbstractContextManager[None]:
     return contextlib.nullcontext()
 
@@ -371,19 +382,14 @@ def _nothing() -> contextlib.AbstractContextManager[None]:
 def test_steps_not_recorded_run_the_graph_compiled_without_statistics(tmp_path: Path) -> None:
     """``every=2``: the graph is compiled with and without its statistics, and the steps
     not recorded run the latter (no summary runs in them), with training bit-identical."""
-    summaries = []
-    original = ops.summarize_with_activity
-
-    def counted(x: torch.Tensor, dim: int | None) -> Any:  # what the graphs' operator calls
-        summaries.append(1)
-        return original(x, dim)
+    summaries: list[int] = []
 
     def compile_model(model: nn.Module) -> nn.Module:
         return torch.compile(model, backend="eager")  # type: ignore[return-value]
 
     plain = _train(None, compile_model, steps=4)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ops, "summarize_with_activity", counted)
+        _count_summaries(patch, summaries)
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         torch.manual_seed(0)
@@ -459,12 +465,7 @@ def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> N
     """The process-wide hook marks every module's outputs while dynamo traces; a graph of
     modules the recording does not hold (a teacher model, a compiled loss) is compiled
     without statistics."""
-    summaries = []
-    original = ops.summarize_with_activity
-
-    def counted(x: torch.Tensor, dim: int | None) -> Any:  # what the graphs' operator calls
-        summaries.append(1)
-        return original(x, dim)
+    summaries: list[int] = []
 
     torch._dynamo.reset()
     recorded, bystander = Blocks(), Blocks()
@@ -473,7 +474,7 @@ def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> N
         pytest.MonkeyPatch.context() as patch,
         hooktrace.record(recorded, tmp_path / "run", strict=True),
     ):
-        patch.setattr(ops, "summarize_with_activity", counted)
+        _count_summaries(patch, summaries)
         recorded(torch.randn(4, 8)).sum().backward()
         compiled(torch.randn(4, 8)).sum().backward()
     assert summaries == []
