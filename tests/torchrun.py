@@ -9,12 +9,14 @@ import sys
 from pathlib import Path
 
 
-def torchrun(where: Path, *command: str) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    where: Path, *command: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``python -m torch.distributed.run --standalone --nproc-per-node 2 COMMAND`` in
-    ``where``; its output captured."""
+    ``where`` (``env``: variables set besides); its output captured."""
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          *command],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         timeout=300, cwd=where,
     )  # fmt: skip

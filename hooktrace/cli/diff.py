@@ -37,6 +37,11 @@ ATOL = 1e-8
     help="Compare --rank (default 0) with this rank of RUN_B, or of RUN_A.",
 )
 @click.option(
+    "--per-rank",
+    is_flag=True,
+    help="Compare rank with rank, not logical tensors (the default for runs of several ranks).",
+)
+@click.option(
     "--top", type=click.IntRange(min=0), default=10, show_default=True, help="Modules to list."
 )
 @click.option(
@@ -61,6 +66,7 @@ def diff(
     ranks: str | None,
     rank: int | None,
     against_rank: int | None,
+    per_rank: bool,
     top: int,
     all_rows: bool,
     stop_at_first: bool,
@@ -72,13 +78,17 @@ def diff(
 
     Records align on (rank, step, micro-step, phase, module, call, kind, slot); a record
     matches when each statistic is within atol + rtol x its scale (full tensors, where both
-    runs saved them, decide element by element). Exits 0 when the runs match, 1 when they
+    runs saved them, decide element by element). A run of several ranks is compared as its
+    logical tensors, whatever the other's layout: shards pooled, replicas counted once, the
+    data-parallel ranks' activations pooled into the global batch (their gradients divided by
+    the data-parallel degree); --per-rank, --ranks and --against-rank compare ranks. Exits 0 when the runs match, 1 when they
     differ, 2 on error: it can guard numerics in CI. --format csv/json/parquet writes the
     records that differ (--all: every record).
 
     \b
     Example:
       hooktrace diff runs/before runs/after --rtol 1e-4
+      hooktrace diff runs/one-gpu runs/fsdp-8-gpus
       hooktrace diff runs/ddp --rank 0 --against-rank 1 --kinds param
     """
     from hooktrace.analyze.diff.diff import diff as diff_runs
@@ -103,6 +113,7 @@ def diff(
                 ranks=_split(ranks, int, "--ranks"),
                 rank=rank,
                 against_rank=against_rank,
+                per_rank=per_rank,
                 rows="all" if all_rows else "differing",
                 sink=writer.write if writer is not None else lambda frame: None,
                 stop_at_first=stop_at_first,

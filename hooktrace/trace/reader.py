@@ -228,16 +228,33 @@ class Trace:
         kinds: Iterable[str] | None = None,
         ranks: Iterable[int] | None = None,
         phases: Iterable[str] | None = None,
+        logical: bool = False,
     ) -> pd.DataFrame:
         """Records matching every filter given, reading only what is needed.
 
         ``steps`` is either an iterable of step numbers or an inclusive ``(first, last)``
         range given as a tuple of two ints. Rows come in (rank, step, seq) order.
+
+        ``logical`` answers with the logical tensors of a run of several ranks (shards
+        pooled, replicas once, data-parallel activations pooled into the global batch:
+        :mod:`hooktrace.trace.logical`), in (step, seq) order, with the columns ``ranks``,
+        ``dp`` and ``merged`` besides; the SQL view ``logical_records`` is the same.
         """
+        if not logical:
+            return records_frame(
+                self.query_table(
+                    columns=columns, steps=steps, modules=modules, kinds=kinds, ranks=ranks,
+                    phases=phases,
+                )
+            )  # fmt: skip
+        from hooktrace.trace.logical import ADDED, NEEDED, logical_table
+
+        asked = [c for c in (columns or ["rank", *schema.RECORD_SCHEMA.names]) if c not in ADDED]
+        read = [*asked, *(c for c in NEEDED if c not in asked)]
         table = self.query_table(
-            columns=columns, steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases
+            columns=read, steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases
         )
-        return records_frame(table)
+        return records_frame(logical_table(table).select([*asked, *ADDED]))
 
     def query_table(
         self,

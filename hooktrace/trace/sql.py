@@ -1,6 +1,8 @@
 """SQL over a trace, through DuckDB: the tables ``records``, ``steps``, ``modules`` and
 ``histograms`` as views over the run's Parquet parts (``histograms`` with whole rows of
-counts; ``histogram_spans`` as stored, with the macro ``bins_sum``). Never imports torch.
+counts; ``histogram_spans`` as stored, with the macro ``bins_sum``), and ``logical_records``,
+the records of a run of several ranks as logical tensors (:mod:`hooktrace.trace.logical`).
+Never imports torch.
 
 DuckDB is embedded, reads Parquet where it lies (only the columns and row groups a query
 needs), runs on every core and spills to disk past its memory limit, so a question over a
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from hooktrace.trace import histograms, schema
+from hooktrace.trace import histograms, logical, schema
 
 if TYPE_CHECKING:
     import duckdb
@@ -97,6 +99,8 @@ def define_views(
             con.execute(f"CREATE OR REPLACE VIEW histogram_spans AS {view}")
             view = _whole_histograms(view)
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {view}")
+    records = ["rank", *schema.RECORD_SCHEMA.names]
+    con.execute(f"CREATE OR REPLACE VIEW logical_records AS {logical.select('records', records)}")
     con.execute(BINS_SUM)
 
 

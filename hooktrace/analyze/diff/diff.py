@@ -31,7 +31,13 @@ from hooktrace.analyze.diff.compare import (
     align,
     compare,
 )
-from hooktrace.analyze.diff.read import in_chunks, read_ahead, read_chunk, stream_of
+from hooktrace.analyze.diff.read import (
+    in_chunks,
+    logical_chunk,
+    read_ahead,
+    read_chunk,
+    stream_of,
+)
 from hooktrace.analyze.diff.result import Accumulator, DiffResult, Divergence, Structure
 from hooktrace.analyze.diff.same import others, same_rows
 from hooktrace.analyze.findings import module_pattern
@@ -81,6 +87,7 @@ def diff(
     ranks: Iterable[int] | None = None,
     rank: int | None = None,
     against_rank: int | None = None,
+    per_rank: bool = False,
     rows: Literal["differing", "all"] = "differing",
     sink: Callable[[pd.DataFrame], None] | None = None,
     stop_at_first: bool = False,
@@ -94,6 +101,13 @@ def diff(
     when ``run_b`` is None): data-parallel ranks must hold equal parameters after every step.
     ``stop_at_first`` stops reading after the chunk holding the first divergence (and the
     next, read meanwhile).
+
+    Where a run has several ranks, its logical tensors are compared
+    (:mod:`hooktrace.trace.logical`: shards pooled, replicas counted once, the data-parallel
+    ranks' activations pooled into the global batch's, their gradients divided by the
+    data-parallel degree), so that runs of different layouts (one process, DDP, FSDP2, another
+    world size) compare with no option. ``per_rank`` compares rank with rank instead, as do
+    ``ranks`` and ``rank``/``against_rank``.
 
     ``table`` holds the records that differ (``rows="all"``: every record), at most
     ``max_rows`` of them (None: no bound): past it, the first ``max_rows``, and a note says
@@ -124,6 +138,9 @@ def diff(
     ranks_a = [rank or 0] if pair else (None if ranks is None else [int(r) for r in ranks])
     ranks_b = ranks_a if against_rank is None else [int(against_rank)]
     in_range = _step_predicate(steps)
+    logical = not (per_rank or pair or ranks_a is not None) and (
+        len(trace_a.ranks) > 1 or len(trace_b.ranks) > 1
+    )
 
     plan_a = _plan(trace_a, "A", ranks_a, kinds, modules, in_range)
     plan_b = _plan(trace_b, "B", ranks_b, kinds, modules, in_range)
@@ -145,13 +162,19 @@ def diff(
     empty = pd.DataFrame({c: pd.Series(dtype=t) for c, t in TABLE_DTYPES.items()})
     span = (common[0], common[-1])
     streams = [
-        stream_of(t, r, names, kinds, span) for t, r in ((trace_a, ranks_a), (trace_b, ranks_b))
+        stream_of(t, r, names, kinds, span, logical=logical)
+        for t, r in ((trace_a, ranks_a), (trace_b, ranks_b))
     ]
     budget = max(1, chunk_rows) * 2
     chunks = in_chunks(common, size, budget, first=max(1, budget // 8))
     # the next chunk is read while this one is compared (a stop at the first divergence has
     # read one chunk past the one that holds it)
-    reads = read_ahead(chunks, [functools.partial(read_chunk, s, drop_rank=pair) for s in streams])
+    reading: list[Callable[[list[int]], Any]] = [
+        functools.partial(read_chunk, s, drop_rank=pair) for s in streams
+    ]
+    if logical:
+        reading = [_then(read, logical_chunk) for read in reading]
+    reads = read_ahead(chunks, reading)
     try:
         for chunk, tables in reads:
             # rows both runs hold bit for bit are equal: counted here, never compared
@@ -192,6 +215,8 @@ def diff(
         tensors.close()
 
     notes = _notes(trace_a, trace_b, span_a, span_b, common, plan_a, plan_b, acc.stopped_at)
+    if logical:
+        notes.insert(0, _logical_note(trace_a, trace_b))
     if tensors.unreadable:
         notes.append(
             f"{len(tensors.unreadable)} full tensor(s) could not be read (first: "
@@ -216,6 +241,23 @@ def diff(
         complete=acc.stopped_at is None, ranks=(rank or 0, against_rank) if pair else (None, None),
         notes=notes,
     )  # fmt: skip
+
+
+def _then(first: Callable[[Any], Any], second: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda chunk: second(first(chunk))
+
+
+def _logical_note(a: Trace, b: Trace) -> str:
+    """What a comparison of logical tensors did, in one line."""
+    layouts = " and ".join(
+        f"run {side} {len(t.ranks)} ranks" if len(t.ranks) > 1 else f"run {side} one rank"
+        for side, t in (("A", a), ("B", b))
+    )
+    return (
+        f"compared logical tensors ({layouts}): shards pooled, replicas counted once, the "
+        "data-parallel ranks' activations pooled into the global batch's and their gradients "
+        "divided by the data-parallel degree; --per-rank compares rank with rank"
+    )
 
 
 @dataclass

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from hooktrace.analyze.diff.compare import KEYS, VALUES
+from hooktrace.trace import logical as logical_view
 from hooktrace.trace.reader import Trace
 from hooktrace.trace.stream import RecordStream
 
@@ -71,11 +72,25 @@ def stream_of(
     names: list[str] | None,
     kinds: list[str] | None,
     span: tuple[int, int],
+    *,
+    logical: bool = False,
 ) -> RecordStream:
-    """What the filters select of ``trace``, for :func:`read_chunk`."""
+    """What the filters select of ``trace``, for :func:`read_chunk` (``logical``: with the
+    columns :func:`logical_chunk` needs besides)."""
+    shards = [c for c in logical_view.NEEDED if c not in (*KEYS, *VALUES)] if logical else []
     return trace.stream(
-        columns=[*KEYS, *VALUES], steps=span, modules=names, kinds=kinds, ranks=ranks
+        columns=[*KEYS, *VALUES, *shards], steps=span, modules=names, kinds=kinds, ranks=ranks
     )
+
+
+def logical_chunk(table: pa.Table) -> pa.Table:
+    """The logical records of a chunk of every rank's records (:mod:`hooktrace.trace.logical`),
+    in the columns and types :func:`stream_of` reads without ``logical``."""
+    columns = [*KEYS, *VALUES]
+    stored = table.select(columns).schema
+    if pc.count_distinct(table.column("rank")).as_py() > 1:
+        table = logical_view.logical_table(table)
+    return table.select(columns).cast(stored)
 
 
 def in_chunks(

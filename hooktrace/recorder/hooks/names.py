@@ -208,7 +208,7 @@ class Names:
             rows.append(
                 {
                     "module": name,
-                    "type": f"{type(module).__module__}.{type(module).__qualname__}",
+                    "type": f"{user_class(module).__module__}.{user_class(module).__qualname__}",
                     "root": root_name,
                     "parent": parent
                     if parent in self.modules
@@ -226,13 +226,13 @@ class Names:
 def name_roots(models: Models) -> dict[str, nn.Module]:
     """Root names: a lone model is named by its class; several are named by key or class."""
     if isinstance(models, nn.Module):
-        return {type(unwrap(models)[0]).__name__: models}
+        return {user_class(unwrap(models)[0]).__name__: models}
     if isinstance(models, Mapping):
         roots = dict(models)
     else:
         roots = {}
         for model in models:
-            base = type(unwrap(model)[0]).__name__
+            base = user_class(unwrap(model)[0]).__name__
             name, n = base, 1
             while name in roots:
                 name, n = f"{base}#{n}", n + 1
@@ -240,6 +240,21 @@ def name_roots(models: Models) -> dict[str, nn.Module]:
     if not roots or not all(isinstance(m, nn.Module) for m in roots.values()):
         raise ConfigError("record() takes an nn.Module, a dict of them by name, or a list of them")
     return roots
+
+
+def user_class(module: nn.Module) -> type:
+    """The class the script made ``module`` of: FSDP2's ``fully_shard`` swaps a module's class
+    for ``FSDP<Class>`` (bases FSDPModule and the class), so that a sharded run's model is
+    named, and its types listed, as the same model trained in one process."""
+    cls = type(module)
+    bases = cls.__bases__
+    if (
+        len(bases) == 2
+        and bases[0].__name__ == "FSDPModule"
+        and cls.__name__ == f"FSDP{bases[1].__name__}"
+    ):
+        return bases[1]
+    return cls
 
 
 def unwrap(module: nn.Module) -> tuple[nn.Module, bool]:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from hooktrace.recorder.hooks import attach
-from hooktrace.recorder.hooks.names import unwrap
+from hooktrace.recorder.hooks.names import unwrap, user_class
 from hooktrace.recorder.recording.recorder import Recorder
 
 
@@ -107,7 +107,7 @@ class ScriptRecorder(Recorder):
     def _discover(self, module: nn.Module, inner: nn.Module) -> nn.Module:
         """A new root: the first with parameters is the model, named as in named_modules();
         the others (a loss module, a second model) are prefixed by their class name."""
-        base = type(inner).__name__
+        base = user_class(inner).__name__
         name, n = base, 1
         while name in self.roots:
             name, n = f"{base}#{n}", n + 1

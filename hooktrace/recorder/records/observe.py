@@ -24,7 +24,13 @@ import torch
 
 from hooktrace.recorder.records.layout import Meta
 from hooktrace.recorder.records.pending import PendingStep
-from hooktrace.recorder.records.shards import Shard, dtensor, local_shard
+from hooktrace.recorder.records.shards import (
+    Shard,
+    collected,
+    dtensor,
+    local_shard,
+    pending_collective,
+)
 from hooktrace.recorder.records.staging import Staged, StagedUnits
 from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.histogram import histogram as histogram_of
@@ -135,7 +141,7 @@ class Observer:
         Returns the statistics (None for a tensor not summarised): a row on the CPU, a
         tensor on a device, or where they will be made from a staged copy."""
         if not usual(tensor):
-            self._unusual(pending, micro_step, module, call, kind, slot, tensor, phase, full)
+            self._unusual(pending, micro_step, module, call, kind, slot, tensor, phase, full, shard)
             return None
         row = len(pending.meta)
         recent = self.recent.get(id(tensor))  # (lookup(), inline: this runs for every tensor)
@@ -256,11 +262,17 @@ class Observer:
         tensor: torch.Tensor,
         phase: str,
         full: bool,
+        shard: Shard | None = None,
     ) -> None:
         """A tensor that is not a plain dense one. Nested tensors are summarised over their
         values, Python subclasses as plain tensors; any other costs its own record only: a
         record with no statistics, whose note says why (the recording goes on). A DTensor
-        is summarised over its local shard, which its record's shard columns place."""
+        is summarised over its local shard, which its record's shard columns place (``shard``:
+        a DTensor's, whose local shard this is); a collective's pending result once done."""
+        if pending_collective(tensor):
+            self.observe(pending, micro_step, module, call, kind, slot, collected(tensor),
+                         phase=phase, full=full, units=True, shard=shard)  # fmt: skip
+            return
         if dtensor(tensor):
             local, shard = local_shard(tensor)
             self.observe(pending, micro_step, module, call, kind, slot, local,

@@ -8,7 +8,9 @@ shard columns (``schema.SHARD_COLUMNS``) say what it is a part of, so that the a
 put the logical tensor's statistics back together from every rank's records.
 
 Reading the local shard is reading an attribute: nothing is dispatched through the DTensor,
-so that no operation of hooktrace's reaches the distributed machinery.
+so that no operation of hooktrace's reaches the distributed machinery. The result of a
+collective still running (an AsyncCollectiveTensor) is read once it is done: the wait its
+first use would make anyway, made a little earlier.
 """
 
 from __future__ import annotations
@@ -32,6 +34,21 @@ def dtensor(tensor: torch.Tensor) -> bool:
     has not)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
+
+
+def pending_collective(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the result of a collective that may still be running (an
+    AsyncCollectiveTensor: tensor parallelism's outputs after a reduction, such as
+    RowwiseParallel's)."""
+    module = sys.modules.get("torch.distributed._functional_collectives")
+    return module is not None and isinstance(tensor, module.AsyncCollectiveTensor)
+
+
+def collected(tensor: Any) -> torch.Tensor:
+    """The values of a pending collective's result, once it is done: the wait its first use
+    in the script would make (idempotent: that use then waits no more; on a GPU the current
+    stream waits, the host does not), so the values are the script's own."""
+    return tensor.trigger_wait()
 
 
 def local_shard(tensor: Any) -> tuple[torch.Tensor, Shard]:
