@@ -10,12 +10,12 @@ from pathlib import Path
 
 
 def torchrun(
-    where: Path, *command: str, env: dict[str, str] | None = None
+    where: Path, *command: str, env: dict[str, str] | None = None, ranks: int = 2
 ) -> subprocess.CompletedProcess[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node 2 COMMAND`` in
+    """``python -m torch.distributed.run --standalone --nproc-per-node RANKS COMMAND`` in
     ``where`` (``env``: variables set besides); its output captured."""
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
          *command],
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         timeout=300, cwd=where,

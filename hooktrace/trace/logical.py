@@ -18,8 +18,12 @@ records of a tensor (same step, micro-step, phase, module, call, kind and slot):
    values each part holds and the variance is combined by Chan's formula (the records' std
    has no correction), so the pooled statistics equal the whole tensor's to float rounding;
    the L2 norm is the root of the sum of squares.
-3. **The data-parallel degree** ``dp`` of an activation is its parts per distinct shard
-   offset. The gradients of activations (``grad_output``, ``grad_tensor``) pooled over ``dp``
+3. **The data-parallel degree** ``dp`` of an activation: the data-parallel ranks holding it,
+   where the recording told each rank's place (the status's ``data_parallel``, from DDP or
+   FSDP2); else its parts per distinct shard offset. Where the layout is known, the parts a
+   data-parallel rank's peers (tensor parallelism's) hold of an activation that is no
+   DTensor are its local shards: their values are pooled, but where they lie in the
+   logical tensor is not recorded, so its shape lists theirs ("8,16+8,16"). The gradients of activations (``grad_output``, ``grad_tensor``) pooled over ``dp``
    parts are divided by ``dp``: each rank's gradient is of its own loss, and the gradient of
    the run's loss (the average the optimizer steps with) is that over ``dp``. A 0-d
    activation (a loss) pooled over ranks is their mean, not a batch of ``dp`` values.
@@ -30,8 +34,9 @@ Each logical record keeps the record columns (``rank`` is the lowest rank behind
 the logical tensor's, the shard columns "" once pooled; a pooled record has no per-unit
 activity and no full tensor, which stay in the per-rank records) and adds ``ranks`` (the
 ranks whose records it stands for), ``dp`` and ``merged``: "" (one rank's record), "replicas",
-"shards", "batch", "shards, batch", "partial", or "incomplete shards" (a parameter whose
-shards do not add up to its logical shape: a rank's records are missing).
+"shards", "batch", "shards, batch", "local shards", "local shards, batch", "partial", or
+"incomplete shards" (a parameter whose shards do not add up to its logical shape: a rank's
+records are missing).
 
 A record one rank holds alone passes through bit for bit.
 """
@@ -62,6 +67,18 @@ ADDED: Final = ("ranks", "dp", "merged")
 """The columns a logical record adds."""
 
 
+Layout = dict[int, int]
+"""Each rank's data-parallel rank: the ranks of one hold the same part of the global batch."""
+
+
+def _dp_rank(layout: Layout | None) -> str:
+    """The expression of a record's data-parallel rank: NULL where the layout is not known."""
+    if not layout:
+        return "NULL::INTEGER"
+    arms = " ".join(f"WHEN {int(rank)} THEN {int(dp)}" for rank, dp in sorted(layout.items()))
+    return f"CASE rank {arms} END"
+
+
 def _one(column: str) -> str:
     """The lowest rank's value of ``column`` (where one part stands alone: its own)."""
     return f"arg_min({column}, rank)"
@@ -84,10 +101,11 @@ _PER_PART: Final = {
 }
 
 
-def select(source: str, columns: Iterable[str]) -> str:
+def select(source: str, columns: Iterable[str], layout: Layout | None = None) -> str:
     """A query of the logical records of ``source`` (a table, a view or a parenthesised
     query holding ``columns``, which include :data:`NEEDED`): the columns of ``source``, in
-    its order, then :data:`ADDED`."""
+    its order, then :data:`ADDED`. ``layout``: each rank's data-parallel rank, where the
+    recording told it (the ranks' statuses): else the records tell it (see the module)."""
     columns = list(columns)
     missing = [c for c in NEEDED if c not in columns]
     if missing:
@@ -112,7 +130,8 @@ WITH parted AS (
         count(*) OVER (PARTITION BY {key}) AS ranks_,
         CASE WHEN contains(placements, 'P(') THEN rank END AS partial_,
         CASE WHEN logical_shape <> '' THEN logical_shape ELSE shape END AS base_,
-        kind IN ({weights}) AS weight_
+        kind IN ({weights}) AS weight_,
+        {_dp_rank(layout)} AS dp_rank_
     FROM {source}
 ),
 kept AS (
@@ -135,8 +154,15 @@ pooled AS (
 merged AS (
     SELECT *,
         CASE WHEN bool_or(weight_) OVER part_ OR partial_ IS NOT NULL THEN 1
+             WHEN bool_and(dp_rank_ IS NOT NULL) OVER part_
+                THEN count(DISTINCT dp_rank_) OVER part_
              ELSE (count(*) OVER part_) // count(DISTINCT shard_offset) OVER part_
-        END AS dp_
+        END AS dp_,
+        NOT bool_or(weight_) OVER part_ AND partial_ IS NULL
+            AND bool_and(dp_rank_ IS NOT NULL) OVER part_
+            AND count(*) OVER part_ > count(DISTINCT dp_rank_) OVER part_
+                * count(DISTINCT shard_offset) OVER part_ AS local_,
+        min(dp_rank_) OVER part_ AS first_dp_
     FROM pooled
     WINDOW part_ AS (PARTITION BY {key}, partial_)
 )
@@ -150,12 +176,7 @@ GROUP BY {key}, partial_
 """
 
 
-def frame_select(columns: Iterable[str]) -> str:
-    """:func:`select` over a relation named ``records_`` (an Arrow table handed to DuckDB)."""
-    return select("records_", columns)
-
-
-def logical_table(table: pa.Table) -> pa.Table:
+def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     """The logical records of ``table`` (records of whole steps of every rank, holding
     :data:`NEEDED`), in step and execution order. DuckDB reads the table where it lies."""
     import duckdb
@@ -169,7 +190,8 @@ def logical_table(table: pa.Table) -> pa.Table:
     con = duckdb.connect()
     try:
         con.register("records_", table)
-        query = f"SELECT * FROM ({frame_select(table.column_names)}) ORDER BY step, seq, rank"
+        query = f"SELECT * FROM ({select('records_', table.column_names, layout)}) "
+        query += "ORDER BY step, seq, rank"
         relation = con.sql(query)
         # DuckDB 2 names it to_arrow_table; 1.x, arrow
         return (getattr(relation, "to_arrow_table", None) or relation.arrow)()
@@ -196,6 +218,8 @@ def _logical_numel() -> str:
 
 _MERGED = f"""CASE
         WHEN bool_or(partial_ IS NOT NULL) THEN 'partial'
+        WHEN bool_or(local_) AND max(dp_) > 1 THEN 'local shards, batch'
+        WHEN bool_or(local_) THEN 'local shards'
         WHEN count(*) = 1 AND bool_and(placements NOT LIKE '%S(%')
             THEN CASE WHEN max(ranks_) > 1 THEN 'replicas' ELSE '' END
         WHEN bool_or(weight_) AND sum(numel) <> max({_logical_numel()}) THEN 'incomplete shards'
@@ -263,7 +287,9 @@ def _shape() -> str:
     rest = "regexp_replace(base_, '^[^,]*', '')"
     first = "try_cast(split_part(base_, ',', 1) AS BIGINT)"
     return (
-        f"CASE WHEN max(dp_) = 1 OR {_SCALAR} THEN {_one('base_')} "
+        "CASE WHEN bool_or(local_) "
+        "THEN string_agg(base_, '+' ORDER BY rank) FILTER (WHERE dp_rank_ = first_dp_) "
+        f"WHEN max(dp_) = 1 OR {_SCALAR} THEN {_one('base_')} "
         f"WHEN count(DISTINCT {rest}) = 1 "
         f"THEN (sum({first}) // count(DISTINCT shard_offset))::VARCHAR || any_value({rest}) "
         "ELSE string_agg(DISTINCT base_, '+' ORDER BY base_) END"

@@ -106,6 +106,17 @@ _MANIFEST_FIELDS = {
         for key in ("hooktrace_version", "torch_version", "python_version", "platform")
     },
 }
+
+
+def _place(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and set(value) == {"size", "rank"}
+        and all(type(v) is int for v in value.values())
+        and 0 <= value["rank"] < value["size"]
+    )
+
+
 _STATUS_FIELDS = {  # "status" itself is checked against schema.STATUSES
     "error": ("a string or null", _optional(lambda v: isinstance(v, str))),
     "start_time": ("a number", _optional(_number)),
@@ -113,6 +124,7 @@ _STATUS_FIELDS = {  # "status" itself is checked against schema.STATUSES
     "writer_blocked_seconds": ("a number", _number),
     "stats_route": ("a string", lambda v: isinstance(v, str)),
     "stats_warmup_seconds": ("a number", _number),
+    "data_parallel": ("an object of a size and a rank", _place),
     **{
         key: ("a count", _count)
         for key in ("steps_written", "records_written", "tensors_written", "steps_lost")

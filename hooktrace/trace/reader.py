@@ -140,6 +140,16 @@ class Trace:
         found = {rank_of(p) for kind_parts in self._parts.values() for p in kind_parts}
         return sorted(found | set(self._status))
 
+    @property
+    def layout(self) -> dict[int, int] | None:
+        """Each rank's data-parallel rank (ranks of one hold the same part of the global
+        batch), where every rank's final status says it (``data_parallel``, since 1.4: from
+        DDP or FSDP2); None where one does not: the logical view then judges from the
+        records (:mod:`hooktrace.trace.logical`)."""
+        places = {rank: status.get("data_parallel") for rank, status in self._status.items()}
+        layout = {rank: int(place["rank"]) for rank, place in places.items() if place is not None}
+        return layout if layout and len(layout) == len(places) == len(self.ranks) else None
+
     # -- tables ------------------------------------------------------------------------------
 
     @property
@@ -198,9 +208,9 @@ class Trace:
             for name, kind_parts in self._parts.items()
         }
         if self._sql is None:
-            self._sql = sql.connect(self._parts, columns)
+            self._sql = sql.connect(self._parts, columns, self.layout)
         elif self._sql_parts != self._parts:  # a part found damaged since: left out
-            sql.define_views(self._sql, self._parts, columns)
+            sql.define_views(self._sql, self._parts, columns, self.layout)
         self._sql_parts = {name: list(parts) for name, parts in self._parts.items()}
         return self._sql
 
@@ -254,7 +264,7 @@ class Trace:
         table = self.query_table(
             columns=read, steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases
         )
-        return records_frame(logical_table(table).select([*asked, *ADDED]))
+        return records_frame(logical_table(table, self.layout).select([*asked, *ADDED]))
 
     def query_table(
         self,

@@ -55,13 +55,16 @@ _SQL_TYPES = {
 
 
 def connect(
-    parts: dict[str, list[Path]], columns: dict[str, set[str]] | None = None
+    parts: dict[str, list[Path]],
+    columns: dict[str, set[str]] | None = None,
+    layout: logical.Layout | None = None,
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per table over ``parts`` (the reader's
     whole parts, by table directory name); ``columns``, where given, are the columns the
-    parts of each table hold between them (else DuckDB reads every footer to learn them)."""
+    parts of each table hold between them (else DuckDB reads every footer to learn them);
+    ``layout``, each rank's data-parallel rank where known (``Trace.layout``)."""
     con = open_connection()
-    define_views(con, parts, columns)
+    define_views(con, parts, columns, layout)
     return con
 
 
@@ -89,9 +92,10 @@ def define_views(
     con: duckdb.DuckDBPyConnection,
     parts: dict[str, list[Path]],
     columns: dict[str, set[str]] | None = None,
+    layout: logical.Layout | None = None,
 ) -> None:
-    """(Re)define the ``records``, ``steps``, ``modules`` and ``histograms`` views over
-    ``parts``."""
+    """(Re)define the ``records``, ``steps``, ``modules``, ``histograms`` and
+    ``logical_records`` views over ``parts``."""
     for name, file_schema in TABLES.items():
         present = None if columns is None else columns[name]
         view = _select(con, file_schema, parts[name], present)
@@ -100,7 +104,9 @@ def define_views(
             view = _whole_histograms(view)
         con.execute(f"CREATE OR REPLACE VIEW {name} AS {view}")
     records = ["rank", *schema.RECORD_SCHEMA.names]
-    con.execute(f"CREATE OR REPLACE VIEW logical_records AS {logical.select('records', records)}")
+    con.execute(
+        f"CREATE OR REPLACE VIEW logical_records AS {logical.select('records', records, layout)}"
+    )
     con.execute(BINS_SUM)
 
 

@@ -327,6 +327,7 @@ CORRUPTIONS = [
     Corruption("status unknown", "damage", _edit_json(STATUS, status="exploded"), "unknown status"),
     Corruption("status end_time not a number", "damage", _edit_json(STATUS, end_time="soon"), "end_time"),
     Corruption("status counts not numbers", "damage", _edit_json(STATUS, steps_lost="many"), "steps_lost"),
+    Corruption("status data_parallel out of its size", "damage", _edit_json(STATUS, data_parallel={"size": 2, "rank": 5}), "data_parallel"),
     Corruption("records part truncated", "damage", _truncate(RECORDS), RECORDS),
     Corruption("records part empty", "damage", _write(RECORDS, b""), RECORDS),
     Corruption("records part bit-flipped in its pages", "damage", _flip_bits(RECORDS, region="pages"), RECORDS),

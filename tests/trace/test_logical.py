@@ -33,8 +33,8 @@ def record(values: np.ndarray, *, rank: int, kind: str = "output", **shard: str)
     }  # fmt: skip
 
 
-def view(*records: dict[str, Any]) -> list[dict[str, Any]]:
-    return logical.logical_table(pa.Table.from_pylist(list(records))).to_pylist()
+def view(*records: dict[str, Any], layout: dict[int, int] | None = None) -> list[dict[str, Any]]:
+    return logical.logical_table(pa.Table.from_pylist(list(records)), layout).to_pylist()
 
 
 def assert_stats_of(row: dict[str, Any], whole: np.ndarray, *, per: float = 1.0) -> None:
@@ -155,6 +155,30 @@ def test_an_activation_the_ranks_share_counts_once_per_data_parallel_rank(
     [row] = view(*parts)
     assert_stats_of(row, values, per=2)
     assert (row["dp"], row["ranks"], row["merged"]) == (2, 4, "batch")
+
+
+@pytest.mark.parametrize("kind", ["output", "grad_output"])
+def test_local_shards_of_tensor_parallel_peers_where_the_layout_is_known(
+    values: np.ndarray, kind: str
+) -> None:
+    """Ranks 0 and 1 hold one half of the batch, 2 and 3 the other (the recording said so);
+    each peer a plain tensor of its own columns (the local shard tensor parallelism hands
+    on): pooled whole, the gradient divided by the data-parallel degree, 2, not by 4."""
+    batch = np.concatenate([values, values[::-1] * 2])
+    parts = [
+        record(half[:, cols], rank=2 * dp + tp, kind=kind)
+        for dp, half in enumerate(np.split(batch, 2))
+        for tp, cols in enumerate((slice(0, 3), slice(3, 5)))
+    ]
+    [row] = view(*parts, layout={0: 0, 1: 0, 2: 1, 3: 1})
+    expected = record(batch / (2 if kind == "grad_output" else 1), rank=0)
+    for name in ("mean", "std", "min", "max", "norm", "zero_fraction"):
+        assert row[name] == pytest.approx(expected[name], rel=1e-12), name
+    assert (row["numel"], row["dp"], row["merged"]) == (60, 2, "local shards, batch")
+    assert row["shape"] == "6,3+6,2"  # the lowest data-parallel rank's shards, in rank order
+    # without the layout, the four parts are taken for four data-parallel ranks' batches
+    [guessed] = view(*parts)
+    assert (guessed["dp"], guessed["merged"]) == (4, "batch")
 
 
 def test_a_loss_of_each_rank_pools_into_their_mean() -> None:

@@ -5,7 +5,8 @@ them); one row per aligned record comes out, with a ``status``:
 
 - ``equal``: within tolerance;
 - ``differs``: a statistic (or, where both runs saved it, the full tensor) is out of tolerance;
-- ``changed``: the shape or the dtype differs (a structural difference);
+- ``changed``: the shape or the dtype differs (a structural difference; not the shape of a
+  logical tensor pooled from local shards, which lists theirs, against one of as many values);
 - ``only_a`` / ``only_b``: one run has no such record.
 
 Tolerance is symmetric, ``|a - b| <= atol + rtol * scale``. For full tensors the scale of each
@@ -121,7 +122,7 @@ def compare(
     in_a = merged["in_a"].to_numpy(bool)
     in_b = merged["in_b"].to_numpy(bool)
     both = in_a & in_b
-    shapes_differ = _differ(merged["shape_a"], merged["shape_b"])
+    shapes_differ = _differ(merged["shape_a"], merged["shape_b"]) & ~_unplaced(merged)
     dtypes_differ = _differ(merged["dtype_a"], merged["dtype_b"])
     changed = both & (dtypes_differ | shapes_differ)
     comparable = both & ~changed
@@ -297,6 +298,19 @@ def _same(x: pd.Series, y: pd.Series) -> bool:
     if isinstance(x.dtype, pd.CategoricalDtype):
         return bool(np.array_equal(x.cat.codes.to_numpy(), y.cat.codes.to_numpy()))
     return bool(np.array_equal(x.to_numpy(), y.to_numpy()))
+
+
+def _unplaced(merged: pd.DataFrame) -> np.ndarray:
+    """Where a run's record is a logical tensor pooled from local shards whose places it
+    does not know (its shape lists theirs, "8,16+8,16": hooktrace.trace.logical) and holds
+    as many values as the other run's: its shape is no difference, its values are compared."""
+    listed = np.zeros(len(merged), dtype=bool)
+    for side in ("shape_a", "shape_b"):
+        listed |= merged[side].astype("str").str.contains("+", regex=False).to_numpy(bool)
+    if not listed.any():
+        return listed
+    numel_a = merged["numel_a"].to_numpy(dtype=np.float64, na_value=np.nan)
+    return listed & (numel_a == merged["numel_b"].to_numpy(dtype=np.float64, na_value=np.nan))
 
 
 def _differ(a: pd.Series, b: pd.Series) -> np.ndarray:

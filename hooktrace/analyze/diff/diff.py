@@ -36,6 +36,7 @@ from hooktrace.analyze.diff.read import (
     logical_chunk,
     read_ahead,
     read_chunk,
+    set_aside_partials,
     stream_of,
 )
 from hooktrace.analyze.diff.result import Accumulator, DiffResult, Divergence, Structure
@@ -173,10 +174,18 @@ def diff(
         functools.partial(read_chunk, s, drop_rank=pair) for s in streams
     ]
     if logical:
-        reading = [_then(read, logical_chunk) for read in reading]
+        layouts = (trace_a.layout, trace_b.layout)
+        reading = [
+            _then(read, functools.partial(logical_chunk, layout=layout))
+            for read, layout in zip(reading, layouts, strict=True)
+        ]
     reads = read_ahead(chunks, reading)
+    partial = 0  # records set aside: partial sums are no logical tensor
     try:
         for chunk, tables in reads:
+            if logical:
+                tables, aside = set_aside_partials(tables)
+                partial += aside
             # rows both runs hold bit for bit are equal: counted here, never compared
             same = same_rows(tables[0], tables[1], keys) if rows == "differing" else None
             if same is not None:
@@ -217,6 +226,13 @@ def diff(
     notes = _notes(trace_a, trace_b, span_a, span_b, common, plan_a, plan_b, acc.stopped_at)
     if logical:
         notes.insert(0, _logical_note(trace_a, trace_b))
+    if partial:
+        notes.insert(
+            1,
+            f"{partial} record(s) were not compared: a run holds their tensor as partial sums "
+            "(a P(...) placement: a tensor-parallel layer's output before its reduction, which "
+            "the next module receives reduced); `hooktrace diff --per-rank` shows them",
+        )
     if tensors.unreadable:
         notes.append(
             f"{len(tensors.unreadable)} full tensor(s) could not be read (first: "

@@ -83,14 +83,48 @@ def stream_of(
     )
 
 
-def logical_chunk(table: pa.Table) -> pa.Table:
-    """The logical records of a chunk of every rank's records (:mod:`hooktrace.trace.logical`),
-    in the columns and types :func:`stream_of` reads without ``logical``."""
+def logical_chunk(table: pa.Table, layout: logical_view.Layout | None = None) -> pa.Table:
+    """The logical records of a chunk of every rank's records (:mod:`hooktrace.trace.logical`;
+    ``layout`` as ``Trace.layout`` gives it), in the columns and types :func:`stream_of`
+    reads without ``logical``."""
     columns = [*KEYS, *VALUES]
     stored = table.select(columns).schema
     if pc.count_distinct(table.column("rank")).as_py() > 1:
-        table = logical_view.logical_table(table)
-    return table.select(columns).cast(stored)
+        table = logical_view.logical_table(table, layout)
+        merged = table.column("merged")
+    else:
+        merged = pa.nulls(table.num_rows, pa.string())
+    return table.select(columns).cast(stored).append_column("merged", merged)
+
+
+def set_aside_partials(tables: list[pa.Table]) -> tuple[list[pa.Table], int]:
+    """``tables`` (of :func:`logical_chunk`) without the records, in either, of a tensor
+    one of them holds as partial sums (a ``P(...)`` placement: a tensor-parallel output
+    before its reduction, which is no logical tensor to compare), and how many records
+    that leaves out; the ``merged`` column dropped."""
+    partial = [pc.equal(t.column("merged"), "partial").fill_null(False) for t in tables]
+    if not any(pc.any(mask).as_py() for mask in partial):
+        return [t.drop_columns(["merged"]) for t in tables], 0
+    import duckdb
+
+    keys = ", ".join(k for k in KEYS if k != "rank")
+    con = duckdb.connect()
+    try:
+        for i, (table, mask) in enumerate(zip(tables, partial, strict=True)):
+            con.register(f"t{i}", table.drop_columns(["merged"]))
+            con.register(f"p{i}", table.filter(mask).select(list(KEYS)))
+        union = " UNION ".join(f"SELECT {keys} FROM p{i}" for i in range(len(tables)))
+        kept, left_out = [], 0
+        for i, table in enumerate(tables):
+            relation = con.sql(
+                f"SELECT * FROM t{i} ANTI JOIN ({union}) USING ({keys}) ORDER BY step, seq, rank"
+            )
+            found = (getattr(relation, "to_arrow_table", None) or relation.arrow)()
+            left_out += table.num_rows - found.num_rows
+            kept.append(found.cast(table.drop_columns(["merged"]).schema))
+        return kept, left_out
+    finally:
+        con.close()
 
 
 def in_chunks(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Collection
 from pathlib import Path
 from types import TracebackType
@@ -49,6 +50,7 @@ from hooktrace.recorder.recording.patches import (
 )
 from hooktrace.recorder.records.layout import Layouts
 from hooktrace.recorder.records.observe import Histograms, Observer
+from hooktrace.recorder.records.shards import data_parallel
 from hooktrace.recorder.records.staging import StagingPool
 from hooktrace.recorder.stats.stats import route_taken
 from hooktrace.trace import schema
@@ -138,6 +140,7 @@ class Recorder(Steps):
         if compression not in (None, "gzip", "lzf"):
             raise ConfigError(f"compression must be gzip, lzf or none (got {compression!r})")
         self._table = attach.ModuleTable()
+        self._wrappers: list[weakref.ref[nn.Module]] = []  # DDP's, for the status's layout
         self._names = Names(
             self._table,
             include=module_matcher(modules, default=True),
@@ -266,6 +269,7 @@ class Recorder(Steps):
                 )
             extra = {
                 **(_route_taken() or {}),
+                **self._layout(),
                 **self._captures.status(),
                 "histograms_failed": self.histograms_failed,  # the writer adds its own
             }
@@ -376,6 +380,8 @@ class Recorder(Steps):
         """
         inner, compiled = unwrap(root)
         hooked = root if compiled else inner
+        if root is not inner:  # a DDP wrapper says how the ranks share the batch
+            self._wrappers.append(weakref.ref(root))
         written = self._names.add_root(root_name, hooked, prefixed=prefixed)
         self._writer.add_modules(self._module_rows(root_name, written))
         return hooked
@@ -424,6 +430,10 @@ class Recorder(Steps):
         self._recording = False
         self._pending = self._new_pending()
 
+    def _layout(self) -> dict[str, Any]:
+        wrappers = [w for w in (ref() for ref in self._wrappers) if w is not None]
+        return _data_parallel([*wrappers, *self.roots.values()])
+
     # -- what tests look at ------------------------------------------------------------------
 
     @property
@@ -433,6 +443,15 @@ class Recorder(Steps):
     @property
     def _scratch(self) -> torch.Tensor:
         return self._observer.scratch
+
+
+def _data_parallel(models: list[nn.Module]) -> dict[str, Any]:
+    """The final status's ``data_parallel`` (docs/FORMAT.md), where it can be told."""
+    try:
+        place = data_parallel(models)
+    except Exception:  # a torch of other private names: the analyzer judges from the records
+        return {}
+    return {} if place is None else {"data_parallel": place}
 
 
 def _route_taken() -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ first use would make anyway, made a little earlier.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -34,6 +35,43 @@ def dtensor(tensor: torch.Tensor) -> bool:
     has not)."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(tensor, module.DTensor)
+
+
+def data_parallel(models: Iterable[Any]) -> dict[str, int] | None:
+    """This rank's place among the data-parallel ranks, ``{"size": S, "rank": R}`` (the ranks
+    of one ``R`` hold the same part of the global batch: tensor parallelism's peers), for the
+    analyzer's logical view: from a model's DistributedDataParallel wrapper, or from FSDP2's
+    own data-parallel mesh (its shard and replicate dimensions); size 1 for a model with
+    DTensor parameters and neither (tensor parallelism alone). None where that cannot be
+    told (no process group; data parallelism by hand): the analyzer then judges from the
+    records themselves."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    models = list(models)
+    for model in models:
+        if type(model).__name__ == "DistributedDataParallel":
+            group = model.process_group
+            return {"size": dist.get_world_size(group), "rank": dist.get_rank(group)}
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    sharded = False
+    for model in models:
+        for module in model.modules():
+            if fsdp is not None and isinstance(module, fsdp.FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:  # a module of no parameters of its own has none
+                    return _place(group.mesh_info.mesh)
+            sharded = sharded or any(dtensor(p) for p in module.parameters(recurse=False))
+    return {"size": 1, "rank": 0} if sharded else None
+
+
+def _place(mesh: Any) -> dict[str, int]:
+    """This rank's flat index in ``mesh`` (row-major), and the mesh's size."""
+    coordinate = mesh.get_coordinate() or [0] * mesh.ndim
+    index = 0
+    for size, at in zip(mesh.shape, coordinate, strict=True):
+        index = index * size + at
+    return {"size": mesh.size(), "rank": index}
 
 
 def pending_collective(tensor: torch.Tensor) -> bool:

@@ -23,30 +23,44 @@ import json, os, sys
 import torch
 from torch import nn
 
-layout = sys.argv[1]  # one | fsdp2 | ddp
+layout = sys.argv[1]  # one | fsdp2 | ddp | tp | fsdp_tp
 plant = int(os.environ.get("PLANT_STEP", "-1"))
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))  # 5 rows: uneven shards
 data = torch.Generator().manual_seed(1)
 batches = [(torch.randn(8, 16, generator=data), torch.randn(8, 5, generator=data))
            for _ in range(4)]
-rank, world = 0, 1
+rank, dp, dp_rank = 0, 1, 0
 if layout != "one":
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, RowwiseParallel, parallelize_module)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if layout == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
         for layer in (model[0], model[2]):
             fully_shard(layer)
         fully_shard(model)
-    else:
+        dp, dp_rank = world, rank
+    elif layout == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
+        dp, dp_rank = world, rank
+    else:  # tensor parallel over 2 ranks; fsdp_tp: with FSDP2 over the other 2
+        dp = world // 2
+        mesh = init_device_mesh("cpu", (dp, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        if dp > 1:
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            dp_rank = mesh["dp"].get_local_rank()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 truth = []
 for step, (x, y) in enumerate(batches):
-    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-    if step == plant and rank == world - 1:
+    x, y = x.chunk(dp)[dp_rank], y.chunk(dp)[dp_rank]
+    if step == plant and dp_rank == dp - 1:
         x = x * 1.5
     out = model(x)
     out.retain_grad()
@@ -75,8 +89,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
         capture_output=True, text=True, cwd=where, timeout=300,
     )  # fmt: skip
     assert one.returncode == 0, one.stderr[-3000:]
-    for layout, env in (("fsdp2", {}), ("ddp", {"PLANT_STEP": "3"})):
-        done = torchrun(where, *record, layout, "train.py", layout, env=env)
+    for layout, ranks, env in (
+        ("fsdp2", 2, {}), ("ddp", 2, {"PLANT_STEP": "3"}), ("tp", 2, {}), ("fsdp_tp", 4, {})
+    ):  # fmt: skip
+        done = torchrun(where, *record, layout, "train.py", layout, env=env, ranks=ranks)
         assert done.returncode == 0, done.stderr[-3000:]
     return where, json.loads(one.stdout)
 
@@ -166,3 +182,48 @@ def test_a_sharded_model_is_named_as_in_one_process(runs: tuple[Path, list]) -> 
     modules = hooktrace.load(where / "fsdp2").modules
     root = modules[modules["depth"] == 0].iloc[0]
     assert (root["module"], root["type"]) == ("Sequential", "torch.nn.modules.container.Sequential")
+
+
+@pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
+def test_tensor_parallel_runs_match_one_process(runs: tuple[Path, list], layout: str) -> None:
+    """Colwise and rowwise layers on 2 ranks, alone and under FSDP2 on a 2x2 mesh: every
+    logical tensor matches; the rowwise layer's output, a partial sum on each rank until
+    its reduction, is set aside with a note."""
+    where, _ = runs
+    result = hooktrace.diff(where / "one", where / layout)
+    assert result.match and not result.structure.differs, result
+    assert result.records == 4 * 15  # all but the rowwise layer's output
+    assert "partial sums" in result.notes[1]
+
+
+def test_what_tensor_parallelism_hands_between_its_layers(runs: tuple[Path, list]) -> None:
+    where, _ = runs
+    trace = hooktrace.load(where / "tp")
+    step = trace.query(steps=[0], kinds=["output"])
+    placed = step.groupby("module", observed=True)["placements"].agg(set)
+    assert placed["0"] == {"S(1)"}  # ColwiseParallel's output, a DTensor at the boundary
+    assert placed["2"] == {"P(sum)"}  # RowwiseParallel's, before its reduction
+    assert placed["1"] == {""}  # the ReLU between them gets the local shard, a plain tensor
+    # the model's output is the reduction's pending result: summarised once it is done
+    # (it was skipped, "tensor subclass AsyncCollectiveTensor")
+    root = step[step["module"] == "Sequential"]
+    assert (root["note"] == "").all() and root["mean"].notna().all()
+    logical = trace.query(steps=[0], modules=["1"], logical=True)
+    one = hooktrace.load(where / "one").query(steps=[0], modules=["1"])
+    assert (logical["merged"] == "local shards").all()
+    assert (logical["shape"] == "8,16+8,16").all()  # where each shard lies is not recorded
+    assert logical["norm"].to_numpy() == pytest.approx(one["norm"].to_numpy(), rel=1e-6)
+
+
+def test_each_rank_says_where_it_sits_among_the_data_parallel_ranks(
+    runs: tuple[Path, list],
+) -> None:
+    where, _ = runs
+    expected = {
+        "one": None,
+        "ddp": {0: 0, 1: 1},
+        "fsdp2": {0: 0, 1: 1},
+        "tp": {0: 0, 1: 0},
+        "fsdp_tp": {0: 0, 1: 0, 2: 1, 3: 1},
+    }
+    assert {name: hooktrace.load(where / name).layout for name in expected} == expected
