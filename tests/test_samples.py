@@ -43,6 +43,10 @@ COMMANDS = {
     "anomalies_exploding": ("anomalies sample_traces/exploding --fail", 1),
     "anomalies_dead": ("anomalies sample_traces/dead", 0),
     "anomalies_healthy": ("anomalies sample_traces/healthy --fail", 0),
+    "summary_fsdp2": ("summary sample_traces/distributed/fsdp2", 0),
+    "diff_one_fsdp2": ("diff sample_traces/distributed/one sample_traces/distributed/fsdp2", 0),
+    "diff_one_ddp": ("diff sample_traces/distributed/one sample_traces/distributed/ddp --top 3", 1),
+    "anomalies_ddp": ("anomalies sample_traces/distributed/ddp", 0),
 }
 
 # what changes when the samples are made again: times, versions, the command, file sizes

@@ -58,7 +58,8 @@ def render(s: Summary) -> str:
     if s.command:
         lines.append(f"command   {' '.join(s.command)}")
     lines += [
-        f"ranks     {', '.join(map(str, s.ranks)) or 'none'}",
+        f"ranks     {', '.join(map(str, s.ranks)) or 'none'}"
+        + (f" (data-parallel {s.data_parallel})" if s.data_parallel is not None else ""),
         _steps_line(s, span),
         f"modules   {s.modules} (roots: {', '.join(s.roots) or '-'}"
         + (f"; only evaluated: {', '.join(s.evaluated_roots)}" if s.evaluated_roots else "")
@@ -66,6 +67,14 @@ def render(s: Summary) -> str:
         f"records   {s.records:,}"
         + "".join(
             (": " if i == 0 else ", ") + f"{k} {v:,}" for i, (k, v) in enumerate(s.kinds.items())
+        ),
+        *(
+            [
+                f"logical   {s.logical_records:,} records: the ranks' merged into logical tensors "
+                "(what diff compares; query(logical=True))"
+            ]
+            if s.logical_records is not None
+            else []
         ),
         "phases    " + (", ".join(f"{k} {v:,}" for k, v in s.phases.items()) or "-"),
         f"tensors   {s.full_tensors:,} full tensors saved",

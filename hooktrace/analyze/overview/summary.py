@@ -25,6 +25,11 @@ class Summary:
     command: list[str]
     duration_s: float | None
     ranks: list[int]
+    data_parallel: int | None
+    """The data-parallel degree where the recording told each rank's place (DDP, FSDP2)."""
+    logical_records: int | None
+    """In a run of several ranks, its records merged into logical tensors
+    (:mod:`hooktrace.trace.logical`): what ``diff`` compares; None in a run of one rank."""
     steps: int
     """Steps that trained (a backward pass ran); every step, in a run that never trained."""
     first_step: int | None
@@ -89,6 +94,8 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         command=list(manifest.get("command") or []),
         duration_s=(end - start) if start and end else None,
         ranks=trace.ranks,
+        data_parallel=None if trace.layout is None else max(trace.layout.values()) + 1,
+        logical_records=_logical_count(trace),
         steps=len(counted),
         first_step=min(counted) if counted else None,
         last_step=max(counted) if counted else None,
@@ -119,6 +126,25 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
 
 
 _RECORDED_STEPS = "SELECT DISTINCT step FROM records"
+_LOGICAL = """
+    SELECT count(*) AS n FROM (
+        SELECT DISTINCT step, micro_step, phase, module, call, kind, slot,
+            CASE WHEN contains(placements, 'P(') THEN rank END
+        FROM records)
+"""  # a logical tensor per tensor of a step, but partial sums: one per rank
+
+
+def _logical_count(trace: Trace) -> int | None:
+    """How many logical records the ranks' records make (None for one rank, or where DuckDB
+    cannot read a part: the count is left out, not guessed)."""
+    if len(trace.ranks) < 2:
+        return None
+    try:
+        return int(trace.sql(_LOGICAL)["n"].iloc[0])
+    except TraceError:
+        return None
+
+
 _NOT_SUMMARISED = f"""
     SELECT module, kind, substr(note, {len(NOTE_SKIPPED) + 1}) AS reason, count(*) AS records
     FROM records WHERE starts_with(note, '{NOTE_SKIPPED}')

@@ -141,6 +141,8 @@ class Recorder(Steps):
             raise ConfigError(f"compression must be gzip, lzf or none (got {compression!r})")
         self._table = attach.ModuleTable()
         self._wrappers: list[weakref.ref[nn.Module]] = []  # DDP's, for the status's layout
+        self._place: dict[str, Any] = {}  # the status's data_parallel, once told
+        self._place_tries = 0
         self._names = Names(
             self._table,
             include=module_matcher(modules, default=True),
@@ -269,7 +271,7 @@ class Recorder(Steps):
                 )
             extra = {
                 **(_route_taken() or {}),
-                **self._layout(),
+                **(self._place or self._layout()),
                 **self._captures.status(),
                 "histograms_failed": self.histograms_failed,  # the writer adds its own
             }
@@ -433,6 +435,14 @@ class Recorder(Steps):
     def _layout(self) -> dict[str, Any]:
         wrappers = [w for w in (ref() for ref in self._wrappers) if w is not None]
         return _data_parallel([*wrappers, *self.roots.values()])
+
+    def _end_step(self, *, skipped: bool = False) -> None:
+        # where the ranks sit among the data-parallel ranks, for the final status: told by
+        # the DDP wrapper or FSDP2's state, which may be gone when the recording closes
+        if not self._place and self._place_tries < 3 and self._recording:
+            self._place_tries += 1
+            self._place = self._layout()
+        super()._end_step(skipped=skipped)
 
     # -- what tests look at ------------------------------------------------------------------
 
