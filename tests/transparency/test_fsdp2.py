@@ -1,6 +1,7 @@
 """FSDP2 training (2 ranks, gloo, torchrun, one thread a rank) recorded trains bit-identically
-to the same training unrecorded: the same losses on every rank and the same final parameters,
-gathered whole. The recorder reads each DTensor's local shard (and saves a capture's
+to the same training unrecorded: the same losses on every rank, the same final parameters,
+gathered whole, and the same checkpoints (torch.distributed.checkpoint's, of the model and
+the optimizer, and a full state dict). The recorder reads each DTensor's local shard (and saves a capture's
 parameters) without touching what FSDP2 does with its storages."""
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ with open(f"{sys.argv[1]}.rank{rank}", "w") as out:  # the ranks share one stdou
 whole = {name: p.full_tensor() for name, p in model.named_parameters()}
 if rank == 0:
     torch.save(whole, sys.argv[1])
+# checkpoints as trainers write them: sharded (torch.distributed.checkpoint), and whole
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_optimizer_state_dict)
+state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+dcp.save(state, checkpoint_id=f"{sys.argv[1]}.dcp")
+full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+if rank == 0:
+    torch.save(full, f"{sys.argv[1]}.full")
 dist.destroy_process_group()
 """
 
@@ -60,7 +70,33 @@ def test_fsdp2_trains_bit_identically_recorded(tmp_path: Path) -> None:
     assert expected.keys() == got.keys()
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    for name in ("plain", "recorded"):
+        dcp_to_torch_save(tmp_path / f"{name}.pt.dcp", tmp_path / f"{name}.dcp.pt")
+    for suffix in (".dcp.pt", ".pt.full"):
+        expected, got = (torch.load(tmp_path / f"{n}{suffix}") for n in ("plain", "recorded"))
+        assert _flat(expected).keys() == _flat(got).keys() and _flat(expected)
+        for key, value in _flat(expected).items():
+            assert _same(_flat(got)[key], value), (suffix, key)
     trace = hooktrace.load(tmp_path / "run")
     assert trace.status == "complete" and hooktrace.check(trace).whole
     params = trace.query(kinds=["param"], columns=["rank", "step", "placements", "mean"])
     assert len(params) == 2 * 4 * 6 and params["mean"].notna().all()
+
+
+def _flat(state: object, prefix: str = "") -> dict[str, object]:
+    """The leaves of a nested state dict (tensors, and plain values), by dotted key."""
+    if isinstance(state, dict):
+        return {
+            k: v for key, sub in state.items() for k, v in _flat(sub, f"{prefix}{key}.").items()
+        }
+    if isinstance(state, (list, tuple)):
+        return {k: v for i, sub in enumerate(state) for k, v in _flat(sub, f"{prefix}{i}.").items()}
+    return {prefix.rstrip("."): state}
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
