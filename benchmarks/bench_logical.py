@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from synthetic import generate_trace, module_names, rows_per_step  # noqa: E402
+from synthetic import generate_trace, module_names, rows_per_step
 
 MODULES = 250
 _CHILD = """

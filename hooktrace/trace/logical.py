@@ -176,9 +176,11 @@ GROUP BY {key}, partial_
 """
 
 
-def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
-    """The logical records of ``table`` (records of whole steps of every rank, holding
-    :data:`NEEDED`), in step and execution order. DuckDB reads the table where it lies."""
+def query_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
+    """What the SQL view ``logical_records`` answers for ``table`` (records of whole steps of
+    every rank, holding :data:`NEEDED`), in step and execution order: DuckDB reads the table
+    where it lies. The analyzer's own chunks go through the faster
+    :func:`hooktrace.trace.logical_arrays.logical_table`, which gives the same answer."""
     import duckdb
 
     for name in ("logical_shape", "placements", "shard_offset"):  # null before format 1.4
@@ -249,8 +251,9 @@ def _pooled() -> dict[str, str]:
 
     def count(name: str, scalar: str) -> str:
         return (
-            f"CASE WHEN count(*) = 1 THEN {_one(name)} WHEN {_SCALAR} THEN {scalar} "
-            f"ELSE sum({name}) END"
+            f"CASE WHEN count(*) = 1 THEN {_one(name)} "
+            f"WHEN count({name}) < count(*) THEN NULL "  # a part not summarised: unknown
+            f"WHEN {_SCALAR} THEN {scalar} ELSE sum({name}) END::BIGINT"
         )
 
     variance = "sum(numel * (std * std + (mean - mean_) * (mean - mean_))) / nullif(max(n_), 0)"

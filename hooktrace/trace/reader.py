@@ -257,14 +257,17 @@ class Trace:
                     phases=phases,
                 )
             )  # fmt: skip
-        from hooktrace.trace.logical import ADDED, NEEDED, logical_table
+        from hooktrace.trace.logical import ADDED, NEEDED
+        from hooktrace.trace.logical_arrays import logical_table
 
         asked = [c for c in (columns or ["rank", *schema.RECORD_SCHEMA.names]) if c not in ADDED]
         read = [*asked, *(c for c in NEEDED if c not in asked)]
         table = self.query_table(
             columns=read, steps=steps, modules=modules, kinds=kinds, ranks=ranks, phases=phases
         )
-        return records_frame(logical_table(table, self.layout).select([*asked, *ADDED]))
+        frame = records_frame(logical_table(table, self.layout).select([*asked, *ADDED]))
+        order = [c for c in ("step", "seq", "rank") if c in frame.columns]
+        return frame.sort_values(order, kind="stable").reset_index(drop=True) if order else frame
 
     def query_table(
         self,

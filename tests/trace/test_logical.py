@@ -6,13 +6,14 @@ real layouts (FSDP2, DDP under torchrun) are in tests/analyze/diff/test_layouts.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from hooktrace.trace import logical
+from hooktrace.trace import logical, logical_arrays
 
 _KEY = {"step": 0, "micro_step": 0, "phase": "train", "module": "fc", "call": 0, "slot": "0"}
 
@@ -33,8 +34,21 @@ def record(values: np.ndarray, *, rank: int, kind: str = "output", **shard: str)
     }  # fmt: skip
 
 
+@pytest.fixture(params=["numpy", "sql"], autouse=True)
+def _engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case twice: the numpy view the analyzer reads chunks with, and the SQL view
+    (``logical_records``); both must give the same answer."""
+    monkeypatch.setattr(sys.modules[__name__], "_ENGINE", request.param)
+
+
+_ENGINE = "numpy"
+
+
 def view(*records: dict[str, Any], layout: dict[int, int] | None = None) -> list[dict[str, Any]]:
-    return logical.logical_table(pa.Table.from_pylist(list(records)), layout).to_pylist()
+    table = pa.Table.from_pylist(list(records))
+    if _ENGINE == "sql":
+        return logical.query_table(table, layout).to_pylist()
+    return logical_arrays.logical_table(table, layout).to_pylist()
 
 
 def assert_stats_of(row: dict[str, Any], whole: np.ndarray, *, per: float = 1.0) -> None:

@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 
 from hooktrace.analyze.diff.compare import KEYS, VALUES
 from hooktrace.trace import logical as logical_view
+from hooktrace.trace import logical_arrays
 from hooktrace.trace.reader import Trace
 from hooktrace.trace.stream import RecordStream
 
@@ -90,7 +91,7 @@ def logical_chunk(table: pa.Table, layout: logical_view.Layout | None = None) ->
     columns = [*KEYS, *VALUES]
     stored = table.select(columns).schema
     if pc.count_distinct(table.column("rank")).as_py() > 1:
-        table = logical_view.logical_table(table, layout)
+        table = logical_arrays.logical_table(table, layout)
         merged = table.column("merged")
     else:
         merged = pa.nulls(table.num_rows, pa.string())

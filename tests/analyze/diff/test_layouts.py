@@ -196,3 +196,17 @@ def test_the_committed_samples_are_made_again(runs: tuple[Path, list], name: str
     assert (difference <= 1e-5 * scale + 1e-7).all(), (
         f"run sample_traces/make_distributed.py and commit the traces ({name})"
     )
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp", "tp", "fsdp_tp"])
+def test_the_sql_view_and_the_query_agree(runs: tuple[Path, list], layout: str) -> None:
+    """``logical_records`` (DuckDB) and ``query(logical=True)`` (numpy): one answer."""
+    where, _ = runs
+    trace = hooktrace.load(where / layout)
+    viewed = trace.sql("SELECT * FROM logical_records ORDER BY step, seq, rank")
+    read = trace.query(logical=True)
+    assert len(viewed) == len(read) > 0
+    for column in ("rank", "step", "module", "kind", "slot", "shape", "numel", "merged", "dp"):
+        assert viewed[column].astype(str).tolist() == read[column].astype(str).tolist(), column
+    for column in (*_STATS, "zero_fraction"):
+        np.testing.assert_allclose(viewed[column], read[column], rtol=1e-12, err_msg=column)

@@ -156,10 +156,12 @@ def test_reference_case_one_compiled_by_inductor_records_the_values_worked_out_b
     tmp_path: Path,
 ) -> None:
     """REFERENCE_CASES.md, case 1, through inductor: outputs and output gradients whose
-    values are known by hand, and relu1's two active units."""
+    values are known by hand, and relu1's two active units. With ``fullgraph=True`` (the
+    recording adds no graph break) and ``mode="reduce-overhead"`` (CUDA graphs, which a CPU
+    graph skips)."""
     torch._dynamo.reset()
     model = ReferenceMLP()
-    compiled = torch.compile(model)
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     with hooktrace.record(compiled, tmp_path / "run", strict=True):
         compiled(reference_input()).sum().backward()
     trace = hooktrace.load(tmp_path / "run")
