@@ -1,18 +1,21 @@
 """The logical view of a chunk of records, in numpy: what :func:`hooktrace.trace.logical.select`
 computes in DuckDB, by the same rules (:mod:`hooktrace.trace.logical` states them) and to the
-same answer, about ten times faster on the few steps of every rank that ``diff`` and
-``query`` hand it: the records are numbered by tensor once, and every statistic is then a
-sum, a minimum or a maximum over those numbers. ``tests/trace/test_logical.py`` holds the two
+same answer, some three times faster on the few steps of every rank that ``diff`` and
+``query`` hand it (0.6 s against 2.2 s for 480,000 records of 8 ranks, on 2 cores): the
+records are numbered by tensor once, and every statistic is then a sum, a minimum or a
+maximum over those numbers. ``tests/trace/test_logical.py`` holds the two
 to the same answers. Never imports torch.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from hooktrace.trace.logical import GRADIENT_KINDS, KEY, NEEDED, WEIGHT_KINDS, Layout
 
@@ -32,20 +35,28 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     if missing:
         raise ValueError(f"the logical view needs the record columns {', '.join(missing)}")
     rank = _numbers(table, "rank").astype(np.int64)
-    text = {c: _text(table, c) for c in ("kind", "shape", "logical_shape", "placements",
-                                         "shard_offset")}  # fmt: skip
-    partial = np.char.find(text["placements"].astype(str), "P(") >= 0
-    sharded = np.char.find(text["placements"].astype(str), "S(") >= 0
-    weight = np.isin(text["kind"], WEIGHT_KINDS)
-    base = np.where(text["logical_shape"] != "", text["logical_shape"], text["shape"])
-    tensor = _ids([_column(table, c) for c in KEY])
+    # text columns as codes into their few distinct values: every test is made on those
+    coded = {c: _coded(table, c) for c in ("phase", "module", "kind", "slot", "shape", "dtype",
+                                           "logical_shape", "placements", "shard_offset")}  # fmt: skip
+    placements = coded["placements"]
+    partial = _where(placements, lambda v: "P(" in v)
+    sharded = _where(placements, lambda v: "S(" in v)
+    weight = _where(coded["kind"], lambda v: v in WEIGHT_KINDS)
+    has_logical = _where(coded["logical_shape"], lambda v: v != "")
+    base = np.where(has_logical, _strings(coded["logical_shape"]), _strings(coded["shape"]))
+    tensor = _ids([coded[c][0] if c in coded else _numbers(table, c) for c in KEY])
     group = _ids([tensor, np.where(partial, rank, -1)])
     ranks = np.bincount(tensor)[tensor]  # every rank's records of the tensor
 
     # replicas once: the lowest rank's record of each part (weights: per shard offset;
     # activations: per shard offset and identical shape, dtype and statistics)
-    same = [_column(table, c) for c in ("shape", "dtype", *_COUNTS, *_STATS)]
-    alike = _ids([group, text["shard_offset"], *(np.where(weight, 0, _ids([c])) for c in same)])
+    offset = coded["shard_offset"][0]
+    same = [
+        coded["shape"][0],
+        coded["dtype"][0],
+        *(_numbers(table, c) for c in (*_COUNTS, *_STATS)),
+    ]
+    alike = _ids([group, offset, np.where(weight, 0, _fingerprint(same))])
     order = np.lexsort((rank, alike))
     firsts = order[np.r_[True, alike[order][1:] != alike[order][:-1]]]
     kept = firsts[np.lexsort((rank[firsts], group[firsts]))]  # by group, lowest rank first
@@ -54,16 +65,16 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     at = np.r_[0, np.cumsum(parts)[:-1]].astype(np.int64)  # each group's lowest rank's row
     lead = kept[at]
 
-    dp_rank = np.array([(layout or {}).get(int(r), -1) for r in rank[kept]], dtype=np.int64)
+    dp_rank = _dp_ranks(rank[kept], layout)
     known = np.minimum.reduceat(dp_rank >= 0, at)
-    offsets = _distinct(g, text["shard_offset"][kept])
+    offsets = _distinct(g, offset[kept])
     dps = _distinct(g, dp_rank)
     any_weight = np.maximum.reduceat(weight[kept], at)
     alone_partial = partial[lead]
     dp = np.where(any_weight | alone_partial, 1, np.where(known, dps, parts // offsets))
     local = ~any_weight & ~alone_partial & known & (parts > dps * offsets)
     scalar = (dp > 1) & np.minimum.reduceat(base[kept] == "", at)
-    gradient = (dp > 1) & ~scalar & np.isin(text["kind"][lead], GRADIENT_KINDS)
+    gradient = (dp > 1) & ~scalar & _where(coded["kind"], lambda v: v in GRADIENT_KINDS)[lead]
     pooled = parts > 1
 
     out = table.take(pa.array(lead))
@@ -81,7 +92,7 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
         null = None if name == "numel" else values[f"null_{name}"]
         out = _replace(out, name, pooled, mine, null=null)
     shape = _shapes(base, kept, g, at, dp, scalar, local, dp_rank, offsets)
-    out = _replace(out, "shape", pooled | (base[lead] != text["shape"][lead]), shape)
+    out = _replace(out, "shape", pooled | has_logical[lead], shape)
     alone = ~pooled & (~sharded[lead] | alone_partial)
     for name in ("logical_shape", "placements", "shard_offset"):
         out = _replace(out, name, ~alone, np.full(len(lead), "", dtype=object))
@@ -90,8 +101,10 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
             out = _replace(out, name, pooled, np.full(len(lead), empty, dtype=object),
                            null=None if empty is not None else pooled)  # fmt: skip
     if "note" in out.column_names:  # a part's "skipped: ..." or "nested: ..." outweighs ""
-        notes = pd.Series(_text(table, "note")[kept]).groupby(g).max().to_numpy(object)
-        out = _replace(out, "note", pooled, notes)
+        notes = _strings(_coded(table, "note"))[kept]
+        if (notes != "").any():
+            most = pd.Series(notes).groupby(g).max().to_numpy(object)
+            out = _replace(out, "note", pooled, most)
     complete = values["numel"] == _logical_numel(base[lead])
     merged = _labels(pooled, alone_partial, ranks[lead], any_weight, complete, dp, local,
                      np.maximum.reduceat(sharded[kept], at))  # fmt: skip
@@ -146,20 +159,31 @@ def _shapes(
     dimensions the batch dimension summed; local shards' shapes joined by "+" (the lowest
     data-parallel rank's, in rank order); else the distinct shapes joined by "+"."""
     shapes = np.array(base[kept[at]], dtype=object)
-    for i in np.flatnonzero(local | ((dp > 1) & ~scalar)):
-        mine = base[kept][g == i]
-        if local[i]:
-            ranks_here = dp_rank[g == i]
-            shapes[i] = "+".join(mine[ranks_here == ranks_here.min()])
-            continue
-        rests = {s.partition(",")[2] for s in mine}
-        if len(rests) == 1 and all(s.partition(",")[0].isdigit() for s in mine):
-            first = sum(int(s.partition(",")[0]) for s in mine) // int(offsets[i])
-            rest = rests.pop()
-            shapes[i] = f"{first},{rest}" if rest else str(first)
-        else:
-            shapes[i] = "+".join(sorted(set(mine)))
+    batch = (dp > 1) & ~scalar & ~local
+    if batch.any():
+        codes, distinct = pd.factorize(base[kept])
+        split = [str(v).partition(",") for v in distinct]
+        numeric = np.array([head.isdigit() for head, _, _ in split], dtype=bool)[codes]
+        first = np.array([int(h) if h.isdigit() else 0 for h, _, _ in split])[codes]
+        rest_codes = pd.factorize(np.array([tail for _, _, tail in split], dtype=object))[0]
+        rest = np.array([tail for _, _, tail in split], dtype=object)[codes]
+        even = (_distinct(g, rest_codes[codes]) == 1) & np.minimum.reduceat(numeric, at)
+        total = (np.bincount(g, first) // offsets).astype(np.int64)
+        for i in np.flatnonzero(batch & even):
+            tail = rest[at[i]]
+            shapes[i] = f"{total[i]},{tail}" if tail else str(total[i])
+        for i in np.flatnonzero(batch & ~even):
+            shapes[i] = "+".join(sorted(set(base[kept[at[i] : at[i] + _size(g, at, int(i))]])))
+    for i in np.flatnonzero(local):
+        rows = slice(at[i], at[i] + _size(g, at, int(i)))
+        lowest = dp_rank[rows] == dp_rank[rows].min()
+        shapes[i] = "+".join(base[kept[rows]][lowest])
     return shapes
+
+
+def _size(g: np.ndarray, at: np.ndarray, i: int) -> int:
+    """How many kept parts group ``i`` holds (its rows run from ``at[i]``)."""
+    return int((at[i + 1] if i + 1 < len(at) else len(g)) - at[i])
 
 
 def _labels(
@@ -178,10 +202,9 @@ def _labels(
 
 def _logical_numel(shapes: np.ndarray) -> np.ndarray:
     """The values each logical shape holds (1 for a 0-d tensor's "")."""
-    return np.array(
-        [int(np.prod([int(d) for d in s.split(",")])) if s else 1 for s in shapes],
-        dtype=np.int64,
-    )
+    codes, distinct = pd.factorize(shapes)
+    sizes = [math.prod(int(d) for d in s.split(",")) if s else 1 for s in distinct]
+    return np.array(sizes, dtype=np.int64)[codes]
 
 
 def _replace(
@@ -195,50 +218,85 @@ def _replace(
     field = table.schema.field(index)
     old = table.column(index)
     plain = old.type.value_type if pa.types.is_dictionary(old.type) else old.type
-    current = old.cast(plain).to_numpy(zero_copy_only=False)
-    mixed = np.where(where, values, current)
-    mask = old.is_null().to_numpy(zero_copy_only=False) & ~where
-    if null is not None:
-        mask = mask | (where & null)
-    if pa.types.is_string(plain):
-        mixed = np.array([v if isinstance(v, str) else "" for v in mixed], dtype=object)
-    array = pa.array(mixed, type=plain, mask=mask, from_pandas=False)
-    return table.set_column(index, field, array.cast(field.type))
+    values = np.broadcast_to(np.asarray(values, dtype=object if pa.types.is_string(plain)
+                                        else None), (len(where),))  # fmt: skip
+    mask = None if null is None else np.asarray(null, dtype=bool)
+    new = pa.array(values, type=plain, mask=mask, from_pandas=False)
+    return table.set_column(
+        index, field, pc.if_else(pa.array(where), new, old.cast(plain)).cast(field.type)
+    )
 
 
-def _ids(columns: list[Any]) -> np.ndarray:
-    """Dense int64 ids of the rows' combinations of ``columns`` (NaN equals NaN)."""
-    codes = [pd.factorize(np.asarray(c), use_na_sentinel=False)[0] for c in columns]
-    if len(codes) == 1:
-        return codes[0].astype(np.int64)
-    sizes = [int(c.max()) + 1 if len(c) else 1 for c in codes]
-    if float(np.prod([float(s) for s in sizes])) < 2.0**62:
-        combined = np.ravel_multi_index(codes, sizes)
-    else:
-        combined = np.unique(np.stack(codes, axis=1), axis=0, return_inverse=True)[1].ravel()
-    return pd.factorize(combined)[0].astype(np.int64)
+def _ids(columns: list[np.ndarray]) -> np.ndarray:
+    """Dense int64 ids of the rows' combinations of ``columns`` (NaN equals NaN): each
+    column's codes (as they are where already small non-negative integers) combined by
+    mixed radix while the product fits, re-numbered where it would not."""
+    ids = np.zeros(len(columns[0]), dtype=np.int64)
+    size = 1
+    for column in columns:
+        codes = np.asarray(column)
+        if codes.dtype.kind not in "iu" or (len(codes) and int(codes.min()) < 0):
+            codes = pd.factorize(codes, use_na_sentinel=False)[0]
+        codes = codes.astype(np.int64)
+        width = int(codes.max(initial=0)) + 1
+        if size * width >= 2**62:
+            ids = pd.factorize(ids)[0].astype(np.int64)
+            size = int(ids.max(initial=0)) + 1
+        ids = ids * width + codes
+        size *= width
+    return pd.factorize(ids)[0].astype(np.int64)
+
+
+def _fingerprint(columns: list[np.ndarray]) -> np.ndarray:
+    """A 64-bit hash of each row's values of ``columns`` (NaN hashing alike): rows of one
+    tensor that agree on it hold the same record (two of a tensor's parts colliding is a
+    chance of one in 2^64 or so)."""
+    hashed = np.zeros(len(columns[0]), dtype=np.uint64)
+    for column in columns:
+        with np.errstate(over="ignore"):
+            hashed = hashed * np.uint64(1_000_003) + pd.util.hash_array(np.asarray(column))
+    return hashed.view(np.int64)
+
+
+def _dp_ranks(rank: np.ndarray, layout: Layout | None) -> np.ndarray:
+    """Each row's data-parallel rank, -1 where the layout does not say."""
+    if not layout:
+        return np.full(len(rank), -1, dtype=np.int64)
+    table = np.full(max(max(layout), int(rank.max(initial=0))) + 1, -1, dtype=np.int64)
+    table[list(layout)] = list(layout.values())
+    return table[rank]
 
 
 def _distinct(g: np.ndarray, values: np.ndarray) -> np.ndarray:
     """How many distinct ``values`` each group of ``g`` holds."""
     pairs = _ids([g, values])
-    firsts = np.unique(pairs, return_index=True)[1]
-    return np.bincount(g[firsts], minlength=int(g.max()) + 1 if len(g) else 0)
+    group_of = np.zeros(int(pairs.max(initial=-1)) + 1, dtype=np.int64)
+    group_of[pairs] = g
+    return np.bincount(group_of, minlength=int(g.max(initial=-1)) + 1)
 
 
-def _column(table: pa.Table, name: str) -> np.ndarray:
-    column = table.column(name)
-    if pa.types.is_dictionary(column.type) or pa.types.is_string(column.type):
-        return _text(table, name)
-    return column.to_numpy(zero_copy_only=False)
+def _coded(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A text column as codes into its distinct values ("" where null: a column older
+    traces lack); equal text, equal code."""
+    series = table.column(name).to_pandas()
+    if isinstance(series.dtype, pd.CategoricalDtype):
+        codes = series.cat.codes.to_numpy(np.int64)
+        values = np.append(np.asarray(series.cat.categories, dtype=object), "")
+        return np.where(codes < 0, len(values) - 1, codes), values
+    codes, uniques = pd.factorize(series.fillna("").to_numpy(object))
+    return codes.astype(np.int64), np.asarray(uniques, dtype=object)
 
 
-def _text(table: pa.Table, name: str) -> np.ndarray:
-    """A text column as an object array, "" where null (a column older traces lack)."""
-    column = table.column(name)
-    if pa.types.is_dictionary(column.type):
-        column = column.cast(column.type.value_type)
-    return np.array(column.fill_null("").to_pylist(), dtype=object)
+def _strings(coded: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Each row's text, an object array."""
+    codes, values = coded
+    return values[codes]
+
+
+def _where(coded: tuple[np.ndarray, np.ndarray], test: Any) -> np.ndarray:
+    """``test`` of each row's text, made once per distinct value."""
+    codes, values = coded
+    return np.array([bool(test(str(v))) for v in values], dtype=bool)[codes]
 
 
 def _numbers(table: pa.Table, name: str) -> np.ndarray:
