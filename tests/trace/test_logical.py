@@ -119,6 +119,20 @@ def test_shards_that_do_not_add_up_say_so(values: np.ndarray) -> None:
     assert row["merged"] == "incomplete shards" and row["numel"] == 20
 
 
+def test_hsdp_shards_replicated_across_the_replica_dimension_count_once(
+    values: np.ndarray,
+) -> None:
+    """HSDP on a 2x2 mesh (replicate, shard): ranks 0 and 2 hold rows 0-2, 1 and 3 rows 3-5."""
+    shards = [
+        record(values[3 * (r % 2) : 3 * (r % 2) + 3], rank=r, kind="param", logical_shape="6,5",
+               placements="R,S(0)", shard_offset=f"{3 * (r % 2)},0")
+        for r in range(4)
+    ]  # fmt: skip
+    [row] = view(*shards)
+    assert_stats_of(row, values)
+    assert (row["ranks"], row["dp"], row["merged"]) == (4, 1, "shards")
+
+
 def test_replicas_of_a_parameter_count_once(values: np.ndarray) -> None:
     replicas = [record(values, rank=r, kind=kind) for r in (2, 0, 1) for kind in ("param",)]
     replicas[0]["mean"] += 1e-3  # rank 2 out of step: the lowest rank's is the logical one
