@@ -9,15 +9,17 @@ records of a tensor (same step, micro-step, phase, module, call, kind and slot):
 
 1. **Replicas count once.** A parameter's, buffer's or parameter gradient's records with the
    same shard offset (the whole tensor's, "" for one that is not a DTensor) are copies of
-   one tensor: the lowest rank's is taken. An activation's records that are identical on
-   several ranks (same shape, dtype and statistics bit for bit; the same shard offset) are
-   one tensor the ranks share (tensor parallelism's replicated activations, position
+   one tensor: the lowest rank's is taken. An activation's records that are identical (same
+   shape, dtype and statistics; the same shard offset) on every rank that holds it, or,
+   where the layout is known, on tensor-parallel peers (where it is not: on several ranks)
+   are one tensor the ranks share (tensor parallelism's replicated activations, position
    embeddings): taken once.
 2. **What is left is pooled**: shards of a DTensor, and the data-parallel ranks' parts of the
    global batch. Counts add up; min and max are taken over; the mean is weighted by the
    values each part holds and the variance is combined by Chan's formula (the records' std
    has no correction), so the pooled statistics equal the whole tensor's to float rounding;
-   the L2 norm is the root of the sum of squares.
+   the L2 norm is the root of the sum of squares. An empty part (an uneven split's last
+   shard, whose own statistics are NaN) adds none.
 3. **The data-parallel degree** ``dp`` of an activation: the data-parallel ranks holding it,
    where the recording told each rank's place (the status's ``data_parallel``, from DDP or
    FSDP2); else its parts per distinct shard offset. Where the layout is known, the parts a
@@ -32,13 +34,14 @@ records of a tensor (same step, micro-step, phase, module, call, kind and slot):
 
 Each logical record keeps the record columns (``rank`` is the lowest rank behind it, ``shape``
 the logical tensor's, the shard columns "" once pooled; a pooled record has no per-unit
-activity and no full tensor, which stay in the per-rank records) and adds ``ranks`` (the
-ranks whose records it stands for), ``dp`` and ``merged``: "" (one rank's record), "replicas",
+activity and no full tensor, which stay in the per-rank records) and adds ``ranks`` (how
+many ranks recorded the tensor), ``dp`` and ``merged``: "" (one rank's record), "replicas",
 "shards", "batch", "shards, batch", "local shards", "local shards, batch", "partial", or
 "incomplete shards" (a parameter whose shards do not add up to its logical shape: a rank's
 records are missing).
 
-A record one rank holds alone passes through bit for bit.
+The record of a whole tensor no other rank holds passes through bit for bit (a lone shard
+takes its logical shape).
 """
 
 from __future__ import annotations
@@ -131,15 +134,25 @@ WITH parted AS (
         CASE WHEN contains(placements, 'P(') THEN rank END AS partial_,
         CASE WHEN logical_shape <> '' THEN logical_shape ELSE shape END AS base_,
         kind IN ({weights}) AS weight_,
-        {_dp_rank(layout)} AS dp_rank_
+        {_dp_rank(layout)} AS dp_rank_,
+        hash(shape, dtype, numel, mean, std, min, max, norm, zero_fraction, nan_count,
+             inf_count) AS print_
     FROM {source}
 ),
+alike AS (
+    SELECT *,
+        min(print_) OVER offset_ = max(print_) OVER offset_ AS same_
+    FROM parted
+    WINDOW offset_ AS (PARTITION BY {key}, partial_, shard_offset)
+),
 kept AS (
-    SELECT * FROM parted
+    SELECT * FROM alike
     QUALIFY row_number() OVER (
-        PARTITION BY {key}, partial_, shard_offset, CASE WHEN NOT weight_ THEN struct_pack(
-            shape, dtype, numel, mean, std, min, max, norm, zero_fraction, nan_count, inf_count
-        ) END
+        PARTITION BY {key}, partial_, shard_offset, CASE
+            WHEN weight_ THEN NULL
+            WHEN dp_rank_ IS NULL OR same_ THEN print_
+            ELSE hash(print_, dp_rank_)
+        END
         ORDER BY rank) = 1
 ),
 pooled AS (
@@ -147,7 +160,7 @@ pooled AS (
         sum(numel) OVER part_ AS n_,
         sum(CASE WHEN numel > 0 THEN numel * mean ELSE 0 END) OVER part_
             / nullif(sum(numel) OVER part_, 0) AS mean_,
-        max(norm) OVER part_ AS top_
+        max(CASE WHEN numel > 0 THEN norm END) OVER part_ AS top_
     FROM kept
     WINDOW part_ AS (PARTITION BY {key}, partial_)
 ),
@@ -245,9 +258,10 @@ def _pooled() -> dict[str, str]:
             f"WHEN {_SCALAR} THEN {scalar} ELSE {pooled} END"
         )
 
-    def extreme(fn: str) -> str:
-        return stat(fn, f"CASE WHEN bool_or(isnan({fn})) THEN {nan} ELSE {fn}({fn}) END",
-                    "avg(mean)")  # fmt: skip
+    def extreme(fn: str) -> str:  # an empty part has no extremes (its own are NaN)
+        of = f"{fn}(CASE WHEN numel > 0 THEN {fn} END)"
+        found = f"CASE WHEN bool_or(numel > 0 AND isnan({fn})) THEN {nan} ELSE {of} END"
+        return stat(fn, f"coalesce({found}, {nan})", "avg(mean)")
 
     def count(name: str, scalar: str) -> str:
         return (
@@ -256,10 +270,15 @@ def _pooled() -> dict[str, str]:
             f"WHEN {_SCALAR} THEN {scalar} ELSE sum({name}) END::BIGINT"
         )
 
-    variance = "sum(numel * (std * std + (mean - mean_) * (mean - mean_))) / nullif(max(n_), 0)"
+    variance = (
+        "sum(CASE WHEN numel > 0 THEN numel * (std * std + (mean - mean_) * (mean - mean_)) "
+        "ELSE 0 END) / nullif(max(n_), 0)"
+    )
     norm = (
-        f"CASE WHEN bool_or(isnan(norm)) THEN {nan} WHEN max(top_) = 0 OR isinf(max(top_)) "
-        "THEN max(top_) ELSE max(top_) * sqrt(sum((norm / top_) * (norm / top_))) END"
+        f"CASE WHEN max(top_) IS NULL THEN {nan} WHEN bool_or(numel > 0 AND isnan(norm)) "
+        f"THEN {nan} WHEN max(top_) = 0 OR isinf(max(top_)) THEN max(top_) "
+        "ELSE max(top_) * sqrt(sum(CASE WHEN numel > 0 THEN (norm / top_) * (norm / top_) "
+        "ELSE 0 END)) END"
     )
     return {
         "dtype": _one("dtype"),
@@ -274,7 +293,8 @@ def _pooled() -> dict[str, str]:
         "norm": stat("norm", norm, "abs(avg(mean))"),
         "zero_fraction": stat(
             "zero_fraction",
-            "sum(round(zero_fraction * numel)) / nullif(max(n_), 0)",
+            "sum(CASE WHEN numel > 0 THEN round(zero_fraction * numel) ELSE 0 END) "
+            "/ nullif(max(n_), 0)",
             "(avg(mean) = 0)::DOUBLE",
             divided=False,
         ),

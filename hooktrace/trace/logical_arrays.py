@@ -34,6 +34,8 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     missing = [c for c in NEEDED if c not in table.column_names]
     if missing:
         raise ValueError(f"the logical view needs the record columns {', '.join(missing)}")
+    if table.num_rows == 0:
+        return _with_added(table, [], [], [])
     rank = _numbers(table, "rank").astype(np.int64)
     # text columns as codes into their few distinct values: every test is made on those
     coded = {c: _coded(table, c) for c in ("phase", "module", "kind", "slot", "shape", "dtype",
@@ -49,14 +51,20 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     ranks = np.bincount(tensor)[tensor]  # every rank's records of the tensor
 
     # replicas once: the lowest rank's record of each part (weights: per shard offset;
-    # activations: per shard offset and identical shape, dtype and statistics)
+    # activations: per shard offset and identical shape, dtype and statistics, on every
+    # rank, or, where the layout is known, on tensor-parallel peers)
     offset = coded["shard_offset"][0]
     same = [
         coded["shape"][0],
         coded["dtype"][0],
         *(_numbers(table, c) for c in (*_COUNTS, *_STATS)),
     ]
-    alike = _ids([group, offset, np.where(weight, 0, _fingerprint(same))])
+    printed = _fingerprint(same)
+    where = _ids([group, offset])
+    everywhere = (_distinct(where, printed) == 1)[where]
+    row_dp = _dp_ranks(rank, layout)
+    peers = np.where((row_dp < 0) | everywhere, printed, _fingerprint([printed, row_dp]))
+    alike = _ids([group, offset, np.where(weight, 0, peers)])
     order = np.lexsort((rank, alike))
     firsts = order[np.r_[True, alike[order][1:] != alike[order][:-1]]]
     kept = firsts[np.lexsort((rank[firsts], group[firsts]))]  # by group, lowest rank first
@@ -65,7 +73,7 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     at = np.r_[0, np.cumsum(parts)[:-1]].astype(np.int64)  # each group's lowest rank's row
     lead = kept[at]
 
-    dp_rank = _dp_ranks(rank[kept], layout)
+    dp_rank = row_dp[kept]
     known = np.minimum.reduceat(dp_rank >= 0, at)
     offsets = _distinct(g, offset[kept])
     dps = _distinct(g, dp_rank)
@@ -108,9 +116,7 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     complete = values["numel"] == _logical_numel(base[lead])
     merged = _labels(pooled, alone_partial, ranks[lead], any_weight, complete, dp, local,
                      np.maximum.reduceat(sharded[kept], at))  # fmt: skip
-    out = out.append_column("ranks", pa.array(ranks[lead], pa.int32()))
-    out = out.append_column("dp", pa.array(dp, pa.int32()))
-    out = out.append_column("merged", pa.array(merged, pa.string()))
+    out = _with_added(out, ranks[lead], dp, merged)
     return out.sort_by([("step", "ascending"), ("seq", "ascending"), ("rank", "ascending")])
 
 
@@ -119,18 +125,23 @@ def _pooled(table: pa.Table, kept: np.ndarray, g: np.ndarray, at: np.ndarray) ->
     part's are), a 0-d activation's mean over ranks, and where a part is not summarised."""
     numbers = {c: _numbers(table, c)[kept] for c in (*_COUNTS, *_STATS)}
     numel = numbers["numel"]
+    full = numel > 0  # an empty part (an uneven split's last shard) has no statistics
     n = np.bincount(g, numel)
     with np.errstate(invalid="ignore", divide="ignore"):
-        mean = np.bincount(g, np.where(numel > 0, numel * numbers["mean"], 0.0)) / n
+        mean = np.bincount(g, np.where(full, numel * numbers["mean"], 0.0)) / n
         deviation = numbers["mean"] - mean[g]
         squares = numel * (numbers["std"] ** 2 + deviation**2)
-        std = np.sqrt(np.bincount(g, np.where(numel > 0, squares, 0.0)) / n)
-        top = np.maximum.reduceat(numbers["norm"], at)
-        scaled = np.bincount(g, (numbers["norm"] / top[g]) ** 2)
+        std = np.sqrt(np.bincount(g, np.where(full, squares, 0.0)) / n)
+        top = np.maximum.reduceat(np.where(full, numbers["norm"], -np.inf), at)
+        scaled = np.bincount(g, np.where(full, (numbers["norm"] / top[g]) ** 2, 0.0))
         norm = np.where((top == 0) | np.isinf(top), top, top * np.sqrt(scaled))
-        norm = np.where(np.isnan(top), np.nan, norm)
-        zeros = np.bincount(g, np.round(numbers["zero_fraction"] * numel)) / n
+        norm = np.where(np.isnan(top) | (top == -np.inf), np.nan, norm)
+        zeros = np.bincount(g, np.where(full, np.round(numbers["zero_fraction"] * numel), 0.0)) / n
         scalar = np.bincount(g, numbers["mean"]) / np.bincount(g)
+        low = np.minimum.reduceat(np.where(full, numbers["min"], np.inf), at)
+        high = np.maximum.reduceat(np.where(full, numbers["max"], -np.inf), at)
+        none = np.maximum.reduceat(full, at) == 0  # every part empty
+        low, high = np.where(none, np.nan, low), np.where(none, np.nan, high)
 
     def any_null(name: str) -> np.ndarray:
         return np.bincount(g, _nulls(table, name)[kept].astype(np.float64)) > 0
@@ -139,8 +150,7 @@ def _pooled(table: pa.Table, kept: np.ndarray, g: np.ndarray, at: np.ndarray) ->
     return {
         "null_nan_count": any_null("nan_count"), "null_inf_count": any_null("inf_count"),
         "numel": n.astype(np.int64), "mean": mean, "std": std, "norm": norm,
-        "min": np.minimum.reduceat(numbers["min"], at),
-        "max": np.maximum.reduceat(numbers["max"], at), "zero_fraction": zeros,
+        "min": low, "max": high, "zero_fraction": zeros,
         "nan_count": np.bincount(g, numbers["nan_count"]).astype(np.int64),
         "inf_count": np.bincount(g, numbers["inf_count"]).astype(np.int64),
         "scalar_mean": scalar, "scalar_std": np.where(np.isnan(scalar), np.nan, 0.0),
@@ -165,19 +175,23 @@ def _shapes(
         split = [str(v).partition(",") for v in distinct]
         numeric = np.array([head.isdigit() for head, _, _ in split], dtype=bool)[codes]
         first = np.array([int(h) if h.isdigit() else 0 for h, _, _ in split])[codes]
-        rest_codes = pd.factorize(np.array([tail for _, _, tail in split], dtype=object))[0]
-        rest = np.array([tail for _, _, tail in split], dtype=object)[codes]
-        even = (_distinct(g, rest_codes[codes]) == 1) & np.minimum.reduceat(numeric, at)
+        tails = np.array([tail for _, _, tail in split], dtype=object)
+        tail_codes = pd.factorize(tails)[0][codes]
+        even = (_distinct(g, tail_codes) == 1) & np.minimum.reduceat(numeric, at)
         total = (np.bincount(g, first) // offsets).astype(np.int64)
-        for i in np.flatnonzero(batch & even):
-            tail = rest[at[i]]
-            shapes[i] = f"{total[i]},{tail}" if tail else str(total[i])
-        for i in np.flatnonzero(batch & ~even):
+        chosen = np.flatnonzero(batch & even)
+        tail = tails[codes][at[chosen]].astype(str)
+        joined = np.char.add(
+            total[chosen].astype(str), np.char.add(np.where(tail != "", ",", ""), tail)
+        )
+        shapes[chosen] = joined.astype(object)
+        for i in np.flatnonzero(batch & ~even):  # parts of other trailing shapes: rare
             shapes[i] = "+".join(sorted(set(base[kept[at[i] : at[i] + _size(g, at, int(i))]])))
-    for i in np.flatnonzero(local):
-        rows = slice(at[i], at[i] + _size(g, at, int(i)))
-        lowest = dp_rank[rows] == dp_rank[rows].min()
-        shapes[i] = "+".join(base[kept[rows]][lowest])
+    if local.any():  # the lowest data-parallel rank's shards, in rank order
+        lowest = np.minimum.reduceat(dp_rank, at)[g]
+        mine = dp_rank == lowest
+        listed = pd.Series(base[kept][mine]).groupby(g[mine]).agg("+".join)
+        shapes[local] = listed.reindex(np.flatnonzero(local)).to_numpy(object)
     return shapes
 
 
@@ -225,6 +239,13 @@ def _replace(
     return table.set_column(
         index, field, pc.if_else(pa.array(where), new, old.cast(plain)).cast(field.type)
     )
+
+
+def _with_added(table: pa.Table, ranks: Any, dp: Any, merged: Any) -> pa.Table:
+    """``table`` with the columns ``ranks``, ``dp`` and ``merged``."""
+    table = table.append_column("ranks", pa.array(ranks, pa.int32()))
+    table = table.append_column("dp", pa.array(dp, pa.int32()))
+    return table.append_column("merged", pa.array(merged, pa.string()))
 
 
 def _ids(columns: list[np.ndarray]) -> np.ndarray:
@@ -281,8 +302,11 @@ def _coded(table: pa.Table, name: str) -> tuple[np.ndarray, np.ndarray]:
     series = table.column(name).to_pandas()
     if isinstance(series.dtype, pd.CategoricalDtype):
         codes = series.cat.codes.to_numpy(np.int64)
-        values = np.append(np.asarray(series.cat.categories, dtype=object), "")
-        return np.where(codes < 0, len(values) - 1, codes), values
+        values = np.asarray(series.cat.categories, dtype=object)
+        empty = np.flatnonzero(values == "")
+        if not len(empty):
+            values, empty = np.append(values, ""), np.array([len(values)])
+        return np.where(codes < 0, int(empty[0]), codes), values
     codes, uniques = pd.factorize(series.fillna("").to_numpy(object))
     return codes.astype(np.int64), np.asarray(uniques, dtype=object)
 

@@ -44,11 +44,14 @@ def _engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 _ENGINE = "numpy"
 
 
+def logical_of(table: pa.Table, layout: dict[int, int] | None = None) -> pa.Table:
+    """The engine's logical records of ``table``."""
+    engine = logical.query_table if _ENGINE == "sql" else logical_arrays.logical_table
+    return engine(table, layout)
+
+
 def view(*records: dict[str, Any], layout: dict[int, int] | None = None) -> list[dict[str, Any]]:
-    table = pa.Table.from_pylist(list(records))
-    if _ENGINE == "sql":
-        return logical.query_table(table, layout).to_pylist()
-    return logical_arrays.logical_table(table, layout).to_pylist()
+    return logical_of(pa.Table.from_pylist(list(records)), layout).to_pylist()
 
 
 def assert_stats_of(row: dict[str, Any], whole: np.ndarray, *, per: float = 1.0) -> None:
@@ -242,3 +245,36 @@ def test_a_part_not_summarised_leaves_the_whole_unsummarised(values: np.ndarray)
 def test_the_view_names_the_columns_it_needs() -> None:
     with pytest.raises(ValueError, match="placements"):
         logical.select("records", [c for c in logical.NEEDED if c != "placements"])
+
+
+def test_an_empty_shard_leaves_the_others_statistics_whole() -> None:
+    """torch.chunk gives the last rank nothing where the rows run out (3 rows on 4 ranks):
+    its record's statistics are NaN, and they are no part of the whole's."""
+    values = np.array([1.0, -2.0, 0.0])
+    shards = [
+        record(values[r : r + 1], rank=r, kind="param", logical_shape="3", placements="S(0)",
+               shard_offset=str(r))
+        for r in range(3)
+    ]  # fmt: skip
+    empty = {**shards[0], "rank": 3, "shape": "0", "numel": 0, "shard_offset": "3",
+             "nan_count": 0, "inf_count": 0, "zero_fraction": math.nan,
+             **dict.fromkeys(("mean", "std", "min", "max", "norm"), math.nan)}  # fmt: skip
+    [row] = view(*shards, empty)
+    assert_stats_of(row, values)
+    assert (row["ranks"], row["merged"]) == (4, "shards")
+
+
+def test_an_activation_alike_on_some_data_parallel_ranks_only_is_no_replica() -> None:
+    """Zero gradients on ranks 0 and 1, others on 2 and 3, under DDP (the layout known):
+    four parts of the batch, not three."""
+    rng = np.random.default_rng(1)
+    halves = [np.zeros((4, 3)), np.zeros((4, 3)), rng.normal(size=(4, 3)), rng.normal(size=(4, 3))]
+    parts = [record(h, rank=r, kind="grad_output") for r, h in enumerate(halves)]
+    [row] = view(*parts, layout={0: 0, 1: 1, 2: 2, 3: 3})
+    assert_stats_of(row, np.concatenate(halves), per=4)
+    assert (row["shape"], row["dp"], row["zero_fraction"]) == ("16,3", 4, 0.5)
+
+
+def test_no_records_make_no_logical_records() -> None:
+    found = logical_of(pa.Table.from_pylist([record(np.ones(2), rank=0)]).slice(0, 0))
+    assert found.num_rows == 0 and found.column_names[-3:] == ["ranks", "dp", "merged"]

@@ -154,7 +154,8 @@ def diff(
             f"{span_b[0]}–{span_b[1]}): nothing to compare; give runs that overlap, or other --steps"
         )
     size = plan_a.counts.reindex(common).to_numpy() + plan_b.counts.reindex(common).to_numpy()
-    keys = [k for k in KEYS if k != "rank"] if pair else list(KEYS)
+    # a logical record's rank is the lowest behind it, which layouts need not share
+    keys = [k for k in KEYS if k != "rank"] if pair or logical else list(KEYS)
     acc = Accumulator(last_step=common[-1])
     kept: list[pd.DataFrame] = []
     room = max_rows  # rows table may still take
@@ -173,11 +174,10 @@ def diff(
     reading: list[Callable[[list[int]], Any]] = [
         functools.partial(read_chunk, s, drop_rank=pair) for s in streams
     ]
-    if logical:
-        layouts = (trace_a.layout, trace_b.layout)
+    if logical:  # decided for each run, not each chunk: a chunk may hold one rank's steps
         reading = [
-            _then(read, functools.partial(logical_chunk, layout=layout))
-            for read, layout in zip(reading, layouts, strict=True)
+            _then(read, functools.partial(logical_chunk, layout=t.layout, ranks=len(t.ranks)))
+            for read, t in zip(reading, (trace_a, trace_b), strict=True)
         ]
     reads = read_ahead(chunks, reading)
     partial = 0  # records set aside: partial sums are no logical tensor
@@ -185,6 +185,7 @@ def diff(
         for chunk, tables in reads:
             if logical:
                 tables, aside = set_aside_partials(tables)
+                tables = [table.drop_columns(["rank"]) for table in tables]
                 partial += aside
             # rows both runs hold bit for bit are equal: counted here, never compared
             same = same_rows(tables[0], tables[1], keys) if rows == "differing" else None
@@ -199,7 +200,7 @@ def diff(
             del tables
             merged = align(frames[0], frames[1], keys)
             del frames
-            if pair:
+            if pair or logical:
                 merged.insert(0, "rank", rank or 0)
             part = compare(merged, rtol=rtol, atol=atol, tensors=tensors)
             acc.add(part, merged)

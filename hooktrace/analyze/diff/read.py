@@ -84,13 +84,15 @@ def stream_of(
     )
 
 
-def logical_chunk(table: pa.Table, layout: logical_view.Layout | None = None) -> pa.Table:
+def logical_chunk(
+    table: pa.Table, layout: logical_view.Layout | None = None, *, ranks: int = 2
+) -> pa.Table:
     """The logical records of a chunk of every rank's records (:mod:`hooktrace.trace.logical`;
-    ``layout`` as ``Trace.layout`` gives it), in the columns and types :func:`stream_of`
-    reads without ``logical``."""
+    ``layout`` as ``Trace.layout`` gives it; a run of one rank, ``ranks`` 1, as it is), in
+    the columns and types :func:`stream_of` reads without ``logical``, and ``merged``."""
     columns = [*KEYS, *VALUES]
     stored = table.select(columns).schema
-    if pc.count_distinct(table.column("rank")).as_py() > 1:
+    if ranks > 1:
         table = logical_arrays.logical_table(table, layout)
         merged = table.column("merged")
     else:

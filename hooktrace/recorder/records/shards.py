@@ -42,7 +42,7 @@ def data_parallel(models: Iterable[Any]) -> dict[str, int] | None:
     of one ``R`` hold the same part of the global batch: tensor parallelism's peers), for the
     analyzer's logical view: from a model's DistributedDataParallel wrapper, or from FSDP2's
     own data-parallel mesh (its shard and replicate dimensions); size 1 for a model with
-    DTensor parameters and neither (tensor parallelism alone). None where that cannot be
+    DTensor parameters over a mesh of every rank and neither (tensor parallelism alone). None where that cannot be
     told (no process group; data parallelism by hand): the analyzer then judges from the
     records themselves."""
     dist = sys.modules.get("torch.distributed")
@@ -54,15 +54,17 @@ def data_parallel(models: Iterable[Any]) -> dict[str, int] | None:
             group = model.process_group
             return {"size": dist.get_world_size(group), "rank": dist.get_rank(group)}
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    sharded = False
+    whole_world = False  # DTensor parameters over a mesh of every rank: no data parallelism
     for model in models:
         for module in model.modules():
             if fsdp is not None and isinstance(module, fsdp.FSDPModule):
                 group = module._get_fsdp_state()._fsdp_param_group
                 if group is not None:  # a module of no parameters of its own has none
                     return _place(group.mesh_info.mesh)
-            sharded = sharded or any(dtensor(p) for p in module.parameters(recurse=False))
-    return {"size": 1, "rank": 0} if sharded else None
+            for p in module.parameters(recurse=False):
+                if dtensor(p):
+                    whole_world = whole_world or p.device_mesh.size() == dist.get_world_size()
+    return {"size": 1, "rank": 0} if whole_world else None
 
 
 def _place(mesh: Any) -> dict[str, int]:

@@ -210,3 +210,27 @@ def test_the_sql_view_and_the_query_agree(runs: tuple[Path, list], layout: str) 
         assert viewed[column].astype(str).tolist() == read[column].astype(str).tolist(), column
     for column in (*_STATS, "zero_fraction"):
         np.testing.assert_allclose(viewed[column], read[column], rtol=1e-12, err_msg=column)
+
+
+def test_a_tensor_only_another_rank_holds_pairs_with_one_process(tmp_path: Path) -> None:
+    """Pipeline-like: rank 1 holds fc2's records and rank 0 the rest. The logical records
+    pair by tensor whatever rank holds them (they were left unpaired, rank 1 against 0)."""
+    import shutil
+
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    split = tmp_path / "split"
+    shutil.copytree(SAMPLES / "one", split)
+    parts = sorted((split / "records" / "rank=0").glob("part-*.parquet"))
+    (split / "records" / "rank=1").mkdir()
+    for part in parts:
+        table = pq.read_table(part, partitioning=None)
+        on_one = pc.equal(table.column("module").cast("string"), "fc2")
+        pq.write_table(table.filter(pc.invert(on_one)), part)
+        pq.write_table(table.filter(on_one), split / "records" / "rank=1" / part.name)
+    status = (split / "status" / "rank=0.json").read_text().replace('"rank": 0', '"rank": 1')
+    (split / "status" / "rank=1.json").write_text(status)
+    result = hooktrace.diff(SAMPLES / "one", split)
+    assert result.match and result.records == 6 * _PER_STEP, result
+    assert "run B 2 ranks" in result.notes[0]
