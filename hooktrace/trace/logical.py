@@ -91,17 +91,19 @@ def _in(values: Iterable[str]) -> str:
     return ", ".join(f"'{v}'" for v in values)
 
 
-_PER_PART: Final = {
-    # kept where one part stands alone, else what a pooled record holds
-    "units": "0",
-    "unit_size": "0",
-    "activity_offset": "0",
-    "segment": "NULL",
-    "tensor_key": "''",
-    "call_spec": "''",
-    "mesh_shape": "''",
-    "mesh_coord": "''",
+PER_PART: Final[dict[str, int | str | None]] = {
+    # kept where one part stands alone, else what a pooled record holds (None: null)
+    "units": 0,
+    "unit_size": 0,
+    "activity_offset": 0,
+    "segment": None,
+    "tensor_key": "",
+    "call_spec": "",
+    "mesh_shape": "",
+    "mesh_coord": "",
 }
+"""The per-rank columns of a record (its activity, its full tensor, its mesh coordinate)
+and what a pooled record holds in them."""
 
 
 def select(source: str, columns: Iterable[str], layout: Layout | None = None) -> str:
@@ -119,9 +121,10 @@ def select(source: str, columns: Iterable[str], layout: Layout | None = None) ->
     out.update(_pooled())
     out["rank"] = "min(rank)::INTEGER"
     out["seq"] = "arg_min(seq, rank)"
-    for column, empty in _PER_PART.items():
+    for column, empty in PER_PART.items():
         if column in out:
-            out[column] = f"CASE WHEN count(*) = 1 THEN {_one(column)} ELSE {empty} END"
+            value = "NULL" if empty is None else repr(empty)  # 0, or '' (SQL's quotes too)
+            out[column] = f"CASE WHEN count(*) = 1 THEN {_one(column)} ELSE {value} END"
     if "note" in out:  # a part's "skipped: ..." or "nested: ..." outweighs another's ""
         out["note"] = "max(note)"
     for column in ("logical_shape", "placements", "shard_offset"):
@@ -196,6 +199,8 @@ def query_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     :func:`hooktrace.trace.logical_arrays.logical_table`, which gives the same answer."""
     import duckdb
 
+    from hooktrace.trace.sql import arrow_of
+
     for name in ("logical_shape", "placements", "shard_offset"):  # null before format 1.4
         column = table.column(name)
         if column.null_count:
@@ -207,9 +212,7 @@ def query_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
         con.register("records_", table)
         query = f"SELECT * FROM ({select('records_', table.column_names, layout)}) "
         query += "ORDER BY step, seq, rank"
-        relation = con.sql(query)
-        # DuckDB 2 names it to_arrow_table; 1.x, arrow
-        return (getattr(relation, "to_arrow_table", None) or relation.arrow)()
+        return arrow_of(con.sql(query))
     finally:
         con.close()
 

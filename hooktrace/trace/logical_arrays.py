@@ -17,14 +17,18 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from hooktrace.trace.logical import GRADIENT_KINDS, KEY, NEEDED, WEIGHT_KINDS, Layout
+from hooktrace.trace.logical import (
+    GRADIENT_KINDS,
+    KEY,
+    NEEDED,
+    PER_PART,
+    WEIGHT_KINDS,
+    Layout,
+)
+from hooktrace.trace.schema import COUNT_COLUMNS, STAT_COLUMNS
 
-_STATS = ("mean", "std", "min", "max", "norm", "zero_fraction")
-_COUNTS = ("numel", "nan_count", "inf_count")
-_PER_PART = {  # kept where one part stands alone, else what a pooled record holds
-    "units": 0, "unit_size": 0, "activity_offset": 0, "segment": None, "tensor_key": "",
-    "call_spec": "", "mesh_shape": "", "mesh_coord": "",
-}  # fmt: skip
+_STATS = STAT_COLUMNS
+_COUNTS = ("numel", *COUNT_COLUMNS)
 
 
 def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
@@ -104,7 +108,7 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     alone = ~pooled & (~sharded[lead] | alone_partial)
     for name in ("logical_shape", "placements", "shard_offset"):
         out = _replace(out, name, ~alone, np.full(len(lead), "", dtype=object))
-    for name, empty in _PER_PART.items():
+    for name, empty in PER_PART.items():
         if name in out.column_names:
             out = _replace(out, name, pooled, np.full(len(lead), empty, dtype=object),
                            null=None if empty is not None else pooled)  # fmt: skip

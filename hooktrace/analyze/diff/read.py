@@ -15,6 +15,7 @@ from hooktrace.analyze.diff.compare import KEYS, VALUES
 from hooktrace.trace import logical as logical_view
 from hooktrace.trace import logical_arrays
 from hooktrace.trace.reader import Trace
+from hooktrace.trace.sql import arrow_of
 from hooktrace.trace.stream import RecordStream
 
 _T = TypeVar("_T")
@@ -122,7 +123,7 @@ def set_aside_partials(tables: list[pa.Table]) -> tuple[list[pa.Table], int]:
             relation = con.sql(
                 f"SELECT * FROM t{i} ANTI JOIN ({union}) USING ({keys}) ORDER BY step, seq, rank"
             )
-            found = (getattr(relation, "to_arrow_table", None) or relation.arrow)()
+            found = arrow_of(relation)
             left_out += table.num_rows - found.num_rows
             kept.append(found.cast(table.drop_columns(["merged"]).schema))
         return kept, left_out
