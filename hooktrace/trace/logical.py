@@ -199,7 +199,7 @@ def query_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
     :func:`hooktrace.trace.logical_arrays.logical_table`, which gives the same answer."""
     import duckdb
 
-    from hooktrace.trace.sql import arrow_of
+    from hooktrace.trace.tables import arrow_of
 
     for name in ("logical_shape", "placements", "shard_offset"):  # null before format 1.4
         column = table.column(name)

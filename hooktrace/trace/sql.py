@@ -88,12 +88,6 @@ def open_connection() -> duckdb.DuckDBPyConnection:
     return con
 
 
-def arrow_of(relation: Any) -> pa.Table:
-    """A DuckDB relation's rows as a pyarrow Table (DuckDB 2 names it ``to_arrow_table``,
-    1.x ``arrow``)."""
-    return (getattr(relation, "to_arrow_table", None) or relation.arrow)()
-
-
 def define_views(
     con: duckdb.DuckDBPyConnection,
     parts: dict[str, list[Path]],

@@ -87,3 +87,9 @@ def damaged(run: Path, kind_dir: str, part: Path, full_schema: pa.Schema) -> boo
     except (OSError, pa.ArrowException):
         return True
     return False
+
+
+def arrow_of(relation: Any) -> pa.Table:
+    """A DuckDB relation's rows as a pyarrow Table (DuckDB 2 names it ``to_arrow_table``,
+    1.x ``arrow``)."""
+    return (getattr(relation, "to_arrow_table", None) or relation.arrow)()

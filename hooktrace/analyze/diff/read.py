@@ -15,8 +15,8 @@ from hooktrace.analyze.diff.compare import KEYS, VALUES
 from hooktrace.trace import logical as logical_view
 from hooktrace.trace import logical_arrays
 from hooktrace.trace.reader import Trace
-from hooktrace.trace.sql import arrow_of
 from hooktrace.trace.stream import RecordStream
+from hooktrace.trace.tables import arrow_of
 
 _T = TypeVar("_T")
 _R = TypeVar("_R")
