@@ -1,13 +1,16 @@
-"""FSDP2 training (2 ranks, gloo, torchrun, one thread a rank) recorded trains bit-identically
-to the same training unrecorded: the same losses on every rank, the same final parameters,
-gathered whole, and the same checkpoints (torch.distributed.checkpoint's, of the model and
-the optimizer, and a full state dict). The recorder reads each DTensor's local shard (and saves a capture's
-parameters) without touching what FSDP2 does with its storages."""
+"""Sharded training recorded trains bit-identically to the same training unrecorded, in each
+layout a trainer uses: FSDP2 (2 ranks), tensor parallelism (2 ranks) and FSDP2 + tensor
+parallelism on a 2x2 mesh (4 ranks); gloo, torchrun, one thread a rank. The same losses on
+every rank, the same final parameters, gathered whole, and the same checkpoints
+(torch.distributed.checkpoint's, of the model and the optimizer, and a full state dict). The
+recorder reads each DTensor's local shard (and saves a capture's parameters) without touching
+what FSDP2 and tensor parallelism do with their storages and collectives."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from torchrun import torchrun
 
@@ -18,17 +21,28 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+layout = sys.argv[2]
 dist.init_process_group("gloo")
-rank = dist.get_rank()
+rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 5))
-for layer in (model[0], model[3]):
-    fully_shard(layer)
-fully_shard(model)
+model = nn.Sequential(
+    nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16), nn.Linear(16, 5))
+dp_mesh = None
+if layout != "fsdp2":  # tensor parallel over pairs of ranks: 0 by columns, 2 by rows
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    dp_mesh = mesh["dp"]
+if layout != "tp":
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
 opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-data = torch.Generator().manual_seed(rank)
+data = torch.Generator().manual_seed(rank if dp_mesh is None else dp_mesh.get_local_rank())
 losses = []
 for step in range(4):
     loss = model(torch.randn(8, 16, generator=data)).pow(2).mean()
@@ -38,7 +52,10 @@ for step in range(4):
     losses.append(repr(loss.item()))
 with open(f"{sys.argv[1]}.rank{rank}", "w") as out:  # the ranks share one stdout
     out.write(" ".join(losses))
-whole = {name: p.full_tensor() for name, p in model.named_parameters()}
+whole = {  # TP leaves the LayerNorm and the last layer plain tensors, whole on every rank
+    name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
+    for name, p in model.named_parameters()
+}
 if rank == 0:
     torch.save(whole, sys.argv[1])
 # checkpoints as trainers write them: sharded (torch.distributed.checkpoint), and whole
@@ -54,15 +71,20 @@ dist.destroy_process_group()
 """
 
 
-def test_fsdp2_trains_bit_identically_recorded(tmp_path: Path) -> None:
-    script = tmp_path / "fsdp2.py"
+@pytest.mark.parametrize(("layout", "ranks"), [("fsdp2", 2), ("tp", 2), ("fsdp_tp", 4)])
+def test_sharded_training_trains_bit_identically_recorded(
+    tmp_path: Path, layout: str, ranks: int
+) -> None:
+    script = tmp_path / "sharded.py"
     script.write_text(_SCRIPT)
-    plain = torchrun(tmp_path, str(script), str(tmp_path / "plain.pt"))
+    plain = torchrun(tmp_path, str(script), str(tmp_path / "plain.pt"), layout, ranks=ranks)
     assert plain.returncode == 0, plain.stderr[-3000:]
     record = ["-m", "hooktrace", "record", "-q", "-o", str(tmp_path / "run")]
-    recorded = torchrun(tmp_path, *record, str(script), "--", str(tmp_path / "recorded.pt"))
+    recorded = torchrun(
+        tmp_path, *record, str(script), "--", str(tmp_path / "recorded.pt"), layout, ranks=ranks
+    )
     assert recorded.returncode == 0, recorded.stderr[-3000:]
-    for rank in (0, 1):
+    for rank in range(ranks):
         losses = (tmp_path / f"plain.pt.rank{rank}").read_text().split()
         assert len(losses) == 4
         assert (tmp_path / f"recorded.pt.rank{rank}").read_text().split() == losses
@@ -82,7 +104,9 @@ def test_fsdp2_trains_bit_identically_recorded(tmp_path: Path) -> None:
     trace = hooktrace.load(tmp_path / "run")
     assert trace.status == "complete" and hooktrace.check(trace).whole
     params = trace.query(kinds=["param"], columns=["rank", "step", "placements", "mean"])
-    assert len(params) == 2 * 4 * 6 and params["mean"].notna().all()
+    assert len(params) == ranks * 4 * 8 and params["mean"].notna().all()
+    sharded = params["placements"].str.contains("S(", regex=False)
+    assert sharded.all() if "fsdp" in layout else sharded.any()  # TP leaves LayerNorm whole
 
 
 def _flat(state: object, prefix: str = "") -> dict[str, object]:
