@@ -1,10 +1,10 @@
-"""Sharded training recorded trains bit-identically to the same training unrecorded, in each
-layout a trainer uses: FSDP2 (2 ranks), tensor parallelism (2 ranks) and FSDP2 + tensor
-parallelism on a 2x2 mesh (4 ranks); gloo, torchrun, one thread a rank. The same losses on
-every rank, the same final parameters, gathered whole, and the same checkpoints
-(torch.distributed.checkpoint's, of the model and the optimizer, and a full state dict). The
-recorder reads each DTensor's local shard (and saves a capture's parameters) without touching
-what FSDP2 and tensor parallelism do with their storages and collectives."""
+"""Data-parallel and sharded training recorded trains bit-identically to the same training
+unrecorded, in each layout a trainer uses: DDP (2 ranks), FSDP2 (2 ranks), tensor parallelism (2
+ranks) and FSDP2 + tensor parallelism on a 2x2 mesh (4 ranks); gloo, torchrun, one thread a
+rank. The same losses on every rank, the same final parameters, gathered whole, and the same
+checkpoints (torch.distributed.checkpoint's, of the model and the optimizer, and a full state
+dict). The recorder reads each DTensor's local shard (and saves a capture's parameters) without
+touching what FSDP2 and tensor parallelism do with their storages and collectives."""
 
 from __future__ import annotations
 
@@ -33,11 +33,13 @@ torch.manual_seed(0)
 model = nn.Sequential(
     nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16), nn.Linear(16, 5))
 dp_mesh = None
-if layout != "fsdp2":  # tensor parallel over pairs of ranks: 0 by columns, 2 by rows
+if layout == "ddp":
+    model = nn.parallel.DistributedDataParallel(model)
+elif layout != "fsdp2":  # tensor parallel over pairs of ranks: 0 by columns, 2 by rows
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     dp_mesh = mesh["dp"]
-if layout != "tp":
+if "fsdp" in layout:
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
@@ -71,7 +73,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize(("layout", "ranks"), [("fsdp2", 2), ("tp", 2), ("fsdp_tp", 4)])
+@pytest.mark.parametrize(("layout", "ranks"), [("ddp", 2), ("fsdp2", 2), ("tp", 2), ("fsdp_tp", 4)])
 def test_sharded_training_trains_bit_identically_recorded(
     tmp_path: Path, layout: str, ranks: int
 ) -> None:
@@ -106,7 +108,10 @@ def test_sharded_training_trains_bit_identically_recorded(
     params = trace.query(kinds=["param"], columns=["rank", "step", "placements", "mean"])
     assert len(params) == ranks * 4 * 8 and params["mean"].notna().all()
     sharded = params["placements"].str.contains("S(", regex=False)
-    assert sharded.all() if "fsdp" in layout else sharded.any()  # TP leaves LayerNorm whole
+    if layout == "ddp":
+        assert not sharded.any()
+    else:
+        assert sharded.all() if "fsdp" in layout else sharded.any()  # TP: LayerNorm whole
 
 
 def _flat(state: object, prefix: str = "") -> dict[str, object]:
