@@ -108,6 +108,17 @@ def run_argument(name: str = "run") -> Callable[[F], F]:
 FORMATS = ("table", "csv", "json", "parquet")
 
 
+def per_rank_option(what: str) -> Callable[[F], F]:
+    """``--per-rank``: ``what`` each rank's records, not the logical tensors a command of a
+    run of several ranks answers about by default."""
+    return click.option(
+        "--per-rank",
+        is_flag=True,
+        help=f"{what} rank by rank, not as logical tensors (the default for runs of several "
+        "ranks).",
+    )
+
+
 def output_options(func: F) -> F:
     """``--format`` and ``--output``, shared by every command that prints a table."""
     func = click.option(

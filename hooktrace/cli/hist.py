@@ -16,6 +16,7 @@ from hooktrace.cli.common import (
     emit_frame,
     library_errors,
     output_options,
+    per_rank_option,
     run_argument,
 )
 
@@ -44,6 +45,7 @@ between columns whatever the width."""
 )
 @steps_option
 @click.option("--ranks", metavar="RANKS", help="Only these ranks, comma-separated.")
+@per_rank_option("Histograms")
 @click.option(
     "--max-steps",
     type=click.IntRange(min=1),
@@ -58,6 +60,7 @@ def hist(
     kinds: str | None,
     steps: str | None,
     ranks: str | None,
+    per_rank: bool,
     max_steps: int | None,
     fmt: str,
     output: Path | None,
@@ -71,6 +74,10 @@ def hist(
     float16 would do to them (as `hooktrace precision` counts): underflow (below 2^-24),
     subnormal (below 2^-14: fewer bits) or overflow (2^16 and up). With one step (--steps N),
     a row per record in one block, on one scale.
+
+    A run of several ranks shows its logical tensors: the histograms of a tensor's shards
+    and of the data-parallel ranks' parts of the batch summed, a replica counted once, the
+    values as the ranks computed them. --per-rank or --ranks: each rank's own.
 
     Histograms are recorded with `hooktrace record --histograms param,grad_param`. csv, json
     and parquet hold one row per non-empty bin (the table of hooktrace.hist()).
@@ -88,6 +95,7 @@ def hist(
         "kinds": kinds,
         "steps": steps,
         "ranks": _ints(ranks, "--ranks"),
+        "per_rank": per_rank,
     }
     if fmt == "table":
         frame = histograms(run, **options, max_steps=max_steps or MAX_STEPS)
@@ -134,6 +142,8 @@ def render(run: object, frame: pd.DataFrame) -> str:
         "bits), . normal, ! overflow (2^16 and up: Inf); neg, underflow, subnormal, overflow: "
         "shares of the nonzero finite values",
     ]
+    if frame.attrs.get("logical"):
+        lines.append(LOGICAL_HISTOGRAMS)
     ranks = rows["rank"].nunique() > 1
     if len(steps) == 1 and records > 1:
         labels = [
@@ -148,6 +158,13 @@ def render(run: object, frame: pd.DataFrame) -> str:
             at = mine.index.to_numpy()
             lines += _block(mine, counts[at], [str(s) for s in mine["step"]], "step")
     return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+LOGICAL_HISTOGRAMS = (
+    "logical tensors: each the sum of its parts' histograms over the ranks (shards, the "
+    "data-parallel ranks' batches; a replica once; a partial sum, not yet reduced, its rank's "
+    "own), values as the ranks computed them; --per-rank for each rank's"
+)
 
 
 def _magnitudes(frame: pd.DataFrame, rows: pd.DataFrame) -> Any:

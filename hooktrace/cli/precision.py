@@ -13,6 +13,7 @@ from hooktrace.cli.common import (
     emit_frame,
     library_errors,
     output_options,
+    per_rank_option,
     run_argument,
 )
 
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 @steps_option
 @click.option("--modules", metavar="REGEX", help="Only modules whose name matches this regex.")
 @click.option("--kinds", help="Only these kinds, comma-separated: grad_param,grad_output,...")
+@per_rank_option("Measure")
 @output_options
 @library_errors
 def precision(
@@ -32,6 +34,7 @@ def precision(
     steps: str | None,
     modules: str | None,
     kinds: str | None,
+    per_rank: bool,
     fmt: str,
     output: Path | None,
 ) -> None:
@@ -42,7 +45,9 @@ def precision(
     keep only as subnormals (fewer significant bits: below 2^-14, 2^-126) and make Inf
     (overflow: 2^16 and above, 2^128), and the step at which float16 would lose the most of
     it. Worst first. `hooktrace anomalies` flags what passes its bounds. A run without
-    histograms (recorded with them off, or before format 1.3) gets a line saying so.
+    histograms (recorded with them off, or before format 1.3) gets a line saying so. A run
+    of several ranks is measured per logical tensor (its parts' histograms summed over the
+    ranks, a replica once); --per-rank: rank by rank.
 
     \b
     Example:
@@ -66,7 +71,7 @@ def precision(
     if unknown or chosen == []:
         what = f"unknown kind(s) {', '.join(unknown)}" if unknown else "no kind named"
         raise CommandError(f"--kinds {kinds!r}: {what}; choose from {', '.join(schema.KINDS)}")
-    table = measure(trace, steps=steps, modules=modules, kinds=chosen)
+    table = measure(trace, steps=steps, modules=modules, kinds=chosen, per_rank=per_rank)
     emit_frame(table, fmt, output, table_text=render(run, table))
 
 
@@ -84,6 +89,7 @@ def render(run: Path, table: pd.DataFrame) -> str:
         f"{len(table)} tensors with histograms in {run} (steps {steps}): of their nonzero "
         "values, the share each format would flush to zero (under), keep as subnormals (sub) "
         "or make Inf (over)",
+        *([LOGICAL] if table.attrs.get("logical") else []),
         "",
     ]
     ranks = table["rank"].nunique() > 1
@@ -111,6 +117,13 @@ def render(run: Path, table: pd.DataFrame) -> str:
         ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines) + "\n"
+
+
+LOGICAL = (
+    "logical tensors: each tensor's parts summed over the ranks (shards, the data-parallel "
+    "ranks' batches; a replica once; a partial sum, not yet reduced, its rank's own); "
+    "--per-rank for each rank's"
+)
 
 
 def _share(fraction: Any) -> str:

@@ -116,7 +116,6 @@ def select(source: str, columns: Iterable[str], layout: Layout | None = None) ->
     if missing:
         raise ValueError(f"the logical view needs the record columns {', '.join(missing)}")
     key = ", ".join(KEY)
-    weights = _in(WEIGHT_KINDS)
     out = {c: _one(c) for c in columns}
     out.update(_pooled())
     out["rank"] = "min(rank)::INTEGER"
@@ -130,34 +129,7 @@ def select(source: str, columns: Iterable[str], layout: Layout | None = None) ->
     for column in ("logical_shape", "placements", "shard_offset"):
         out[column] = f"CASE WHEN {_STANDS_ALONE} THEN {_one(column)} ELSE '' END"
     fields = ",\n    ".join(f"{expr} AS {name}" for name, expr in out.items())
-    return f"""
-WITH parted AS (
-    SELECT *,
-        count(*) OVER (PARTITION BY {key}) AS ranks_,
-        CASE WHEN contains(placements, 'P(') THEN rank END AS partial_,
-        CASE WHEN logical_shape <> '' THEN logical_shape ELSE shape END AS base_,
-        kind IN ({weights}) AS weight_,
-        {_dp_rank(layout)} AS dp_rank_,
-        hash(shape, dtype, numel, mean, std, min, max, norm, zero_fraction, nan_count,
-             inf_count) AS print_
-    FROM {source}
-),
-alike AS (
-    SELECT *,
-        min(print_) OVER offset_ = max(print_) OVER offset_ AS same_
-    FROM parted
-    WINDOW offset_ AS (PARTITION BY {key}, partial_, shard_offset)
-),
-kept AS (
-    SELECT * FROM alike
-    QUALIFY row_number() OVER (
-        PARTITION BY {key}, partial_, shard_offset, CASE
-            WHEN weight_ THEN NULL
-            WHEN dp_rank_ IS NULL OR same_ THEN print_
-            ELSE hash(print_, dp_rank_)
-        END
-        ORDER BY rank) = 1
-),
+    return f"""{_kept(source, layout)},
 pooled AS (
     SELECT *,
         sum(numel) OVER part_ AS n_,
@@ -189,6 +161,58 @@ SELECT
     {_MERGED} AS merged
 FROM merged
 GROUP BY {key}, partial_
+"""
+
+
+def parts(source: str, layout: Layout | None = None) -> str:
+    """A query of the records of ``source`` (as :func:`select` takes it) that the logical
+    records pool: ``rank``, ``step`` and ``seq`` of each, with the ``logical_rank`` and
+    ``logical_seq`` of the logical record it is part of (its lowest rank's). A replica's
+    copies are left out, but one. What a logical record adds up from its parts (histograms,
+    counts) is the sum over these."""
+    return f"""{_kept(source, layout)}
+SELECT rank, step, seq,
+    min(rank) OVER part_ AS logical_rank,
+    arg_min(seq, rank) OVER part_ AS logical_seq
+FROM kept
+WINDOW part_ AS (PARTITION BY {", ".join(KEY)}, partial_)
+"""
+
+
+def _kept(source: str, layout: Layout | None) -> str:
+    """The common table expressions up to ``kept``: the records of ``source`` with what
+    groups them (``partial_``, ``base_``, ``weight_``, ``dp_rank_``, ``print_``), a
+    replica's copies left out but the lowest rank's (rules 1 and 4 of the module)."""
+    weights = _in(WEIGHT_KINDS)
+    key = ", ".join(KEY)
+    return f"""
+WITH parted AS (
+    SELECT *,
+        count(*) OVER (PARTITION BY {key}) AS ranks_,
+        CASE WHEN contains(placements, 'P(') THEN rank END AS partial_,
+        CASE WHEN logical_shape <> '' THEN logical_shape ELSE shape END AS base_,
+        kind IN ({weights}) AS weight_,
+        {_dp_rank(layout)} AS dp_rank_,
+        hash(shape, dtype, numel, mean, std, min, max, norm, zero_fraction, nan_count,
+             inf_count) AS print_
+    FROM {source}
+),
+alike AS (
+    SELECT *,
+        min(print_) OVER offset_ = max(print_) OVER offset_ AS same_
+    FROM parted
+    WINDOW offset_ AS (PARTITION BY {key}, partial_, shard_offset)
+),
+kept AS (
+    SELECT * FROM alike
+    QUALIFY row_number() OVER (
+        PARTITION BY {key}, partial_, shard_offset, CASE
+            WHEN weight_ THEN NULL
+            WHEN dp_rank_ IS NULL OR same_ THEN print_
+            ELSE hash(print_, dp_rank_)
+        END
+        ORDER BY rank) = 1
+)
 """
 
 

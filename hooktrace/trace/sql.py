@@ -1,7 +1,8 @@
 """SQL over a trace, through DuckDB: the tables ``records``, ``steps``, ``modules`` and
 ``histograms`` as views over the run's Parquet parts (``histograms`` with whole rows of
 counts; ``histogram_spans`` as stored, with the macro ``bins_sum``), and ``logical_records``,
-the records of a run of several ranks as logical tensors (:mod:`hooktrace.trace.logical`).
+the records of a run of several ranks as logical tensors (:mod:`hooktrace.trace.logical`),
+with ``logical_histogram_spans``, the histograms of their parts.
 Never imports torch.
 
 DuckDB is embedded, reads Parquet where it lies (only the columns and row groups a query
@@ -107,7 +108,25 @@ def define_views(
     con.execute(
         f"CREATE OR REPLACE VIEW logical_records AS {logical.select('records', records, layout)}"
     )
+    con.execute(f"CREATE OR REPLACE VIEW logical_histogram_spans AS {logical_spans('', layout)}")
     con.execute(BINS_SUM)
+
+
+def logical_spans(where: str, layout: logical.Layout | None = None) -> str:
+    """A query of the histograms (as ``histogram_spans`` holds them) that ``where`` (a WHERE
+    clause over ``histogram_spans``, or "") keeps, each part of a logical tensor (see
+    :func:`hooktrace.trace.logical.parts`) under its logical record's ``rank`` and ``seq``: a
+    replica's copies left out but one, so that the sum of a logical record's rows is its
+    histogram. The values are what each rank computed: an activation gradient pooled over
+    data-parallel ranks is not divided by their number, as the logical record's statistics are."""
+    needed = ", ".join(logical.NEEDED)
+    source = f"(SELECT {needed} FROM records SEMI JOIN spans_ USING (rank, step, seq))"
+    return f"""(
+WITH spans_ AS (SELECT * FROM histogram_spans {where}),
+parts_ AS ({logical.parts(source, layout)})
+SELECT s.* EXCLUDE (rank, seq), p.logical_rank AS rank, p.logical_seq AS seq
+FROM spans_ s JOIN parts_ p USING (rank, step, seq)
+)"""
 
 
 BINS_SUM = """

@@ -52,6 +52,7 @@ def hist(
     ranks: Sequence[int] | None = None,
     max_steps: int | None = None,
     sink: Callable[[pd.DataFrame], None] | None = None,
+    per_rank: bool = False,
 ) -> pd.DataFrame:
     """The distribution of each histogrammed record (module, kind, slot) at each step.
 
@@ -66,7 +67,11 @@ def hist(
 
     ``modules`` is a regex searched in module names, or a list of exact names; ``kinds``
     (``param``, ``grad_param``, ...), ``steps`` (``"0-100"``, ``(first, last)`` or step
-    numbers) and ``ranks`` filter; ``max_steps`` keeps at most that many of the steps
+    numbers) and ``ranks`` filter. A run of several ranks is answered as its logical tensors
+    (:mod:`hooktrace.trace.logical`): a tensor's histogram is the sum of its parts' (shards,
+    data-parallel ranks' parts of the batch; a replica once), under the lowest rank behind
+    it; its values as the ranks computed them (an activation gradient is not divided by the
+    data-parallel degree). ``ranks`` or ``per_rank=True``: each rank's own. ``max_steps`` keeps at most that many of the steps
     histogrammed, evenly spaced with the first and the last. ``frame.attrs["steps"]`` holds
     how many steps matched before that. The trace is read a few steps at a time (about
     :data:`CHUNK_RECORDS` histograms); with ``sink``, each chunk's rows are handed to it as
@@ -85,7 +90,10 @@ def hist(
     require_histograms(trace)
     if max_steps is not None and max_steps < 1:
         raise ConfigError(f"max_steps must be 1 or more (got {max_steps})")
-    where = Where(trace, modules=modules, kinds=kinds_given(kinds), steps=steps, ranks=ranks)
+    where = Where(
+        trace, modules=modules, kinds=kinds_given(kinds), steps=steps, ranks=ranks,
+        per_rank=per_rank,
+    )  # fmt: skip
     per_step_rows = where.rows_per_step()
     if per_step_rows.empty:
         raise ConfigError(f"no histograms match {where.asked()}: {describe(trace)}")
@@ -106,8 +114,9 @@ def hist(
             f"(left out: {', '.join(trace.skipped)}); `hooktrace check {trace.path}` says what"
         )
     out = pd.concat(parts, ignore_index=True) if len(parts) > 1 else (parts or [empty()])[0]
-    out.attrs["steps"] = len(matched)
-    return out if sink is None else empty(attrs={"steps": len(matched)})
+    attrs = {"steps": len(matched), "logical": where.logical}
+    out.attrs.update(attrs)
+    return out if sink is None else empty(attrs=attrs)
 
 
 CHUNK_RECORDS: Final = 20_000
@@ -121,16 +130,21 @@ def histogrammed(
     kinds: Sequence[str] | str | None = None,
     steps: StepsSpec = None,
     ranks: Sequence[int] | None = None,
+    per_rank: bool = False,
 ) -> pd.DataFrame:
     """The records that have histograms, filtered as :func:`hist` filters (no bins read):
     one row per (rank, module, kind, slot), in :func:`in_order`'s order, with ``steps``
-    (how many were histogrammed), ``first_step`` and ``last_step``."""
+    (how many were histogrammed), ``first_step`` and ``last_step``; the logical tensors of
+    a run of several ranks as :func:`hist` has them, unless ``ranks`` or ``per_rank``."""
     trace = run if isinstance(run, Trace) else load(run)
     require_histograms(trace)
-    where = Where(trace, modules=modules, kinds=kinds_given(kinds), steps=steps, ranks=ranks)
+    where = Where(
+        trace, modules=modules, kinds=kinds_given(kinds), steps=steps, ranks=ranks,
+        per_rank=per_rank,
+    )  # fmt: skip
     found = trace.sql(
         "SELECT rank, module, kind, slot, count(DISTINCT step) AS steps, min(step) AS "
-        f"first_step, max(step) AS last_step, min(seq) AS seq FROM histogram_spans{where.sql()} "
+        f"first_step, max(step) AS last_step, min(seq) AS seq FROM {where.source()} "
         "GROUP BY rank, module, kind, slot ORDER BY rank, seq",
         where.values,
     )

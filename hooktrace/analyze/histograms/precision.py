@@ -41,6 +41,7 @@ from hooktrace.analyze.findings import Finding, StepsSpec, module_pattern, step_
 from hooktrace.errors import ConfigError, TraceError
 from hooktrace.trace.histograms import HISTOGRAMS_DIR, MAGNITUDE_BINS, bin_of_exponent
 from hooktrace.trace.reader import Trace, load
+from hooktrace.trace.sql import logical_spans
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ def precision(
     steps: StepsSpec = None,
     modules: str | Iterable[str] | None = None,
     kinds: Iterable[str] | None = None,
+    per_rank: bool = False,
 ) -> pd.DataFrame:
     """Per recorded tensor (rank, module, kind, slot), over the histograms of the steps read:
     the fractions of its nonzero finite values that float16 and bfloat16 would underflow,
@@ -100,7 +102,10 @@ def precision(
     ``worst_fraction``: what it underflowed plus overflowed there). Worst first.
 
     ``steps`` is ``"0-100"``, ``(first, last)`` or step numbers; ``modules`` a regex
-    searched in module names or a list of exact names; ``kinds`` names. Raises
+    searched in module names or a list of exact names; ``kinds`` names. A run of several
+    ranks is answered per logical tensor (its parts' histograms summed, a replica once, under
+    the lowest rank behind it: :func:`hooktrace.trace.sql.logical_spans`;
+    ``frame.attrs["logical"]`` says so); ``per_rank=True``: per rank. Raises
     :class:`TraceError` when the run has no histograms, as :meth:`Trace.histograms` does."""
     trace = run if isinstance(run, Trace) else load(run)
     if not trace.has_histograms:
@@ -109,12 +114,15 @@ def precision(
             "param,grad_param` (or hooktrace.record(..., histograms=('param', 'grad_param')))"
         )
     names = _module_names(trace, modules) if isinstance(modules, str) else modules
-    (table,) = _query(trace, [SLOT_KEYS], steps, names, kinds)
+    logical = not per_rank and len(trace.ranks) > 1
+    (table,) = _query(trace, [SLOT_KEYS], steps, names, kinds, logical=logical)
     trouble = table["fp16_underflow"] + table["fp16_overflow"]
     order = table.assign(_t=-trouble).sort_values(
         ["rank", "_t", "module", "kind", "slot"], kind="stable"
     )
-    return order[list(COLUMNS)].reset_index(drop=True)
+    out = order[list(COLUMNS)].reset_index(drop=True)
+    out.attrs["logical"] = logical
+    return out
 
 
 def _module_names(trace: Trace, pattern: str) -> list[str]:
@@ -280,6 +288,8 @@ def _query(
     modules: Iterable[str] | None,
     kinds: Iterable[str] | None,
     bounds: dict[str, float] | None = None,
+    *,
+    logical: bool = False,
 ) -> list[pd.DataFrame]:
     """For each of ``groupings`` (:data:`SLOT_KEYS` or :data:`MODULE_KEYS`), one row per
     group: its first ``seq`` (where it comes in execution order), the pooled fractions, the
@@ -287,8 +297,12 @@ def _query(
     bound (``<measure>_steps``, first, last) and the worst of them (``<measure>_worst``,
     ``<measure>_worst_step``). A step's counts are the sums over the group's histograms at
     that step (slots, calls, micro-steps). One scan of the histograms, whatever the
-    groupings: their bins are summed per tensor and step once, and grouped from there."""
+    groupings: their bins are summed per tensor and step once, and grouped from there.
+    ``logical``: the logical tensors' histograms (:func:`logical_spans`) for the ranks'."""
     where, parameters = _where(steps, modules, kinds)
+    source = (
+        f"{logical_spans(where, trace.layout)} AS spans_" if logical else f"histogram_spans {where}"
+    )
     measures = [f"{f.name}_{m}" for f in FORMATS for m in MEASURES]
     counts = ", ".join(f"sum({_count(f, m)}) AS {f.name}_{m}" for f in FORMATS for m in MEASURES)
     slot_steps = f"""
@@ -300,7 +314,7 @@ def _query(
             FROM (
                 -- a parameter or buffer recorded twice in a step (an evaluation's forward,
                 -- then training's) counts once: its last record, as hist has it
-                SELECT * FROM histogram_spans {where}
+                SELECT * FROM {source}
                 QUALIFY kind NOT IN ('param', 'buffer')
                     OR seq = max(seq) OVER (PARTITION BY rank, module, kind, slot, step)
             )

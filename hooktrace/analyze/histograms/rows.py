@@ -22,6 +22,7 @@ from hooktrace.errors import ConfigError, TraceError
 from hooktrace.trace import schema
 from hooktrace.trace.histograms import EXPONENT_MIN, MAGNITUDE_BINS
 from hooktrace.trace.reader import Trace
+from hooktrace.trace.sql import logical_spans
 
 BINS: Final = ("zero", "nan", "pos_inf", "neg_inf", "neg", "pos")
 """The ``bin`` column's values: the format's count columns; ``neg`` and ``pos`` rows carry an
@@ -59,7 +60,9 @@ def kinds_given(kinds: Sequence[str] | str | None) -> list[str] | None:
 
 class Where:
     """The WHERE clause of the options, and its parameters; module regexes resolved to names
-    (Python's regex rules, as the other commands; DuckDB's differ)."""
+    (Python's regex rules, as the other commands; DuckDB's differ). ``logical``: whether the
+    histograms are read as the logical tensors' (a run of several ranks, no rank chosen, not
+    ``per_rank``): each under its logical record's rank and seq, a replica once."""
 
     def __init__(
         self,
@@ -69,9 +72,11 @@ class Where:
         kinds: list[str] | None,
         steps: StepsSpec,
         ranks: Sequence[int] | None,
+        per_rank: bool = False,
     ) -> None:
         self.trace = trace
         self.modules, self.kinds, self.ranks = modules, kinds, ranks
+        self.logical = not per_rank and ranks is None and len(trace.ranks) > 1
         self.step_spec = steps
         self.clauses: list[str] = []
         self.values: list[Any] = []
@@ -105,6 +110,14 @@ class Where:
     def sql(self, *extra: str) -> str:
         clauses = [*self.clauses, *extra]
         return (" WHERE " + " AND ".join(clauses)) if clauses else ""
+
+    def source(self, *extra: str) -> str:
+        """The histograms these options keep, as a relation to select from (``extra``:
+        clauses besides, their values after :attr:`values`): ``histogram_spans``, or where
+        :attr:`logical`, the parts of the logical tensors (:func:`sql.logical_spans`)."""
+        if not self.logical:
+            return f"histogram_spans{self.sql(*extra)}"
+        return f"{logical_spans(self.sql(*extra), self.trace.layout)} AS logical_spans_"
 
     def rows_per_step(self) -> pd.Series:
         """Histograms per step, indexed by step, in step order (no bins read)."""
@@ -144,7 +157,7 @@ def chunks(per_step: pd.Series, rows: int) -> list[list[int]]:
 
 _RAW = (
     "SELECT rank, step, seq, module, kind, slot, numel, zero, nan, pos_inf, neg_inf, "
-    "pos_start, pos, neg_start, neg FROM histogram_spans{where} ORDER BY rank, step, seq"
+    "pos_start, pos, neg_start, neg FROM {source} ORDER BY rank, step, seq"
 )
 
 
@@ -152,17 +165,22 @@ def read(trace: Trace, where: Where, steps: list[int], *, sampled: bool) -> pd.D
     """The histograms of ``steps`` that ``where`` matches, as stored (each sign's occupied
     span of bins and where it starts); by DuckDB (the step range lets it skip the row groups
     outside), or where DuckDB fails on a part, by hooktrace's reader (whole rows), which
-    leaves a damaged part out with a warning."""
+    leaves a damaged part out with a warning (rank by rank only: :attr:`Where.logical` raises
+    instead)."""
     extra = ["step BETWEEN ? AND ?"]
     values = [*where.values, steps[0], steps[-1]]
     if sampled:
         extra.append("list_contains(?, step)")
         values.append(steps)
     try:
-        return trace.sql(_RAW.format(where=where.sql(*extra)), values)
+        return trace.sql(_RAW.format(source=where.source(*extra)), values)
     except TraceError as exc:
         if not _engine_failed(exc):
             raise
+        if where.logical:  # the reader's way round a damaged part reads rank by rank
+            raise TraceError(
+                f"{exc}: read the ranks' histograms apart (--per-rank) to leave a damaged part out"
+            ) from exc
     return trace.histograms(steps=steps, modules=where.names, kinds=where.kinds, ranks=where.ranks)
 
 

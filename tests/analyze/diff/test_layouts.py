@@ -28,10 +28,14 @@ _STATS = ["mean", "std", "min", "max", "norm"]
 _PER_STEP = 16  # 4 parameters, their gradients, 4 outputs (fc1, act, fc2, MLP), their gradients
 
 
+_OUTPUTS_TOO = ["-m", "hooktrace", "record", "-q", "--histograms", "param,grad_param,output"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     """``one``, ``fsdp2`` and ``ddp`` (rank 1's replica of fc2.bias nudged at step 3), as the
-    samples are made; ``tp`` and ``fsdp_tp``. With the one process's truth, step by step."""
+    samples are made; ``tp`` and ``fsdp_tp``, and ``one_outputs`` (one process again), with
+    histograms of the outputs too. With the one process's truth, step by step."""
     where = tmp_path_factory.mktemp("layouts")
     made = subprocess.run(
         [sys.executable, str(ROOT / "sample_traces" / "make_distributed.py"), "--out",
@@ -41,10 +45,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     assert made.returncode == 0, made.stderr[-3000:]
     example = str(ROOT / "examples" / "distributed.py")
     for layout, ranks in (("tp", 2), ("fsdp_tp", 4)):
-        done = torchrun(
-            where, "-m", "hooktrace", "record", "-q", "-o", layout, example, layout, ranks=ranks
-        )
+        done = torchrun(where, *_OUTPUTS_TOO, "-o", layout, example, layout, ranks=ranks)
         assert done.returncode == 0, done.stderr[-3000:]
+    one = [sys.executable, *_OUTPUTS_TOO, "-o", str(where / "one_outputs"), example, "one"]
+    done = subprocess.run(one, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     return where, json.loads((where / "truth.json").read_text())
 
 
@@ -234,3 +239,101 @@ def test_a_tensor_only_another_rank_holds_pairs_with_one_process(tmp_path: Path)
     result = hooktrace.diff(SAMPLES / "one", split)
     assert result.match and result.records == 6 * _PER_STEP, result
     assert "run B 2 ranks" in result.notes[0]
+
+
+def _bins(frame: pd.DataFrame) -> dict[tuple, int]:
+    """``hooktrace.hist``'s rows as {(module, kind, slot, bin, exponent): count}."""
+    return {
+        (r.module, r.kind, r.slot, r.bin, None if pd.isna(r.exponent) else int(r.exponent)): r.count
+        for r in frame.itertuples()
+    }
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp", "tp", "fsdp_tp"])
+def test_histograms_of_logical_tensors_are_the_whole_tensors(
+    runs: tuple[Path, list], layout: str
+) -> None:
+    """At step 0 every layout holds the same initial parameters (sharded, replicated, or
+    both): their logical histograms are those of the whole tensors, bin for bin, as numpy
+    counts them from the model torch builds; rank by rank, the shards add up to them and a
+    replica holds them whole."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("example", ROOT / "examples" / "distributed.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)  # the example's own model, seeded as it seeds it
+    truth = {}
+    for name, param in example.MLP().named_parameters():
+        module, slot = name.split(".")
+        values = param.detach().double().numpy().ravel()
+        exponent = np.frexp(np.abs(values))[1] - 1  # 2^e <= |x| < 2^(e+1)
+        for sign, chosen in (("pos", values > 0), ("neg", values < 0)):
+            found, counts = np.unique(exponent[chosen], return_counts=True)
+            for e, n in zip(found.tolist(), counts.tolist(), strict=True):
+                truth[(module, "param", slot, sign, e)] = n
+    where, _ = runs
+    logical = hooktrace.hist(where / layout, kinds=["param"], steps=[0])
+    assert logical.attrs["logical"] and (logical["rank"] == 0).all()
+    assert _bins(logical) == truth
+    per_rank = hooktrace.hist(where / layout, kinds=["param"], steps=[0], per_rank=True)
+    assert not per_rank.attrs["logical"] and per_rank["rank"].nunique() > 1
+    # shards add up to the whole, and each copy of a replica holds it (DDP's parameters,
+    # rowwise parallelism's bias on each tensor-parallel rank): per rank, the counts summed
+    # over the ranks are the truth times the copies of each shard
+    params = hooktrace.load(where / layout).query(steps=[0], kinds=["param"])
+    offsets = params.groupby(["module", "slot"], observed=True)["shard_offset"].nunique()
+    copies = (params.groupby(["module", "slot"], observed=True).size() // offsets).to_dict()
+    summed = per_rank.groupby(["module", "kind", "slot", "bin", "exponent"], dropna=False)
+    counted = _bins(summed["count"].sum().reset_index())
+    assert {k: n // copies[(k[0], k[2])] for k, n in counted.items()} == truth
+    assert any(n > 1 for n in copies.values()) == (layout != "fsdp2")
+    # the SQL view holds the parts, each under its logical record's rank and seq
+    viewed = hooktrace.load(where / layout).sql(
+        "SELECT module, slot, sum(numel) AS numel, count(DISTINCT (rank, seq)) AS records "
+        "FROM logical_histogram_spans WHERE kind = 'param' AND step = 0 GROUP BY ALL"
+    )
+    assert (viewed["records"] == 1).all()
+    sizes = {n: p.numel() for n, p in example.MLP().named_parameters()}
+    assert {f"{m}.{s}": n for m, s, n in viewed[["module", "slot", "numel"]].values} == sizes
+
+
+@pytest.mark.parametrize("layout", ["tp", "fsdp_tp"])
+def test_activation_histograms_pool_the_ranks_parts(runs: tuple[Path, list], layout: str) -> None:
+    """The ReLU between a colwise and a rowwise layer holds a local shard on each
+    tensor-parallel rank, and under FSDP2 + TP each data-parallel rank half the batch: pooled,
+    its histogram is the one process's, bin for bin, at every step."""
+    where, _ = runs
+    one = hooktrace.hist(where / "one_outputs", modules=["act"], kinds=["output"])
+    pooled = hooktrace.hist(where / layout, modules=["act"], kinds=["output"])
+    key = ["step", "bin", "exponent"]
+    pd.testing.assert_frame_equal(
+        pooled[[*key, "numel", "count"]].reset_index(drop=True),
+        one[[*key, "numel", "count"]].reset_index(drop=True),
+    )
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp", "fsdp_tp"])
+def test_precision_measures_logical_tensors(runs: tuple[Path, list], layout: str) -> None:
+    """``precision`` pools a tensor's parts over the ranks: at step 0 (the same parameters
+    everywhere) the one process's numbers; ``--per-rank`` measures each rank's shard."""
+    where, _ = runs
+    measured = {
+        name: hooktrace.precision(where / name, steps=[0], kinds=["param"])
+        for name in ("one", layout)
+    }
+    assert measured[layout].attrs["logical"]
+    pd.testing.assert_frame_equal(measured[layout], measured["one"], check_categorical=False)
+    per_rank = hooktrace.precision(where / layout, steps=[0], kinds=["param"], per_rank=True)
+    assert set(per_rank["rank"]) == set(hooktrace.load(where / layout).ranks)
+    weights = [frame[frame["slot"] == "weight"] for frame in (per_rank, measured["one"])]
+    totals = weights[0].groupby("module")["nonzero"].sum()  # the weights are sharded: no copy
+    assert totals.to_dict() == weights[1].set_index("module")["nonzero"].to_dict()
+    shown = CliRunner().invoke(cli, ["precision", str(where / layout), "--kinds", "param"])
+    assert shown.exit_code == 0 and "logical tensors" in shown.output
+    assert not shown.output.splitlines()[3].startswith("rank")
+    apart = CliRunner().invoke(cli, ["precision", str(where / layout), "--per-rank"])
+    assert apart.exit_code == 0 and apart.output.splitlines()[2].startswith("rank")

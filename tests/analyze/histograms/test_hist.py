@@ -497,7 +497,8 @@ def test_without_torch(known: Path, tmp_path: Path) -> None:
 
 
 def test_ranks_are_told_apart(known: Path, tmp_path: Path) -> None:
-    """Two ranks (the known run's shard, copied as rank 1's): blocks and labels name them."""
+    """Two ranks (the known run's shard, copied as rank 1's): rank by rank (--per-rank), blocks
+    and labels name them; as logical tensors, the copies are replicas, counted once."""
     import shutil
 
     run = tmp_path / "ranks"
@@ -505,14 +506,17 @@ def test_ranks_are_told_apart(known: Path, tmp_path: Path) -> None:
     for table in ("records", "steps", "modules", "histograms"):
         shutil.copytree(run / table / "rank=0", run / table / "rank=1")
     shutil.copy(run / "status" / "rank=0.json", run / "status" / "rank=1.json")
-    frame = hist(run, kinds="param")
+    frame = hist(run, kinds="param", per_rank=True)
     assert sorted(set(frame["rank"])) == [0, 1]
     assert set(hist(run, ranks=[1])["rank"]) == {1}
-    text = invoke("hist", run, "--kinds", "param", "--steps", "0-1").stdout
+    text = invoke("hist", run, "--kinds", "param", "--steps", "0-1", "--per-rank").stdout
     assert "rank 0: Linear param weight: 12 values" in text
     assert "rank 1: Linear param bias: 2 values" in text
-    one_step = invoke("hist", run, "--kinds", "param", "--steps", "2").stdout
+    one_step = invoke("hist", run, "--kinds", "param", "--steps", "2", "--per-rank").stdout
     assert one_step.count("  rank 1 Linear param ") == 2
+    logical = hist(run, kinds="param")
+    pd.testing.assert_frame_equal(logical, frame[frame["rank"] == 0], check_like=True)
+    assert "logical tensors" in invoke("hist", run, "--kinds", "param").stdout
 
 
 def test_help_needs_neither_pandas_nor_torch() -> None:
