@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from hooktrace.cli.common import emit_frame, library_errors, output_options, run_argument
+from hooktrace.cli.common import (
+    emit_frame,
+    library_errors,
+    output_options,
+    per_rank_option,
+    run_argument,
+)
 
 if TYPE_CHECKING:
     from hooktrace.analyze.checks.anomalies import Anomalies
@@ -86,6 +92,7 @@ def fail_option(what: str) -> Callable[[F], F]:
     help="Flag a tensor when more than this fraction of its nonzero values is 2^16 or more, "
     "which float16 makes Inf (needs histograms).",
 )
+@per_rank_option("Check the records")
 @fail_option("there are findings")
 @output_options
 @library_errors
@@ -100,6 +107,7 @@ def anomalies(
     saturation: float,
     underflow_above: float,
     overflow_above: float,
+    per_rank: bool,
     fail: bool,
     fmt: str,
     output: Path | None,
@@ -111,7 +119,10 @@ def anomalies(
     recorder captured the call that made a NaN or Inf, its finding names the aten operation
     and the source line, and `hooktrace replay RUN --nonfinite` shows the capture. Where the
     run has histograms, gradients that float16 would flush to zero and values it would make
-    Inf are found too (`hooktrace precision RUN` shows every tensor's fractions).
+    Inf are found too (`hooktrace precision RUN` shows every tensor's fractions). A run of
+    several ranks is checked as its logical tensors (shards and the data-parallel ranks'
+    batches pooled, a replica once), and data-parallel replicas are compared rank with rank
+    (replicas_differ); --per-rank checks each rank's records apart.
 
     \b
     Example:
@@ -131,6 +142,7 @@ def anomalies(
         saturation=saturation,
         underflow_above=underflow_above,
         overflow_above=overflow_above,
+        per_rank=per_rank,
     )
     emit_frame(result.findings, fmt, output, table_text=render(run, result))
     if fail and len(result):
@@ -140,6 +152,8 @@ def anomalies(
 def render(run: Path, result: Anomalies) -> str:
     frame = result.findings
     scope = f"{result.steps} steps, {result.modules} modules"
+    if result.logical:
+        scope += ", the ranks' records as logical tensors (--per-rank: apart)"
     if frame.empty:
         lines = [f"no anomalies in {run} ({scope})"]
     else:

@@ -69,6 +69,8 @@ neither counts as high or normal in the series checks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,13 +105,15 @@ class Anomalies:
     :data:`hooktrace.analyze.findings.COLUMNS`, then ``capture``: the non-finite capture
     that explains a NaN/Inf origin, in words, else ""), what was read, notes on checks that
     could not run (e.g. no parameter gradients recorded), and the run's non-finite
-    ``captures`` (the table of :meth:`Trace.nonfinite_captures`)."""
+    ``captures`` (the table of :meth:`Trace.nonfinite_captures`); ``logical``: whether the
+    ranks' records were checked as logical tensors."""
 
     findings: pd.DataFrame
     steps: int
     modules: int
     notes: list[str] = field(default_factory=list)
     captures: pd.DataFrame = field(default_factory=pd.DataFrame)
+    logical: bool = False
 
     def __len__(self) -> int:
         return len(self.findings)
@@ -136,13 +140,19 @@ def anomalies(
     underflow_above: float = 0.01,
     overflow_above: float = 0.0,
     chunk_rows: int = 250_000,
+    per_rank: bool = False,
 ) -> Anomalies:
     """Find non-finite origins, exploding, vanishing and spiking gradients, activation spikes,
     parameters without gradients, zero gradients, saturated tanh/sigmoid outputs and, from
     the histograms where there are any, values float16 would flush to zero or make Inf in
     ``run`` (see the module docstring for every definition). ``steps`` limits the steps read
     (``"0-100"``, ``(first, last)`` or step numbers); ``chunk_rows`` bounds the records held
-    at once."""
+    at once.
+
+    A run of several ranks is checked as its logical tensors (:mod:`hooktrace.trace.logical`:
+    shards and the data-parallel ranks' batches pooled, a replica once), each finding under
+    the lowest rank behind its tensor; ``replicas_differ`` compares the ranks' own records.
+    ``per_rank=True`` checks each rank's records apart. ``result.logical`` says which."""
     if window < 2 or spike_factor <= 1 or explode_factor < spike_factor:
         raise ConfigError(
             "need window >= 2, spike_factor > 1 and explode_factor >= spike_factor "
@@ -155,14 +165,18 @@ def anomalies(
         )
     precision.check_bounds(underflow_above, overflow_above)
     trace = run if isinstance(run, Trace) else load(run)
+    logical = not per_rank and len(trace.ranks) > 1
     config = series.Config(window, spike_factor, explode_factor, exploding_above)
-    scan, found = _scan(trace, step_filter(steps), saturation, chunk_rows, config, vanishing_below)
+    scan, found = _scan(
+        trace, step_filter(steps), saturation, chunk_rows, config, vanishing_below, logical
+    )
     found += _parameter_findings(scan)
     found += replicas.findings(trace, step_filter(steps))
     found += _saturation_findings(scan, saturation)
     low, low_notes = precision.findings(
-        trace, steps=steps, underflow_above=underflow_above, overflow_above=overflow_above
-    )
+        trace, steps=steps, underflow_above=underflow_above, overflow_above=overflow_above,
+        logical=logical,
+    )  # fmt: skip
     found += low
     notes = []
     if scan.steps == 0:
@@ -181,7 +195,7 @@ def anomalies(
             f"{failed} non-finite capture(s) failed while the run was recorded (its warnings "
             "say why)"
         )
-    return Anomalies(frame, scan.steps, len(scan.names), notes, captures)
+    return Anomalies(frame, scan.steps, len(scan.names), notes, captures, logical)
 
 
 def _scan(
@@ -191,13 +205,23 @@ def _scan(
     chunk_rows: int,
     config: series.Config,
     vanishing_below: float,
+    logical: bool,
 ) -> tuple[Scan, list[Finding]]:
     """The records of ``steps`` reduced, and the non-finite and series findings: in DuckDB
     over the records view; where DuckDB fails on a part, or hooktrace's reader finds one
     damaged, the same reductions again chunk by chunk over what the reader reads (which
-    leaves the damaged parts out, and says so)."""
+    leaves the damaged parts out, and says so). ``logical``: chunk by chunk over the logical
+    records."""
     import duckdb
 
+    if logical:
+        scan = Scan(trace, saturation)
+        read = functools.partial(scan.read_chunks, logical=True)
+        try:
+            found = _findings(scan, read, steps, chunk_rows, config, vanishing_below)
+            return scan, _across_ranks(found)
+        except duckdb.Error as exc:
+            raise TraceError(f"cannot read the records of {trace.path}: {one_line(exc)}") from exc
     skipped = len(trace.skipped)
     with contextlib.suppress(duckdb.Error):
         scan = Scan(trace, saturation)
@@ -209,6 +233,29 @@ def _scan(
         return scan, _findings(scan, scan.read_chunks, steps, chunk_rows, config, vanishing_below)
     except duckdb.Error as exc:
         raise TraceError(f"cannot read the records of {trace.path}: {one_line(exc)}") from exc
+
+
+def _across_ranks(found: list[Finding]) -> list[Finding]:
+    """The non-finite origins that several ranks found alike (kind, module, slot and step):
+    once, under the lowest rank, the evidence naming the ranks."""
+    kept: dict[tuple[str, str, str, int], Finding] = {}
+    ranks: dict[tuple[str, str, str, int], list[int]] = {}
+    out: list[Finding] = []
+    for finding in found:
+        if not finding.kind.startswith("nonfinite"):
+            out.append(finding)
+            continue
+        key = (finding.kind, finding.module, finding.slot, finding.step)
+        ranks.setdefault(key, []).append(finding.rank)
+        if key not in kept or finding.rank < kept[key].rank:
+            kept[key] = finding
+    for key, finding in kept.items():
+        on = sorted(ranks[key])
+        if len(on) > 1:
+            named = ", ".join(map(str, on))
+            finding = dataclasses.replace(finding, evidence=f"{finding.evidence}; on ranks {named}")
+        out.append(finding)
+    return out
 
 
 def _findings(

@@ -35,13 +35,18 @@ from hooktrace.analyze.checks.series_store import SeriesStore
 from hooktrace.analyze.findings import modules_of_type, step_chunks
 from hooktrace.trace import sql
 from hooktrace.trace.counts import records_per_step
-from hooktrace.trace.reader import Trace
+from hooktrace.trace.logical import NEEDED
+from hooktrace.trace.logical_arrays import logical_table
+from hooktrace.trace.reader import Trace, records_frame
 
 TANH_RANGE = ("Tanh", "Hardtanh", "Softsign")
 SIGMOID_RANGE = ("Sigmoid", "Hardsigmoid")
 COLUMNS = ["rank", "step", "micro_step", "phase", "seq", "module", "kind", "slot", "dtype",
            "numel", "mean", "std", "norm", "nan_count", "inf_count"]  # fmt: skip
 """What the non-finite search reads of a step; the queries read fewer."""
+
+_LOGICAL_COLUMNS = dict.fromkeys([*COLUMNS, *NEEDED])
+"""What a chunk of logical records is made of."""
 
 # the records of a relation ({records}) that the queries read, string columns as VARCHAR (a
 # chunk's are categoricals), steps as selected ({where})
@@ -147,30 +152,43 @@ class Scan:
             for chunk in step_chunks(self.trace, found, chunk_rows):
                 self.nonfinite.search(self.trace.query(columns=COLUMNS, steps=chunk))
 
-    def read_chunks(self, steps: tuple[int, int] | list[int] | None, chunk_rows: int) -> None:
-        """Every record of ``steps``, through hooktrace's reader, ``chunk_rows`` at a time."""
+    def read_chunks(
+        self, steps: tuple[int, int] | list[int] | None, chunk_rows: int, *, logical: bool = False
+    ) -> None:
+        """Every record of ``steps``, through hooktrace's reader, ``chunk_rows`` at a time.
+        ``logical``: the series, tallies and tanh/sigmoid outputs of the logical records
+        (:mod:`hooktrace.trace.logical`, each under the lowest rank behind it); the
+        non-finite origins of each rank's own records, as they came (which rank, and its
+        capture)."""
         rare = {"micro_step"} | (set() if self.ranges else {"numel", "mean", "std"})
         columns = [c for c in COLUMNS if c not in rare]
         self._con, self._owned = sql.open_connection(), True  # the records view is not needed
         self.norms = store = SeriesStore(self._con)
+        layout = self.trace.layout
         for chunk in step_chunks(self.trace, steps, chunk_rows):
-            frame = self.trace.query(columns=columns, steps=chunk)
+            if logical:
+                table = self.trace.query_table(columns=[*_LOGICAL_COLUMNS], steps=chunk)
+                frame = records_frame(logical_table(table, layout).select(columns))
+                frame = frame.sort_values(["rank", "step", "seq"], kind="stable")
+                self.nonfinite.add(records_frame(table.select(COLUMNS)))  # steps, origins
+            else:
+                frame = self.trace.query(columns=columns, steps=chunk)
             if frame.empty:
                 continue
             chunk_name = f"{self._relations}_records"
             self._con.register(chunk_name, frame)
             try:
-                found, queries = self._reduce(chunk_name, "true", [])
+                found, queries = self._reduce(chunk_name, "true", [], steps_told=logical)
                 for series, (norms, exact, *_) in queries.items():
                     store.insert(series, norms)
-                    table = store.table(series)
+                    table_name = store.table(series)
                     self._con.execute(
-                        f"UPDATE {table} AS s SET value = k.value FROM ({exact}) k WHERE "
+                        f"UPDATE {table_name} AS s SET value = k.value FROM ({exact}) k WHERE "
                         "s.value IS NULL AND s.rank = k.rank AND s.module = k.module AND s.step = k.step"
                     )
             finally:
                 self._con.unregister(chunk_name)
-            if found:  # the origins need every column: the same rows, in order
+            if found and not logical:  # the origins need every column: the same rows, in order
                 more = self.trace.query(columns=["rank", "step", "seq", *rare], steps=chunk)
                 self.nonfinite.search(frame.assign(**{c: more[c].to_numpy() for c in rare}))
 
@@ -223,12 +241,15 @@ class Scan:
         where: str,
         parameters: list[Any],
         recorded: dict[str, np.ndarray] | None = None,
+        *,
+        steps_told: bool = False,
     ) -> tuple[list[int], dict[str, _Series]]:
         """Add the tallies of the records of the relation ``records`` (of whole steps,
         ``where``; ``recorded``: its steps, where :meth:`_recorded` knows them); the steps
         with a NaN or an Inf, in order, and the queries of the series (``grads``,
         ``outputs``): the norms (:data:`_NORMS`) and the exact ones that they leave NULL
-        (:data:`_EXACT`)."""
+        (:data:`_EXACT`). ``steps_told``: the non-finite search was told the steps read
+        already (of other records than these)."""
 
         def run(query: str, *, extra: list[Any] | None = None) -> Any:
             return self._con.execute(query, [*parameters, *(extra or [])])
@@ -241,7 +262,8 @@ class Scan:
         if not len(recorded["step"]):
             return [], {}
         self._steps.update(np.unique(recorded["step"]).tolist())
-        self.nonfinite.add_steps(recorded["rank"].astype(np.int64), recorded["step"])
+        if not steps_told:  # (the logical records' ranks are not those of the origins)
+            self.nonfinite.add_steps(recorded["rank"].astype(np.int64), recorded["step"])
         ids = self._module_ids(run(_FIRST_SHOWN.format(records=records, where=where)))
         more = "norm, nan_count, inf_count" + (", numel, mean, std" if self.ranges else "")
         rows = _ROWS.format(records=records, where=where, more=more)

@@ -135,7 +135,12 @@ def _module_names(trace: Trace, pattern: str) -> list[str]:
 
 
 def findings(
-    trace: Trace, *, steps: StepsSpec, underflow_above: float, overflow_above: float
+    trace: Trace,
+    *,
+    steps: StepsSpec,
+    underflow_above: float,
+    overflow_above: float,
+    logical: bool = False,
 ) -> tuple[list[Finding], list[str]]:
     """``fp16_underflow`` findings for gradients and ``fp16_overflow`` findings for every kind,
     per rank, module and kind (its slots together), with notes on what could not be checked.
@@ -146,14 +151,17 @@ def findings(
     A step counts when more than ``underflow_above`` (``overflow_above``) of the module's
     nonzero values of that kind underflow (overflow) in float16 at that step. value: the
     fraction at the worst such step; reference: the bound; step, last_step: the first and
-    last step that counted; count: the steps that counted."""
+    last step that counted; count: the steps that counted. ``logical``: of the logical
+    tensors of a run of several ranks (:func:`precision`'s)."""
     check_bounds(underflow_above, overflow_above)
     if not trace.has_histograms:
         if trace.damaged(HISTOGRAMS_DIR):  # written, and damaged: not "record them"
             return [], [f"no low-precision check was made: {trace.no_histograms_because}"]
         return [], [NO_HISTOGRAMS]
     bounds = {"underflow": underflow_above, "overflow": overflow_above}
-    table, per_slot = _query(trace, [MODULE_KEYS, SLOT_KEYS], steps, None, None, bounds)
+    table, per_slot = _query(
+        trace, [MODULE_KEYS, SLOT_KEYS], steps, None, None, bounds, logical=logical
+    )
     if table.empty:
         return [], ["no histograms in the steps read: no low-precision check was made"]
     found: list[Finding] = []

@@ -95,20 +95,25 @@ def test_two_ranks_and_the_steps_with_a_nan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Only the steps that hold a NaN are read in full (rank 1's, from step 9); modules are
-    numbered as they first show, over both ranks."""
+    numbered as they first show, over both ranks. Checked as logical tensors, the non-finite
+    origins are the same: each rank's."""
     run = tmp_path / "run"
     generate_trace(run, steps=14, modules=6, world_size=2)
     generate_trace(
         run, steps=14, modules=6, rank=1, world_size=2, nan_from_step=9,
         nan_module=module_names(6)[2], writer_options={"max_buffer_bytes": 1},
     )  # fmt: skip
-    whole = hooktrace.anomalies(run)
+    whole = hooktrace.anomalies(run, per_rank=True)
     assert set(whole.findings["rank"]) == {1} and whole.findings["step"].min() >= 9
     assert whole.steps == 14 and whole.modules == 6  # a step of both ranks is one step
-    later = hooktrace.anomalies(run, steps="10-13")
+    # as logical tensors (the default): the origins are still each rank's own
+    logical = hooktrace.anomalies(run)
+    assert logical.logical and logical.steps == 14
+    same(logical, whole)
+    later = hooktrace.anomalies(run, steps="10-13", per_rank=True)
     through_the_reader(monkeypatch)
-    same(hooktrace.anomalies(run, chunk_rows=50), whole)
-    same(hooktrace.anomalies(run, steps="10-13", chunk_rows=50), later)
+    same(hooktrace.anomalies(run, chunk_rows=50, per_rank=True), whole)
+    same(hooktrace.anomalies(run, steps="10-13", chunk_rows=50, per_rank=True), later)
 
 
 class Three(nn.Module):

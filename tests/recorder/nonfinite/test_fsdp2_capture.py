@@ -75,3 +75,15 @@ def test_a_capture_under_fsdp2_leaves_the_reshard_and_the_training_as_they_were(
     captures = trace.nonfinite_captures()
     assert sorted(captures["rank"]) == [0, 1]
     assert set(captures["module"]) == {"0.2"} and set(captures["step"]) == {2}
+    # anomalies checks the logical tensors: the overflow planted in 0.2 at step 2 is one
+    # finding, its capture named; rank by rank, each rank's
+    found = hooktrace.anomalies(run)
+    assert found.logical and found.steps == 3
+    origins = found.findings[found.findings["kind"].str.startswith("nonfinite")]
+    assert len(origins) == 1, origins
+    origin = origins.iloc[0]
+    assert (origin["module"], origin["step"]) == ("0.2", 2) and origin["capture"]
+    apart = hooktrace.anomalies(run, per_rank=True)
+    origins = apart.findings[apart.findings["kind"].str.startswith("nonfinite")]
+    assert not apart.logical and sorted(origins["rank"]) == [0, 1]
+    assert set(origins["module"]) == {"0.2"}
