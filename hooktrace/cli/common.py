@@ -108,6 +108,17 @@ def run_argument(name: str = "run") -> Callable[[F], F]:
 FORMATS = ("table", "csv", "json", "parquet")
 
 
+def listed(text: str | None, kind: Callable[[str], Any], option: str) -> list[Any] | None:
+    """The comma-separated values of ``option`` (None where it was not given), each made by
+    ``kind``; a value ``kind`` refuses is a one-line error."""
+    if text is None:
+        return None
+    try:
+        return [kind(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise CommandError(f"bad {option} {text!r}: give a comma-separated list") from None
+
+
 def per_rank_option(what: str) -> Callable[[F], F]:
     """``--per-rank``: ``what`` each rank's records, not the logical tensors a command of a
     run of several ranks answers about by default."""

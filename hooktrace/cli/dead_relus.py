@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import click
 
 from hooktrace.cli.anomalies import fail_option, steps_option
-from hooktrace.cli.common import emit_frame, library_errors, output_options, run_argument
+from hooktrace.cli.common import emit_frame, library_errors, listed, output_options, run_argument
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -54,6 +54,11 @@ if TYPE_CHECKING:
     is_flag=True,
     help="List the dead units (the units table, in csv/json).",
 )
+@click.option(
+    "--ranks",
+    metavar="RANKS",
+    help="Only these ranks' outputs, comma-separated (one rank: its own units).",
+)
 @fail_option("a layer is flagged")
 @output_options
 @library_errors
@@ -65,6 +70,7 @@ def dead_relus(
     min_steps: int,
     phase: str,
     list_units: bool,
+    ranks: str | None,
     fail: bool,
     fmt: str,
     output: Path | None,
@@ -73,7 +79,10 @@ def dead_relus(
 
     A unit (a channel of (N, C, ...) outputs, a feature otherwise) is dead when it was positive
     in less than --threshold of its values at every step from some step to the last. A layer
-    is flagged when its dead fraction passes --layer-threshold.
+    is flagged when its dead fraction passes --layer-threshold. In a run of several ranks a
+    unit's values are those of every rank: the data-parallel ranks' batches, and, where the
+    recording told the ranks' places (DDP, FSDP2), tensor-parallel peers' parts of a layer
+    side by side (--ranks: only those ranks').
 
     \b
     Example:
@@ -89,6 +98,7 @@ def dead_relus(
         min_steps=min_steps,
         steps=steps,
         phases=None if phase == "all" else [phase],
+        ranks=listed(ranks, int, "--ranks"),
     )
     frame = result.units if list_units else result.layers
     emit_frame(frame, fmt, output, table_text=render(run, result, list_units=list_units))

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import click
 
 from hooktrace.cli.anomalies import steps_option
-from hooktrace.cli.common import CommandError, library_errors, run_argument
+from hooktrace.cli.common import library_errors, listed, run_argument
 from hooktrace.cli.progress import ProgressBar
 
 # hooktrace.analyze.export.tensorboard.STATS, repeated so that `hooktrace --help` needs no pandas
@@ -90,9 +88,9 @@ def tensorboard_command(
             logdir,
             steps=steps,
             modules=modules,
-            kinds=_listed(kinds, str, "--kinds"),
-            ranks=_listed(ranks, int, "--ranks"),
-            stats=STATS if stats is None else _listed(stats, str, "--stats") or [],
+            kinds=listed(kinds, str, "--kinds"),
+            ranks=listed(ranks, int, "--ranks"),
+            stats=STATS if stats is None else listed(stats, str, "--stats") or [],
             calls=calls,
             histograms=histograms,
             overwrite=overwrite,
@@ -120,12 +118,3 @@ def _left_out(nonfinite: int) -> str:
     if not nonfinite:
         return ""
     return f" ({nonfinite:,} more of only NaN or Inf left out)"
-
-
-def _listed(text: str | None, kind: Callable[[str], Any], option: str) -> list[Any] | None:
-    if text is None:
-        return None
-    try:
-        return [kind(part.strip()) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise CommandError(f"bad {option} {text!r}: give a comma-separated list") from None

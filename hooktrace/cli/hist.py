@@ -11,10 +11,10 @@ import click
 
 from hooktrace.cli.anomalies import steps_option
 from hooktrace.cli.common import (
-    CommandError,
     FrameWriter,
     emit_frame,
     library_errors,
+    listed,
     output_options,
     per_rank_option,
     run_argument,
@@ -94,7 +94,7 @@ def hist(
         "modules": modules,
         "kinds": kinds,
         "steps": steps,
-        "ranks": _ints(ranks, "--ranks"),
+        "ranks": listed(ranks, int, "--ranks"),
         "per_rank": per_rank,
     }
     if fmt == "table":
@@ -103,15 +103,6 @@ def hist(
         return
     with FrameWriter(fmt, output) as writer:  # chunk by chunk: every step of a long run fits
         histograms(run, **options, max_steps=max_steps, sink=writer.write)
-
-
-def _ints(text: str | None, option: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return [int(part) for part in text.split(",")]
-    except ValueError:
-        raise CommandError(f"{option} takes numbers, comma-separated (got {text!r})") from None
 
 
 # --- the text view ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ to the same answers. Never imports torch.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -40,39 +40,8 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
         raise ValueError(f"the logical view needs the record columns {', '.join(missing)}")
     if table.num_rows == 0:
         return _with_added(table, [], [], [])
-    rank = _numbers(table, "rank").astype(np.int64)
-    # text columns as codes into their few distinct values: every test is made on those
-    coded = {c: _coded(table, c) for c in ("phase", "module", "kind", "slot", "shape", "dtype",
-                                           "logical_shape", "placements", "shard_offset")}  # fmt: skip
-    placements = coded["placements"]
-    partial = _where(placements, lambda v: "P(" in v)
-    sharded = _where(placements, lambda v: "S(" in v)
-    weight = _where(coded["kind"], lambda v: v in WEIGHT_KINDS)
-    has_logical = _where(coded["logical_shape"], lambda v: v != "")
-    base = np.where(has_logical, _strings(coded["logical_shape"]), _strings(coded["shape"]))
-    tensor = _ids([coded[c][0] if c in coded else _numbers(table, c) for c in KEY])
-    group = _ids([tensor, np.where(partial, rank, -1)])
-    ranks = np.bincount(tensor)[tensor]  # every rank's records of the tensor
-
-    # replicas once: the lowest rank's record of each part (weights: per shard offset;
-    # activations: per shard offset and identical shape, dtype and statistics, on every
-    # rank, or, where the layout is known, on tensor-parallel peers)
-    offset = coded["shard_offset"][0]
-    same = [
-        coded["shape"][0],
-        coded["dtype"][0],
-        *(_numbers(table, c) for c in (*_COUNTS, *_STATS)),
-    ]
-    printed = _fingerprint(same)
-    where = _ids([group, offset])
-    everywhere = (_distinct(where, printed) == 1)[where]
-    row_dp = _dp_ranks(rank, layout)
-    peers = np.where((row_dp < 0) | everywhere, printed, _fingerprint([printed, row_dp]))
-    alike = _ids([group, offset, np.where(weight, 0, peers)])
-    order = np.lexsort((rank, alike))
-    firsts = order[np.r_[True, alike[order][1:] != alike[order][:-1]]]
-    kept = firsts[np.lexsort((rank[firsts], group[firsts]))]  # by group, lowest rank first
-    g = _ids([group[kept]])  # dense, in that order
+    grouped = _grouped(table, layout)
+    coded, partial, sharded, weight, has_logical, base, ranks, offset, row_dp, kept, g = grouped
     parts = np.bincount(g)
     at = np.r_[0, np.cumsum(parts)[:-1]].astype(np.int64)  # each group's lowest rank's row
     lead = kept[at]
@@ -122,6 +91,81 @@ def logical_table(table: pa.Table, layout: Layout | None = None) -> pa.Table:
                      np.maximum.reduceat(sharded[kept], at))  # fmt: skip
     out = _with_added(out, ranks[lead], dp, merged)
     return out.sort_by([("step", "ascending"), ("seq", "ascending"), ("rank", "ascending")])
+
+
+class Parts(NamedTuple):
+    """The rows of a table of records that its logical records pool (:func:`parts`)."""
+
+    rows: np.ndarray
+    """Their row numbers: a replica's copies left out but the lowest rank's; by logical
+    record, each record's lowest rank first."""
+    record: np.ndarray
+    """The logical record each is part of: 0, 1, ... in that order."""
+    dp_rank: np.ndarray
+    """The data-parallel rank of each, -1 where the layout does not say."""
+
+
+def parts(table: pa.Table, layout: Layout | None = None) -> Parts:
+    """Which records of ``table`` (as :func:`logical_table` takes it) its logical records
+    pool, and into which: what a logical record adds up from its parts that the records do
+    not hold (per-unit activity, histograms) is summed over these."""
+    grouped = _grouped(table, layout)
+    return Parts(grouped.kept, grouped.g, grouped.row_dp[grouped.kept])
+
+
+class _Grouped(NamedTuple):
+    coded: dict[str, tuple[np.ndarray, np.ndarray]]
+    partial: np.ndarray
+    sharded: np.ndarray
+    weight: np.ndarray
+    has_logical: np.ndarray
+    base: np.ndarray
+    ranks: np.ndarray
+    offset: np.ndarray
+    row_dp: np.ndarray
+    kept: np.ndarray
+    g: np.ndarray
+
+
+def _grouped(table: pa.Table, layout: Layout | None) -> _Grouped:
+    """The records of ``table`` numbered by logical record, a replica's copies left out
+    (rules 1 and 4 of :mod:`hooktrace.trace.logical`), with what the pooling reads of them."""
+    rank = _numbers(table, "rank").astype(np.int64)
+    # text columns as codes into their few distinct values: every test is made on those
+    coded = {c: _coded(table, c) for c in ("phase", "module", "kind", "slot", "shape", "dtype",
+                                           "logical_shape", "placements", "shard_offset")}  # fmt: skip
+    placements = coded["placements"]
+    partial = _where(placements, lambda v: "P(" in v)
+    sharded = _where(placements, lambda v: "S(" in v)
+    weight = _where(coded["kind"], lambda v: v in WEIGHT_KINDS)
+    has_logical = _where(coded["logical_shape"], lambda v: v != "")
+    base = np.where(has_logical, _strings(coded["logical_shape"]), _strings(coded["shape"]))
+    tensor = _ids([coded[c][0] if c in coded else _numbers(table, c) for c in KEY])
+    group = _ids([tensor, np.where(partial, rank, -1)])
+    ranks = np.bincount(tensor)[tensor]  # every rank's records of the tensor
+
+    # replicas once: the lowest rank's record of each part (weights: per shard offset;
+    # activations: per shard offset and identical shape, dtype and statistics, on every
+    # rank, or, where the layout is known, on tensor-parallel peers)
+    offset = coded["shard_offset"][0]
+    same = [
+        coded["shape"][0],
+        coded["dtype"][0],
+        *(_numbers(table, c) for c in (*_COUNTS, *_STATS)),
+    ]
+    printed = _fingerprint(same)
+    where = _ids([group, offset])
+    everywhere = (_distinct(where, printed) == 1)[where]
+    row_dp = _dp_ranks(rank, layout)
+    peers = np.where((row_dp < 0) | everywhere, printed, _fingerprint([printed, row_dp]))
+    alike = _ids([group, offset, np.where(weight, 0, peers)])
+    order = np.lexsort((rank, alike))
+    firsts = order[np.r_[True, alike[order][1:] != alike[order][:-1]]]
+    kept = firsts[np.lexsort((rank[firsts], group[firsts]))]  # by group, lowest rank first
+    g = _ids([group[kept]])  # dense, in that order
+    return _Grouped(
+        coded, partial, sharded, weight, has_logical, base, ranks, offset, row_dp, kept, g
+    )
 
 
 def _pooled(table: pa.Table, kept: np.ndarray, g: np.ndarray, at: np.ndarray) -> dict[str, Any]:

@@ -51,7 +51,28 @@ def logical_of(table: pa.Table, layout: dict[int, int] | None = None) -> pa.Tabl
 
 
 def view(*records: dict[str, Any], layout: dict[int, int] | None = None) -> list[dict[str, Any]]:
-    return logical_of(pa.Table.from_pylist(list(records)), layout).to_pylist()
+    table = pa.Table.from_pylist(list(records))
+    assert _parts_of(table, layout, "numpy") == _parts_of(table, layout, "sql")
+    return logical_of(table, layout).to_pylist()
+
+
+def _parts_of(table: pa.Table, layout: dict[int, int] | None, engine: str) -> list[tuple]:
+    """(rank, step, seq, the logical record's rank) of each record that the logical records
+    pool (hooktrace.trace.logical.parts, logical_arrays.parts), sorted: one answer."""
+    if engine == "sql":
+        import duckdb
+
+        con = duckdb.connect()
+        con.register("records_", table)
+        found = con.sql(logical.parts("records_", layout)).fetchall()
+        return sorted((r, step, seq, lowest) for r, step, seq, lowest, _ in found)
+    rows, record_of, _ = logical_arrays.parts(table, layout)
+    rank, step, seq = (table.column(c).to_numpy()[rows] for c in ("rank", "step", "seq"))
+    lowest = {int(g): int(r) for g, r in zip(record_of[::-1], rank[::-1], strict=True)}
+    return sorted(
+        (int(r), int(st), int(sq), lowest[int(g)])
+        for r, st, sq, g in zip(rank, step, seq, record_of, strict=True)
+    )
 
 
 def assert_stats_of(row: dict[str, Any], whole: np.ndarray, *, per: float = 1.0) -> None:

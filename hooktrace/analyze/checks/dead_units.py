@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from hooktrace.analyze.checks.unit_state import LayerKey, UnitState
 from hooktrace.analyze.findings import (
@@ -42,6 +43,8 @@ from hooktrace.analyze.findings import (
     step_filter,
 )
 from hooktrace.errors import ConfigError, TraceError
+from hooktrace.trace.logical import NEEDED
+from hooktrace.trace.logical_arrays import parts
 from hooktrace.trace.reader import Trace, load
 
 RELU_FAMILY = ("ReLU", "ReLU6", "LeakyReLU", "PReLU", "RReLU", "Threshold")
@@ -131,6 +134,7 @@ def dead_relus(
     steps: StepsSpec = None,
     phases: Iterable[str] | None = ("train",),
     chunk_rows: int = 250_000,
+    ranks: Iterable[int] | None = None,
 ) -> DeadUnits:
     """Dead units of every ReLU-family module of ``run`` (see the module docstring).
 
@@ -140,6 +144,11 @@ def dead_relus(
     ``steps``: which steps to read (``"0-100"``, ``(first, last)`` or step numbers).
     ``phases``: train only by default (eval batches differ); None reads every phase.
     ``chunk_rows``: steps are read in chunks of about this many records (of all kinds).
+    In a run of several ranks, a unit's counts are summed over the data-parallel ranks'
+    parts of the batch; where the recording told each rank's data-parallel place (DDP,
+    FSDP2), tensor-parallel peers' parts of an output are its units side by side, in rank
+    order, and a replica counts once (:func:`activity_rows`). ``ranks``: only these ranks'
+    records (one rank: its own units).
     """
     if not 0 < threshold <= 1:
         raise ConfigError(f"threshold must be a fraction in (0, 1] (got {threshold})")
@@ -157,15 +166,11 @@ def dead_relus(
     arrays: dict[str, np.ndarray] = {}  # the activity of the segments the last chunk read
     with_nan = 0
     for chunk in step_chunks(trace, step_filter(steps), chunk_rows):
-        rows = trace.query(
-            columns=["step", "module", "call", "units", "unit_size", "activity_offset", "segment",
-                     "nan_count"],
-            modules=sorted(types),
-            kinds=["output"],
-            phases=list(phases) if phases is not None else None,
-            steps=chunk,
+        rows = activity_rows(
+            trace, modules=sorted(types), phases=phases, steps=chunk,
+            ranks=None if ranks is None else [int(r) for r in ranks],
         )  # fmt: skip
-        nan = rows["nan_count"].fillna(0).to_numpy() > 0
+        nan = rows["nan"].to_numpy()
         with_nan += int((nan & (rows["units"] > 0).to_numpy()).sum())
         rows = rows[(rows["units"] > 0).to_numpy() & ~nan]
         if not rows.empty:
@@ -185,6 +190,66 @@ def dead_relus(
     return result
 
 
+ACTIVITY_COLUMNS = ("step", "module", "call", "units", "unit_size", "activity_offset", "segment")
+
+
+def activity_rows(
+    trace: Trace,
+    *,
+    modules: list[str],
+    phases: Iterable[str] | None,
+    steps: list[int] | tuple[int, int] | None,
+    ranks: list[int] | None = None,
+) -> pd.DataFrame:
+    """The output records of ``modules`` at ``steps`` whose per-unit activity is summed into
+    a layer's: :data:`ACTIVITY_COLUMNS`, ``nan`` (the record, or its logical tensor, holds a
+    NaN: left out), ``inf``, ``base`` (where its units begin among the layer's) and
+    ``own_units`` (its own, from there); ``units`` is the layer's width.
+
+    The records as they are, their units from 0 (``base`` 0), where ``ranks`` chooses some,
+    in a run of one rank, and where the recording did not tell the ranks' data-parallel
+    places (DDP, FSDP2: a unit's counts are then summed over every rank). Else the parts of
+    the logical records (:func:`hooktrace.trace.logical_arrays.parts`): a replica once; the
+    data-parallel ranks' parts of the batch summed; tensor-parallel peers' parts (the local
+    shards tensor parallelism hands between its layers) side by side, in rank order, their
+    values counted once (``unit_size`` 0 but the first's)."""
+    layout = None if ranks is not None or len(trace.ranks) < 2 else trace.layout
+    chosen = list(phases) if phases is not None else None
+    if layout is None:
+        rows = trace.query(
+            columns=[*ACTIVITY_COLUMNS, "nan_count", "inf_count"], modules=modules,
+            kinds=["output"], phases=chosen, steps=steps, ranks=ranks,
+        )  # fmt: skip
+        return rows.assign(
+            nan=rows["nan_count"].fillna(0).to_numpy() > 0,
+            inf=rows["inf_count"].fillna(0).to_numpy() > 0,
+            base=0,
+            own_units=rows["units"].to_numpy(),
+        ).drop(columns=["nan_count", "inf_count"])
+    table = trace.query_table(
+        columns=list(dict.fromkeys([*ACTIVITY_COLUMNS, *NEEDED])), modules=modules,
+        kinds=["output"], phases=chosen, steps=steps,
+    )  # fmt: skip
+    at, record, dp_rank = parts(table, layout)
+    rows = table.take(pa.array(at)).select(list(ACTIVITY_COLUMNS)).to_pandas()
+    nan, inf = (np.nan_to_num(table.column(c).to_numpy(zero_copy_only=False)[at]) > 0
+                for c in ("nan_count", "inf_count"))  # fmt: skip
+    peers = pd.DataFrame({"record": record, "dp": dp_rank, "units": rows["units"].to_numpy()})
+    by_peers = peers.groupby(["record", "dp"], sort=False)["units"]
+    base = (by_peers.cumsum() - peers["units"]).to_numpy()  # rows come in rank order
+    width = by_peers.transform("sum").groupby(peers["record"]).transform("max").to_numpy()
+    first = by_peers.cumcount().to_numpy() == 0
+    any_of = peers.assign(nan=nan, inf=inf).groupby("record")[["nan", "inf"]].transform("any")
+    return rows.assign(
+        units=width,
+        unit_size=np.where(first, rows["unit_size"].to_numpy(), 0),
+        nan=any_of["nan"].to_numpy(),
+        inf=any_of["inf"].to_numpy(),
+        base=base,
+        own_units=peers["units"].to_numpy(),
+    )
+
+
 def _scan(
     trace: Trace,
     rows: pd.DataFrame,
@@ -199,6 +264,7 @@ def _scan(
     module, module_names = codes(rows["module"])
     step, call, units = (rows[c].to_numpy().astype(np.int64) for c in ("step", "call", "units"))
     offsets = rows["activity_offset"].to_numpy().astype(np.int64)
+    bases, own = (rows[c].to_numpy().astype(np.int64) for c in ("base", "own_units"))
     values = rows["unit_size"].to_numpy().astype(np.int64)
     layer = (module * (call.max() + 1) + call) * (units.max() + 1) + units  # module, call, width
     firsts = pd.Series(step).groupby(segment, sort=False).min().sort_values(kind="stable")
@@ -213,8 +279,9 @@ def _scan(
         # by layer (numbered in the order they first appear), then step
         mine = mine[np.lexsort((step[mine], pd.factorize(layer[mine])[0]))]
         counts = _activity_block(
-            trace, str(segment_names[code]), offsets[mine], units[mine], arrays
-        )
+            trace, str(segment_names[code]), offsets[mine], own[mine], arrays, bases[mine],
+            int(units[mine].max()),
+        )  # fmt: skip
         # one row per layer and step: its calls and micro-steps summed
         lay, steps, sizes = layer[mine], step[mine], values[mine]
         first = np.flatnonzero(np.r_[True, (lay[1:] != lay[:-1]) | (steps[1:] != steps[:-1])])
@@ -255,9 +322,12 @@ def _activity_block(
     offsets: np.ndarray,
     units: np.ndarray,
     arrays: dict[str, np.ndarray],
+    bases: np.ndarray,
+    width: int,
 ) -> np.ndarray:
-    """The per-unit counts of the records at ``offsets`` of ``units`` each, a row each, as
-    wide as the widest (a row of fewer units has garbage past them, never read)."""
+    """The per-unit counts of the records at ``offsets`` of ``units`` each, a row each,
+    ``width`` wide (the widest layer's); a record's counts from column ``bases`` on (a part
+    of a layer's units), zero elsewhere, so that the rows of one layer's parts add up."""
     merged = arrays.get(segment)
     if merged is None:
         merged = arrays[segment] = trace.activity_array(segment)
@@ -266,7 +336,10 @@ def _activity_block(
             f"records point past the end of the activity of segment {segment}: run "
             "`hooktrace check`"
         )
-    return merged.take(offsets[:, None] + np.arange(int(units.max())), mode="clip")
+    columns = np.arange(max(width, int((bases + units).max())))
+    within = columns - bases[:, None]
+    inside = (within >= 0) & (within < units[:, None])
+    return np.where(inside, merged.take(offsets[:, None] + within, mode="clip"), 0)
 
 
 def _finalize(

@@ -337,3 +337,26 @@ def test_precision_measures_logical_tensors(runs: tuple[Path, list], layout: str
     assert not shown.output.splitlines()[3].startswith("rank")
     apart = CliRunner().invoke(cli, ["precision", str(where / layout), "--per-rank"])
     assert apart.exit_code == 0 and apart.output.splitlines()[2].startswith("rank")
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp", "tp", "fsdp_tp"])
+def test_dead_relus_places_the_units_of_every_rank(runs: tuple[Path, list], layout: str) -> None:
+    """The ReLU's 32 units: under tensor parallelism each peer holds 16 of them (a local
+    shard), side by side in rank order; the data-parallel ranks' counts of a unit add up.
+    With a bound that makes units "dead" (positive in under 60% of their values), every
+    layout finds the units the one process finds, with the same activity."""
+    where, _ = runs
+    options = {"threshold": 0.6, "min_steps": 1, "layer_threshold": 0.0}
+    one = hooktrace.dead_relus(where / "one", **options)
+    found = hooktrace.dead_relus(where / layout, **options)
+    assert len(one.units) > 3 and int(one.layers["units"].iloc[0]) == 32
+    columns = ["module", "unit", "since", "dead_steps"]
+    pd.testing.assert_frame_equal(found.units[columns], one.units[columns])
+    np.testing.assert_allclose(found.units["activity"], one.units["activity"], rtol=1e-12)
+    layer = ["units", "dead", "since", "steps"]
+    assert found.layers[layer].to_dict("records") == one.layers[layer].to_dict("records")
+    if "tp" in layout:  # one rank's own: its 16
+        mine = hooktrace.dead_relus(where / layout, ranks=[1], **options)
+        assert int(mine.layers["units"].iloc[0]) == 16
+        shown = CliRunner().invoke(cli, ["dead-relus", str(where / layout), "--ranks", "1"])
+        assert shown.exit_code == 0 and "\nact             ReLU          16" in shown.output
