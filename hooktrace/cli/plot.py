@@ -41,7 +41,11 @@ WHAT = ("grad-norms", "activations", "dead-units", "histograms", "diff")
     metavar="KINDS",
     help="--what histograms: only these kinds, comma-separated: param,grad_param,...",
 )
-@click.option("--rank", type=int, default=0, show_default=True, help="The rank to draw.")
+@click.option(
+    "--rank",
+    type=int,
+    help="Draw this rank's records. [default: every rank's, as logical tensors]",
+)
 @click.option(
     "--max-modules",
     type=click.IntRange(min=1),
@@ -59,7 +63,7 @@ def plot(
     steps: str | None,
     modules: str | None,
     kinds: str | None,
-    rank: int,
+    rank: int | None,
     max_modules: int,
     quiet: bool,
 ) -> None:
@@ -75,7 +79,8 @@ def plot(
     --against RUN_B      largest relative difference per module and step, the
                          first divergence circled (the same as --what diff)
 
-    Red cells hold a NaN or an Inf; white cells were not recorded. Needs matplotlib
+    A run of several ranks is drawn as its logical tensors (--rank R: rank R's). Red
+    cells hold a NaN or an Inf; white cells were not recorded. Needs matplotlib
     (pip install 'hooktrace[plot]').
 
     \b

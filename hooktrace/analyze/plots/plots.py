@@ -95,7 +95,7 @@ def plot(
     steps: StepsSpec = None,
     modules: str | None = None,
     kinds: Sequence[str] | str | None = None,
-    rank: int = 0,
+    rank: int | None = None,
     max_modules: int = 40,
     output: str | os.PathLike[str] | None = None,
     progress: Progress | None = None,
@@ -106,7 +106,8 @@ def plot(
     ...) chooses the records of the histograms picture, which draws at most
     :data:`HISTOGRAM_PANELS` of them. With ``output``, the picture is also written there, in
     the format its suffix names (``.png``, ``.svg``, ``.pdf``). ``progress(done, total,
-    what)`` is called before reading, drawing and writing.
+    what)`` is called before reading, drawing and writing. ``rank`` draws that rank's
+    records; None, every rank's: a run of several ranks as its logical tensors.
 
     Raises :class:`PlotUnavailable` without matplotlib, ``ConfigError`` on bad options,
     ``TraceError`` for the histograms picture of a trace that holds none.
@@ -145,7 +146,8 @@ def plot(
     else:
         assert against is not None
         other = trace_of(against)
-        data = (other, *diff_table(trace, other, steps=steps, modules=modules, ranks=[rank]))
+        ranks = {} if rank is None else {"ranks": [rank], "per_rank": True}
+        data = (other, *diff_table(trace, other, steps=steps, modules=modules, **ranks))
         draw = diff_figure
     report(1, 3, "drawing")
     figure = draw(trace, *data, max_modules=max_modules)
@@ -184,21 +186,23 @@ def chosen_histograms(
     steps: StepsSpec = None,
     modules: str | None = None,
     kinds: Sequence[str] | str | None = None,
-    rank: int = 0,
+    rank: int | None = None,
     max_records: int = HISTOGRAM_PANELS,
 ) -> tuple[pd.DataFrame, int]:
     """:func:`hooktrace.hist` of the first ``max_records`` records that match, in the model's
-    order (at most :data:`HISTOGRAM_STEPS` steps), and how many matched."""
-    records = histogrammed(trace, modules=modules, kinds=kinds, steps=steps, ranks=[rank])
+    order (at most :data:`HISTOGRAM_STEPS` steps), and how many matched; ``rank``'s, or with
+    None, the logical tensors' of a run of several ranks."""
+    ranks = None if rank is None else [rank]
+    records = histogrammed(trace, modules=modules, kinds=kinds, steps=steps, ranks=ranks)
     chosen = records.head(max_records)
     if chosen.empty:  # hist says what the trace holds
-        return hist(trace, modules=modules, kinds=kinds, steps=steps, ranks=[rank]), 0
+        return hist(trace, modules=modules, kinds=kinds, steps=steps, ranks=ranks), 0
     frame = hist(
         trace,
         modules=sorted(set(chosen["module"])),
         kinds=sorted(set(chosen["kind"])),
         steps=steps,
-        ranks=[rank],
+        ranks=ranks,
         max_steps=HISTOGRAM_STEPS,
     )
     wanted = set(zip(chosen["module"], chosen["kind"], chosen["slot"], strict=True))

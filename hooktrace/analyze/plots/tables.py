@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from hooktrace.analyze.checks.dead_units import RELU_FAMILY
+from hooktrace.analyze.checks.dead_units import RELU_FAMILY, activity_rows
 from hooktrace.analyze.findings import StepsSpec, modules_of_type, step_filter
 from hooktrace.errors import ConfigError
 from hooktrace.trace.reader import Trace, load
@@ -23,16 +23,30 @@ from hooktrace.trace.reader import Trace, load
 Run = str | os.PathLike[str] | Trace
 
 
+def records_of(trace: Trace, rank: int | None, **query: Any) -> pd.DataFrame:
+    """:meth:`Trace.query`'s records of ``rank``; with None, of every rank: the logical
+    records (:mod:`hooktrace.trace.logical`) where the run has several, partial sums (a
+    tensor not yet reduced, no logical tensor) left out."""
+    if rank is not None:
+        return trace.query(ranks=[rank], **query)
+    if len(trace.ranks) < 2:
+        return trace.query(**query)
+    found = trace.query(logical=True, **query)
+    return found[found["merged"] != "partial"].reset_index(drop=True)
+
+
 def grad_norm_table(
-    run: Run, *, steps: StepsSpec = None, modules: str | None = None, rank: int = 0
+    run: Run, *, steps: StepsSpec = None, modules: str | None = None, rank: int | None = None
 ) -> pd.DataFrame:
     """Per module (rows) and step (columns): the L2 norm of all of the module's parameter
-    gradients together; inf when one held a NaN or an Inf, NaN where none was recorded."""
+    gradients together; inf when one held a NaN or an Inf, NaN where none was recorded.
+    ``rank``: that rank's; None: every rank's, as logical tensors (:func:`records_of`)."""
     trace = trace_of(run)
-    rows = trace.query(
+    rows = records_of(
+        trace,
+        rank,
         columns=["step", "module", "dtype", "norm"],
         kinds=["grad_param"],
-        ranks=[rank],
         steps=step_filter(steps),
     )
     rows = _matching(rows[rows["dtype"].astype(str) != "None"], modules)
@@ -42,17 +56,19 @@ def grad_norm_table(
 
 
 def activation_tables(
-    run: Run, *, steps: StepsSpec = None, modules: str | None = None, rank: int = 0
+    run: Run, *, steps: StepsSpec = None, modules: str | None = None, rank: int | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Per module and step, over the module's train-phase outputs: the root mean square of
     the values (from mean and std, weighted by numel; inf when they held a NaN or an Inf),
-    and the fraction of exact zeros (inf there too). NaN where nothing was recorded."""
+    and the fraction of exact zeros (inf there too). NaN where nothing was recorded.
+    ``rank`` as :func:`grad_norm_table` takes it."""
     trace = trace_of(run)
-    rows = trace.query(
+    rows = records_of(
+        trace,
+        rank,
         columns=["step", "module", "numel", "mean", "std", "zero_fraction"],
         kinds=["output"],
         phases=["train"],
-        ranks=[rank],
         steps=step_filter(steps),
     )
     rows = _matching(rows[rows["numel"] > 0], modules)
@@ -78,60 +94,49 @@ def silent_unit_table(
     threshold: float = 1e-3,
     steps: StepsSpec = None,
     modules: str | None = None,
-    rank: int = 0,
+    rank: int | None = None,
 ) -> pd.DataFrame:
     """Per ReLU-family layer (rows; ``module [call n]`` for a module called more than once
     per micro-step) and step: the share of its units positive in under ``threshold`` of their
     values at that step (train phase, calls and micro-steps of the step summed); inf where
-    its outputs held a NaN or an Inf (drawn red: a NaN is no sign of silence)."""
+    its outputs held a NaN or an Inf (drawn red: a NaN is no sign of silence). ``rank``: that
+    rank's units; None: every rank's, placed as :func:`hooktrace.dead_relus` places them."""
     trace = trace_of(run)
     types = modules_of_type(trace.modules, RELU_FAMILY)
     if not types:  # (an empty module filter would match nothing anyway)
         return pd.DataFrame()
-    rows = trace.query(
-        columns=[
-            "step",
-            "module",
-            "call",
-            "units",
-            "unit_size",
-            "activity_offset",
-            "segment",
-            "nan_count",
-            "inf_count",
-        ],
-        kinds=["output"],
-        phases=["train"],
-        ranks=[rank],
-        modules=sorted(types),
-        steps=step_filter(steps),
-    )
+    rows = activity_rows(
+        trace, modules=sorted(types), phases=["train"], steps=step_filter(steps),
+        ranks=None if rank is None else [rank],
+    )  # fmt: skip
     rows = _matching(rows[rows["units"] > 0], modules)
     if rows.empty:
         return pd.DataFrame()
     positive: dict[tuple[str, int, int], np.ndarray] = {}
     values: dict[tuple[str, int, int], int] = {}
     # a NaN is no value a unit can be silent on: such cells are non-finite (red), not silent
-    nonfinite = rows[(rows["nan_count"] > 0) | (rows["inf_count"] > 0)]
+    nonfinite = rows[rows["nan"] | rows["inf"]]
     broken = set(
         zip(nonfinite["module"].astype(str), nonfinite["call"], nonfinite["step"], strict=True)
     )
     for segment, part in rows.groupby(rows["segment"].astype(str), sort=False):
-        width = int(part["units"].max())
+        width = int(part["own_units"].max())
         slices = trace.read_activity(str(segment), part["activity_offset"].tolist(), width)
         columns = zip(
             part["module"].astype(str),
             part["call"].tolist(),
             part["step"].tolist(),
             part["units"].tolist(),
+            part["base"].tolist(),
+            part["own_units"].tolist(),
             part["unit_size"].tolist(),
             slices,
             strict=True,
         )
-        for module, call, step, units, unit_size, counts in columns:
+        for module, call, step, units, base, own, unit_size, counts in columns:
             key = (module, call, step)
-            mine = counts[:units]
-            positive[key] = positive[key] + mine if key in positive else mine.copy()
+            mine = positive.setdefault(key, np.zeros(units, dtype=np.int64))
+            mine[base : base + own] += counts[:own]
             values[key] = values.get(key, 0) + unit_size
     calls = rows.groupby(rows["module"].astype(str), observed=True)["call"].nunique()
     silent = pd.Series(

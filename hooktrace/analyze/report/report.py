@@ -128,6 +128,15 @@ def _run_section(
         if s.steps
         else "none",
         "modules": f"{s.modules} (roots: {', '.join(s.roots) or '-'})",
+        **(
+            {
+                "ranks": f"{', '.join(map(str, trace.ranks))}: their records read as logical "
+                "tensors (shards and the data-parallel ranks' batches pooled, a replica once), "
+                "replicas compared rank with rank"
+            }
+            if len(trace.ranks) > 1
+            else {}
+        ),
         "records": f"{s.records:,}: " + ", ".join(f"{k} {v:,}" for k, v in s.kinds.items()),
         "full tensors": f"{s.full_tensors:,}",
         "recorded with": f"hooktrace {s.versions['hooktrace']}, torch {s.versions['torch']}, "

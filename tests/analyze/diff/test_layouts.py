@@ -360,3 +360,29 @@ def test_dead_relus_places_the_units_of_every_rank(runs: tuple[Path, list], layo
         assert int(mine.layers["units"].iloc[0]) == 16
         shown = CliRunner().invoke(cli, ["dead-relus", str(where / layout), "--ranks", "1"])
         assert shown.exit_code == 0 and "\nact             ReLU          16" in shown.output
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp", "tp", "fsdp_tp"])
+def test_the_pictures_tables_draw_logical_tensors(runs: tuple[Path, list], layout: str) -> None:
+    """plot's tables of a run of several ranks: its logical tensors, the one process's
+    numbers (gradient norms and the outputs' RMS to float rounding, silent units exactly);
+    ``rank=R`` draws that rank's own."""
+    from hooktrace.analyze.plots import tables
+
+    where, _ = runs
+    one, other = where / "one", where / layout
+    steps = "0-2" if layout == "ddp" else None  # the DDP run's rank 1 went its own way at 3
+    for table in (tables.grad_norm_table, lambda run, **o: tables.activation_tables(run, **o)[0]):
+        expected = table(one, steps=steps)
+        got = table(other, steps=steps)
+        if "tp" in layout and "fc2" not in got.index:  # a partial sum until its reduction
+            expected = expected.drop(index="fc2")
+        assert list(got.index) == list(expected.index) and got.shape == expected.shape
+        np.testing.assert_allclose(got.to_numpy(), expected.to_numpy(), rtol=1e-5)
+    silent = {"threshold": 0.6, "steps": steps}
+    pd.testing.assert_frame_equal(
+        tables.silent_unit_table(other, **silent), tables.silent_unit_table(one, **silent)
+    )
+    if layout != "ddp":  # a shard's gradient norm is less than the whole's
+        mine = tables.grad_norm_table(other, rank=0).to_numpy()
+        assert (mine < tables.grad_norm_table(one).to_numpy()).all()

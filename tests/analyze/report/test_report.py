@@ -286,3 +286,17 @@ def test_a_trace_without_histograms_gets_a_note_not_a_failure(tmp_path: Path) ->
 
 def test_a_page_with_nothing_flagged_has_no_distributions(pair_page: Path) -> None:
     assert "Distributions of the flagged modules" not in Page(pair_page.read_text()).headings
+
+
+def test_a_page_of_runs_of_several_ranks_reads_logical_tensors() -> None:
+    """The DDP sample (rank 1's replica of fc2.bias nudged at step 3) against the one-process
+    one: the page says the ranks' records are read as logical tensors, names the replicas
+    that came apart, and finds the first divergence at step 3 (records of rank 0 and 1 alike
+    up to there)."""
+    page = report(SAMPLES / "distributed" / "ddp", SAMPLES / "distributed" / "one")
+    text = html.unescape(re.sub(r"<[^>]+>", " ", page))
+    assert "0, 1: their records read as logical tensors" in text
+    assert "replicas_differ" in text
+    assert "compared logical tensors" in text
+    first = re.search(r"first divergence[^.]*?step (\d+)", text, re.IGNORECASE)
+    assert first and first.group(1) == "3", text[:3000]
