@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from hooktrace.cli.anomalies import steps_option
-from hooktrace.cli.common import library_errors, listed, run_argument
+from hooktrace.cli.common import library_errors, listed, per_rank_option, run_argument
 from hooktrace.cli.progress import ProgressBar
 
 # hooktrace.analyze.export.tensorboard.STATS, repeated so that `hooktrace --help` needs no pandas
@@ -30,7 +30,8 @@ def export() -> None:
 @steps_option
 @click.option("--modules", metavar="REGEX", help="Only modules whose name matches this regex.")
 @click.option("--kinds", help="Only these kinds, comma-separated: output,grad_output,param,...")
-@click.option("--ranks", help="Only these ranks, comma-separated.")
+@click.option("--ranks", help="Only these ranks, comma-separated (a run per rank).")
+@per_rank_option("Write the records")
 @click.option(
     "--stats",
     help=f"The statistics shown as scalars, comma-separated. [default: all: {','.join(STATS)}]",
@@ -59,6 +60,7 @@ def tensorboard_command(
     modules: str | None,
     kinds: str | None,
     ranks: str | None,
+    per_rank: bool,
     stats: str | None,
     calls: str,
     histograms: bool,
@@ -70,7 +72,8 @@ def tensorboard_command(
     Each statistic of each recorded tensor is a scalar tagged MODULE/KIND/SLOT/STAT over
     steps, each histogram a histogram MODULE/KIND/SLOT/histogram, and the run's command,
     versions, status and options are text. A run per rank (LOGDIR/rank=R), its eval phase
-    beside (LOGDIR/rank=R/eval). At each step: a module's first call (--calls all: each
+    beside (LOGDIR/rank=R/eval); a run of several ranks as one run of its logical tensors
+    (LOGDIR/logical; --per-rank or --ranks: a run per rank). At each step: a module's first call (--calls all: each
     call) in the step's last micro-step. LOGDIR must be new or empty (--overwrite replaces
     an earlier export); export several runs into directories side by side to compare them.
 
@@ -90,6 +93,7 @@ def tensorboard_command(
             modules=modules,
             kinds=listed(kinds, str, "--kinds"),
             ranks=listed(ranks, int, "--ranks"),
+            per_rank=per_rank,
             stats=STATS if stats is None else listed(stats, str, "--stats") or [],
             calls=calls,
             histograms=histograms,

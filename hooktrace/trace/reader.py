@@ -337,6 +337,7 @@ class Trace:
         modules: Iterable[str] | None = None,
         kinds: Iterable[str] | None = None,
         ranks: Iterable[int] | None = None,
+        logical: bool = False,
     ) -> pd.DataFrame:
         """The histograms matching every filter given (as :meth:`query` takes them), one row
         per histogrammed record in (rank, step, seq) order: ``rank``, ``step``, ``seq``,
@@ -345,11 +346,17 @@ class Trace:
         ``MAGNITUDE_BINS`` counts by binary exponent (docs/FORMAT.md, "histograms";
         :func:`hooktrace.trace.histograms.exponents` gives each bin's exponent).
 
+        ``logical``: one row per logical record of a run of several ranks (its rank and seq,
+        as :meth:`query` gives them), the sum of its parts' histograms (a replica once:
+        :func:`hooktrace.trace.sql.logical_spans`); ``ranks`` then filters nothing.
+
         Raises :class:`TraceError` when the trace holds no histograms at all."""
         if not self.has_histograms:
             raise TraceError(
                 f"{printable(self.path)} holds no histograms: {self.no_histograms_because}"
             )
+        if logical:
+            return self._logical_histograms(steps_given(steps), modules, kinds)
         steps = steps_given(steps)
         span = step_range(steps)
         expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks)
@@ -366,6 +373,58 @@ class Trace:
         if not in_order(frame, ["rank", "step", "seq"]):
             frame = frame.sort_values(["rank", "step", "seq"], kind="stable")
         return frame.reset_index(drop=True)
+
+    def _logical_histograms(
+        self,
+        steps: list[int] | tuple[int, int] | None,
+        modules: Iterable[str] | None,
+        kinds: Iterable[str] | None,
+    ) -> pd.DataFrame:
+        """:meth:`histograms` with ``logical``: the parts summed, whole rows."""
+        from hooktrace.trace.sql import logical_spans
+        from hooktrace.trace.tables import arrow_of
+
+        clauses: list[str] = []
+        values: list[Any] = []
+        if isinstance(steps, tuple):
+            clauses.append("step BETWEEN ? AND ?")
+            values += [int(steps[0]), int(steps[1])]
+        elif steps is not None:
+            clauses.append("list_contains(?::BIGINT[], step)")
+            values.append([int(s) for s in steps])
+        for column, chosen in (("module", modules), ("kind", kinds)):
+            if chosen is not None:
+                clauses.append(f"list_contains(?::VARCHAR[], {column})")
+                values.append([str(c) for c in chosen])
+        where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
+        source = logical_spans(where, self.layout)
+        query = (
+            "SELECT rank, step, seq, module::VARCHAR AS module, kind::VARCHAR AS kind, "
+            "slot::VARCHAR AS slot, numel, zero, nan, pos_inf, neg_inf, pos_start, pos, "
+            f"neg_start, neg FROM {source} AS parts_ ORDER BY rank, step, seq"
+        )
+        import duckdb
+
+        try:
+            table = arrow_of(self._duckdb().sql(query, params=values))
+        except duckdb.Error as exc:
+            raise TraceError(
+                f"the histograms of {printable(self.path)} could not be read as logical "
+                f"tensors: {one_line(exc)}; read them rank by rank (logical=False)"
+            ) from exc
+        key = ["rank", "step", "seq"]
+        frame = table.select([*key, "module", "kind", "slot"]).to_pandas()
+        first = np.r_[True, (frame[key].to_numpy()[1:] != frame[key].to_numpy()[:-1]).any(axis=1)]
+        at = np.flatnonzero(first)  # each logical record's first part: its parts follow it
+        out = frame.iloc[at].reset_index(drop=True)
+        for name in ("numel", "zero", "nan", "pos_inf", "neg_inf"):
+            column = table.column(name).to_numpy().astype(np.int64)
+            out[name] = np.add.reduceat(column, at) if len(at) else column[:0]
+        for sign in ("pos", "neg"):
+            rows = histograms.whole(table.column(f"{sign}_start").to_numpy(), table.column(sign))
+            summed = np.add.reduceat(rows, at, axis=0) if len(at) else rows
+            out[sign] = list(summed)
+        return out
 
     def damaged(self, kind_dir: str) -> list[str]:
         """The parts of ``kind_dir`` (``records``, ``histograms``, ...) left out as damaged,

@@ -8,6 +8,10 @@ What ``LOGDIR`` holds after an export, one TensorBoard run per directory:
   run's command, versions, status and recording options as text (tags ``hooktrace/...``);
 - ``rank=R/eval/``: the eval phase (forward passes under ``no_grad`` or in eval mode), the
   same tags, so that TensorBoard draws train and eval in one chart;
+- for a run of several ranks, unless ``per_rank`` or ``ranks``: ``logical/`` and
+  ``logical/eval/`` instead, the logical tensors of every rank's records
+  (:mod:`hooktrace.trace.logical`; partial sums, each rank's own, left out) with the tags a
+  one-process run gives them, and their histograms summed over the parts;
 - ``hooktrace-export.json``: which run was exported, when, and with which options.
 
 A series has one value a step: a module called several times in a micro-step (a shared
@@ -109,6 +113,7 @@ def export_tensorboard(
     overwrite: bool = False,
     chunk_rows: int = 100_000,
     progress: Progress | None = None,
+    per_rank: bool = False,
 ) -> TensorBoardExport:
     """Write ``run`` into ``logdir`` as TensorBoard event files (see the module docstring).
 
@@ -118,7 +123,9 @@ def export_tensorboard(
     ``histograms=False`` leaves the histograms out. ``logdir`` must be new or empty, or hold
     an earlier export and ``overwrite`` be true. ``chunk_rows`` bounds the records held at
     once (:data:`HISTOGRAM_CHUNK_ROWS` where histograms are read). ``progress(done, total,
-    what)`` is called before each chunk.
+    what)`` is called before each chunk. A run of several ranks is written as its logical
+    tensors, one run ``logical`` (and ``logical/eval``; partial sums left out), unless
+    ``ranks`` or ``per_rank=True``: a run per rank.
 
     Raises :class:`TensorBoardUnavailable` without the ``tensorboard`` package,
     ``ConfigError`` on bad options or ``logdir``, :class:`NothingToExport` when no record
@@ -142,10 +149,13 @@ def export_tensorboard(
             f"{', '.join(map(str, trace.ranks)) or 'none'}"
         )
 
+    logical = not per_rank and chosen_ranks is None and len(trace.ranks) > 1
+    partials = 0
+
     staging = export_dir.Staging(target)
     writer: EventWriter | None = None
     try:
-        writer = EventWriter(trace, staging.path, chosen_stats, calls=calls)
+        writer = EventWriter(trace, staging.path, chosen_stats, calls=calls, logical=logical)
         has_histograms = trace.has_histograms
         if histograms and has_histograms:
             chunk_rows = min(chunk_rows, HISTOGRAM_CHUNK_ROWS)
@@ -154,12 +164,19 @@ def export_tensorboard(
             if progress is not None:
                 progress(done, len(plan), _describe(chunk))
             frame = trace.query(
-                columns=_columns(chosen_stats), steps=chunk, kinds=chosen_kinds, ranks=chosen_ranks
-            )
-            frame = _fold(frame, names, calls)
+                columns=_columns(chosen_stats), steps=chunk, kinds=chosen_kinds,
+                ranks=chosen_ranks, logical=logical,
+            )  # fmt: skip
+            if logical:  # a partial sum is no logical tensor: each rank holds its own
+                partial = (frame["merged"] == "partial").to_numpy()
+                partials += int(partial.sum())
+                frame = frame[~partial]
+            frame = _fold(frame, names, calls, logical=logical)
             found = None
             if histograms and has_histograms and not frame.empty:
-                found = trace.histograms(steps=chunk, kinds=chosen_kinds, ranks=chosen_ranks)
+                found = trace.histograms(
+                    steps=chunk, kinds=chosen_kinds, ranks=chosen_ranks, logical=logical
+                )
             writer.add(frame, found)
         writer.close()
         if writer.scalars == 0 and writer.histograms == 0:
@@ -183,6 +200,11 @@ def export_tensorboard(
             writer.close()
         staging.discard()
         raise
+    if partials:
+        result.notes.append(
+            f"{partials} partial-sum record(s) (a tensor each rank holds a summand of, not yet "
+            "reduced) are no logical tensors: left out (per_rank=True writes them)"
+        )
     if histograms and not has_histograms:
         why = trace.no_histograms_because
         result.notes.append(
@@ -215,9 +237,12 @@ def _columns(stats: Sequence[str]) -> list[str]:
     return list(dict.fromkeys([*needed, *stats]))
 
 
-def _fold(frame: pd.DataFrame, names: Callable[[str], bool] | None, calls: str) -> pd.DataFrame:
+def _fold(
+    frame: pd.DataFrame, names: Callable[[str], bool] | None, calls: str, *, logical: bool = False
+) -> pd.DataFrame:
     """The records shown: those of the modules chosen that have statistics; per series and
-    step, the last micro-step's (and the first call's, unless ``calls == "all"``)."""
+    step, the last micro-step's (and the first call's, unless ``calls == "all"``); in rank,
+    phase and step order (``logical``: phase and step, the ranks of one run together)."""
     keep = (frame["numel"] > 0).to_numpy().copy()
     keep &= ~pd.Series(strings(frame["note"])).str.startswith(schema.NOTE_SKIPPED).to_numpy()
     if calls == "first":
@@ -231,6 +256,9 @@ def _fold(frame: pd.DataFrame, names: Callable[[str], bool] | None, calls: str) 
             keep &= np.array([names(str(m)) for m in module], dtype=bool)
     frame = frame[keep]
     order = [*_KEY, "micro_step", "seq"]
+    if logical:
+        order.remove("rank")
+        order.insert(2, "rank")
     frame = frame.sort_values(order, kind="stable").drop_duplicates(_KEY, keep="last")
     return frame.reset_index(drop=True)
 

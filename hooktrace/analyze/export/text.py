@@ -20,9 +20,12 @@ HISTOGRAMS = (
 description."""
 
 
-def texts(trace: Trace, rank: int, *, stats: Sequence[str], calls: str) -> list[tuple[str, str]]:
+def texts(
+    trace: Trace, rank: int, *, stats: Sequence[str], calls: str, logical: bool = False
+) -> list[tuple[str, str]]:
     """(tag, markdown): the run's command, what recorded it and how it ended (``rank``'s
-    status beside the run's), its recording options, and what this export shows."""
+    status beside the run's), its recording options, and what this export shows
+    (``logical``: the logical tensors of the ranks' records)."""
     manifest = trace.manifest
     status = manifest.get("ranks", {}).get(str(rank), {})
     command = manifest.get("command") or []
@@ -50,6 +53,9 @@ def texts(trace: Trace, rank: int, *, stats: Sequence[str], calls: str) -> list[
         ("calls", "each call its own series, `MODULE [call N]` after the first"
          if calls == "all" else "the first call of a module in a micro-step"),
         ("micro-steps", "the step's last"),
+        *([("ranks", f"{', '.join(map(str, trace.ranks))} as logical tensors: shards and "
+            "the data-parallel ranks' batches pooled, a replica once, partial sums left out; "
+            "histograms summed over the parts")] if logical else []),
         ("scalars", "float32, as TensorBoard keeps them"),
         ("histograms", HISTOGRAMS),
     ]  # fmt: skip

@@ -22,15 +22,20 @@ from hooktrace.analyze.export import text
 from hooktrace.analyze.findings import strings
 from hooktrace.trace.reader import Trace
 
+LOGICAL_RUN = "logical"
+"""The run that holds the logical records of a run of several ranks."""
 TEXT_STEP = 0  # the step the run's text (command, versions, options) is written at
 
 
 class EventWriter:
     """The event files of one export, a TensorBoard run per (rank, phase), made on first use."""
 
-    def __init__(self, trace: Trace, root: Path, stats: Sequence[str], *, calls: str) -> None:
+    def __init__(
+        self, trace: Trace, root: Path, stats: Sequence[str], *, calls: str, logical: bool = False
+    ) -> None:
         self.trace = trace
         self.root = root
+        self.logical = logical  # one run (per phase), "logical", for the records of every rank
         self.stats = list(stats)
         self.calls = calls
         self.runs: dict[tuple[int, str], tb.EventRun] = {}
@@ -89,17 +94,22 @@ class EventWriter:
         return self.start_time
 
     def _run(self, rank: int, phase: str) -> tb.EventRun:
+        if self.logical:
+            rank = min(self.trace.ranks)  # the logical records' run: their lowest rank's text
         events = self.runs.get((rank, phase))
         if events is not None:
             return events
+        name = LOGICAL_RUN if self.logical else f"rank={rank}"
         if (rank, "train") not in self.runs:  # the rank's run, with the text
-            train = self.runs[(rank, "train")] = tb.EventRun(self.root / f"rank={rank}")
-            made = text.texts(self.trace, rank, stats=self.stats, calls=self.calls)
+            train = self.runs[(rank, "train")] = tb.EventRun(self.root / name)
+            made = text.texts(
+                self.trace, rank, stats=self.stats, calls=self.calls, logical=self.logical
+            )
             texts = [tb.text_value(tag, markdown) for tag, markdown in made]
             train.write(TEXT_STEP, self.start_time, values=texts)
         if phase == "train":
             return self.runs[(rank, "train")]
-        events = self.runs[(rank, phase)] = tb.EventRun(self.root / f"rank={rank}" / phase)
+        events = self.runs[(rank, phase)] = tb.EventRun(self.root / name / phase)
         return events
 
     def close(self) -> None:

@@ -263,13 +263,15 @@ def test_a_trace_without_histograms_says_so_in_one_line(
 
 
 def test_a_run_per_rank(tmp_path: Path) -> None:
+    """per_rank=True (or ranks): a run per rank, each holding its records."""
     from scale_runs import generate_trace
 
     run = tmp_path / "ddp"
     for rank in (0, 1):
         generate_trace(run, steps=4, modules=4, rank=rank, world_size=2)
     trace = hooktrace.load(run)
-    result = export_tensorboard(trace, tmp_path / "tb", stats=["norm", "nan_count"])
+    stats = ["norm", "nan_count"]
+    result = export_tensorboard(trace, tmp_path / "tb", per_rank=True, stats=stats)
     assert result.runs == ["rank=0", "rank=1"]
     records = trace.records
     for rank in (0, 1):
@@ -642,3 +644,42 @@ def test_without_google_crc32c_tensorboards_own_checksum_writes_the_same_events(
     export_tensorboard(SAMPLES / "nan", tmp_path / "fast")
     slow, fast = scalars(tmp_path / "slow" / "rank=0"), scalars(tmp_path / "fast" / "rank=0")
     pd.testing.assert_frame_equal(slow, fast)  # read back: TensorBoard checks every CRC
+
+
+SAMPLES_DISTRIBUTED = ROOT / "sample_traces" / "distributed"
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp"])
+def test_a_run_of_several_ranks_is_one_run_of_logical_tensors(tmp_path: Path, layout: str) -> None:
+    """The same training in one process and on 2 ranks (examples/distributed.py's samples):
+    exported, the 2-rank run is one TensorBoard run, ``logical``, of the one process's tags,
+    scalars (to float32 rounding, up to the step the DDP run's rank 1 went its own way) and
+    histograms (bin for bin at step 0, the same parameters everywhere)."""
+    steps = "0-2" if layout == "ddp" else None  # rank 1's replica nudged at step 3
+    one = export_tensorboard(SAMPLES_DISTRIBUTED / "one", tmp_path / "one", steps=steps)
+    got = export_tensorboard(SAMPLES_DISTRIBUTED / layout, tmp_path / "tb", steps=steps)
+    assert got.runs == ["logical"] and one.runs == ["rank=0"]
+    assert (got.scalars, got.histograms, got.steps) == (one.scalars, one.histograms, one.steps)
+    written = scalars(tmp_path / "tb" / "logical").sort_values(["tag", "step"])
+    expected = scalars(tmp_path / "one" / "rank=0").sort_values(["tag", "step"])
+    assert written["tag"].tolist() == expected["tag"].tolist()
+    counts = written["tag"].str.endswith(("nan_count", "inf_count"))
+    np.testing.assert_array_equal(written["value"][counts], expected["value"][counts])
+    np.testing.assert_allclose(written["value"], expected["value"], rtol=2e-5, atol=1e-7)
+    runs = [events(tmp_path / name) for name in ("tb/logical", "one/rank=0")]
+    for tag in runs[1].Tags()["histograms"]:
+        if "/param/" in tag:
+            a, b = (run.Histograms(tag)[0].histogram_value for run in runs)
+            exact = ("min", "max", "num", "bucket_limit", "bucket")
+            assert [getattr(a, f) for f in exact] == [getattr(b, f) for f in exact], tag
+            assert (a.sum, a.sum_squares) == pytest.approx((b.sum, b.sum_squares), rel=1e-12)
+    texts = {t: tensor_util.make_ndarray(runs[0].Tensors(t)[0].tensor_proto).item().decode()
+             for t in runs[0].Tags()["tensors"]}  # fmt: skip
+    assert "| ranks | 0, 1 as logical tensors" in texts["hooktrace/export"]
+    apart = invoke("export", "tensorboard", SAMPLES_DISTRIBUTED / layout, tmp_path / "r", "-q",
+                   "--per-rank")  # fmt: skip
+    assert apart.exit_code == 0 and sorted(p.name for p in (tmp_path / "r").iterdir()) == [
+        "hooktrace-export.json",
+        "rank=0",
+        "rank=1",
+    ]
