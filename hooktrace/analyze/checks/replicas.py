@@ -9,9 +9,12 @@ shows.
 A parameter is taken for a replica where it is recorded whole (no shard columns) on every
 rank, under one name and shape, and its records agree on every rank at its first recorded
 step: a shard of a hand-written tensor parallelism differs there already, and is left out.
-Its records then differ where their minimum or maximum differs at all, or their norms by
-more than float rounding of a sum taken in another order (:data:`NORM_TOLERANCE`). All in
-one DuckDB query over the parameter records: the trace is not loaded.
+A DTensor parameter's records of one shard offset on several ranks are replicas by their
+placements (HSDP's replicate dimension, a ``Replicate`` placement of tensor parallelism,
+FSDP2's shard replicated over tensor-parallel peers), from its first recorded step on.
+Replicas' records then differ where their minimum or maximum differs at all, or their norms
+by more than float rounding of a sum taken in another order (:data:`NORM_TOLERANCE`). All
+in one DuckDB query over the parameter records: the trace is not loaded.
 """
 
 from __future__ import annotations
@@ -28,27 +31,31 @@ thread counts); the minimum and maximum are compared exactly."""
 
 _QUERY = """
 WITH per_step AS (
-    SELECT step, phase, module, slot, count(DISTINCT rank) AS ranks,
-           count(DISTINCT shape) AS shapes, count(DISTINCT min) AS mins,
-           count(DISTINCT max) AS maxs, min(norm) AS low, max(norm) AS high,
-           arg_min(rank, norm) AS low_rank, arg_max(rank, norm) AS high_rank,
-           min(rank) AS first_rank, max(rank) AS last_rank
+    SELECT step, phase, module, slot, shard_offset, bool_or(logical_shape <> '') AS dtensor,
+           count(DISTINCT rank) AS ranks, count(DISTINCT shape) AS shapes,
+           count(DISTINCT min) AS mins, count(DISTINCT max) AS maxs,
+           min(norm) AS low, max(norm) AS high,
+           arg_min(rank, norm) AS low_rank, arg_max(rank, norm) AS high_rank
     FROM records
-    WHERE kind = 'param' AND logical_shape = '' AND norm IS NOT NULL
+    WHERE kind = 'param' AND norm IS NOT NULL AND NOT contains(placements, 'P(')
     GROUP BY ALL
 ), judged AS (
-    SELECT *, ranks = $world AND shapes = 1 AS everywhere,
+    SELECT *,
+           CASE WHEN dtensor THEN ranks > 1 ELSE ranks = $world AND shapes = 1 END AS everywhere,
            mins > 1 OR maxs > 1 OR high - low > $tolerance * high AS apart,
-           row_number() OVER (PARTITION BY phase, module, slot ORDER BY step) AS nth
+           row_number() OVER (PARTITION BY phase, module, slot, shard_offset ORDER BY step) AS nth
     FROM per_step
 ), replicas AS (
-    SELECT phase, module, slot FROM judged WHERE nth = 1 AND everywhere AND NOT apart
+    SELECT phase, module, slot, shard_offset FROM judged
+    WHERE nth = 1 AND everywhere AND (dtensor OR NOT apart)
 )
-SELECT j.phase, j.module, j.slot, min(j.step) AS step, count(*) AS steps,
-       arg_min(j.low, j.step) AS low, arg_min(j.high, j.step) AS high,
-       arg_min(j.low_rank, j.step) AS low_rank, arg_min(j.high_rank, j.step) AS high_rank,
-       arg_min(j.mins > 1 OR j.maxs > 1, j.step) AS extremes
-FROM judged j JOIN replicas USING (phase, module, slot)
+SELECT j.phase, j.module, j.slot, min(j.step) AS step, count(DISTINCT j.step) AS steps,
+       arg_min(j.low, (j.step, j.shard_offset)) AS low,
+       arg_min(j.high, (j.step, j.shard_offset)) AS high,
+       arg_min(j.low_rank, (j.step, j.shard_offset)) AS low_rank,
+       arg_min(j.high_rank, (j.step, j.shard_offset)) AS high_rank,
+       arg_min(j.mins > 1 OR j.maxs > 1, (j.step, j.shard_offset)) AS extremes
+FROM judged j JOIN replicas USING (phase, module, slot, shard_offset)
 WHERE j.everywhere AND j.apart {steps}
 GROUP BY ALL
 ORDER BY step, module, slot

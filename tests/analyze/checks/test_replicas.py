@@ -74,3 +74,24 @@ def test_a_run_of_one_rank_has_no_replicas(tmp_path: Path) -> None:
     train(MLP(), tmp_path / "one", steps=3)
     found = hooktrace.anomalies(tmp_path / "one").findings
     assert not (found["kind"] == "replicas_differ").any()
+
+
+def test_dtensor_replicas_of_a_shard_nudged_on_one_rank(tmp_path: Path) -> None:
+    """FSDP2 + tensor parallelism on a 2x2 mesh (examples/distributed.py fsdp_tp): fc2's
+    bias is sharded over the data-parallel ranks and replicated over each pair of
+    tensor-parallel peers (placements S(0),R). Rank 3 nudges its shard at step 3: its peer,
+    rank 2, holds the same shard offset, and the two came apart there. No rank holds a
+    replica of any other parameter."""
+    example = Path(__file__).resolve().parents[3] / "examples" / "distributed.py"
+    record = ["-m", "hooktrace", "record", "-q", "-o", str(tmp_path / "run")]
+    done = torchrun(tmp_path, *record, str(example), "fsdp_tp", "--desync-at", "3", ranks=4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    params = hooktrace.load(tmp_path / "run").query(kinds=["param"], steps=[0])
+    bias = params[(params["module"] == "fc2") & (params["slot"] == "bias")]
+    assert set(bias["placements"]) == {"S(0),R"}
+    found = hooktrace.anomalies(tmp_path / "run").findings
+    apart = found[found["kind"] == "replicas_differ"]
+    assert len(apart) == 1, found
+    row = apart.iloc[0]
+    assert (row["module"], row["slot"], row["step"], row["count"]) == ("fc2", "bias", 3, 3)
+    assert "on rank 2" in row["evidence"] and "on rank 3" in row["evidence"]
