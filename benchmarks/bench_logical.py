@@ -1,6 +1,7 @@
-"""The logical view at scale: ``hooktrace summary`` and ``hooktrace diff`` of a synthetic run of
-8 ranks (10^7 records by default), as logical tensors (the default for a run of several
-ranks) and per rank (``--per-rank``), side by side: wall time and the process's peak memory.
+"""The logical view at scale: ``hooktrace summary``, ``diff`` and ``anomalies`` of a synthetic
+run of 8 ranks (10^7 records by default), as logical tensors (the default for a run of
+several ranks) and per rank (``--per-rank``), side by side: wall time and the process's peak
+memory.
 
 Two runs are written once by benchmarks/synthetic.py, every rank through the real trace
 writer (run B with its statistics scaled from a module at step ``steps // 2``, so that diff
@@ -54,6 +55,7 @@ def main() -> int:
             "summary": ["summary", str(b)],
             "diff": ["diff", str(a), str(b), "--stop-at-first"],
             "diff, whole": ["diff", str(a), str(b), "--format", "csv", "-o", str(where / "d.csv")],
+            "anomalies": ["anomalies", str(b)],
         }
         print(f"{args.records:,} records over {args.ranks} ranks, {args.reps} repetitions:")
         print(f"  {'command':<14}{'view':<10}{'seconds':>9}{'peak MB':>10}")

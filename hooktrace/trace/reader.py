@@ -174,7 +174,7 @@ class Trace:
                 "WHERE kind = 'grad_param' GROUP BY module\"); or load it all anyway with "
                 "hooktrace.load(run, max_records=None)"
             )
-        return self.query()
+        return self.query(logical=False)
 
     def sql(self, query: str, parameters: Sequence[Any] | None = None) -> pd.DataFrame:
         """The answer of a DuckDB ``query`` over this trace, as a DataFrame.
@@ -238,18 +238,22 @@ class Trace:
         kinds: Iterable[str] | None = None,
         ranks: Iterable[int] | None = None,
         phases: Iterable[str] | None = None,
-        logical: bool = False,
+        logical: bool | None = None,
     ) -> pd.DataFrame:
         """Records matching every filter given, reading only what is needed.
 
         ``steps`` is either an iterable of step numbers or an inclusive ``(first, last)``
         range given as a tuple of two ints. Rows come in (rank, step, seq) order.
 
-        ``logical`` answers with the logical tensors of a run of several ranks (shards
-        pooled, replicas once, data-parallel activations pooled into the global batch:
+        A run of several ranks is answered with its logical tensors (shards pooled,
+        replicas once, data-parallel activations pooled into the global batch:
         :mod:`hooktrace.trace.logical`), in (step, seq) order, with the columns ``ranks``,
-        ``dp`` and ``merged`` besides; the SQL view ``logical_records`` is the same.
+        ``dp`` and ``merged`` besides (the SQL view ``logical_records`` is the same), unless
+        ``ranks`` chooses some or ``logical=False``: then each rank's records, as written
+        (:attr:`records` holds them all).
         """
+        if logical is None:
+            logical = ranks is None and len(self.ranks) > 1
         if not logical:
             return records_frame(
                 self.query_table(
@@ -337,7 +341,7 @@ class Trace:
         modules: Iterable[str] | None = None,
         kinds: Iterable[str] | None = None,
         ranks: Iterable[int] | None = None,
-        logical: bool = False,
+        logical: bool | None = None,
     ) -> pd.DataFrame:
         """The histograms matching every filter given (as :meth:`query` takes them), one row
         per histogrammed record in (rank, step, seq) order: ``rank``, ``step``, ``seq``,
@@ -346,15 +350,18 @@ class Trace:
         ``MAGNITUDE_BINS`` counts by binary exponent (docs/FORMAT.md, "histograms";
         :func:`hooktrace.trace.histograms.exponents` gives each bin's exponent).
 
-        ``logical``: one row per logical record of a run of several ranks (its rank and seq,
-        as :meth:`query` gives them), the sum of its parts' histograms (a replica once:
-        :func:`hooktrace.trace.sql.logical_spans`); ``ranks`` then filters nothing.
+        A run of several ranks is answered as :meth:`query` answers (unless ``ranks``
+        chooses some or ``logical=False``): one row per logical record (its rank and seq, as
+        :meth:`query` gives them), the sum of its parts' histograms (a replica once:
+        :func:`hooktrace.trace.sql.logical_spans`).
 
         Raises :class:`TraceError` when the trace holds no histograms at all."""
         if not self.has_histograms:
             raise TraceError(
                 f"{printable(self.path)} holds no histograms: {self.no_histograms_because}"
             )
+        if logical is None:
+            logical = ranks is None and len(self.ranks) > 1
         if logical:
             return self._logical_histograms(steps_given(steps), modules, kinds)
         steps = steps_given(steps)
@@ -578,7 +585,7 @@ class Trace:
             lo, hi, n_steps = (steps[c].iloc[0] for c in ("lo", "hi", "n"))
             pairs = [(str(k), int(v)) for k, v in zip(counted["kind"], counted["n"], strict=True)]
         except TraceError:  # a part DuckDB cannot decode: hooktrace's reader leaves it out
-            column = self.query(columns=["step", "kind"])
+            column = self.query(columns=["step", "kind"], logical=False)
             lo, hi, n_steps = column["step"].min(), column["step"].max(), column["step"].nunique()
             pairs = [(str(k), int(v)) for k, v in column["kind"].astype(str).value_counts().items()]
         order = {k: i for i, k in enumerate(schema.KINDS)}

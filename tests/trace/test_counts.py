@@ -25,7 +25,7 @@ def run(tmp_path: Path) -> Path:
 
 
 def _from_records(trace: hooktrace.Trace) -> pd.DataFrame:
-    records = trace.query(columns=["rank", "step"])
+    records = trace.query(columns=["rank", "step"], logical=False)
     counted = records.groupby(["rank", "step"]).size().rename("records").reset_index()
     return counted.astype("int64")
 

@@ -150,7 +150,7 @@ class Scan:
         self.norms = _Queried(self._con, queries, parameters, self._relations, grid)
         if found:
             for chunk in step_chunks(self.trace, found, chunk_rows):
-                self.nonfinite.search(self.trace.query(columns=COLUMNS, steps=chunk))
+                self.nonfinite.search(self.trace.query(columns=COLUMNS, steps=chunk, logical=False))
 
     def read_chunks(
         self, steps: tuple[int, int] | list[int] | None, chunk_rows: int, *, logical: bool = False
@@ -172,7 +172,7 @@ class Scan:
                 frame = frame.sort_values(["rank", "step", "seq"], kind="stable")
                 self.nonfinite.add(records_frame(table.select(COLUMNS)))  # steps, origins
             else:
-                frame = self.trace.query(columns=columns, steps=chunk)
+                frame = self.trace.query(columns=columns, steps=chunk, logical=False)
             if frame.empty:
                 continue
             chunk_name = f"{self._relations}_records"
@@ -189,7 +189,9 @@ class Scan:
             finally:
                 self._con.unregister(chunk_name)
             if found and not logical:  # the origins need every column: the same rows, in order
-                more = self.trace.query(columns=["rank", "step", "seq", *rare], steps=chunk)
+                more = self.trace.query(
+                    columns=["rank", "step", "seq", *rare], steps=chunk, logical=False
+                )
                 self.nonfinite.search(frame.assign(**{c: more[c].to_numpy() for c in rare}))
 
     def series(self, name: str) -> Iterator[pd.DataFrame]:

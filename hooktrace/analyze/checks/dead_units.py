@@ -218,7 +218,7 @@ def activity_rows(
     if layout is None:
         rows = trace.query(
             columns=[*ACTIVITY_COLUMNS, "nan_count", "inf_count"], modules=modules,
-            kinds=["output"], phases=chosen, steps=steps, ranks=ranks,
+            kinds=["output"], phases=chosen, steps=steps, ranks=ranks, logical=False,
         )  # fmt: skip
         return rows.assign(
             nan=rows["nan_count"].fillna(0).to_numpy() > 0,

@@ -425,7 +425,7 @@ def _distinct_modules(trace: Trace, kinds: list[str] | None, ranks: list[int] | 
     except TraceError as exc:
         if not _engine_failed(exc):
             raise
-        found = trace.query(columns=["module"], kinds=kinds, ranks=ranks)["module"]
+        found = trace.query(columns=["module"], kinds=kinds, ranks=ranks, logical=False)["module"]
     return [str(m) for m in found.astype("str").unique()]
 
 

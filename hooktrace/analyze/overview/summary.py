@@ -180,7 +180,9 @@ def _counted(
     except TraceError as exc:
         if not isinstance(exc.__cause__, duckdb.Error):
             raise
-        rows = trace.query(columns=["step", "module", "kind", "phase", "tensor_key", "note"])
+        rows = trace.query(
+            columns=["step", "module", "kind", "phase", "tensor_key", "note"], logical=False
+        )
         per_name = rows["module"].astype(str).value_counts(sort=False)
         counts = per_name.rename_axis("module").rename("records").reset_index()
         ran = (rows["phase"].astype(str) == "train") & rows["kind"].astype(str).isin(_CALLS)

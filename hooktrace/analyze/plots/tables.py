@@ -30,7 +30,7 @@ def records_of(trace: Trace, rank: int | None, **query: Any) -> pd.DataFrame:
     if rank is not None:
         return trace.query(ranks=[rank], **query)
     if len(trace.ranks) < 2:
-        return trace.query(**query)
+        return trace.query(logical=False, **query)
     found = trace.query(logical=True, **query)
     return found[found["merged"] != "partial"].reset_index(drop=True)
 

@@ -154,7 +154,7 @@ def test_tensor_parallel_runs_match_one_process(runs: tuple[Path, list], layout:
 def test_what_tensor_parallelism_hands_between_its_layers(runs: tuple[Path, list]) -> None:
     where, _ = runs
     trace = hooktrace.load(where / "tp")
-    step = trace.query(steps=[0], kinds=["output"])
+    step = trace.query(steps=[0], kinds=["output"], logical=False)
     placed = step.groupby("module", observed=True)["placements"].agg(set)
     assert placed["fc1"] == {"S(1)"}  # ColwiseParallel's output, a DTensor at the boundary
     assert placed["fc2"] == {"P(sum)"}  # RowwiseParallel's, before its reduction
@@ -284,7 +284,7 @@ def test_histograms_of_logical_tensors_are_the_whole_tensors(
     # shards add up to the whole, and each copy of a replica holds it (DDP's parameters,
     # rowwise parallelism's bias on each tensor-parallel rank): per rank, the counts summed
     # over the ranks are the truth times the copies of each shard
-    params = hooktrace.load(where / layout).query(steps=[0], kinds=["param"])
+    params = hooktrace.load(where / layout).query(steps=[0], kinds=["param"], logical=False)
     offsets = params.groupby(["module", "slot"], observed=True)["shard_offset"].nunique()
     copies = (params.groupby(["module", "slot"], observed=True).size() // offsets).to_dict()
     summed = per_rank.groupby(["module", "kind", "slot", "bin", "exponent"], dropna=False)

@@ -90,7 +90,7 @@ def _merged(shards: pd.DataFrame) -> dict[str, float]:
 
 def test_each_shard_says_what_it_is_a_part_of(recorded: tuple[hooktrace.Trace, list]) -> None:
     trace, _ = recorded
-    records = trace.query(columns=_COLUMNS, kinds=["param", "grad_param"])
+    records = trace.query(columns=_COLUMNS, kinds=["param", "grad_param"], logical=False)
     assert not records["note"].str.startswith("skipped").any()
     assert (records["placements"] == "S(0)").all() and (records["mesh_shape"] == "2").all()
     assert (records["mesh_coord"] == records["rank"].astype(str)).all()
@@ -100,7 +100,7 @@ def test_each_shard_says_what_it_is_a_part_of(recorded: tuple[hooktrace.Trace, l
     assert by_rank.loc[0].tolist() == ["3,32", "5,32", "0,0"]
     assert by_rank.loc[1].tolist() == ["2,32", "5,32", "3,0"]
     # the activations are plain tensors: whole, with empty shard columns
-    outputs = trace.query(columns=_COLUMNS, kinds=["output"])
+    outputs = trace.query(columns=_COLUMNS, kinds=["output"], logical=False)
     assert len(outputs) and (outputs["logical_shape"] == "").all()
 
 
@@ -109,7 +109,7 @@ def test_the_shards_merge_into_the_full_tensors_statistics(
     recorded: tuple[hooktrace.Trace, list], kind: str
 ) -> None:
     trace, truth = recorded
-    records = trace.query(columns=_COLUMNS, kinds=[kind])
+    records = trace.query(columns=_COLUMNS, kinds=[kind], logical=False)
     checked = 0
     for (step, module, slot), shards in records.groupby(["step", "module", "slot"]):
         assert sorted(shards["rank"]) == [0, 1]
@@ -129,7 +129,7 @@ def test_the_shards_histograms_add_up_to_the_logical_tensors_values(
     recorded: tuple[hooktrace.Trace, list],
 ) -> None:
     trace, truth = recorded
-    counts = trace.histograms()
+    counts = trace.histograms(logical=False)
     counts = counts[counts["kind"] == "param"]
     assert len(counts)
     counted = counts[["zero", "nan", "pos_inf", "neg_inf"]].sum(axis=1)
@@ -137,3 +137,9 @@ def test_the_shards_histograms_add_up_to_the_logical_tensors_values(
     counts = counts.assign(counted=counted)
     for (step, module, slot), shards in counts.groupby(["step", "module", "slot"]):
         assert shards["counted"].sum() == truth[step]["param"][f"{module}.{slot}"]["numel"]
+    # as logical tensors (the default of a run of several ranks): one histogram a parameter
+    whole = trace.histograms(kinds=["param"])
+    assert len(whole) == len(counts.groupby(["step", "module", "slot"]))
+    for row in whole.itertuples():
+        counted = row.zero + row.nan + row.pos_inf + row.neg_inf + row.pos.sum() + row.neg.sum()
+        assert counted == row.numel == truth[row.step]["param"][f"{row.module}.{row.slot}"]["numel"]
