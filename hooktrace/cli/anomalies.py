@@ -153,7 +153,7 @@ def render(run: Path, result: Anomalies) -> str:
     frame = result.findings
     scope = f"{result.steps} steps, {result.modules} modules"
     if result.logical:
-        scope += ", the ranks' records as logical tensors (--per-rank: apart)"
+        scope += "; the ranks' records as logical tensors, --per-rank for apart"
     if frame.empty:
         lines = [f"no anomalies in {run} ({scope})"]
     else:

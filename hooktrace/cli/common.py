@@ -116,7 +116,9 @@ def listed(text: str | None, kind: Callable[[str], Any], option: str) -> list[An
     try:
         return [kind(part.strip()) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise CommandError(f"bad {option} {text!r}: give a comma-separated list") from None
+        raise CommandError(
+            f"bad {option} {text!r}: give {kind.__name__} values, comma-separated"
+        ) from None
 
 
 def per_rank_option(what: str) -> Callable[[F], F]:

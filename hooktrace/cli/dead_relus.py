@@ -81,7 +81,7 @@ def dead_relus(
     in less than --threshold of its values at every step from some step to the last. A layer
     is flagged when its dead fraction passes --layer-threshold. In a run of several ranks a
     unit's values are those of every rank: the data-parallel ranks' batches, and, where the
-    recording told the ranks' places (DDP, FSDP2), tensor-parallel peers' parts of a layer
+    recording told the ranks' places (DDP, FSDP2, tensor parallelism), tensor-parallel peers' parts of a layer
     side by side (--ranks: only those ranks').
 
     \b

@@ -71,9 +71,10 @@ def tensorboard_command(
 
     Each statistic of each recorded tensor is a scalar tagged MODULE/KIND/SLOT/STAT over
     steps, each histogram a histogram MODULE/KIND/SLOT/histogram, and the run's command,
-    versions, status and options are text. A run per rank (LOGDIR/rank=R), its eval phase
-    beside (LOGDIR/rank=R/eval); a run of several ranks as one run of its logical tensors
-    (LOGDIR/logical; --per-rank or --ranks: a run per rank). At each step: a module's first call (--calls all: each
+    versions, status and options are text. One TensorBoard run, its eval phase beside:
+    LOGDIR/rank=0 and LOGDIR/rank=0/eval for a run of one rank; for a run of several,
+    LOGDIR/logical, its logical tensors (--per-rank or --ranks: LOGDIR/rank=R, a run per
+    rank). At each step: a module's first call (--calls all: each
     call) in the step's last micro-step. LOGDIR must be new or empty (--overwrite replaces
     an earlier export); export several runs into directories side by side to compare them.
 

@@ -71,7 +71,7 @@ def render(s: Summary) -> str:
         *(
             [
                 f"logical   {s.logical_records:,} records: the ranks' merged into logical tensors "
-                "(what diff compares; query(logical=True))"
+                "(what diff and query() answer with)"
             ]
             if s.logical_records is not None
             else []

@@ -109,6 +109,9 @@ def parts(table: pa.Table, layout: Layout | None = None) -> Parts:
     """Which records of ``table`` (as :func:`logical_table` takes it) its logical records
     pool, and into which: what a logical record adds up from its parts that the records do
     not hold (per-unit activity, histograms) is summed over these."""
+    if table.num_rows == 0:
+        none = np.zeros(0, dtype=np.int64)
+        return Parts(none, none, none)
     grouped = _grouped(table, layout)
     return Parts(grouped.kept, grouped.g, grouped.row_dp[grouped.kept])
 

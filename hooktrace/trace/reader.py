@@ -243,7 +243,8 @@ class Trace:
         """Records matching every filter given, reading only what is needed.
 
         ``steps`` is either an iterable of step numbers or an inclusive ``(first, last)``
-        range given as a tuple of two ints. Rows come in (rank, step, seq) order.
+        range given as a tuple of two ints. Rows come in (rank, step, seq) order (logical
+        records in (step, seq, rank) order).
 
         A run of several ranks is answered with its logical tensors (shards pooled,
         replicas once, data-parallel activations pooled into the global batch:
@@ -253,7 +254,7 @@ class Trace:
         (:attr:`records` holds them all).
         """
         if logical is None:
-            logical = ranks is None and len(self.ranks) > 1
+            logical = self.logical_by_default(ranks)
         if not logical:
             return records_frame(
                 self.query_table(
@@ -361,9 +362,9 @@ class Trace:
                 f"{printable(self.path)} holds no histograms: {self.no_histograms_because}"
             )
         if logical is None:
-            logical = ranks is None and len(self.ranks) > 1
+            logical = self.logical_by_default(ranks)
         if logical:
-            return self._logical_histograms(steps_given(steps), modules, kinds)
+            return self._logical_histograms(steps_given(steps), modules, kinds, ranks)
         steps = steps_given(steps)
         span = step_range(steps)
         expr = row_filter(steps=steps, modules=modules, kinds=kinds, ranks=ranks)
@@ -381,13 +382,20 @@ class Trace:
             frame = frame.sort_values(["rank", "step", "seq"], kind="stable")
         return frame.reset_index(drop=True)
 
+    def logical_by_default(self, ranks: Iterable[int] | None = None) -> bool:
+        """Whether the analyzer answers about this run's logical tensors unless told
+        otherwise: a run of several ranks, no ``ranks`` chosen."""
+        return ranks is None and len(self.ranks) > 1
+
     def _logical_histograms(
         self,
         steps: list[int] | tuple[int, int] | None,
         modules: Iterable[str] | None,
         kinds: Iterable[str] | None,
+        ranks: Iterable[int] | None,
     ) -> pd.DataFrame:
-        """:meth:`histograms` with ``logical``: the parts summed, whole rows."""
+        """:meth:`histograms` with ``logical``: the parts summed, whole rows (of ``ranks``'
+        records only, where given, as :meth:`query` pools them)."""
         from hooktrace.trace.sql import logical_spans
         from hooktrace.trace.tables import arrow_of
 
@@ -403,6 +411,9 @@ class Trace:
             if chosen is not None:
                 clauses.append(f"list_contains(?::VARCHAR[], {column})")
                 values.append([str(c) for c in chosen])
+        if ranks is not None:
+            clauses.append("list_contains(?::INTEGER[], rank)")
+            values.append([int(r) for r in ranks])
         where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
         source = logical_spans(where, self.layout)
         query = (
@@ -431,6 +442,8 @@ class Trace:
             rows = histograms.whole(table.column(f"{sign}_start").to_numpy(), table.column(sign))
             summed = np.add.reduceat(rows, at, axis=0) if len(at) else rows
             out[sign] = list(summed)
+        for name in ("module", "kind", "slot"):  # as the per-rank histograms have them
+            out[name] = out[name].astype("category")
         return out
 
     def damaged(self, kind_dir: str) -> list[str]:

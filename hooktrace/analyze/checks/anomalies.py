@@ -165,7 +165,7 @@ def anomalies(
         )
     precision.check_bounds(underflow_above, overflow_above)
     trace = run if isinstance(run, Trace) else load(run)
-    logical = not per_rank and len(trace.ranks) > 1
+    logical = not per_rank and trace.logical_by_default()
     config = series.Config(window, spike_factor, explode_factor, exploding_above)
     scan, found = _scan(
         trace, step_filter(steps), saturation, chunk_rows, config, vanishing_below, logical

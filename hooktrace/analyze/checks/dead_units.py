@@ -206,14 +206,16 @@ def activity_rows(
     NaN: left out), ``inf``, ``base`` (where its units begin among the layer's) and
     ``own_units`` (its own, from there); ``units`` is the layer's width.
 
-    The records as they are, their units from 0 (``base`` 0), where ``ranks`` chooses some,
+    The records as they are, their units from 0 (``base`` 0), where ``ranks`` chooses one,
     in a run of one rank, and where the recording did not tell the ranks' data-parallel
-    places (DDP, FSDP2: a unit's counts are then summed over every rank). Else the parts of
-    the logical records (:func:`hooktrace.trace.logical_arrays.parts`): a replica once; the
+    places (DDP, FSDP2, tensor parallelism: a unit's counts are then summed over every
+    rank). Else the parts of the logical records of every rank (or of ``ranks``')
+    (:func:`hooktrace.trace.logical_arrays.parts`): a replica once; the
     data-parallel ranks' parts of the batch summed; tensor-parallel peers' parts (the local
     shards tensor parallelism hands between its layers) side by side, in rank order, their
     values counted once (``unit_size`` 0 but the first's)."""
-    layout = None if ranks is not None or len(trace.ranks) < 2 else trace.layout
+    one_rank = len(trace.ranks) < 2 or (ranks is not None and len(set(ranks)) == 1)
+    layout = None if one_rank else trace.layout
     chosen = list(phases) if phases is not None else None
     if layout is None:
         rows = trace.query(
@@ -228,7 +230,7 @@ def activity_rows(
         ).drop(columns=["nan_count", "inf_count"])
     table = trace.query_table(
         columns=list(dict.fromkeys([*ACTIVITY_COLUMNS, *NEEDED])), modules=modules,
-        kinds=["output"], phases=chosen, steps=steps,
+        kinds=["output"], phases=chosen, steps=steps, ranks=ranks,
     )  # fmt: skip
     at, record, dp_rank = parts(table, layout)
     rows = table.take(pa.array(at)).select(list(ACTIVITY_COLUMNS)).to_pandas()

@@ -72,6 +72,8 @@ class NonFinite:
     def add(self, frame: pd.DataFrame) -> None:
         """One chunk: every record of some whole steps, in (rank, step, seq) order: its steps
         are recorded (:meth:`add_steps`) and searched (:meth:`search`)."""
+        if frame.empty:
+            return
         rank_step = frame["rank"].to_numpy(np.int64) << 40 | frame["step"].to_numpy(np.int64)
         firsts = np.r_[True, rank_step[1:] != rank_step[:-1]]  # in order: one per (rank, step)
         self.add_steps(rank_step[firsts] >> 40, rank_step[firsts] & ((1 << 40) - 1))

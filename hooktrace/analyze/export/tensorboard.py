@@ -149,7 +149,7 @@ def export_tensorboard(
             f"{', '.join(map(str, trace.ranks)) or 'none'}"
         )
 
-    logical = not per_rank and chosen_ranks is None and len(trace.ranks) > 1
+    logical = not per_rank and trace.logical_by_default(chosen_ranks)
     partials = 0
 
     staging = export_dir.Staging(target)
@@ -233,7 +233,7 @@ _KEY = ["rank", "phase", "step", "module", "kind", "slot", "call"]
 
 def _columns(stats: Sequence[str]) -> list[str]:
     needed = ["rank", "step", "micro_step", "phase", "seq", "module", "call", "kind", "slot"]
-    needed += ["numel", "note", "mean", "norm", "min", "max", "nan_count", "inf_count"]
+    needed += ["shape", "numel", "note", "mean", "norm", "min", "max", "nan_count", "inf_count"]
     return list(dict.fromkeys([*needed, *stats]))
 
 

@@ -20,6 +20,7 @@ import pandas as pd
 from hooktrace.analyze.export import events as tb
 from hooktrace.analyze.export import text
 from hooktrace.analyze.findings import strings
+from hooktrace.trace.logical import GRADIENT_KINDS
 from hooktrace.trace.reader import Trace
 
 LOGICAL_RUN = "logical"
@@ -136,12 +137,18 @@ class _Histograms:
         self.zero = found["zero"].to_numpy(dtype=np.int64)
         self.pos = found["pos"].to_numpy()  # views into one block per part: no copy
         self.neg = found["neg"].to_numpy()
-        self.low = frame["min"].to_numpy(dtype=np.float64)
-        self.high = frame["max"].to_numpy(dtype=np.float64)
+        # a logical record of an activation gradient pooled over data-parallel ranks holds
+        # statistics divided by their number; its histogram counts the values as computed
+        scale = undivided(frame)
+        self.low = frame["min"].to_numpy(dtype=np.float64) * scale
+        self.high = frame["max"].to_numpy(dtype=np.float64) * scale
         finite = (frame["nan_count"] + frame["inf_count"] == 0).to_numpy()
         numel = frame["numel"].to_numpy(dtype=np.float64)
-        self.total = np.where(finite, frame["mean"].to_numpy(dtype=np.float64) * numel, np.nan)
-        self.squares = np.where(finite, frame["norm"].to_numpy(dtype=np.float64) ** 2, np.nan)
+        mean = frame["mean"].to_numpy(dtype=np.float64) * scale
+        self.total = np.where(finite, mean * numel, np.nan)
+        self.squares = np.where(
+            finite, (frame["norm"].to_numpy(dtype=np.float64) * scale) ** 2, np.nan
+        )
 
     def protos(self, start: int, end: int) -> Iterator[tuple[int, Any]]:
         """(row, ``HistogramProto`` or None where every value was NaN or Inf) for the rows in
@@ -181,3 +188,16 @@ def _prefixes(frame: pd.DataFrame) -> np.ndarray:
             f"{m} [call {c}]" for m, c in zip(module[later], calls[later], strict=True)
         ]
     return module + "/" + strings(frame["kind"]) + "/" + strings(frame["slot"])
+
+
+def undivided(frame: pd.DataFrame) -> np.ndarray:
+    """What each record's statistics are multiplied by to be those of the values its
+    histogram counts: the data-parallel degree for a logical record of an activation
+    gradient pooled over several data-parallel ranks (divided by it,
+    :mod:`hooktrace.trace.logical`), else 1."""
+    if "dp" not in frame.columns:
+        return np.ones(len(frame))
+    gradient = strings(frame["kind"]).astype(object)
+    divided = np.isin(gradient, GRADIENT_KINDS) & (frame["dp"].to_numpy() > 1)
+    divided &= frame["shape"].astype(str).to_numpy() != ""  # a 0-d one is the ranks' mean
+    return np.where(divided, frame["dp"].to_numpy(dtype=np.float64), 1.0)

@@ -114,7 +114,7 @@ def precision(
             "param,grad_param` (or hooktrace.record(..., histograms=('param', 'grad_param')))"
         )
     names = _module_names(trace, modules) if isinstance(modules, str) else modules
-    logical = not per_rank and len(trace.ranks) > 1
+    logical = not per_rank and trace.logical_by_default()
     (table,) = _query(trace, [SLOT_KEYS], steps, names, kinds, logical=logical)
     trouble = table["fp16_underflow"] + table["fp16_overflow"]
     order = table.assign(_t=-trouble).sort_values(

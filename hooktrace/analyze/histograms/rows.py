@@ -76,7 +76,7 @@ class Where:
     ) -> None:
         self.trace = trace
         self.modules, self.kinds, self.ranks = modules, kinds, ranks
-        self.logical = not per_rank and ranks is None and len(trace.ranks) > 1
+        self.logical = not per_rank and trace.logical_by_default(ranks)
         self.step_spec = steps
         self.clauses: list[str] = []
         self.values: list[Any] = []
@@ -181,7 +181,9 @@ def read(trace: Trace, where: Where, steps: list[int], *, sampled: bool) -> pd.D
             raise TraceError(
                 f"{exc}: read the ranks' histograms apart (--per-rank) to leave a damaged part out"
             ) from exc
-    return trace.histograms(steps=steps, modules=where.names, kinds=where.kinds, ranks=where.ranks)
+    return trace.histograms(
+        steps=steps, modules=where.names, kinds=where.kinds, ranks=where.ranks, logical=False
+    )
 
 
 def tidy(raw: pd.DataFrame) -> pd.DataFrame:

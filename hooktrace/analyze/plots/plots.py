@@ -137,7 +137,7 @@ def plot(
     elif what == "activations":
         data, draw = activation_tables(trace, **options), activations_figure
     elif what == "dead-units":
-        found = dead_relus(trace, steps=steps)
+        found = dead_relus(trace, steps=steps, ranks=None if rank is None else [rank])
         data, draw = (silent_unit_table(trace, **options), found.layers), dead_units_figure
     elif what == "histograms":
         limit = min(max_modules, HISTOGRAM_PANELS)

@@ -29,7 +29,7 @@ def records_of(trace: Trace, rank: int | None, **query: Any) -> pd.DataFrame:
     tensor not yet reduced, no logical tensor) left out."""
     if rank is not None:
         return trace.query(ranks=[rank], **query)
-    if len(trace.ranks) < 2:
+    if not trace.logical_by_default():
         return trace.query(logical=False, **query)
     found = trace.query(logical=True, **query)
     return found[found["merged"] != "partial"].reset_index(drop=True)

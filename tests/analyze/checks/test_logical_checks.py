@@ -42,3 +42,14 @@ def test_the_cli_says_which_it_checked() -> None:
     apart = CliRunner().invoke(cli, ["anomalies", str(SAMPLES / "fsdp2"), *bound, "--per-rank"])
     assert apart.exit_code == 0 and "logical" not in apart.output
     assert "exploding_gradient" not in apart.output
+
+
+def test_steps_the_run_does_not_hold_are_a_note_not_a_crash() -> None:
+    """Chunks with no records (steps past the run's, a phase it never ran): the logical
+    reads once raised IndexError on them."""
+    found = hooktrace.anomalies(SAMPLES / "ddp", steps="100-200")
+    assert found.logical and len(found) == 0
+    assert "no records in the steps read" in " ".join(found.notes)
+    for options in ({"steps": "100-200"}, {"phases": ["eval"]}):
+        dead = hooktrace.dead_relus(SAMPLES / "ddp", **options)  # type: ignore[arg-type]
+        assert dead.layers.empty and dead.notes

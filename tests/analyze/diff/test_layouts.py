@@ -334,7 +334,8 @@ def test_precision_measures_logical_tensors(runs: tuple[Path, list], layout: str
     assert totals.to_dict() == weights[1].set_index("module")["nonzero"].to_dict()
     shown = CliRunner().invoke(cli, ["precision", str(where / layout), "--kinds", "param"])
     assert shown.exit_code == 0 and "logical tensors" in shown.output
-    assert not shown.output.splitlines()[3].startswith("rank")
+    header = shown.output.splitlines()[3]
+    assert header.startswith("module  kind"), header  # no rank column
     apart = CliRunner().invoke(cli, ["precision", str(where / layout), "--per-rank"])
     assert apart.exit_code == 0 and apart.output.splitlines()[2].startswith("rank")
 
@@ -358,6 +359,11 @@ def test_dead_relus_places_the_units_of_every_rank(runs: tuple[Path, list], layo
     if "tp" in layout:  # one rank's own: its 16
         mine = hooktrace.dead_relus(where / layout, ranks=[1], **options)
         assert int(mine.layers["units"].iloc[0]) == 16
+        # a pair of peers chosen: their units side by side, not summed unit by unit
+        pair = hooktrace.dead_relus(where / layout, ranks=[0, 1], **options)
+        assert int(pair.layers["units"].iloc[0]) == 32
+        if layout == "tp":  # the pair is every rank
+            pd.testing.assert_frame_equal(pair.units, found.units)
         shown = CliRunner().invoke(cli, ["dead-relus", str(where / layout), "--ranks", "1"])
         assert shown.exit_code == 0 and "\nact             ReLU          16" in shown.output
 
@@ -372,10 +378,11 @@ def test_the_pictures_tables_draw_logical_tensors(runs: tuple[Path, list], layou
     where, _ = runs
     one, other = where / "one", where / layout
     steps = "0-2" if layout == "ddp" else None  # the DDP run's rank 1 went its own way at 3
-    for table in (tables.grad_norm_table, lambda run, **o: tables.activation_tables(run, **o)[0]):
+    activations = lambda run, **o: tables.activation_tables(run, **o)[0]  # noqa: E731
+    for table in (tables.grad_norm_table, activations):
         expected = table(one, steps=steps)
         got = table(other, steps=steps)
-        if "tp" in layout and "fc2" not in got.index:  # a partial sum until its reduction
+        if "tp" in layout and table is activations:  # fc2's output: a partial sum
             expected = expected.drop(index="fc2")
         assert list(got.index) == list(expected.index) and got.shape == expected.shape
         np.testing.assert_allclose(got.to_numpy(), expected.to_numpy(), rtol=1e-5)

@@ -542,7 +542,7 @@ def test_a_failed_export_leaves_nothing(tmp_path: Path) -> None:
     [
         (["--stats", "mean,median"], "unknown statistic 'median': choose from mean, std"),
         (["--kinds", "outputs"], "unknown kind 'outputs': choose from input, output"),
-        (["--ranks", "one"], "bad --ranks 'one': give a comma-separated list"),
+        (["--ranks", "one"], "bad --ranks 'one': give int values, comma-separated"),
         (["--ranks", "3"], "has no rank 3: its ranks are 0"),
         (["--steps", "5-2"], "bad step range 5-2"),
         (["--modules", "("], "bad module pattern '('"),
@@ -683,3 +683,21 @@ def test_a_run_of_several_ranks_is_one_run_of_logical_tensors(tmp_path: Path, la
         "rank=0",
         "rank=1",
     ]
+
+
+def test_a_pooled_activation_gradients_histogram_holds_the_values_as_computed() -> None:
+    """A logical record of an activation gradient pooled over 2 data-parallel ranks holds
+    statistics divided by 2 (the gradient of the run's mean loss); its histogram counts the
+    values each rank computed: the extremes, sum and sum of squares TensorBoard is given
+    beside the counts are those values', not the divided ones."""
+    from hooktrace.analyze.export.writer import undivided
+
+    frame = pd.DataFrame(
+        {
+            "kind": ["grad_output", "grad_output", "output", "grad_param"],
+            "dp": [2, 1, 2, 1],
+            "shape": ["8,4", "8,4", "8,4", "4"],
+        }
+    )
+    assert undivided(frame).tolist() == [2.0, 1.0, 1.0, 1.0]
+    assert undivided(frame.drop(columns="dp")).tolist() == [1.0] * 4  # per-rank records

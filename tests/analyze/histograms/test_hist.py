@@ -463,7 +463,7 @@ def test_csv_holds_every_step_unless_told(mlp: tuple[Path, Values]) -> None:
         (["--kinds", "bogus"], "unknown kind 'bogus'"),
         (["--modules", "("], "bad modules regex"),
         (["--modules", "nope"], "no histograms match modules 'nope': the trace holds"),
-        (["--ranks", "a"], "bad --ranks 'a': give a comma-separated list"),
+        (["--ranks", "a"], "bad --ranks 'a': give int values, comma-separated"),
         (["--steps", "x"], "bad steps 'x'"),
         (["--format", "parquet"], "give --output FILE.parquet"),
         (["--max-steps", "0"], "0 is not in the range x>=1"),
