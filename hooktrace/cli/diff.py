@@ -5,13 +5,18 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from hooktrace.cli.common import CommandError, FrameWriter, library_errors, output_options
+from hooktrace.cli.common import (
+    CommandError,
+    FrameWriter,
+    library_errors,
+    listed,
+    output_options,
+)
 
 if TYPE_CHECKING:
     from hooktrace.analyze.diff.diff import DiffResult
@@ -109,8 +114,8 @@ def diff(
                 atol=atol,
                 steps=steps,
                 modules=modules,
-                kinds=_split(kinds, str, "--kinds"),
-                ranks=_split(ranks, int, "--ranks"),
+                kinds=listed(kinds, str, "--kinds"),
+                ranks=listed(ranks, int, "--ranks"),
                 rank=rank,
                 against_rank=against_rank,
                 per_rank=per_rank,
@@ -207,17 +212,6 @@ def _table_schema() -> Any:
 
     types = {"int64": pa.int64(), "float64": pa.float64()}
     return pa.schema([(c, types.get(t, pa.string())) for c, t in TABLE_DTYPES.items()])
-
-
-def _split(text: str | None, kind: Callable[[str], Any], option: str) -> list[Any] | None:
-    if text is None:
-        return None
-    try:
-        return [kind(part.strip()) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise CommandError(
-            f"bad {option} {text!r}: give a comma-separated list such as 0,1"
-        ) from None
 
 
 def _num(value: Any, digits: int = 6) -> str:
