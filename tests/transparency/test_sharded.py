@@ -69,6 +69,7 @@ dcp.save(state, checkpoint_id=f"{sys.argv[1]}.dcp")
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if rank == 0:
     torch.save(full, f"{sys.argv[1]}.full")
+dist.barrier()  # every rank done with its collectives before gloo is torn down
 dist.destroy_process_group()
 """
 
