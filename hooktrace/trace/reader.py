@@ -186,6 +186,11 @@ class Trace:
             trace.sql("SELECT module, max(norm) AS norm FROM records "
                       "WHERE kind = 'grad_param' GROUP BY module ORDER BY norm DESC")
 
+        A run of several ranks is answered as :meth:`query` answers: ``records`` holds its
+        logical records (with ``ranks``, ``dp`` and ``merged``), ``histograms`` their
+        histograms; ``rank_records``, ``rank_histograms`` and ``rank_histogram_spans`` hold
+        each rank's, as written (:mod:`hooktrace.trace.sql`).
+
         ``parameters`` fill the query's ``?`` or ``$1`` placeholders. A query DuckDB refuses
         (a syntax error, an unknown column) raises :class:`TraceError` with DuckDB's reason.
         """
@@ -196,7 +201,8 @@ class Trace:
         except duckdb.Error as exc:
             raise TraceError(
                 f"the query over {printable(self.path)} failed: {one_line(exc)} (tables: "
-                "records, steps, modules, histograms; columns as in docs/FORMAT.md)"
+                "records, steps, modules, histograms, rank_records, rank_histograms; columns "
+                "as in docs/FORMAT.md)"
             ) from exc
 
     def _duckdb(self) -> Any:
@@ -208,9 +214,14 @@ class Trace:
             for name, kind_parts in self._parts.items()
         }
         if self._sql is None:
-            self._sql = sql.connect(self._parts, columns, self.layout)
+            self._sql = sql.connect(
+                self._parts, columns, self.layout, logical_default=self.logical_by_default()
+            )
         elif self._sql_parts != self._parts:  # a part found damaged since: left out
-            sql.define_views(self._sql, self._parts, columns, self.layout)
+            sql.define_views(
+                self._sql, self._parts, columns, self.layout,
+                logical_default=self.logical_by_default(),
+            )  # fmt: skip
         self._sql_parts = {name: list(parts) for name, parts in self._parts.items()}
         return self._sql
 
@@ -592,9 +603,10 @@ class Trace:
         # columns, the records from the footers
         try:
             steps = self.sql(
-                "SELECT min(step) AS lo, max(step) AS hi, count(DISTINCT step) AS n FROM records"
+                "SELECT min(step) AS lo, max(step) AS hi, count(DISTINCT step) AS n "
+                "FROM rank_records"
             )
-            counted = self.sql("SELECT kind, count(*) AS n FROM records GROUP BY kind")
+            counted = self.sql("SELECT kind, count(*) AS n FROM rank_records GROUP BY kind")
             lo, hi, n_steps = (steps[c].iloc[0] for c in ("lo", "hi", "n"))
             pairs = [(str(k), int(v)) for k, v in zip(counted["kind"], counted["n"], strict=True)]
         except TraceError:  # a part DuckDB cannot decode: hooktrace's reader leaves it out

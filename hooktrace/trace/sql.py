@@ -1,9 +1,14 @@
 """SQL over a trace, through DuckDB: the tables ``records``, ``steps``, ``modules`` and
 ``histograms`` as views over the run's Parquet parts (``histograms`` with whole rows of
-counts; ``histogram_spans`` as stored, with the macro ``bins_sum``), and ``logical_records``,
-the records of a run of several ranks as logical tensors (:mod:`hooktrace.trace.logical`),
-with ``logical_histogram_spans``, the histograms of their parts.
-Never imports torch.
+counts; ``histogram_spans`` as stored, with the macro ``bins_sum``). Never imports torch.
+
+A run of several ranks is answered about its logical tensors (:mod:`hooktrace.trace.logical`):
+there ``records`` is ``logical_records`` (each tensor of a step once, the ranks' shards and
+parts of the batch pooled, replicas counted once), ``histograms`` is ``logical_histograms``
+(a logical record's histogram, the sum of its parts') and ``histogram_spans`` is
+``logical_histogram_spans`` (those parts, a row each, under the logical record's ``rank``
+and ``seq``). Each rank's records as written are ``rank_records``, ``rank_histograms`` and
+``rank_histogram_spans``, in any run; in a run of one rank the plain names are those.
 
 DuckDB is embedded, reads Parquet where it lies (only the columns and row groups a query
 needs), runs on every core and spills to disk past its memory limit, so a question over a
@@ -24,7 +29,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import pyarrow as pa
 
@@ -44,6 +49,16 @@ TABLES = {
     histograms.HISTOGRAMS_DIR: histograms.HISTOGRAM_SCHEMA,
 }
 
+RANK_RECORDS: Final = "rank_records"
+"""The view of each rank's records as written: what the analyzer's own queries read."""
+
+RANK_HISTOGRAM_SPANS: Final = "rank_histogram_spans"
+"""The view of each rank's histograms as stored (a span of bins a row)."""
+
+DEFAULT_VIEWS: Final = ("records", "histograms", "histogram_spans")
+"""The views that answer about logical tensors in a run of several ranks (``logical_<name>``)
+and about each rank's in a run of one (``rank_<name>``)."""
+
 _SQL_TYPES = {
     pa.int16(): "SMALLINT",
     pa.int32(): "INTEGER",
@@ -59,13 +74,17 @@ def connect(
     parts: dict[str, list[Path]],
     columns: dict[str, set[str]] | None = None,
     layout: logical.Layout | None = None,
+    *,
+    logical_default: bool = False,
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with a view per table over ``parts`` (the reader's
     whole parts, by table directory name); ``columns``, where given, are the columns the
     parts of each table hold between them (else DuckDB reads every footer to learn them);
-    ``layout``, each rank's data-parallel rank where known (``Trace.layout``)."""
+    ``layout``, each rank's data-parallel rank where known (``Trace.layout``);
+    ``logical_default``: whether ``records``, ``histograms`` and ``histogram_spans`` are the
+    logical views (a run of several ranks) or each rank's."""
     con = open_connection()
-    define_views(con, parts, columns, layout)
+    define_views(con, parts, columns, layout, logical_default=logical_default)
     return con
 
 
@@ -94,35 +113,42 @@ def define_views(
     parts: dict[str, list[Path]],
     columns: dict[str, set[str]] | None = None,
     layout: logical.Layout | None = None,
+    *,
+    logical_default: bool = False,
 ) -> None:
-    """(Re)define the ``records``, ``steps``, ``modules``, ``histograms`` and
-    ``logical_records`` views over ``parts``."""
+    """(Re)define the views over ``parts`` (the module says which), ``records``,
+    ``histograms`` and ``histogram_spans`` logical where ``logical_default``."""
     for name, file_schema in TABLES.items():
         present = None if columns is None else columns[name]
         view = _select(con, file_schema, parts[name], present)
         if name == histograms.HISTOGRAMS_DIR:
-            con.execute(f"CREATE OR REPLACE VIEW histogram_spans AS {view}")
+            con.execute(f"CREATE OR REPLACE VIEW {RANK_HISTOGRAM_SPANS} AS {view}")
             view = _whole_histograms(view)
-        con.execute(f"CREATE OR REPLACE VIEW {name} AS {view}")
+        named = f"rank_{name}" if name in DEFAULT_VIEWS else name
+        con.execute(f"CREATE OR REPLACE VIEW {named} AS {view}")
     records = ["rank", *schema.RECORD_SCHEMA.names]
     con.execute(
-        f"CREATE OR REPLACE VIEW logical_records AS {logical.select('records', records, layout)}"
+        f"CREATE OR REPLACE VIEW logical_records AS {logical.select(RANK_RECORDS, records, layout)}"
     )
     con.execute(f"CREATE OR REPLACE VIEW logical_histogram_spans AS {logical_spans('', layout)}")
+    con.execute(f"CREATE OR REPLACE VIEW logical_histograms AS {_summed_histograms()}")
+    for name in DEFAULT_VIEWS:
+        chosen = f"logical_{name}" if logical_default else f"rank_{name}"
+        con.execute(f"CREATE OR REPLACE VIEW {name} AS SELECT * FROM {chosen}")
     con.execute(BINS_SUM)
 
 
 def logical_spans(where: str, layout: logical.Layout | None = None) -> str:
-    """A query of the histograms (as ``histogram_spans`` holds them) that ``where`` (a WHERE
-    clause over ``histogram_spans``, or "") keeps, each part of a logical tensor (see
+    """A query of the histograms (as ``rank_histogram_spans`` holds them) that ``where`` (a
+    WHERE clause over ``rank_histogram_spans``, or "") keeps, each part of a logical tensor (see
     :func:`hooktrace.trace.logical.parts`) under its logical record's ``rank`` and ``seq``: a
     replica's copies left out but one, so that the sum of a logical record's rows is its
     histogram. The values are what each rank computed: an activation gradient pooled over
     data-parallel ranks is not divided by their number, as the logical record's statistics are."""
     needed = ", ".join(logical.NEEDED)
-    source = f"(SELECT {needed} FROM records SEMI JOIN spans_ USING (rank, step, seq))"
+    source = f"(SELECT {needed} FROM {RANK_RECORDS} SEMI JOIN spans_ USING (rank, step, seq))"
     return f"""(
-WITH spans_ AS (SELECT * FROM histogram_spans {where}),
+WITH spans_ AS (SELECT * FROM {RANK_HISTOGRAM_SPANS} {where}),
 parts_ AS ({logical.parts(source, layout)})
 SELECT s.* EXCLUDE (rank, seq), p.logical_rank AS rank, p.logical_seq AS seq
 FROM spans_ s JOIN parts_ p USING (rank, step, seq)
@@ -136,6 +162,34 @@ CREATE OR REPLACE MACRO bins_sum(start, span, first, stop) AS coalesce(list_sum(
 """``bins_sum(pos_start, pos, first, stop)`` over ``histogram_spans``: the count in magnitude
 bins ``first`` to ``stop - 1`` of a span stored from ``start``. Questions about a range of
 bins read the spans (a few dozen counts a row) far faster than whole rows of 279."""
+
+
+def _summed_histograms() -> str:
+    """The histograms of the logical records: one row each, the sums of its parts' counts
+    and bins (``logical_histogram_spans``), whole rows as ``rank_histograms`` has them."""
+    columns = [f.name for f in histograms.HISTOGRAM_SCHEMA if f.name not in ("step", "seq")]
+    names = [c for c in columns if c not in _SPAN_COLUMNS]
+    kept = ", ".join(
+        f"sum({c})::BIGINT AS {c}" if c in _COUNT_COLUMNS else f"any_value({c}) AS {c}"
+        for c in names
+    )
+    bins = histograms.MAGNITUDE_BINS
+    summed = ", ".join(
+        f"list_transform(range(1, {bins + 1}), lambda i: "
+        f"list_sum(list_transform({sign}_, lambda r: r[i]))::BIGINT) AS {sign}"
+        for sign in ("pos", "neg")
+    )
+    whole = _whole_histograms("SELECT * FROM logical_histogram_spans")
+    return f"""
+SELECT rank, step, seq, {", ".join(names)}, {summed}
+FROM (
+    SELECT rank, step, seq, {kept}, list(pos) AS pos_, list(neg) AS neg_
+    FROM ({whole})
+    GROUP BY rank, step, seq
+)"""
+
+
+_COUNT_COLUMNS = ("numel", "zero", "nan", "pos_inf", "neg_inf")
 
 
 def _whole_histograms(view: str) -> str:

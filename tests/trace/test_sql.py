@@ -56,6 +56,14 @@ def test_the_tables_have_every_column_of_the_format_and_the_rank(run: Path) -> N
     assert trace.sql("SELECT count(*) AS n FROM records")["n"].item() == len(trace.records)
 
 
+def test_a_run_of_one_rank_has_its_records_as_written(run: Path) -> None:
+    """One rank: ``records`` is ``rank_records`` (no logical columns, nothing pooled)."""
+    trace = hooktrace.load(run)
+    plain = trace.sql("SELECT * FROM records ORDER BY step, seq")
+    pd.testing.assert_frame_equal(plain, trace.sql("SELECT * FROM rank_records ORDER BY step, seq"))
+    assert "merged" not in plain.columns
+
+
 def test_a_format_1_0_trace_reads_its_missing_notes_as_empty() -> None:
     trace = hooktrace.load(FORMAT_1_0)
     assert trace.format_version == "1.0"

@@ -208,7 +208,7 @@ def _scan(
     logical: bool,
 ) -> tuple[Scan, list[Finding]]:
     """The records of ``steps`` reduced, and the non-finite and series findings: in DuckDB
-    over the records view; where DuckDB fails on a part, or hooktrace's reader finds one
+    over the rank_records view; where DuckDB fails on a part, or hooktrace's reader finds one
     damaged, the same reductions again chunk by chunk over what the reader reads (which
     leaves the damaged parts out, and says so). ``logical``: chunk by chunk over the logical
     records."""

@@ -1,7 +1,7 @@
 """The one pass over the records that :func:`hooktrace.anomalies` needs, as DuckDB queries.
 Never imports torch.
 
-Each reduction is one SQL query over a relation of records: the trace's ``records`` view
+Each reduction is one SQL query over a relation of records: the trace's ``rank_records`` view
 (DuckDB reads only the columns it needs, on every core, spilling past its memory limit), or,
 where DuckDB cannot decode a part (it does not check page checksums but fails on what it
 cannot decode), each chunk of whole steps that hooktrace's reader gives, which leaves the
@@ -62,7 +62,7 @@ _SQUARES = """(SELECT *, x * x AS square FROM (
 # the norm of a group's records: the root of their summed squares (or of their mean: {per}),
 # NaN if any norm is (DuckDB's sum is NaN then, as squares are never negative); NULL where
 # the group holds more than two (see _EXACT); with the first seq where {seq} says so (the
-# records view's series leave it out, and take it from their squares or _FIRST_SEQ: see
+# rank_records view's series leave it out, and take it from their squares or _FIRST_SEQ: see
 # _Queried)
 _NORMS = """
     SELECT g.rank, i.id AS module, g.step, g.value, g.seq FROM (
@@ -120,10 +120,10 @@ class Scan:
         self.names: list[str] = []
         self._ids: dict[str, int] = {}
         self._steps: set[int] = set()  # read, of any rank: a step of 2 ranks is one step
-        self._con: Any = None  # the trace's (its records view), or one of the scan's own
+        self._con: Any = None  # the trace's (its rank_records view), or one of the scan's own
         self._owned = False
         self._relations = f"hooktrace_{id(self):x}"  # ids, and a chunk of records
-        # grads, outputs: rank, module, step, value, seq; queries over the records view, or a
+        # grads, outputs: rank, module, step, value, seq; queries over the rank_records view, or a
         # table filled chunk by chunk
         self.norms: SeriesStore | _Queried | None = None  # made by read() or read_chunks()
         self.per_slot: list[pd.DataFrame] = []  # rank, module, slot: steps, none, first, last
@@ -136,12 +136,12 @@ class Scan:
         return len(self._steps)
 
     def read(self, steps: tuple[int, int] | list[int] | None, chunk_rows: int) -> None:
-        """Every record of ``steps``, through the records view: the steps that hold a NaN or
+        """Every record of ``steps``, through the rank_records view: the steps that hold a NaN or
         an Inf are then read in full by hooktrace's reader, ``chunk_rows`` at a time."""
         self._con = self.trace._duckdb()
         where, parameters = _where(steps)
         recorded = self._recorded(steps, where, parameters)
-        found, queries = self._reduce("records", where, parameters, recorded)
+        found, queries = self._reduce(sql.RANK_RECORDS, where, parameters, recorded)
         read = self.nonfinite.recorded  # the steps of each rank read
         grid = (
             np.array(sorted(read), dtype=np.int64),
@@ -162,7 +162,7 @@ class Scan:
         capture)."""
         rare = {"micro_step"} | (set() if self.ranges else {"numel", "mean", "std"})
         columns = [c for c in COLUMNS if c not in rare]
-        self._con, self._owned = sql.open_connection(), True  # the records view is not needed
+        self._con, self._owned = sql.open_connection(), True  # the rank_records view is not needed
         self.norms = store = SeriesStore(self._con)
         layout = self.trace.layout
         for chunk in step_chunks(self.trace, steps, chunk_rows):
@@ -214,7 +214,7 @@ class Scan:
         self, steps: tuple[int, int] | list[int] | None, where: str, parameters: list[Any]
     ) -> dict[str, np.ndarray] | None:
         """``rank``, ``step`` and ``bad`` (it holds a NaN or an Inf) of each (rank, step) of
-        the records view that ``steps`` selects, in order: the steps from the steps table,
+        the rank_records view that ``steps`` selects, in order: the steps from the steps table,
         where the parts' footers agree with it (else None), the bad ones from the records
         that count a NaN or an Inf, which the row groups' statistics rule out for nearly
         every group (100M records: 0.08 s, against 0.5 s to group them all by step)."""
@@ -227,7 +227,7 @@ class Scan:
             counted = counted[counted["step"].isin(steps)]
         counted = counted.sort_values(["rank", "step"])
         bad = self._con.execute(
-            f"SELECT DISTINCT rank, step FROM records WHERE ({where}) "
+            f"SELECT DISTINCT rank, step FROM {sql.RANK_RECORDS} WHERE ({where}) "
             "AND (nan_count > 0 OR inf_count > 0)",
             parameters,
         ).df()
@@ -466,7 +466,7 @@ class _Incomplete(Exception):
 
 
 class _Queried:
-    """Series as queries over the records view, read back a few modules at a time as
+    """Series as queries over the rank_records view, read back a few modules at a time as
     :meth:`SeriesStore.tables` does: nothing is held between the scan and the series checks.
     Where the ``grid`` of ranks and steps read fits :data:`DENSE_BYTES`, the norms are summed
     into it (:meth:`_dense`); else DuckDB groups and sorts them, and where a norm is NULL (a

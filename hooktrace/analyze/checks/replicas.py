@@ -36,7 +36,7 @@ WITH per_step AS (
            count(DISTINCT min) AS mins, count(DISTINCT max) AS maxs,
            min(norm) AS low, max(norm) AS high,
            arg_min(rank, norm) AS low_rank, arg_max(rank, norm) AS high_rank
-    FROM records
+    FROM rank_records
     WHERE kind = 'param' AND norm IS NOT NULL AND NOT contains(placements, 'P(')
     GROUP BY ALL
 ), judged AS (

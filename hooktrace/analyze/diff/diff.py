@@ -374,7 +374,7 @@ def _step_counts(
         where, values = _where(names, kinds, ranks, in_range)
         try:
             counts = trace.sql(
-                f"SELECT step, count(*) AS n FROM records{where} GROUP BY step", values
+                f"SELECT step, count(*) AS n FROM rank_records{where} GROUP BY step", values
             )
             return counts.set_index("step")["n"].astype("int64").sort_index()
         except TraceError as exc:
@@ -421,7 +421,7 @@ _FEW_PARTS = 4
 def _distinct_modules(trace: Trace, kinds: list[str] | None, ranks: list[int] | None) -> list[str]:
     where, values = _where(None, kinds, ranks, None)
     try:
-        found = trace.sql(f"SELECT DISTINCT module FROM records{where}", values)["module"]
+        found = trace.sql(f"SELECT DISTINCT module FROM rank_records{where}", values)["module"]
     except TraceError as exc:
         if not _engine_failed(exc):
             raise

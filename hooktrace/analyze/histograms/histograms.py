@@ -182,7 +182,7 @@ def describe(trace: Trace) -> str:
     """What histograms ``trace`` holds, in a sentence: kinds, modules and steps."""
     held = trace.sql(
         "SELECT kind, count(DISTINCT module) AS modules, count(DISTINCT step) AS steps, "
-        "min(step) AS first, max(step) AS last FROM histogram_spans GROUP BY kind ORDER BY kind"
+        "min(step) AS first, max(step) AS last FROM rank_histogram_spans GROUP BY kind ORDER BY kind"
     )
     if held.empty:
         return "the trace holds no histograms"

@@ -23,7 +23,7 @@ and Inf are already the non-finite checks' business):
   Inf in bfloat16. bfloat16 shares float32's exponent range, so only float64 values reach
   its overflow, and only float32 subnormals (or float64 values) its underflow.
 
-Everything is computed in DuckDB over the ``histogram_spans`` view of :meth:`Trace.sql` (the
+Everything is computed in DuckDB over the ``rank_histogram_spans`` view of :meth:`Trace.sql` (the
 spans as stored), grouped there: what comes back is one row per tensor (module, kind, slot) or per module and kind, so
 memory stays bounded whatever the trace's size.
 """
@@ -309,7 +309,9 @@ def _query(
     ``logical``: the logical tensors' histograms (:func:`logical_spans`) for the ranks'."""
     where, parameters = _where(steps, modules, kinds)
     source = (
-        f"{logical_spans(where, trace.layout)} AS spans_" if logical else f"histogram_spans {where}"
+        f"{logical_spans(where, trace.layout)} AS spans_"
+        if logical
+        else f"rank_histogram_spans {where}"
     )
     measures = [f"{f.name}_{m}" for f in FORMATS for m in MEASURES]
     counts = ", ".join(f"sum({_count(f, m)}) AS {f.name}_{m}" for f in FORMATS for m in MEASURES)

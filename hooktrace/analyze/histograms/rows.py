@@ -104,7 +104,7 @@ class Where:
             pattern = re.compile(modules)
         except re.error as exc:
             raise ConfigError(f"bad modules regex {modules!r}: {exc}") from None
-        found = self.trace.sql("SELECT DISTINCT module FROM histogram_spans")["module"]
+        found = self.trace.sql("SELECT DISTINCT module FROM rank_histogram_spans")["module"]
         return sorted(str(m) for m in found if pattern.search(str(m)))
 
     def sql(self, *extra: str) -> str:
@@ -113,16 +113,16 @@ class Where:
 
     def source(self, *extra: str) -> str:
         """The histograms these options keep, as a relation to select from (``extra``:
-        clauses besides, their values after :attr:`values`): ``histogram_spans``, or where
+        clauses besides, their values after :attr:`values`): ``rank_histogram_spans``, or where
         :attr:`logical`, the parts of the logical tensors (:func:`sql.logical_spans`)."""
         if not self.logical:
-            return f"histogram_spans{self.sql(*extra)}"
+            return f"rank_histogram_spans{self.sql(*extra)}"
         return f"{logical_spans(self.sql(*extra), self.trace.layout)} AS logical_spans_"
 
     def rows_per_step(self) -> pd.Series:
         """Histograms per step, indexed by step, in step order (no bins read)."""
         found = self.trace.sql(
-            f"SELECT step, count(*) AS n FROM histogram_spans{self.sql()} GROUP BY step "
+            f"SELECT step, count(*) AS n FROM rank_histogram_spans{self.sql()} GROUP BY step "
             "ORDER BY step",
             self.values,
         )

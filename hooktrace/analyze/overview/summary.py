@@ -125,12 +125,12 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
     )
 
 
-_RECORDED_STEPS = "SELECT DISTINCT step FROM records"
+_RECORDED_STEPS = "SELECT DISTINCT step FROM rank_records"
 _LOGICAL = """
     SELECT count(*) AS n FROM (
         SELECT DISTINCT step, micro_step, phase, module, call, kind, slot,
             CASE WHEN contains(placements, 'P(') THEN rank END
-        FROM records)
+        FROM rank_records)
 """  # a logical tensor per tensor of a step, but partial sums: one per rank
 
 
@@ -147,7 +147,7 @@ def _logical_count(trace: Trace) -> int | None:
 
 _NOT_SUMMARISED = f"""
     SELECT module, kind, substr(note, {len(NOTE_SKIPPED) + 1}) AS reason, count(*) AS records
-    FROM records WHERE starts_with(note, '{NOTE_SKIPPED}')
+    FROM rank_records WHERE starts_with(note, '{NOTE_SKIPPED}')
     GROUP BY ALL ORDER BY module, kind, reason
 """
 
@@ -227,7 +227,7 @@ def _groups_query(trace: Trace) -> str:
     return (
         f"SELECT {keys}, grouping(module) AS by_kind, count(*) AS records, "
         f"{full} AS full_tensors, {skipped} AS not_summarised, {trained} AS trained "
-        f"FROM records GROUP BY GROUPING SETS ({sets})"
+        f"FROM rank_records GROUP BY GROUPING SETS ({sets})"
     )
 
 

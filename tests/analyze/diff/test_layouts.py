@@ -205,16 +205,102 @@ def test_the_committed_samples_are_made_again(runs: tuple[Path, list], name: str
 
 @pytest.mark.parametrize("layout", ["fsdp2", "ddp", "tp", "fsdp_tp"])
 def test_the_sql_view_and_the_query_agree(runs: tuple[Path, list], layout: str) -> None:
-    """``logical_records`` (DuckDB) and ``query(logical=True)`` (numpy): one answer."""
+    """``records`` (DuckDB's logical records, a run of several ranks) and ``query()``
+    (numpy's): one answer; ``rank_records`` holds each rank's records as written."""
     where, _ = runs
     trace = hooktrace.load(where / layout)
-    viewed = trace.sql("SELECT * FROM logical_records ORDER BY step, seq, rank")
-    read = trace.query(logical=True)
+    viewed = trace.sql("SELECT * FROM records ORDER BY step, seq, rank")
+    pd.testing.assert_frame_equal(
+        viewed, trace.sql("SELECT * FROM logical_records ORDER BY step, seq, rank")
+    )
+    read = trace.query()
     assert len(viewed) == len(read) > 0
+    assert list(viewed.columns) == list(read.columns)
+    written = trace.sql("SELECT * FROM rank_records ORDER BY rank, step, seq")
+    assert len(written) == len(trace.records) > len(viewed)
+    assert written["seq"].tolist() == trace.records["seq"].tolist()
     for column in ("rank", "step", "module", "kind", "slot", "shape", "numel", "merged", "dp"):
         assert viewed[column].astype(str).tolist() == read[column].astype(str).tolist(), column
     for column in (*_STATS, "zero_fraction"):
         np.testing.assert_allclose(viewed[column], read[column], rtol=1e-12, err_msg=column)
+
+
+_SAME_SQL = (
+    "SELECT step, module, kind, slot, call, shape, numel, mean, std, min, max, norm, "
+    "zero_fraction, nan_count FROM records WHERE step < 3 AND NOT contains(placements, 'P(') "
+    "ORDER BY step, module, kind, slot, call"
+)
+"""A question in SQL whose answer does not depend on the layout (before the step where the
+DDP sample's change was planted; a partial sum, never pooled, left out)."""
+
+
+@pytest.mark.parametrize(
+    ("layout", "partial"), [("fsdp2", 0), ("ddp", 0), ("tp", 2), ("fsdp_tp", 4)]
+)
+def test_the_same_sql_gives_the_one_processs_answer(
+    runs: tuple[Path, list], layout: str, partial: int
+) -> None:
+    """A user's query over ``records`` answers about the model, whatever the layout: the
+    one process's answer, to float rounding (each record once, the same shapes). Rowwise
+    parallelism's fc2 output is a partial sum on each rank (the reduction comes after the
+    module's hook): each rank's record stays its own."""
+    where, _ = runs
+    with_outputs = "one_outputs" if partial else "one"  # the same recording options
+    one = hooktrace.load(where / with_outputs).sql(_SAME_SQL)
+    trace = hooktrace.load(where / layout)
+    got = trace.sql(_SAME_SQL)
+    partials = trace.sql(
+        "SELECT module, kind, merged FROM records WHERE step < 3 AND merged = 'partial'"
+    )
+    assert len(partials) == 3 * partial
+    assert set(map(tuple, partials[["module", "kind"]].values)) <= {("fc2", "output")}
+    if partial:
+        one = one[~((one["module"] == "fc2") & (one["kind"] == "output"))].reset_index(drop=True)
+    key = ["step", "module", "kind", "slot", "call", "numel", "nan_count"]
+    assert len(got) == len(one) == 3 * _PER_STEP - (3 if partial else 0)
+    pd.testing.assert_frame_equal(got[key], one[key])
+    # the ReLU's local shards (no DTensor says where they lie) list their own shapes
+    whole = ~got["shape"].str.contains("+", regex=False)
+    assert (got["shape"][whole] == one["shape"][whole]).all() and whole.sum() >= len(got) - 6
+    for column in (*_STATS, "zero_fraction"):
+        np.testing.assert_allclose(got[column], one[column], rtol=1e-5, atol=1e-7, err_msg=column)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "ddp", "tp", "fsdp_tp"])
+def test_sql_histograms_are_those_of_the_logical_records(
+    runs: tuple[Path, list], layout: str
+) -> None:
+    """``histograms`` in a run of several ranks: a row per logical record, under its rank
+    and seq in ``records``, its counts the sum of its parts' (``histograms()`` sums them in
+    numpy); the initial parameters' bins are the one process's; ``rank_histograms`` holds
+    each rank's."""
+    where, _ = runs
+    trace = hooktrace.load(where / layout)
+    viewed = trace.sql("SELECT * FROM histograms ORDER BY rank, step, seq")
+    summed = trace.histograms()
+    assert len(viewed) == len(summed) > 0
+    assert list(viewed.columns) == list(summed.columns)
+    for column in ("rank", "step", "seq", "module", "kind", "slot"):
+        assert viewed[column].astype(str).tolist() == summed[column].astype(str).tolist()
+    for column in ("numel", "zero", "nan", "pos_inf", "neg_inf"):
+        assert viewed[column].tolist() == summed[column].tolist(), column
+    for sign in ("pos", "neg"):
+        assert np.array_equal(np.stack(viewed[sign]), np.stack(summed[sign])), sign
+    joined = trace.sql(
+        "SELECT h.numel AS counted, r.numel, r.kind FROM histograms h "
+        "JOIN records r USING (rank, step, seq)"
+    )
+    assert len(joined) == len(viewed)
+    assert (joined["counted"] == joined["numel"]).all()
+    bins = "SELECT module, slot, pos, neg FROM histograms WHERE kind = 'param' AND step = 0 "
+    bins += "ORDER BY module, slot"
+    one = hooktrace.load(where / "one").sql(bins)
+    got = trace.sql(bins)
+    assert got[["module", "slot"]].equals(one[["module", "slot"]]) and len(got) == 4
+    for sign in ("pos", "neg"):
+        assert np.array_equal(np.stack(got[sign]), np.stack(one[sign])), sign
+    rows = trace.sql("SELECT count(*) AS n, count(DISTINCT rank) AS ranks FROM rank_histograms")
+    assert rows.iloc[0].tolist() == [trace.histogram_count, len(trace.ranks)]
 
 
 def test_a_tensor_only_another_rank_holds_pairs_with_one_process(tmp_path: Path) -> None:
