@@ -116,7 +116,9 @@ def select(source: str, columns: Iterable[str], layout: Layout | None = None) ->
     if missing:
         raise ValueError(f"the logical view needs the record columns {', '.join(missing)}")
     key = ", ".join(KEY)
-    out = {c: _one(c) for c in columns}
+    # the grouping columns as they are (not an aggregate of them): a filter on them over the
+    # view is pushed down to the Parquet scan
+    out = {c: c if c in KEY else _one(c) for c in columns}
     out.update(_pooled())
     out["rank"] = "min(rank)::INTEGER"
     out["seq"] = "arg_min(seq, rank)"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from repo import FIXTURES
+from repo import FIXTURES, SAMPLES
 from scale_runs import many_parts
 
 import hooktrace
@@ -115,3 +115,18 @@ def test_a_step_window_opens_only_the_parts_holding_it(
     assert opened[-1] == 1
     assert trace.query(steps=[], columns=["step"]).empty
     assert trace.query(steps=(100, 200), columns=["step"]).empty
+
+
+@pytest.mark.parametrize(
+    ("where", "shown"),
+    [("step = 3", "step = 3"), ("module = 'fc1' AND kind = 'param'", "module = 'fc1'")],
+)
+def test_a_filter_over_the_logical_records_reaches_the_parquet_scan(where: str, shown: str) -> None:
+    """A question about a few steps or modules of a run of several ranks reads only their row
+    groups: the filter goes through the logical view down to every Parquet scan (it stopped
+    at the view's grouping, and each such question read and merged the whole trace)."""
+    trace = hooktrace.load(SAMPLES / "distributed" / "fsdp2")
+    assert len(trace.ranks) == 2
+    plan = trace.sql(f"EXPLAIN SELECT * FROM records WHERE {where}")["explain_value"].iloc[0]
+    scans = plan.count("READ_PARQUET")
+    assert scans >= 1 and plan.count(shown) == scans, plan
