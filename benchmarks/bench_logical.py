@@ -1,7 +1,8 @@
 """The logical view at scale: ``hooktrace summary``, ``diff`` and ``anomalies`` of a synthetic
 run of 8 ranks (10^7 records by default), as logical tensors (the default for a run of
 several ranks) and per rank (``--per-rank``), side by side: wall time and the process's peak
-memory.
+memory. Then ``trace.sql`` over ``records`` (the logical records) and over ``rank_records``
+(each rank's): a question about one module, and one about every record.
 
 Two runs are written once by benchmarks/synthetic.py, every rank through the real trace
 writer (run B with its statistics scaled from a module at step ``steps // 2``, so that diff
@@ -10,6 +11,7 @@ alternating the two views, and the medians are printed.
 
 Run: python benchmarks/bench_logical.py [--records 10000000] [--ranks 8] [--reps 3]
                                         [--keep DIR]   (reuse the runs written there)
+                                        [--only NAME]  (one case: summary, diff, sql, ...)
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ took = time.perf_counter() - started
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(f"MEASURED {took} {peak}", file=sys.stderr)
 """
+_SQL_CHILD = """
+import resource, sys, time
+import hooktrace
+trace = hooktrace.load(sys.argv[1])
+started = time.perf_counter()
+trace.sql(sys.argv[2])
+took = time.perf_counter() - started
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(f"MEASURED {took} {peak}", file=sys.stderr)
+"""
+_ONE_MODULE = (
+    "SELECT step, norm FROM {table} WHERE module = 'blocks.0.fc' AND kind = 'grad_param' "
+    "ORDER BY step"
+)
+_EVERY_RECORD = "SELECT module, kind, max(norm) AS norm FROM {table} GROUP BY ALL"
 
 
 def main() -> int:
@@ -47,6 +64,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--keep", type=Path, help="write the runs here (and reuse them)")
+    parser.add_argument("--only", help="the cases whose name starts with this")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         where = args.keep or Path(scratch)
@@ -56,14 +74,23 @@ def main() -> int:
             "diff": ["diff", str(a), str(b), "--stop-at-first"],
             "diff, whole": ["diff", str(a), str(b), "--format", "csv", "-o", str(where / "d.csv")],
             "anomalies": ["anomalies", str(b)],
+            "sql, a module": [_ONE_MODULE],
+            "sql, every": [_EVERY_RECORD],
         }
         print(f"{args.records:,} records over {args.ranks} ranks, {args.reps} repetitions:")
         print(f"  {'command':<14}{'view':<10}{'seconds':>9}{'peak MB':>10}")
         for name, command in cases.items():
+            if args.only and not name.startswith(args.only):
+                continue
             for view, extra in (("logical", []), ("per rank", ["--per-rank"])):
                 if name == "summary" and extra:
                     continue  # summary counts both in one pass
-                runs = [run([*command, *extra]) for _ in range(args.reps)]
+                if name.startswith("sql"):  # records, or rank_records
+                    table = "rank_records" if extra else "records"
+                    query = command[0].format(table=table)
+                    runs = [run([str(b), query], _SQL_CHILD) for _ in range(args.reps)]
+                else:
+                    runs = [run([*command, *extra]) for _ in range(args.reps)]
                 seconds = statistics.median(r[0] for r in runs)
                 peak = statistics.median(r[1] for r in runs) / 1024
                 print(f"  {name:<14}{view:<10}{seconds:>9.2f}{peak:>10.0f}")
@@ -91,10 +118,11 @@ def write_runs(where: Path, records: int, ranks: int) -> tuple[Path, Path]:
     return made[0], made[1]
 
 
-def run(command: list[str]) -> tuple[float, int]:
-    """Seconds and peak resident kB of ``hooktrace COMMAND`` in a process of its own."""
+def run(command: list[str], child: str = _CHILD) -> tuple[float, int]:
+    """Seconds and peak resident kB of ``hooktrace COMMAND`` (or of another ``child``
+    script given ``command``) in a process of its own."""
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, *command], capture_output=True, text=True, check=False
+        [sys.executable, "-c", child, *command], capture_output=True, text=True, check=False
     )
     line = [x for x in done.stderr.splitlines() if x.startswith("MEASURED ")]
     if not line:
