@@ -357,6 +357,32 @@ def test_histograms_whose_pages_are_damaged_get_a_one_line_error(
     assert len(error) == 1 and "hooktrace check" in error[0]
 
 
+@pytest.mark.filterwarnings("ignore::hooktrace.errors.TraceWarning")
+def test_a_damaged_part_of_one_rank_is_left_out_per_rank(tmp_path: Path) -> None:
+    """A run of two ranks, rank 1's first histograms part damaged in its pages: the logical
+    histograms need every rank's, so they refuse in one line that names ``--per-rank``;
+    per rank, the reader leaves the damaged part out and the rest is answered."""
+    run = tmp_path / "run"
+    shutil.copytree(ROOT / "sample_traces" / "distributed" / "fsdp2", run)
+    part = run / "histograms" / "rank=1" / "part-000000.parquet"
+    data = bytearray(part.read_bytes())
+    at = int(len(data) * 0.09)
+    data[at : at + 12] = bytes(12)
+    part.write_bytes(bytes(data))
+    with pytest.raises(TraceError, match=r"read the ranks' histograms apart \(--per-rank\)"):
+        hist(run)
+    result = invoke("hist", run)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert "--per-rank" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    whole = hist(ROOT / "sample_traces" / "distributed" / "fsdp2", per_rank=True)
+    with pytest.warns(hooktrace.TraceWarning, match="part-000000.parquet"):
+        left = hist(run, per_rank=True)
+    assert set(left["rank"]) == {0, 1}
+    kept = whole[(whole["rank"] == 0) | (whole["step"].isin(left["step"][left["rank"] == 1]))]
+    pd.testing.assert_frame_equal(left.reset_index(drop=True), kept.reset_index(drop=True))
+    assert len(left) < len(whole)
+
+
 # --- the command -------------------------------------------------------------------------------
 
 # golden file -> the command, run where the run is (the hand-set Linear: "run"; the samples:
