@@ -1,6 +1,7 @@
 """Data-parallel and sharded training recorded trains bit-identically to the same training
 unrecorded, in each layout a trainer uses: DDP (2 ranks), FSDP2 (2 ranks), tensor parallelism (2
-ranks) and FSDP2 + tensor parallelism on a 2x2 mesh (4 ranks); gloo, torchrun, one thread a
+ranks) and FSDP2 + tensor parallelism on a 2x2 mesh (4 ranks), and FSDP2 and tensor
+parallelism compiled by inductor, as trainers run them; gloo, torchrun, one thread a
 rank. The same losses on every rank, the same final parameters, gathered whole, and the same
 checkpoints (torch.distributed.checkpoint's, of the model and the optimizer, and a full state
 dict). The recorder reads each DTensor's local shard (and saves a capture's parameters) without
@@ -43,6 +44,8 @@ if "fsdp" in layout:
     for layer in (model[0], model[2], model[4]):
         fully_shard(layer, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+if sys.argv[3:] == ["compiled"]:  # the whole model, sharded or parallelised: DTensors inside
+    model = torch.compile(model)
 opt = torch.optim.Adam(model.parameters(), lr=1e-2)
 data = torch.Generator().manual_seed(rank if dp_mesh is None else dp_mesh.get_local_rank())
 losses = []
@@ -54,6 +57,9 @@ for step in range(4):
     losses.append(repr(loss.item()))
 with open(f"{sys.argv[1]}.rank{rank}", "w") as out:  # the ranks share one stdout
     out.write(" ".join(losses))
+from torch._dynamo.utils import counters
+with open(f"{sys.argv[1]}.graphs{rank}", "w") as out:  # graphs compiled, and graph breaks
+    out.write(f"{counters['stats']['unique_graphs']} {sum(counters['graph_break'].values())}")
 whole = {  # TP leaves the LayerNorm and the last layer plain tensors, whole on every rank
     name: p.full_tensor() if isinstance(p, DTensor) else p.detach()
     for name, p in model.named_parameters()
@@ -74,23 +80,32 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize(("layout", "ranks"), [("ddp", 2), ("fsdp2", 2), ("tp", 2), ("fsdp_tp", 4)])
+@pytest.mark.parametrize(
+    ("layout", "ranks", "how"),
+    [("ddp", 2, "eager"), ("fsdp2", 2, "eager"), ("tp", 2, "eager"), ("fsdp_tp", 4, "eager"),
+     ("fsdp2", 2, "compiled"), ("tp", 2, "compiled")],
+)  # fmt: skip
 def test_sharded_training_trains_bit_identically_recorded(
-    tmp_path: Path, layout: str, ranks: int
+    tmp_path: Path, layout: str, ranks: int, how: str
 ) -> None:
     script = tmp_path / "sharded.py"
     script.write_text(_SCRIPT)
-    plain = torchrun(tmp_path, str(script), str(tmp_path / "plain.pt"), layout, ranks=ranks)
+    plain = torchrun(tmp_path, str(script), str(tmp_path / "plain.pt"), layout, how, ranks=ranks)
     assert plain.returncode == 0, plain.stderr[-3000:]
     record = ["-m", "hooktrace", "record", "-q", "-o", str(tmp_path / "run")]
     recorded = torchrun(
-        tmp_path, *record, str(script), "--", str(tmp_path / "recorded.pt"), layout, ranks=ranks
-    )
+        tmp_path, *record, str(script), "--", str(tmp_path / "recorded.pt"), layout, how,
+        ranks=ranks,
+    )  # fmt: skip
     assert recorded.returncode == 0, recorded.stderr[-3000:]
     for rank in range(ranks):
         losses = (tmp_path / f"plain.pt.rank{rank}").read_text().split()
         assert len(losses) == 4
         assert (tmp_path / f"recorded.pt.rank{rank}").read_text().split() == losses
+        # the same graphs, and no graph break added (one was, at a DTensor's mark)
+        graphs = (tmp_path / f"plain.pt.graphs{rank}").read_text()
+        assert (tmp_path / f"recorded.pt.graphs{rank}").read_text() == graphs
+        assert (graphs != "0 0") == (how == "compiled"), graphs
     expected, got = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "recorded.pt")
     assert expected.keys() == got.keys()
     for name, value in expected.items():
@@ -115,6 +130,22 @@ def test_sharded_training_trains_bit_identically_recorded(
         assert not sharded.any()
     else:
         assert sharded.all() if "fsdp" in layout else sharded.any()  # TP: LayerNorm whole
+    # compiled or not, every layer's output and its gradient, each step, on every rank; but
+    # inside a compiled graph, the DTensor outputs of tensor parallelism's layers (said so)
+    outputs = trace.query(
+        kinds=["output", "grad_output"], columns=["rank", "module"], logical=False
+    )
+    counted = outputs.groupby(["rank", "module"], observed=True).size()
+    counted = counted[counted > 0]
+    left_out = {"0", "2"} if how == "compiled" and "tp" in layout else set()
+    layers = {"0", "1", "2", "3", "4"} - left_out
+    assert set(counted.index) - {(r, "Sequential") for r in range(ranks)} == {
+        (rank, m) for rank in range(ranks) for m in layers
+    }
+    assert (counted[[(rank, m) for rank in range(ranks) for m in layers]] == 4 * 2).all()
+    said = "inside a compiled graph, the output of '0' is a DTensor"
+    assert (said in recorded.stderr) == bool(left_out), recorded.stderr[-3000:]
+    assert "not recorded, only its outputs" not in recorded.stderr  # FSDP2: were said to be
 
 
 def _flat(state: object, prefix: str = "") -> dict[str, object]:

@@ -54,6 +54,9 @@ class Receiver(Protocol):
     def graph_failed(self, exc: BaseException, what: str) -> None:
         """Instrumenting a graph failed: it is compiled as it was."""
 
+    def graph_left_out(self, path: str) -> None:
+        """A module's output inside a graph is not recorded (a DTensor: ``plan.instrument``)."""
+
 
 _receiver: list[Receiver | None] = [None]
 _taps = [0]
@@ -108,6 +111,7 @@ class _Instrumenting:
                 max_units=self.receiver.max_units,
                 new_tap=_new_tap,
                 recorded=self.receiver.records_module,
+                left_out=self.receiver.graph_left_out,
             )
         except Exception as exc:
             self.receiver.graph_failed(exc, "reading a compiled graph")

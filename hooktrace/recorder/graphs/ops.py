@@ -24,7 +24,7 @@ buffers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -109,6 +109,8 @@ def mark_outputs(output: Any, slot: str = "", depth: int = 0) -> None:
     them): runs while dynamo traces the module's call, so only what dynamo traces without a
     graph break is looked into (tensors, tuples, lists, dicts with string keys)."""
     if isinstance(output, torch.Tensor):
+        if _is_dtensor(output):  # hooktrace::mark has no sharding rule (a graph break): its
+            output = cast(Any, output).to_local()  # local tensor, which the plan leaves out
         torch.ops.hooktrace.mark(output, slot or "0")
     elif depth < _MAX_DEPTH and isinstance(output, (tuple, list)):
         fields = getattr(output, "_fields", None)  # a namedtuple's slots are its fields
@@ -119,6 +121,29 @@ def mark_outputs(output: Any, slot: str = "", depth: int = 0) -> None:
         for key, item in output.items():
             if isinstance(key, str):
                 mark_outputs(item, f"{slot}.{key}" if slot else key, depth + 1)
+
+
+def _is_dtensor(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a DTensor (tensor parallelism's module outputs)."""
+    return _DTENSOR is not None and isinstance(x, _DTENSOR)
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def marks_a_dtensor(node: torch.fx.Node) -> bool:
+    """Whether a mark's value ``node`` is the local tensor of a DTensor (:func:`mark_outputs`)."""
+    if node.op == "call_method":
+        return node.target == "to_local"
+    return getattr(node.target, "__name__", "") == "to_local"
 
 
 @torch.library.custom_op("hooktrace::mark", mutates_args=())

@@ -104,11 +104,16 @@ def instrument(
     max_units: int,
     new_tap: Callable[[], int],
     recorded: Callable[[int], bool],
+    left_out: Callable[[str], None] = lambda path: None,
 ) -> Plan | None:
     """Take the marks out of ``gm`` and add, in their place, the statistics of the values
     they marked, and taps on their gradients where the graph trains; only of modules
     ``recorded`` (by id: a model that is not recorded pays nothing). None where no mark is
-    left (the graph then only loses its marks)."""
+    left (the graph then only loses its marks).
+
+    A DTensor output (tensor parallelism's, marked by its local tensor) is left out, with
+    its gradient: its record would need where its shard lies, and its gradient's placements
+    are known only once the backward is traced. ``left_out`` is told its module's path."""
     graph = gm.graph
     marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
     if not marks:
@@ -137,6 +142,9 @@ def instrument(
     for key, (path, module_type, marked) in calls.items():
         outputs = []
         for slot, node in marked:
+            if ops.marks_a_dtensor(node):
+                left_out(_split_path(path)[1] if path else "")
+                continue
             value = node.meta.get("example_value")
             if isinstance(value, torch.Tensor) and not value.is_complex():
                 channels_first = module_type is not None and issubclass(

@@ -39,17 +39,21 @@ class CompiledCalls:
         self._taps: dict[int, list[Expected]] = {}
         self.delivered = 0  # graph runs recorded
         self._delivered_before = 0  # ... when the current root call began
+        self.inside_eagerly = False  # a module inside the root's call recorded by its hooks
         self._warned = False
 
     def entering(self) -> None:
         """A root's call begins."""
         self._delivered_before = self.delivered
+        self.inside_eagerly = False
 
     def unseen(self, root: torch.nn.Module) -> bool:
         """Whether the root's call that ends now ran compiled graphs that were compiled
         before the recording began (dynamo keeps them, without statistics): it ran compiled,
-        it has modules inside, and no graph of its call handed in records. Once a run."""
-        if self._warned or self.delivered != self._delivered_before:
+        it has modules inside, and neither a graph of its call handed in records nor a
+        module inside was recorded by its hooks (as where dynamo breaks the graph at each
+        module, at FSDP2's hooks, and the modules' own forwards are compiled). Once a run."""
+        if self._warned or self.delivered != self._delivered_before or self.inside_eagerly:
             return False
         compiled = type(root).__name__ == "OptimizedModule" or (
             root.__dict__.get("_compiled_call_impl") is not None

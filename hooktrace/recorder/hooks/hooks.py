@@ -110,6 +110,8 @@ class Hooks:
         if self._paused or attach.traced() or _in_transform():
             return
         with self._lock:
+            if not entry.root:
+                self._compiled.inside_eagerly = True
             try:
                 if type(output) is torch.Tensor:
                     self._on_forward(entry.name, module, args, kwargs, output, entry.channels_first)

@@ -182,6 +182,7 @@ class Recorder(Steps):
         self._calls = Calls()
         self._compiled = CompiledCalls(self._names, self._table)
         self._graph_failures = 0
+        self._dtensors_left_out = False
         self._paused = 0  # > 0 while torch.jit.trace re-runs the model to check its graph
         self._patches = Patches()
         # hooks may fire in several threads at once (nn.DataParallel's replicas, autograd's
@@ -345,6 +346,19 @@ class Recorder(Steps):
             "before the recording began: the modules inside them are not recorded, only its "
             "outputs and parameters. Start recording before the model's first call (or call "
             "torch._dynamo.reset() first)."
+        )
+
+    def graph_left_out(self, path: str) -> None:
+        """Inside a compiled graph, the output of the module at ``path`` (from the compiled
+        frame) is a DTensor: it is left out, with its gradient; said once a run."""
+        if self._dtensors_left_out:
+            return
+        self._dtensors_left_out = True
+        _warn(
+            f"hooktrace: inside a compiled graph, the output of {path or 'a module'!r} is a "
+            "DTensor (tensor parallelism's): the outputs and output gradients of such modules "
+            "are not recorded where they are compiled (their parameters, and the modules "
+            "around them, are); to record them, compile the modules around them only"
         )
 
     def graph_failed(self, exc: BaseException, what: str) -> None:
