@@ -81,6 +81,9 @@ def render(s: Summary) -> str:
         f"histogram {_histograms(s)}",
         "on disk   " + ", ".join(f"{k} {_human(v)}" for k, v in s.bytes_on_disk.items()),
     ]
+    if s.notes:
+        lines.append("not recorded:")
+        lines += _notes(s.notes, len(s.ranks))
     if not s.not_summarised.empty:
         total = int(s.not_summarised["records"].sum())
         lines.append(f"not summarised: {total:,} records (no statistics; the recording went on):")
@@ -92,6 +95,19 @@ def render(s: Summary) -> str:
         lines.append("most records:")
         lines += [f"  {row.module:<40} {row.records:>8,}" for row in s.largest.head(5).itertuples()]
     return "\n".join(lines) + "\n"
+
+
+def _notes(notes: dict[int, list[str]], ranks: int) -> list[str]:
+    """Each note once: plainly where every one of the run's ``ranks`` wrote it, else with
+    the ranks that did."""
+    by: dict[str, list[int]] = {}
+    for rank, texts in notes.items():
+        for text in texts:
+            by.setdefault(text, []).append(rank)
+    return [
+        f"  {text}" if len(r) >= ranks else f"  rank {', '.join(map(str, r))}: {text}"
+        for text, r in by.items()
+    ]
 
 
 def _histograms(s: Summary) -> str:

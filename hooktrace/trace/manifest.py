@@ -125,6 +125,7 @@ _STATUS_FIELDS = {  # "status" itself is checked against schema.STATUSES
     "stats_route": ("a string", lambda v: isinstance(v, str)),
     "stats_warmup_seconds": ("a number", _number),
     "data_parallel": ("an object of a size and a rank", _place),
+    "notes": ("a list of strings", _strings),
     **{
         key: ("a count", _count)
         for key in ("steps_written", "records_written", "tensors_written", "steps_lost")

@@ -145,6 +145,9 @@ def test_sharded_training_trains_bit_identically_recorded(
     assert (counted[[(rank, m) for rank in range(ranks) for m in layers]] == 4 * 2).all()
     said = "inside a compiled graph, the output of '0' is a DTensor"
     assert (said in recorded.stderr) == bool(left_out), recorded.stderr[-3000:]
+    notes = hooktrace.summary(trace).notes  # each rank's status says it too
+    assert notes == ({r: [notes[0][0]] for r in range(ranks)} if left_out else {})
+    assert not left_out or "the outputs of '0', '2' are DTensors" in notes[0][0]
     assert "not recorded, only its outputs" not in recorded.stderr  # FSDP2: were said to be
 
 

@@ -54,6 +54,9 @@ class Summary:
     histogram_every: int
     bytes_on_disk: dict[str, int]
     error: str | None
+    notes: dict[int, list[str]]
+    """What each rank's recording could not record and why (its status's ``notes``), by rank:
+    graphs it could not look into, outputs it left out."""
     largest: pd.DataFrame = field(repr=False)
     """The modules with the most records, for a first look."""
     not_summarised: pd.DataFrame = field(repr=False, default_factory=pd.DataFrame)
@@ -120,6 +123,11 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
             if name != "histograms" or (trace.path / name).exists()
         },
         error=errors[0] if errors else None,
+        notes={
+            int(rank): list(status["notes"])
+            for rank, status in sorted(manifest["ranks"].items(), key=lambda kv: int(kv[0]))
+            if status.get("notes")
+        },
         largest=counts.head(10).reset_index(drop=True),
         not_summarised=skipped,
     )

@@ -54,6 +54,7 @@ from hooktrace.recorder.records.shards import data_parallel
 from hooktrace.recorder.records.staging import StagingPool
 from hooktrace.recorder.stats.stats import route_taken
 from hooktrace.trace import schema
+from hooktrace.trace.paths import one_line
 from hooktrace.trace.writer import TraceWriter
 
 __all__ = ["DEFAULT_HISTOGRAMS", "Models", "Recorder", "active_recorder", "unwrap"]
@@ -182,7 +183,8 @@ class Recorder(Steps):
         self._calls = Calls()
         self._compiled = CompiledCalls(self._names, self._table)
         self._graph_failures = 0
-        self._dtensors_left_out = False
+        self._notes: list[str] = []  # what the trace lacks and why, for the rank's status
+        self._dtensor_outputs: list[str] = []  # modules' DTensor outputs left out of graphs
         self._paused = 0  # > 0 while torch.jit.trace re-runs the model to check its graph
         self._patches = Patches()
         # hooks may fire in several threads at once (nn.DataParallel's replicas, autograd's
@@ -275,6 +277,7 @@ class Recorder(Steps):
                 **(self._place or self._layout()),
                 **self._captures.status(),
                 "histograms_failed": self.histograms_failed,  # the writer adds its own
+                **self._status_notes(),
             }
             problem = self._writer.close(status, error=error or self.error, extra=extra, warn=False)
         if problem is None:
@@ -341,25 +344,34 @@ class Recorder(Steps):
         return entry is not None and entry.name is not None
 
     def _compiled_before(self, entry: Any) -> None:
-        _warn(
-            f"hooktrace: {entry.name or 'a compiled model'} runs graphs that were compiled "
-            "before the recording began: the modules inside them are not recorded, only its "
-            "outputs and parameters. Start recording before the model's first call (or call "
+        self._note(
+            f"{entry.name or 'a compiled model'} runs graphs that were compiled before the "
+            "recording began: the modules inside them are not recorded, only its outputs and "
+            "parameters. Start recording before the model's first call (or call "
             "torch._dynamo.reset() first)."
         )
+
+    def _status_notes(self) -> dict[str, list[str]]:
+        notes = list(self._notes)
+        if self._dtensor_outputs:
+            notes.append(_dtensor_note(self._dtensor_outputs))
+        return {"notes": notes} if notes else {}
+
+    def _note(self, text: str) -> None:
+        """Say once what the trace lacks and why: a warning now, and a note in the rank's
+        status (``hooktrace summary`` shows it)."""
+        if text not in self._notes:
+            self._notes.append(text)
+            _warn(f"hooktrace: {text}")
 
     def graph_left_out(self, path: str) -> None:
         """Inside a compiled graph, the output of the module at ``path`` (from the compiled
         frame) is a DTensor: it is left out, with its gradient; said once a run."""
-        if self._dtensors_left_out:
+        if path in self._dtensor_outputs:
             return
-        self._dtensors_left_out = True
-        _warn(
-            f"hooktrace: inside a compiled graph, the output of {path or 'a module'!r} is a "
-            "DTensor (tensor parallelism's): the outputs and output gradients of such modules "
-            "are not recorded where they are compiled (their parameters, and the modules "
-            "around them, are); to record them, compile the modules around them only"
-        )
+        self._dtensor_outputs.append(path or "a module")
+        if len(self._dtensor_outputs) == 1:
+            _warn(f"hooktrace: {_dtensor_note(self._dtensor_outputs)}")
 
     def graph_failed(self, exc: BaseException, what: str) -> None:
         """A graph could not be instrumented: it is compiled as the script asked, and its
@@ -368,8 +380,8 @@ class Recorder(Steps):
             raise RecordingError(fault_message(exc, what, self.current_step)) from exc
         self._graph_failures += 1
         if self._graph_failures == 1:
-            _warn(
-                f"hooktrace: {what} failed ({type(exc).__name__}: {exc}); that graph runs as "
+            self._note(
+                f"{what} failed ({type(exc).__name__}: {one_line(exc)}); that graph runs as "
                 "compiled by the script, and the modules inside it are not recorded"
             )
 
@@ -476,6 +488,23 @@ def _data_parallel(models: list[nn.Module]) -> dict[str, Any]:
     except Exception:  # a torch of other private names: the analyzer judges from the records
         return {}
     return {} if place is None else {"data_parallel": place}
+
+
+def _dtensor_note(paths: list[str]) -> str:
+    """What is left out where modules return DTensors inside compiled graphs (``paths``
+    from their compiled frames; the first ten named)."""
+    named = ", ".join(repr(p) for p in paths[:10])
+    more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
+    what = (
+        f"output of {named} is a DTensor"
+        if len(paths) == 1
+        else f"outputs of {named}{more} are DTensors"
+    )
+    return (
+        f"inside a compiled graph, the {what} (tensor parallelism's): the outputs and output gradients of such modules are not recorded "
+        "where they are compiled (their parameters, and the modules around them, are); to "
+        "record them, compile the modules around them only"
+    )
 
 
 def _route_taken() -> dict[str, Any] | None:

@@ -167,3 +167,30 @@ def _cli_summary(run: Path) -> str:
     result = CliRunner().invoke(cli, ["summary", str(run)])
     assert result.exit_code == 0, result.output
     return result.stdout
+
+
+def test_the_ranks_notes_are_shown_once_with_the_ranks_that_wrote_them(tmp_path: Path) -> None:
+    """Each rank's status ``notes``: one said by every rank is shown once, plainly; one said
+    by some ranks names them; notes that are not a list of strings are left out, warned."""
+    import json
+    import shutil
+
+    from repo import SAMPLES
+
+    from hooktrace.cli.summary import render
+
+    run = tmp_path / "run"
+    shutil.copytree(SAMPLES / "distributed" / "fsdp2", run)
+    for rank, notes in ((0, ["every rank's", "rank 0's own"]), (1, ["every rank's"])):
+        status = run / "status" / f"rank={rank}.json"
+        status.write_text(json.dumps({**json.loads(status.read_text()), "notes": notes}))
+    found = summary(run)
+    assert found.notes == {0: ["every rank's", "rank 0's own"], 1: ["every rank's"]}
+    assert "not recorded:\n  every rank's\n  rank 0: rank 0's own\n" in render(found)
+    status = run / "status" / "rank=1.json"
+    status.write_text(json.dumps({**json.loads(status.read_text()), "notes": "not a list"}))
+    with pytest.warns(hooktrace.TraceWarning, match="notes is not a list of strings"):
+        found = summary(run)
+    assert found.notes == {0: ["every rank's", "rank 0's own"]}
+    assert "  rank 0: every rank's\n  rank 0: rank 0's own\n" in render(found)
+    assert summary(SAMPLES / "distributed" / "fsdp2").notes == {}

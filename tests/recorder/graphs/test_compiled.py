@@ -309,6 +309,14 @@ def test_graphs_compiled_before_the_recording_are_said_to_be_seen_from_outside(
     assert set(records["module"]) - {"Blocks"} == {"blocks.0.fc", "blocks.1.fc", "blocks.2.fc",
                                                     "norm", "head"}  # fmt: skip
     assert set(records.loc[records["module"] != "Blocks", "kind"]) == {"param"}
+    # and the trace says so: the rank's status, which summary shows
+    found = hooktrace.summary(tmp_path / "run")
+    assert list(found.notes) == [0] and len(found.notes[0]) == 1
+    assert "Blocks runs graphs that were compiled before the recording began" in found.notes[0][0]
+    from hooktrace.cli.summary import render
+
+    text = render(found)
+    assert "not recorded:\n  Blocks runs graphs that were compiled before" in text
 
 
 def test_training_goes_on_bit_identically_after_the_recording_ends(tmp_path: Path) -> None:
