@@ -344,6 +344,8 @@ class Recorder(Steps):
         return entry is not None and entry.name is not None
 
     def _compiled_before(self, entry: Any) -> None:
+        if self._graph_failures:  # its graphs were not instrumented: that is said already
+            return
         self._note(
             f"{entry.name or 'a compiled model'} runs graphs that were compiled before the "
             "recording began: the modules inside them are not recorded, only its outputs and "

@@ -56,6 +56,7 @@ def _train(
     compile_model: Callable[[nn.Module], nn.Module] | None,
     *,
     steps: int = 3,
+    strict: bool = True,
 ) -> Run:
     """``steps`` SGD steps of a freshly seeded :class:`Blocks`, compiled by
     ``compile_model`` (None: eager), recorded into ``out`` where given: the losses, the final
@@ -81,7 +82,7 @@ def _train(
     if out is None:
         train()
     else:
-        with hooktrace.record(run, out, strict=True):
+        with hooktrace.record(run, out, strict=strict):
             train()
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return losses, params, Counter(torch._dynamo.utils.counters["stats"])
@@ -548,3 +549,31 @@ def test_a_graph_whose_marked_values_hold_nothing_to_summarise_compiles_as_it_wa
         out = compiled(x)
     assert torch.equal(out, model(x))
     assert "spectrum" not in set(hooktrace.load(tmp_path / "run").records["module"])
+
+
+def test_a_graph_that_cannot_be_instrumented_runs_as_compiled_and_the_trace_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault while reading a graph (planted in its plan): the graph is compiled as the
+    script asked, training goes on bit-identically, the modules inside go unrecorded, and
+    the rank's status says which graph and why (not that it was compiled before)."""
+    from hooktrace.recorder.graphs import backend
+
+    def aot_eager(model: nn.Module) -> nn.Module:
+        return torch.compile(model, backend="aot_eager")  # type: ignore[return-value]
+
+    losses, params, counted = _train(None, aot_eager)
+
+    def planted(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(backend, "instrument", planted)
+    with pytest.warns(RuntimeWarning, match=r"reading a compiled graph failed \(RuntimeError"):
+        got = _train(tmp_path / "run", aot_eager, strict=False)
+    assert got[0] == losses and got[2]["unique_graphs"] == counted["unique_graphs"]
+    assert all(torch.equal(got[1][name], value) for name, value in params.items())
+    records = hooktrace.load(tmp_path / "run").records
+    assert set(records.loc[records["kind"] == "output", "module"]) == {"Blocks"}
+    notes = hooktrace.summary(tmp_path / "run").notes
+    assert list(notes) == [0] and len(notes[0]) == 1, notes
+    assert notes[0][0].startswith("reading a compiled graph failed (RuntimeError: planted)")
