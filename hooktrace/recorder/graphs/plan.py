@@ -33,6 +33,8 @@ import torch
 from torch import fx
 
 from hooktrace.recorder.graphs import ops
+from hooktrace.recorder.records import shards
+from hooktrace.recorder.records.shards import Shard
 from hooktrace.recorder.stats.stats import activity, unit_dim
 
 _CHANNELS_FIRST = (
@@ -67,6 +69,7 @@ class Output:
     dtype: torch.dtype
     shape: tuple[int, ...]  # -1 where dynamic
     dims: Dims = None  # where dynamic: its sizes' places among the graph's size outputs
+    shard: Shard | None = None  # a DTensor's local tensor: what it is a part of
 
     def shape_of(self, sizes: Sequence[int]) -> tuple[int, ...]:
         """The output's shape in this run (``sizes``: the graph's size outputs)."""
@@ -111,9 +114,10 @@ def instrument(
     ``recorded`` (by id: a model that is not recorded pays nothing). None where no mark is
     left (the graph then only loses its marks).
 
-    A DTensor output (tensor parallelism's, marked by its local tensor) is left out, with
-    its gradient: its record would need where its shard lies, and its gradient's placements
-    are known only once the backward is traced. ``left_out`` is told its module's path."""
+    A DTensor output (tensor parallelism's, marked by its local tensor) is summarised over
+    its local tensor, its record placed by the DTensor's spec; its gradient is left out (its
+    placements are known only once the backward is traced): ``left_out`` is told its
+    module's path."""
     graph = gm.graph
     marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
     if not marks:
@@ -142,15 +146,20 @@ def instrument(
     for key, (path, module_type, marked) in calls.items():
         outputs = []
         for slot, node in marked:
+            shard = None
             if ops.marks_a_dtensor(node):
+                shard = _shard_of(node.args[0])
                 left_out(_split_path(path)[1] if path else "")
-                continue
+                if shard is None:  # a dynamic shape: where its shard lies is not known here
+                    continue
             value = node.meta.get("example_value")
             if isinstance(value, torch.Tensor) and not value.is_complex():
                 channels_first = module_type is not None and issubclass(
                     module_type, _CHANNELS_FIRST
                 )
-                outputs.append(adding.output(slot, node, value, channels_first=channels_first))
+                outputs.append(
+                    adding.output(slot, node, value, channels_first=channels_first, shard=shard)
+                )
         if outputs:
             traced_id = int(key.split("@")[0]) if key else 0
             # no stack: the frame's own module, a module's call compiled on its own
@@ -204,19 +213,30 @@ class _Adding:
         self.made: dict[fx.Node, tuple[int, tuple[int, int] | None, int | None, Dims]] = {}
 
     def output(
-        self, slot: str, node: fx.Node, value: torch.Tensor, *, channels_first: bool
+        self,
+        slot: str,
+        node: fx.Node,
+        value: torch.Tensor,
+        *,
+        channels_first: bool,
+        shard: Shard | None = None,
     ) -> Output:
         shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
         static = -1 not in shape
         if static and channels_first and len(shape) == 3:
             self.channel_shapes.add(shape)
-        if node not in self.made:
-            self.made[node] = self._summarise(node, value, shape, static)
+        if node not in self.made:  # a DTensor's local tensor feeds nothing: no tap on it
+            self.made[node] = self._summarise(node, value, shape, static, shard is None)
         row, span, tap, dims = self.made[node]
-        return Output(slot, row, span, tap, value.dtype, shape, dims)
+        return Output(slot, row, span, tap, value.dtype, shape, dims, shard)
 
     def _summarise(
-        self, node: fx.Node, value: torch.Tensor, shape: tuple[int, ...], static: bool
+        self,
+        node: fx.Node,
+        value: torch.Tensor,
+        shape: tuple[int, ...],
+        static: bool,
+        gradient: bool = True,
     ) -> tuple[int, tuple[int, int] | None, int | None, Dims]:
         graph = self.graph
         dim = unit_dim(value, channels_first=shape in self.channel_shapes)
@@ -248,7 +268,7 @@ class _Adding:
         if counting:
             self.count_nodes.append(last)
         tap = None
-        if self.training and value.requires_grad:
+        if gradient and self.training and value.requires_grad:
             tap = self.new_tap()
             copy = self.output_node in node.users or _mutated(node)
             with graph.inserting_after(last):
@@ -273,6 +293,17 @@ class _Adding:
             if self.count_nodes:
                 extra.append(self.graph.call_function(torch.cat, (self.count_nodes,)))
         return extra + self.sizes
+
+
+def _shard_of(node: Any) -> Shard | None:
+    """The shard columns of the DTensor ``node`` holds (its example value's spec: the
+    logical shape, the mesh, this rank's coordinate, the placements), as the hooks record a
+    DTensor's; None where they cannot be told here (a dynamic shape)."""
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    spec = getattr(value, "_spec", None)
+    if spec is None or not all(isinstance(d, int) for d in spec.shape):
+        return None
+    return shards.describe(spec)
 
 
 def _mutated(node: fx.Node) -> bool:

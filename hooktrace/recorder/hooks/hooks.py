@@ -218,7 +218,8 @@ class Hooks:
                     counts[span[0] : span[1]] if span is not None and counts is not None else None
                 )
                 observer.summarised(pending, self.micro_step, name, call, "output", out.slot,
-                                    stats[out.row], units, out.dtype, shape, phase=phase)  # fmt: skip
+                                    stats[out.row], units, out.dtype, shape, phase=phase,
+                                    shard=out.shard)  # fmt: skip
                 if training and out.tap is not None:
                     target = (name, call, "grad_output", out.slot)
                     taps.setdefault(out.tap, ([], out.dtype, shape))[0].append(target)

@@ -187,9 +187,11 @@ class Observer:
         shape: tuple[int, ...],
         *,
         phase: str,
+        shard: Shard | None = None,
     ) -> None:
         """Queue a record whose statistics were computed elsewhere (in a compiled graph):
-        ``stats`` a row of ``STATS_WIDTH``, ``counts`` the per-unit positive counts."""
+        ``stats`` a row of ``STATS_WIDTH``, ``counts`` the per-unit positive counts;
+        ``shard``: a DTensor's shard columns, where this is its local shard's."""
         row = len(pending.meta)
         n_units = unit_size = 0
         if counts is not None:
@@ -197,8 +199,9 @@ class Observer:
             unit_size = math.prod(shape) // max(n_units, 1)
             pending.activity.append((row, counts))
         pending.meta.append(
-            Meta(micro_step, phase, module, call, kind, slot, dtype, shape, n_units, unit_size)
-        )
+            Meta(micro_step, phase, module, call, kind, slot, dtype, shape, n_units, unit_size,
+                 "", shard)
+        )  # fmt: skip
         pending.stats.append(stats)
 
     def _summarise(

@@ -96,13 +96,14 @@ def local_shard(tensor: Any) -> tuple[torch.Tensor, Shard]:
     spec = tensor._spec
     described = _described.get(spec)
     if described is None:
-        described = _describe(spec)
+        described = describe(spec)
         if len(_described) < 4096:
             _described[spec] = described
     return tensor._local_tensor, described
 
 
-def _describe(spec: Any) -> Shard:
+def describe(spec: Any) -> Shard:
+    """The shard columns of a DTensor of ``spec`` on this rank."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh, placements = spec.mesh, spec.placements
