@@ -5,5 +5,7 @@ the statistics of those values to it; ``ops.py`` holds what is added (the statis
 per-unit counts, the taps that summarise gradients in the backward); ``backend.py`` hands
 the instrumented graph to the script's own backend and the statistics to the recorder.
 
-May import: stats.
+A DTensor's record is placed by ``records/shards.py``, as the hooks place one.
+
+May import: stats, records.
 """

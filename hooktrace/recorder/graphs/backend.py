@@ -55,8 +55,8 @@ class Receiver(Protocol):
         """Instrumenting a graph failed: it is compiled as it was."""
 
     def graph_left_out(self, path: str) -> None:
-        """A module's output gradient inside a graph is not recorded (a DTensor's:
-        ``plan.instrument``)."""
+        """A module's output inside a graph is not recorded, nor its gradient (a DTensor of
+        a dynamic shape: ``plan.instrument``)."""
 
 
 _receiver: list[Receiver | None] = [None]

@@ -23,11 +23,13 @@ buffers.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
 
+from hooktrace.recorder.records.shards import Shard, describe
 from hooktrace.recorder.stats.stats import STATS_WIDTH, summarize_on_device, summarize_with_activity
 
 Sink = Callable[[int, torch.Tensor], None]
@@ -88,10 +90,37 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        on_cpu = grad.device.type == "cpu" and CPU_OPERATOR
-        row = summarize_cpu(grad, -1)[0] if on_cpu else summary(grad)
+        value = grad
+        if _is_dtensor(grad):  # its local shard, placed as traced (this runs when traced)
+            local = cast(Any, grad)._local_tensor
+            with _untraced():  # the mesh's coordinate is read, not traced into the graph
+                shard = describe(cast(Any, grad)._spec)
+            _GRADIENT_PLACES[ctx.site] = (shard, tuple(int(d) for d in local.shape))
+            value = cast(Any, grad).to_local()
+        on_cpu = value.device.type == "cpu" and CPU_OPERATOR
+        row = summarize_cpu(value, -1)[0] if on_cpu else summary(value)
         torch.ops.hooktrace.sink(row, ctx.site)
         return grad, None, None
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """Real tensors, and nothing recorded into a graph being traced."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
+
+
+_GRADIENT_PLACES: dict[int, tuple[Shard, tuple[int, ...]]] = {}
+"""A tap's gradient that is a DTensor: its shard columns and local shape, by site (known
+when the backward is traced, before it runs)."""
+
+
+def gradient_place(site: int) -> tuple[Shard, tuple[int, ...]] | None:
+    """Where the gradient a tap summarises lies, where it is a DTensor's local shard."""
+    return _GRADIENT_PLACES.get(site)
 
 
 def tap(x: torch.Tensor, site: int, copy: bool = False) -> torch.Tensor:

@@ -27,7 +27,7 @@ import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -115,9 +115,9 @@ def instrument(
     left (the graph then only loses its marks).
 
     A DTensor output (tensor parallelism's, marked by its local tensor) is summarised over
-    its local tensor, its record placed by the DTensor's spec; its gradient is left out (its
-    placements are known only once the backward is traced): ``left_out`` is told its
-    module's path."""
+    its local tensor, its record placed by the DTensor's spec, and its gradient tapped as
+    the DTensor's (:func:`ops.gradient_place`); one whose shape is dynamic is left out:
+    ``left_out`` is told its module's path."""
     graph = gm.graph
     marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
     if not marks:
@@ -146,11 +146,12 @@ def instrument(
     for key, (path, module_type, marked) in calls.items():
         outputs = []
         for slot, node in marked:
-            shard = None
+            shard, tap_on = None, None
             if ops.marks_a_dtensor(node):
-                shard = _shard_of(node.args[0])
-                left_out(_split_path(path)[1] if path else "")
+                tap_on = cast(fx.Node, node.args[0])  # the DTensor: its gradient tapped
+                shard = _shard_of(tap_on)
                 if shard is None:  # a dynamic shape: where its shard lies is not known here
+                    left_out(_split_path(path)[1] if path else "")
                     continue
             value = node.meta.get("example_value")
             if isinstance(value, torch.Tensor) and not value.is_complex():
@@ -158,7 +159,14 @@ def instrument(
                     module_type, _CHANNELS_FIRST
                 )
                 outputs.append(
-                    adding.output(slot, node, value, channels_first=channels_first, shard=shard)
+                    adding.output(
+                        slot,
+                        node,
+                        value,
+                        channels_first=channels_first,
+                        shard=shard,
+                        tap_on=tap_on,
+                    )
                 )
         if outputs:
             traced_id = int(key.split("@")[0]) if key else 0
@@ -220,13 +228,16 @@ class _Adding:
         *,
         channels_first: bool,
         shard: Shard | None = None,
+        tap_on: fx.Node | None = None,
     ) -> Output:
+        """``node`` summarised (``value`` its example), its gradient tapped at ``tap_on``
+        (the DTensor whose local tensor ``node`` is) or at ``node``."""
         shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
         static = -1 not in shape
         if static and channels_first and len(shape) == 3:
             self.channel_shapes.add(shape)
-        if node not in self.made:  # a DTensor's local tensor feeds nothing: no tap on it
-            self.made[node] = self._summarise(node, value, shape, static, shard is None)
+        if node not in self.made:
+            self.made[node] = self._summarise(node, value, shape, static, tap_on)
         row, span, tap, dims = self.made[node]
         return Output(slot, row, span, tap, value.dtype, shape, dims, shard)
 
@@ -236,7 +247,7 @@ class _Adding:
         value: torch.Tensor,
         shape: tuple[int, ...],
         static: bool,
-        gradient: bool = True,
+        tap_on: fx.Node | None = None,
     ) -> tuple[int, tuple[int, int] | None, int | None, Dims]:
         graph = self.graph
         dim = unit_dim(value, channels_first=shape in self.channel_shapes)
@@ -268,15 +279,17 @@ class _Adding:
         if counting:
             self.count_nodes.append(last)
         tap = None
-        if gradient and self.training and value.requires_grad:
+        target = node if tap_on is None else tap_on
+        grads = getattr(target.meta.get("example_value"), "requires_grad", False)
+        if self.training and grads:
             tap = self.new_tap()
-            copy = self.output_node in node.users or _mutated(node)
+            copy = self.output_node in target.users or _mutated(target)
             with graph.inserting_after(last):
-                tapped = graph.call_function(ops.tap, (node, tap, copy))
-            ours = {summary, last, tapped, *summary.all_input_nodes} - {node}
-            for user in list(node.users):
+                tapped = graph.call_function(ops.tap, (target, tap, copy))
+            ours = {summary, last, tapped, node, *summary.all_input_nodes} - {target}
+            for user in list(target.users):
                 if user not in ours:
-                    user.replace_input_with(node, tapped)
+                    user.replace_input_with(target, tapped)
         dims = None
         if not static:  # its sizes leave the graph with the statistics
             dims = tuple(range(len(self.sizes), len(self.sizes) + len(shape)))

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.compiler import is_exporting
 
+from hooktrace.recorder.graphs import ops
 from hooktrace.recorder.graphs.ops import mark_outputs
 from hooktrace.recorder.graphs.plan import Plan
 from hooktrace.recorder.hooks import attach
@@ -235,13 +236,17 @@ class Hooks:
             if expected is None:
                 return
             targets, dtype, shape = expected
+            shard, place = None, ops.gradient_place(site)
+            if place is not None:  # a DTensor's gradient: its local shard's statistics
+                shard, shape = place
             try:
                 if not self._backward_active:
                     self._backward_active = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
                 for module, call, kind, slot in targets:
                     self._observer.summarised(self._pending, self.micro_step, module, call, kind,
-                                              slot, row, None, dtype, shape, phase="train")  # fmt: skip
+                                              slot, row, None, dtype, shape, phase="train",
+                                              shard=shard)  # fmt: skip
             except Exception as exc:
                 self._fault(exc, f"the backward of {targets[0][0]!r}")
 

@@ -184,8 +184,8 @@ class Recorder(Steps):
         self._compiled = CompiledCalls(self._names, self._table)
         self._graph_failures = 0
         self._notes: list[str] = []  # what the trace lacks and why, for the rank's status
-        self._dtensor_outputs: list[str] = []  # modules whose DTensor outputs' gradients
-        # inside compiled graphs go unrecorded
+        self._dtensor_outputs: list[str] = []  # modules whose DTensor outputs of dynamic
+        # shapes inside compiled graphs go unrecorded
         self._paused = 0  # > 0 while torch.jit.trace re-runs the model to check its graph
         self._patches = Patches()
         # hooks may fire in several threads at once (nn.DataParallel's replicas, autograd's
@@ -369,7 +369,8 @@ class Recorder(Steps):
 
     def graph_left_out(self, path: str) -> None:
         """Inside a compiled graph, the output of the module at ``path`` (from the compiled
-        frame) is a DTensor: its gradient is left out; said once a run, and in the status."""
+        frame) is a DTensor of a dynamic shape: it is left out, with its gradient; said once
+        a run, and in the status."""
         if path in self._dtensor_outputs:
             return
         self._dtensor_outputs.append(path or "a module")
@@ -494,8 +495,8 @@ def _data_parallel(models: list[nn.Module]) -> dict[str, Any]:
 
 
 def _dtensor_note(paths: list[str]) -> str:
-    """What is left out where modules return DTensors inside compiled graphs (``paths``
-    from their compiled frames; the first ten named)."""
+    """What is left out where modules return DTensors of dynamic shapes inside compiled
+    graphs (``paths`` from their compiled frames; the first ten named)."""
     named = ", ".join(repr(p) for p in paths[:10])
     more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
     what = (
@@ -504,9 +505,9 @@ def _dtensor_note(paths: list[str]) -> str:
         else f"outputs of {named}{more} are DTensors"
     )
     return (
-        f"inside a compiled graph, the {what} (tensor parallelism's): the gradients of such "
-        "outputs are not recorded where they are compiled (the outputs are, by their local "
-        "shards); to record them, compile the modules around them only"
+        f"inside a compiled graph, the {what} of a dynamic shape (tensor parallelism's): "
+        "where its shard lies is not known when the graph is compiled, so neither it nor its "
+        "gradient is recorded there; compile with static shapes to record them"
     )
 
 
