@@ -171,8 +171,9 @@ class Trace:
                 "pandas): read the part you need, e.g. trace.query(steps=(0, 99), "
                 "modules=['encoder.0.fc'], kinds=['grad_param'], columns=['step', 'module', "
                 "'norm']), or ask in SQL: trace.sql(\"SELECT module, max(norm) FROM records "
-                "WHERE kind = 'grad_param' GROUP BY module\"); or load it all anyway with "
-                "hooktrace.load(run, max_records=None)"
+                "WHERE kind = 'grad_param' GROUP BY module\") (of a run of several ranks, "
+                "FROM rank_records asks each rank's records, without merging them); or load "
+                "it all anyway with hooktrace.load(run, max_records=None)"
             )
         return self.query(logical=False)
 
@@ -201,8 +202,9 @@ class Trace:
         except duckdb.Error as exc:
             raise TraceError(
                 f"the query over {printable(self.path)} failed: {one_line(exc)} (tables: "
-                "records, steps, modules, histograms, rank_records, rank_histograms; columns "
-                "as in docs/FORMAT.md)"
+                "records, steps, modules, histograms, histogram_spans, and each rank's "
+                "rank_records, rank_histograms, rank_histogram_spans; columns as in "
+                "docs/FORMAT.md)"
             ) from exc
 
     def _duckdb(self) -> Any:

@@ -29,7 +29,8 @@ from typing import Any, cast
 
 import torch
 
-from hooktrace.recorder.records.shards import Shard, describe
+from hooktrace.recorder.records import shards
+from hooktrace.recorder.records.shards import Shard
 from hooktrace.recorder.stats.stats import STATS_WIDTH, summarize_on_device, summarize_with_activity
 
 Sink = Callable[[int, torch.Tensor], None]
@@ -91,10 +92,12 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         value = grad
-        if _is_dtensor(grad):  # its local shard, placed as traced (this runs when traced)
+        if _is_dtensor(grad):  # its local shard, placed as traced (this runs when traced;
+            # the AOTAutograd cache does not keep a graph that calls the taps, so every
+            # compile traces it again and places each new site)
             local = cast(Any, grad)._local_tensor
             with _untraced():  # the mesh's coordinate is read, not traced into the graph
-                shard = describe(cast(Any, grad)._spec)
+                shard = shards.described(cast(Any, grad)._spec)
             _GRADIENT_PLACES[ctx.site] = (shard, tuple(int(d) for d in local.shape))
             value = cast(Any, grad).to_local()
         on_cpu = value.device.type == "cpu" and CPU_OPERATOR
@@ -138,9 +141,11 @@ def mark_outputs(output: Any, slot: str = "", depth: int = 0) -> None:
     them): runs while dynamo traces the module's call, so only what dynamo traces without a
     graph break is looked into (tensors, tuples, lists, dicts with string keys)."""
     if isinstance(output, torch.Tensor):
-        if _is_dtensor(output):  # hooktrace::mark has no sharding rule (a graph break): its
-            output = cast(Any, output).to_local()  # local tensor, which the plan leaves out
-        torch.ops.hooktrace.mark(output, slot or "0")
+        if _is_dtensor(output):  # its local tensor (hooktrace::mark has no sharding rule: a
+            # graph break), marked as a DTensor's for the plan to place it (LOCAL_MARKS)
+            torch.ops.hooktrace.mark_local(cast(Any, output).to_local(), slot or "0")
+        else:
+            torch.ops.hooktrace.mark(output, slot or "0")
     elif depth < _MAX_DEPTH and isinstance(output, (tuple, list)):
         fields = getattr(output, "_fields", None)  # a namedtuple's slots are its fields
         for i, item in enumerate(output):
@@ -153,26 +158,9 @@ def mark_outputs(output: Any, slot: str = "", depth: int = 0) -> None:
 
 
 def _is_dtensor(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a DTensor (tensor parallelism's module outputs)."""
-    return _DTENSOR is not None and isinstance(x, _DTENSOR)
-
-
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build without torch.distributed
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
-
-
-def marks_a_dtensor(node: torch.fx.Node) -> bool:
-    """Whether a mark's value ``node`` is the local tensor of a DTensor (:func:`mark_outputs`)."""
-    if node.op == "call_method":
-        return node.target == "to_local"
-    return getattr(node.target, "__name__", "") == "to_local"
+    """Whether ``x`` is a DTensor (tensor parallelism's module outputs), without importing
+    torch.distributed where the script has not."""
+    return shards.dtensor(x)
 
 
 @torch.library.custom_op("hooktrace::mark", mutates_args=())
@@ -181,6 +169,16 @@ def _mark_op(x: torch.Tensor, slot: str) -> None:
 
 
 @_mark_op.register_fake
+def _(x: torch.Tensor, slot: str) -> None:
+    return None
+
+
+@torch.library.custom_op("hooktrace::mark_local", mutates_args=())
+def _mark_local_op(x: torch.Tensor, slot: str) -> None:
+    """A mark of a DTensor output's local tensor (``x``): never runs, as ``mark``."""
+
+
+@_mark_local_op.register_fake
 def _(x: torch.Tensor, slot: str) -> None:
     return None
 
@@ -199,4 +197,7 @@ def _(row: torch.Tensor, site: int) -> None:
 
 torch.fx.node.has_side_effect(torch.ops.hooktrace.sink.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark.default)
-MARKS = (torch.ops.hooktrace.mark, torch.ops.hooktrace.mark.default)
+torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_local.default)
+LOCAL_MARKS = (torch.ops.hooktrace.mark_local, torch.ops.hooktrace.mark_local.default)
+"""Marks of a DTensor output's local tensor (the DTensor is the local tensor's argument)."""
+MARKS = (torch.ops.hooktrace.mark, torch.ops.hooktrace.mark.default, *LOCAL_MARKS)

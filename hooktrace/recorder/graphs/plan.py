@@ -129,7 +129,7 @@ def instrument(
         isinstance(v := p.meta.get("example_value"), torch.Tensor) and v.requires_grad
         for p in placeholders
     )
-    calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node]]]] = {}
+    calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool]]]] = {}
     for mark in marks:
         value, slot = mark.args
         stack = mark.meta.get("nn_module_stack") or {}
@@ -137,7 +137,8 @@ def instrument(
         graph.erase_node(mark)
         if key and not recorded(int(key.split("@")[0])):
             continue  # (no stack: the frame's own module, known only when the graph runs)
-        calls.setdefault(key, (path, module_type, []))[2].append((str(slot), value))
+        local = mark.target in ops.LOCAL_MARKS
+        calls.setdefault(key, (path, module_type, []))[2].append((str(slot), value, local))
     if not calls:
         gm.recompile()
         return None
@@ -145,10 +146,10 @@ def instrument(
     planned: list[Call] = []
     for key, (path, module_type, marked) in calls.items():
         outputs = []
-        for slot, node in marked:
+        for slot, node, local in marked:
             shard, tap_on = None, None
-            if ops.marks_a_dtensor(node):
-                tap_on = cast(fx.Node, node.args[0])  # the DTensor: its gradient tapped
+            if local:  # a DTensor's local tensor (its to_local()): the gradient tapped on it
+                tap_on = cast(fx.Node, node.args[0])
                 shard = _shard_of(tap_on)
                 if shard is None:  # a dynamic shape: where its shard lies is not known here
                     left_out(_split_path(path)[1] if path else "")
@@ -316,7 +317,7 @@ def _shard_of(node: Any) -> Shard | None:
     spec = getattr(value, "_spec", None)
     if spec is None or not all(isinstance(d, int) for d in spec.shape):
         return None
-    return shards.describe(spec)
+    return shards.described(spec)
 
 
 def _mutated(node: fx.Node) -> bool:

@@ -371,9 +371,10 @@ class Recorder(Steps):
         """Inside a compiled graph, the output of the module at ``path`` (from the compiled
         frame) is a DTensor of a dynamic shape: it is left out, with its gradient; said once
         a run, and in the status."""
-        if path in self._dtensor_outputs:
+        name = path or "a module"
+        if name in self._dtensor_outputs:
             return
-        self._dtensor_outputs.append(path or "a module")
+        self._dtensor_outputs.append(name)
         if len(self._dtensor_outputs) == 1:
             _warn(f"hooktrace: {_dtensor_note(self._dtensor_outputs)}")
 

@@ -93,13 +93,17 @@ def collected(tensor: Any) -> torch.Tensor:
 
 def local_shard(tensor: Any) -> tuple[torch.Tensor, Shard]:
     """The DTensor's local shard, and its shard columns."""
-    spec = tensor._spec
-    described = _described.get(spec)
-    if described is None:
-        described = describe(spec)
+    return tensor._local_tensor, described(tensor._spec)
+
+
+def described(spec: Any) -> Shard:
+    """:func:`describe`, remembered by spec (the same parameters come back every step)."""
+    found = _described.get(spec)
+    if found is None:
+        found = describe(spec)
         if len(_described) < 4096:
-            _described[spec] = described
-    return tensor._local_tensor, described
+            _described[spec] = found
+    return found
 
 
 def describe(spec: Any) -> Shard:
