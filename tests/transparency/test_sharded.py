@@ -31,14 +31,15 @@ layout = sys.argv[2]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
-model = nn.Sequential(
-    nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16), nn.Linear(16, 5))
+model = nn.Sequential(  # "0" holds the colwise layer: its output is TP's local tensor
+    nn.Sequential(nn.Linear(16, 32)), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16),
+    nn.Linear(16, 5))
 dp_mesh = None
 if layout == "ddp":
     model = nn.parallel.DistributedDataParallel(model)
 elif layout != "fsdp2":  # tensor parallel over pairs of ranks: 0 by columns, 2 by rows
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    parallelize_module(model, mesh["tp"], {"0.0": ColwiseParallel(), "2": RowwiseParallel()})
     dp_mesh = mesh["dp"]
 if "fsdp" in layout:
     for layer in (model[0], model[2], model[4]):
@@ -139,7 +140,7 @@ def test_sharded_training_trains_bit_identically_recorded(
     expected = {
         (rank, m, kind)
         for rank in range(ranks)
-        for m in ("0", "1", "2", "3", "4")
+        for m in ("0", "0.0", "1", "2", "3", "4")
         for kind in ("output", "grad_output")
     }
     assert {i for i in counted.index if i[1] != "Sequential"} == expected
@@ -148,17 +149,22 @@ def test_sharded_training_trains_bit_identically_recorded(
     assert hooktrace.summary(trace).notes == {}  # was said to run graphs compiled before)
     if layout == "tp":  # each DTensor output and gradient placed, compiled or not: by hand
         placed = trace.query(
-            kinds=["output", "grad_output"], modules=["0", "2"], steps=[0], logical=False,
+            kinds=["output", "grad_output"], modules=["0", "0.0", "2"], steps=[0], logical=False,
             columns=["rank", "module", "kind", "shape", "logical_shape", "placements",
                      "shard_offset"],
         )  # fmt: skip
         assert {(int(row[0]), *map(str, row[1:])) for row in placed.itertuples(index=False)} == {
-            (0, "0", "output", "8,16", "8,32", "S(1)", "0,0"),
-            (1, "0", "output", "8,16", "8,32", "S(1)", "0,16"),
+            (0, "0.0", "output", "8,16", "8,32", "S(1)", "0,0"),
+            (1, "0.0", "output", "8,16", "8,32", "S(1)", "0,16"),
+            (0, "0.0", "grad_output", "8,16", "8,32", "S(1)", "0,0"),
+            (1, "0.0", "grad_output", "8,16", "8,32", "S(1)", "0,16"),
+            # the layer around it returns the local tensor tensor parallelism hands on
+            (0, "0", "output", "8,16", "", "", ""),
+            (1, "0", "output", "8,16", "", "", ""),
+            (0, "0", "grad_output", "8,16", "", "", ""),
+            (1, "0", "grad_output", "8,16", "", "", ""),
             (0, "2", "output", "8,16", "8,16", "P(sum)", "0,0"),
             (1, "2", "output", "8,16", "8,16", "P(sum)", "0,0"),
-            (0, "0", "grad_output", "8,16", "8,32", "S(1)", "0,0"),
-            (1, "0", "grad_output", "8,16", "8,32", "S(1)", "0,16"),
             (0, "2", "grad_output", "8,16", "8,16", "R", "0,0"),
             (1, "2", "grad_output", "8,16", "8,16", "R", "0,0"),
         }
@@ -179,3 +185,23 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and torch.equal(a, b)
     return a == b
+
+
+def test_a_recording_imports_no_distributed_module_the_script_did_not() -> None:
+    """Recording a model in one process leaves torch.distributed.tensor unimported (the
+    compiled graphs' DTensor check imported it: a second of start-up, and a module the
+    script could see)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, tempfile, torch, hooktrace\n"
+        "from torch import nn\n"
+        "model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())\n"
+        "with hooktrace.record(model, tempfile.mkdtemp() + '/run'):\n"
+        "    model(torch.randn(1, 2)).sum().backward()\n"
+        "print('torch.distributed.tensor' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"]
