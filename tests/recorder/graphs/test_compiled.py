@@ -190,6 +190,20 @@ def test_other_backends_record_the_same(tmp_path: Path, backend: str) -> None:
     _assert_trains_as_plain_and_matches_eager(tmp_path, compile_model)
 
 
+def test_max_autotune_records_the_same(tmp_path: Path) -> None:
+    """``mode="max-autotune"``: inductor tries several kernels for each operation and keeps
+    the fastest; the statistics compiled in change neither the choice's numbers nor the
+    records."""
+
+    def compile_model(model: nn.Module) -> nn.Module:
+        return torch.compile(model, mode="max-autotune")  # type: ignore[return-value]
+
+    _assert_trains_as_plain_and_matches_eager(tmp_path, compile_model)
+    names = set(hooktrace.load(tmp_path / "compiled").query(kinds=["output"])["module"])
+    blocks = {f"blocks.{i}{part}" for i in range(3) for part in ("", ".fc", ".act")}
+    assert names == {"Blocks", *blocks, "norm", "head"}
+
+
 def _assert_trains_as_plain_and_matches_eager(
     tmp_path: Path, compile_model: Callable[[nn.Module], nn.Module]
 ) -> None:
