@@ -92,7 +92,7 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         value = grad
-        if _is_dtensor(grad):  # its local shard, placed as traced (this runs when traced;
+        if shards.dtensor(grad):  # its local shard, placed as traced (this runs when traced;
             # the AOTAutograd cache does not keep a graph that calls the taps, so every
             # compile traces it again and places each new site)
             local = cast(Any, grad)._local_tensor
@@ -141,7 +141,7 @@ def mark_outputs(output: Any, slot: str = "", depth: int = 0) -> None:
     them): runs while dynamo traces the module's call, so only what dynamo traces without a
     graph break is looked into (tensors, tuples, lists, dicts with string keys)."""
     if isinstance(output, torch.Tensor):
-        if _is_dtensor(output):  # its local tensor (hooktrace::mark has no sharding rule: a
+        if shards.dtensor(output):  # its local tensor (hooktrace::mark has no sharding rule: a
             # graph break), marked as a DTensor's for the plan to place it (LOCAL_MARKS)
             torch.ops.hooktrace.mark_local(cast(Any, output).to_local(), slot or "0")
         else:
@@ -155,12 +155,6 @@ def mark_outputs(output: Any, slot: str = "", depth: int = 0) -> None:
         for key, item in output.items():
             if isinstance(key, str):
                 mark_outputs(item, f"{slot}.{key}" if slot else key, depth + 1)
-
-
-def _is_dtensor(x: torch.Tensor) -> bool:
-    """Whether ``x`` is a DTensor (tensor parallelism's module outputs), without importing
-    torch.distributed where the script has not."""
-    return shards.dtensor(x)
 
 
 @torch.library.custom_op("hooktrace::mark", mutates_args=())

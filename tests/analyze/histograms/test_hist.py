@@ -345,10 +345,7 @@ def test_histograms_whose_pages_are_damaged_get_a_one_line_error(
     run = tmp_path / "run"
     shutil.copytree(known, run)
     (part,) = (run / "histograms").rglob("*.parquet")
-    data = bytearray(part.read_bytes())
-    at = int(len(data) * 0.09)
-    data[at : at + 12] = bytes(12)
-    part.write_bytes(bytes(data))
+    _zero_pages(part)
     with pytest.raises(TraceError, match=r"no histogram of .* could be read: the parts holding"):
         hist(run)
     result = invoke("hist", run, "--format", fmt)
@@ -364,11 +361,7 @@ def test_a_damaged_part_of_one_rank_is_left_out_per_rank(tmp_path: Path) -> None
     per rank, the reader leaves the damaged part out and the rest is answered."""
     run = tmp_path / "run"
     shutil.copytree(ROOT / "sample_traces" / "distributed" / "fsdp2", run)
-    part = run / "histograms" / "rank=1" / "part-000000.parquet"
-    data = bytearray(part.read_bytes())
-    at = int(len(data) * 0.09)
-    data[at : at + 12] = bytes(12)
-    part.write_bytes(bytes(data))
+    _zero_pages(run / "histograms" / "rank=1" / "part-000000.parquet")
     with pytest.raises(TraceError, match=r"read the ranks' histograms apart \(--per-rank\)"):
         hist(run)
     result = invoke("hist", run)
@@ -381,6 +374,14 @@ def test_a_damaged_part_of_one_rank_is_left_out_per_rank(tmp_path: Path) -> None
     kept = whole[(whole["rank"] == 0) | (whole["step"].isin(left["step"][left["rank"] == 1]))]
     pd.testing.assert_frame_equal(left.reset_index(drop=True), kept.reset_index(drop=True))
     assert len(left) < len(whole)
+
+
+def _zero_pages(part: Path) -> None:
+    """Zero 12 bytes of a Parquet part's pages (its footer still reads)."""
+    data = bytearray(part.read_bytes())
+    at = int(len(data) * 0.09)
+    data[at : at + 12] = bytes(12)
+    part.write_bytes(bytes(data))
 
 
 # --- the command -------------------------------------------------------------------------------
