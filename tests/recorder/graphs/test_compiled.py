@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -492,6 +493,59 @@ def test_outputs_changed_in_place_are_recorded_as_they_were_returned(tmp_path: P
     assert result.match, result
     kinds = hooktrace.load(tmp_path / "compiled").records.groupby("module")["kind"].agg(set)
     assert all({"output", "grad_output"} <= kinds[m] for m in ("conv", "act", "fc")), kinds
+
+
+class ConvStage(nn.Module):
+    """Convolution, batch normalisation, ReLU and pooling, as the reference CNN's stages:
+    inductor lays the convolution's output out channels-last on a CPU and fuses the three
+    after it into one kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.act = nn.ReLU(inplace=True)
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Linear(8 * 4 * 4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.act(self.norm(self.conv(x)))).flatten(1))
+
+
+_BUFFER = re.compile(r"empty_strided_cpu\(\((4, 8, 8, 8)\), \(([\d, ]+)\), torch\.float32\)")
+
+
+def test_values_are_summarised_in_the_layout_the_compiler_chose(tmp_path: Path) -> None:
+    """Found by profiling benchmarks/bench_compiled.py: the operator that summarises a CPU
+    value took it in the eager run's layout, so inductor copied each channels-last
+    activation into it, and its kernels after the convolution, no longer fused, ran 2 to 3
+    times as long. The recorded forward graph now makes its activations in the plain
+    graph's layout, and counts each channel's units where they lie."""
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+    def step(out: Path | None, compile_: bool = True) -> set[str]:
+        """One training step of a freshly seeded model, recorded into ``out`` where given:
+        the layouts of the activations its compiled forward makes."""
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = ConvStage()
+        run = torch.compile(model) if compile_ else model
+        with hooktrace.record(model, out, strict=True) if out else contextlib.nullcontext():
+            _, code = run_and_get_code(lambda: run(x).pow(2).mean().backward())
+        forward = code[0] if code else ""  # the forward graph's, compiled first
+        return {m.group(2) for m in _BUFFER.finditer(forward)}
+
+    plain_layouts = step(None)
+    assert plain_layouts == {"512, 1, 64, 8"}  # channels-last: what the test is about
+    assert step(tmp_path / "compiled") == plain_layouts
+    step(tmp_path / "eager", compile_=False)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+    compiled, eager = hooktrace.load(tmp_path / "compiled"), hooktrace.load(tmp_path / "eager")
+    for module in ("conv", "norm", "act"):
+        assert compiled.activity(module, step=0).tolist() == eager.activity(module, step=0).tolist()
 
 
 def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> None:
