@@ -9,7 +9,9 @@ returns the graph's own. The backend, its mode and options, the graph count and 
 stay the script's: nothing recompiles, nothing breaks the graph.
 
 Where some steps go unrecorded, the graph is compiled twice, with and without its
-statistics, and each step runs the one it needs (no recompile per step).
+statistics, and each step runs the one it needs (no recompile per step). Where some steps
+save tensors whole (``full_every``, ``full_steps``), once more, returning the values it
+summarises and handing on their gradients: those steps run that one.
 
 Where the instrumented graph cannot be compiled, the graph is put back as it was and
 compiled as the script asked (the recorder says so once): the script's compile never fails
@@ -42,6 +44,14 @@ class Receiver(Protocol):
     def recording_graphs(self) -> bool:
         """The step running is recorded."""
 
+    @property
+    def saves_full(self) -> bool:
+        """Some steps save tensors whole: graphs are compiled to return their values too."""
+
+    @property
+    def full_graphs(self) -> bool:
+        """The step running saves tensors whole."""
+
     def graph_ran(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
         """An instrumented graph ran: ``extras`` are its statistics and counts."""
 
@@ -53,6 +63,13 @@ class Receiver(Protocol):
 
     def graph_failed(self, exc: BaseException, what: str) -> None:
         """Instrumenting a graph failed: it is compiled as it was."""
+
+    def graph_values_failed(self, exc: BaseException) -> None:
+        """Compiling a graph that returns its values failed: its full steps record the
+        statistics of the modules inside, not their tensors."""
+
+    def graph_kept(self, site: int, value: torch.Tensor) -> None:
+        """A tap handed on its gradient in full (before its row, ``graph_gradient``)."""
 
     def graph_left_out(self, path: str) -> None:
         """A module's output inside a graph is not recorded, nor its gradient (a DTensor of
@@ -66,7 +83,10 @@ _taps = [0]
 def receive(receiver: Receiver | None) -> None:
     """Send what instrumented graphs produce to ``receiver`` (None: to nobody)."""
     _receiver[0] = receiver
-    ops.set_sink(receiver.graph_gradient if receiver is not None else None)
+    if receiver is None:
+        ops.set_sink(None)
+    else:
+        ops.set_sink(receiver.graph_gradient, receiver.graph_kept)
 
 
 def _new_tap() -> int:
@@ -101,19 +121,8 @@ class _Instrumenting:
         self.__name__ = getattr(backend, "__name__", type(backend).__name__)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
-        saved = gm.graph
         try:
-            trial = fx.GraphModule(gm, _copy(saved))
-            for attribute in ("_param_name_to_source", "_source_to_user_stacks"):
-                if hasattr(gm, attribute):
-                    setattr(trial, attribute, getattr(gm, attribute))
-            plan = instrument(
-                trial,
-                max_units=self.receiver.max_units,
-                new_tap=_new_tap,
-                recorded=self.receiver.records_module,
-                left_out=self.receiver.graph_left_out,
-            )
+            trial, plan = self._instrumented(gm, full=False)
         except Exception as exc:
             self.receiver.graph_failed(exc, "reading a compiled graph")
             return self._as_it_was(gm, example_inputs)
@@ -126,8 +135,37 @@ class _Instrumenting:
                 raise
             self.receiver.graph_failed(exc, "compiling a graph with its statistics")
             return self._as_it_was(gm, example_inputs)
+        full = self._full(gm, example_inputs) if self.receiver.saves_full else None
         plain = self._as_it_was(gm, example_inputs) if self.receiver.skips_steps else None
-        return _Run(compiled, plan, plain)
+        return _Run(compiled, plan, plain, full)
+
+    def _instrumented(self, gm: fx.GraphModule, *, full: bool) -> tuple[fx.GraphModule, Any]:
+        """A copy of ``gm``, instrumented, and its plan (None: nothing recorded in it)."""
+        trial = fx.GraphModule(gm, _copy(gm.graph))
+        for attribute in ("_param_name_to_source", "_source_to_user_stacks"):
+            if hasattr(gm, attribute):
+                setattr(trial, attribute, getattr(gm, attribute))
+        plan = instrument(
+            trial,
+            max_units=self.receiver.max_units,
+            new_tap=_new_tap,
+            recorded=self.receiver.records_module,
+            left_out=self.receiver.graph_left_out,
+            full=full,
+        )
+        return trial, plan
+
+    def _full(self, gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[Any, Plan] | None:
+        """The graph compiled for the steps that save tensors whole, and its plan; None
+        where that fails (those steps then run the graph with statistics only)."""
+        try:
+            trial, plan = self._instrumented(gm, full=True)
+            return (self.backend(trial, example_inputs), plan) if plan is not None else None
+        except Exception as exc:
+            if _dynamo_control(exc):
+                raise
+            self.receiver.graph_values_failed(exc)
+            return None
 
     def _as_it_was(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         """The graph compiled as the script's backend would have it: without the marks."""
@@ -167,25 +205,34 @@ def _copy(graph: fx.Graph) -> fx.Graph:
 class _Run:
     """What dynamo calls for an instrumented graph: the compiled graph, its extra outputs
     handed to the recorder. Where steps go unrecorded (``every``, ``steps``), the graph
-    compiled without statistics (``plain``) runs in them: they do not pay for statistics."""
+    compiled without statistics (``plain``) runs in them: they do not pay for statistics;
+    where steps save tensors whole, the graph compiled to return its values (``full``: it
+    and its plan) runs in those."""
 
-    __slots__ = ("compiled", "plain", "plan", "returns")
+    __slots__ = ("compiled", "full", "plain", "plan", "returns")
 
     def __init__(
-        self, compiled: Callable[..., Any], plan: Plan, plain: Callable[..., Any] | None
+        self,
+        compiled: Callable[..., Any],
+        plan: Plan,
+        plain: Callable[..., Any] | None,
+        full: tuple[Callable[..., Any], Plan] | None = None,
     ) -> None:
         self.compiled = compiled
         self.plain = plain
         self.plan = plan
+        self.full = full
         self.returns = plan.returns
 
     def __call__(self, *args: Any) -> Any:
-        if self.plain is not None:
-            receiver = _receiver[0]
-            if receiver is None or not receiver.recording_graphs:
-                return self.plain(*args)
-        outputs = self.compiled(*args)
+        receiver = _receiver[0]
+        if self.plain is not None and (receiver is None or not receiver.recording_graphs):
+            return self.plain(*args)
+        compiled, plan = self.compiled, self.plan
+        if self.full is not None and receiver is not None and receiver.full_graphs:
+            compiled, plan = self.full
+        outputs = compiled(*args)
         receiver = _receiver[0]
         if receiver is not None:
-            receiver.graph_ran(self.plan, args, outputs[self.returns :])
+            receiver.graph_ran(plan, args, outputs[self.returns :])
         return outputs[: self.returns]

@@ -18,7 +18,9 @@ A gradient cannot leave a backward graph as an output. :func:`tap` is the identi
 forward; its backward summarises the gradient that reaches it and hands the row to
 ``hooktrace::sink``, an operator with a side effect (so no compiler drops it), which calls
 the recorder (:func:`set_sink`). The row is copied there: a compiled backward reuses its
-buffers.
+buffers. In a graph compiled for the steps that save tensors whole, each value summarised
+leaves the graph as a copy (:func:`kept_copy`) and each tap hands on its gradient with its
+row (``hooktrace::sink_kept``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from hooktrace.recorder.records.shards import Shard
 from hooktrace.recorder.stats.stats import STATS_WIDTH, summarize_on_device, summarize_with_activity
 
 Sink = Callable[[int, torch.Tensor], None]
+Keep = Callable[[int, torch.Tensor], None]
 
 CPU_OPERATOR = True
 """Whether CPU values are summarised by :func:`summarize_cpu` (False: compiled into the graph
@@ -44,15 +47,27 @@ _sink: list[Sink | None] = [None]
 """Where tapped gradients go: the recording's receiver, or None (graphs compiled while
 recording stay in dynamo's cache after it: their taps then do nothing)."""
 
+_keep: list[Keep | None] = [None]
+"""Where tapped gradients go in full, on the steps that save tensors whole."""
 
-def set_sink(sink: Sink | None) -> None:
+
+def set_sink(sink: Sink | None, keep: Keep | None = None) -> None:
     _sink[0] = sink
+    _keep[0] = keep
 
 
 def summary(x: torch.Tensor) -> torch.Tensor:
     """mean, std, min, max, norm, zeros, NaNs, Infs of ``x`` as float64 (``STATS_WIDTH``):
     the hooks' statistics on a device, of the detached value in float32."""
     return summarize_on_device(x.detach().float())
+
+
+def kept_copy(x: torch.Tensor) -> torch.Tensor:
+    """A copy of ``x`` as it is now, outside autograd: what a graph compiled for the steps
+    that save tensors whole returns of each value it summarises. An operator of its own,
+    which no compiler merges with a tap's copy of the same value (inductor did, and the
+    model's output came out of the graph without its gradient)."""
+    return torch.ops.hooktrace.copy(x.detach())
 
 
 def summarize_cpu(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,14 +120,15 @@ _register_fake("hooktrace::summarize_cpu", _summarize_cpu_fake, lib=_LIBRARY)
 
 class _Tap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, site: int, copy: bool) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, site: int, copy: bool, keep: bool) -> torch.Tensor:
         ctx.site = site
+        ctx.keep = keep
         # a view of a value the graph returns is made again outside it, tap and all; and a
         # view may not be changed in place
         return x.clone() if copy else x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         value = grad
         if shards.dtensor(grad):  # its local shard, placed as traced (this runs when traced;
             # the AOTAutograd cache does not keep a graph that calls the taps, so every
@@ -124,8 +140,11 @@ class _Tap(torch.autograd.Function):
             value = cast(Any, grad).to_local()
         on_cpu = value.device.type == "cpu" and CPU_OPERATOR
         row = summarize_cpu(value, -1)[0] if on_cpu else summary(value)
-        torch.ops.hooktrace.sink(row, ctx.site)
-        return grad, None, None
+        if ctx.keep:  # one operator for both: a compiler may order two apart
+            torch.ops.hooktrace.sink_kept(row, value, ctx.site)
+        else:
+            torch.ops.hooktrace.sink(row, ctx.site)
+        return grad, None, None, None
 
 
 @contextlib.contextmanager
@@ -148,10 +167,11 @@ def gradient_place(site: int) -> tuple[Shard, tuple[int, ...]] | None:
     return _GRADIENT_PLACES.get(site)
 
 
-def tap(x: torch.Tensor, site: int, copy: bool = False) -> torch.Tensor:
+def tap(x: torch.Tensor, site: int, copy: bool = False, keep: bool = False) -> torch.Tensor:
     """``x``, whose gradient is summarised and handed to the sink under ``site``; a copy of
-    it (``copy``) where the graph returns it or changes it in place."""
-    return _Tap.apply(x, site, copy)
+    it (``copy``) where the graph returns it or changes it in place; the gradient itself
+    handed over too where ``keep`` (a graph compiled for the steps that save tensors whole)."""
+    return _Tap.apply(x, site, copy, keep)
 
 
 _MAX_DEPTH = 4
@@ -211,8 +231,27 @@ def _sink_op(row: torch.Tensor, site: int) -> None:
 _LIBRARY.impl("sink", _sink_op, "CompositeExplicitAutograd")
 _register_fake("hooktrace::sink", lambda row, site: None, lib=_LIBRARY)
 
+_LIBRARY.define("copy(Tensor x) -> Tensor", tags=_ANY_LAYOUT)
+_LIBRARY.impl("copy", lambda x: x.clone(), "CompositeExplicitAutograd")
+_register_fake("hooktrace::copy", lambda x: torch.empty_like(x), lib=_LIBRARY)
+
+_LIBRARY.define("sink_kept(Tensor row, Tensor value, int site) -> ()")
+
+
+def _sink_kept_op(row: torch.Tensor, value: torch.Tensor, site: int) -> None:
+    """:func:`_sink_op` with the gradient itself, first: its record takes it."""
+    keep = _keep[0]
+    if keep is not None:
+        keep(site, value.detach().clone())
+    _sink_op(row, site)
+
+
+_LIBRARY.impl("sink_kept", _sink_kept_op, "CompositeExplicitAutograd")
+_register_fake("hooktrace::sink_kept", lambda row, value, site: None, lib=_LIBRARY)
+
 
 torch.fx.node.has_side_effect(torch.ops.hooktrace.sink.default)
+torch.fx.node.has_side_effect(torch.ops.hooktrace.sink_kept.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_local.default)
 LOCAL_MARKS = (torch.ops.hooktrace.mark_local, torch.ops.hooktrace.mark_local.default)

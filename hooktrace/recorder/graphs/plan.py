@@ -93,12 +93,24 @@ class Call:
 class Plan:
     """What was added to one graph: the graph's own outputs come first (``returns`` of
     them), then the statistics (one row per output summarised), the counts where any units
-    are counted, and the sizes of outputs whose shapes are dynamic (``Output.dims``)."""
+    are counted, the sizes of outputs whose shapes are dynamic (``Output.dims``), and in a
+    graph compiled for the steps that save tensors whole, the values summarised themselves
+    (``values`` of them, one a row, detached)."""
 
     returns: int
     calls: list[Call]
     anchors: dict[str, tuple[int, str]]  # frame -> (placeholder index, parameter path)
     has_counts: bool
+    values: int = 0
+
+    def split(
+        self, extras: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, Sequence[Any], Sequence[torch.Tensor]]:
+        """A run's extra outputs as (statistics, counts, sizes, values)."""
+        sizes_at = 2 if self.has_counts else 1
+        end = len(extras) - self.values
+        return (extras[0], extras[1] if self.has_counts else None, extras[sizes_at:end],
+                extras[end:])  # fmt: skip
 
 
 def instrument(
@@ -108,6 +120,7 @@ def instrument(
     new_tap: Callable[[], int],
     recorded: Callable[[int], bool],
     left_out: Callable[[str], None] = lambda path: None,
+    full: bool = False,
 ) -> Plan | None:
     """Take the marks out of ``gm`` and add, in their place, the statistics of the values
     they marked, and taps on their gradients where the graph trains; only of modules
@@ -117,7 +130,10 @@ def instrument(
     A DTensor output (tensor parallelism's, marked by its local tensor) is summarised over
     its local tensor, its record placed by the DTensor's spec, and its gradient tapped as
     the DTensor's (:func:`ops.gradient_place`); one whose shape is dynamic is left out:
-    ``left_out`` is told its module's path."""
+    ``left_out`` is told its module's path.
+
+    ``full``: the graph also returns each value summarised, and its taps hand on each
+    gradient (a variant for the steps that save tensors whole)."""
     graph = gm.graph
     marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
     if not marks:
@@ -142,7 +158,9 @@ def instrument(
     if not calls:
         gm.recompile()
         return None
-    adding = _Adding(graph, output_node, max_units=max_units, training=training, new_tap=new_tap)
+    adding = _Adding(
+        graph, output_node, max_units=max_units, training=training, new_tap=new_tap, full=full
+    )
     planned: list[Call] = []
     for key, (path, module_type, marked) in calls.items():
         outputs = []
@@ -186,6 +204,7 @@ def instrument(
         calls=planned,
         anchors=_anchors(placeholders, {c.frame for c in planned}),
         has_counts=bool(adding.count_nodes),
+        values=len(adding.values),
     )
 
 
@@ -208,8 +227,11 @@ class _Adding:
         max_units: int,
         training: bool,
         new_tap: Callable[[], int],
+        full: bool = False,
     ) -> None:
         self.graph = graph
+        self.full = full
+        self.values: list[fx.Node] = []  # where full: each value summarised, by its row
         self.output_node = output_node
         self.max_units = max_units
         self.training = training
@@ -277,6 +299,11 @@ class _Adding:
                 with graph.inserting_after(summary):
                     last = graph.call_function(activity, (node, dim))
         self.rows.append(summary)
+        kept = None
+        if self.full:  # the value as the module returned it (before an in-place change)
+            with graph.inserting_after(last):
+                kept = graph.call_function(ops.kept_copy, (node,))
+            self.values.append(kept)
         if counting:
             self.count_nodes.append(last)
         tap = None
@@ -285,9 +312,11 @@ class _Adding:
         if self.training and grads:
             tap = self.new_tap()
             copy = self.output_node in target.users or _mutated(target)
-            with graph.inserting_after(last):
-                tapped = graph.call_function(ops.tap, (target, tap, copy))
+            with graph.inserting_after(kept if kept is not None else last):
+                tapped = graph.call_function(ops.tap, (target, tap, copy, self.full))
             ours = {summary, last, tapped, node, *summary.all_input_nodes} - {target}
+            if kept is not None:
+                ours |= {kept, *kept.all_input_nodes}
             for user in list(target.users):
                 if user not in ours:
                     user.replace_input_with(target, tapped)
@@ -301,12 +330,12 @@ class _Adding:
         return len(self.rows) - 1, span, tap, dims
 
     def finish(self) -> list[fx.Node]:
-        """The extra outputs: the statistics, the counts (if any), the sizes."""
+        """The extra outputs: the statistics, the counts (if any), the sizes, the values."""
         with self.graph.inserting_before(self.output_node):
             extra = [self.graph.call_function(torch.stack, (self.rows,))]
             if self.count_nodes:
                 extra.append(self.graph.call_function(torch.cat, (self.count_nodes,)))
-        return extra + self.sizes
+        return extra + self.sizes + self.values
 
 
 def _shard_of(node: Any) -> Shard | None:

@@ -37,6 +37,7 @@ class CompiledCalls:
         self._modules: dict[tuple[int, tuple[int, ...]], list[Attached | None]] = {}
         self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # by parameter id
         self._taps: dict[int, list[Expected]] = {}
+        self.kept: dict[int, torch.Tensor] = {}  # gradients handed on in full, by tap
         self.delivered = 0  # graph runs recorded
         self._delivered_before = 0  # ... when the current root call began
         self.inside_eagerly = False  # a module inside the root's call recorded by its hooks
@@ -131,3 +132,4 @@ class CompiledCalls:
 
     def backward_done(self) -> None:
         self._taps.clear()
+        self.kept.clear()

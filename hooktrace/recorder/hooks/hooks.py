@@ -176,9 +176,9 @@ class Hooks:
         compiled = self._compiled
         entries = compiled.modules(plan, args)
         compiled.delivered += 1
-        stats = extras[0].detach().clone()  # a graph may hand out the same buffers again
-        counts = extras[1].detach().clone() if plan.has_counts else None
-        sizes = extras[2 if plan.has_counts else 1 :]
+        stats, counts, sizes, values = plan.split(extras)
+        stats = stats.detach().clone()  # a graph may hand out the same buffers again
+        counts = counts.detach().clone() if counts is not None else None
         outside = self._root_depth > 0  # inside a root's call, whose hooks record the root
         entered = None
         if not outside:  # a compiled function that calls the model: its root runs in here
@@ -186,7 +186,7 @@ class Hooks:
             if entered is not None:
                 self._enter_root(entered.module, ())
         try:
-            self._graph_records(plan, entries, stats, counts, sizes, roots=not outside)
+            self._graph_records(plan, entries, stats, counts, sizes, values, roots=not outside)
         finally:
             if entered is not None:
                 self._root_depth = max(0, self._root_depth - 1)
@@ -198,10 +198,12 @@ class Hooks:
         stats: torch.Tensor,
         counts: torch.Tensor | None,
         sizes: Sequence[Any],
+        values: Sequence[torch.Tensor],
         *,
         roots: bool,
     ) -> None:
-        """Queue the records of a graph's module calls (``roots``: its roots' calls too)."""
+        """Queue the records of a graph's module calls (``roots``: its roots' calls too);
+        ``values``: on a step that saves tensors whole, the values summarised, by row."""
         phase = (
             self._phase if self._root_depth else ("train" if torch.is_grad_enabled() else "eval")
         )
@@ -213,6 +215,7 @@ class Hooks:
                 continue
             name = entry.name
             call = calls.count(phase, name)
+            full = bool(values) and self._full_step and name in self._names.full_modules
             for out in module_call.outputs:
                 span, shape = out.counts, out.shape_of(sizes)
                 units = (
@@ -220,12 +223,19 @@ class Hooks:
                 )
                 observer.summarised(pending, self.micro_step, name, call, "output", out.slot,
                                     stats[out.row], units, out.dtype, shape, phase=phase,
-                                    shard=out.shard)  # fmt: skip
+                                    shard=out.shard, value=values[out.row] if full else None)  # fmt: skip
                 if training and out.tap is not None:
                     target = (name, call, "grad_output", out.slot)
                     taps.setdefault(out.tap, ([], out.dtype, shape))[0].append(target)
         for tap, expected in taps.items():
             self._compiled.expect(tap, expected)
+
+    def graph_kept(self, site: int, value: torch.Tensor) -> None:
+        """A compiled backward handed on the gradient at one of its taps in full (a step
+        that saves tensors whole): its record takes it when its row arrives."""
+        if self._recording and not _in_transform():
+            with self._lock:
+                self._compiled.kept[site] = value
 
     def graph_gradient(self, site: int, row: torch.Tensor) -> None:
         """A compiled backward summarised the gradient at one of its taps (``row``)."""
@@ -236,6 +246,7 @@ class Hooks:
             if expected is None:
                 return
             targets, dtype, shape = expected
+            value = self._compiled.kept.pop(site, None) if self._compiled.kept else None
             shard, place = None, ops.gradient_place(site)
             if place is not None:  # a DTensor's gradient: its local shard's statistics
                 shard, shape = place
@@ -244,9 +255,10 @@ class Hooks:
                     self._backward_active = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
                 for module, call, kind, slot in targets:
+                    full = value is not None and self._full_step and self._names.wants_full(module)
                     self._observer.summarised(self._pending, self.micro_step, module, call, kind,
                                               slot, row, None, dtype, shape, phase="train",
-                                              shard=shard)  # fmt: skip
+                                              shard=shard, value=value if full else None)  # fmt: skip
             except Exception as exc:
                 self._fault(exc, f"the backward of {targets[0][0]!r}")
 

@@ -340,6 +340,28 @@ class Recorder(Steps):
     def recording_graphs(self) -> bool:
         return self._recording
 
+    @property
+    def saves_full(self) -> bool:
+        """Whether some steps save tensors whole (graphs compile a variant returning them)."""
+        return self._sampling.full_steps is not None
+
+    @property
+    def full_graphs(self) -> bool:
+        return self._recording and self._full_step
+
+    def graph_values_failed(self, exc: BaseException) -> None:
+        """A graph that returns its values could not be compiled: on the steps that save
+        tensors whole, its modules' statistics are recorded, not their tensors."""
+        if self.strict:
+            raise RecordingError(
+                fault_message(exc, "compiling a graph that returns its values", self.current_step)
+            ) from exc
+        self._note(
+            f"compiling a graph that returns its values failed ({type(exc).__name__}: "
+            f"{one_line(exc)}); on the steps that save tensors whole, the modules inside it "
+            "record their statistics, not their tensors"
+        )
+
     def records_module(self, module_id: int) -> bool:
         entry = self._table.by_id(module_id)
         return entry is not None and entry.name is not None

@@ -188,10 +188,12 @@ class Observer:
         *,
         phase: str,
         shard: Shard | None = None,
+        value: torch.Tensor | None = None,
     ) -> None:
         """Queue a record whose statistics were computed elsewhere (in a compiled graph):
         ``stats`` a row of ``STATS_WIDTH``, ``counts`` the per-unit positive counts;
-        ``shard``: a DTensor's shard columns, where this is its local shard's."""
+        ``shard``: a DTensor's shard columns, where this is its local shard's; ``value``:
+        the tensor itself, saved whole (a full step)."""
         row = len(pending.meta)
         n_units = unit_size = 0
         if counts is not None:
@@ -203,6 +205,8 @@ class Observer:
                  "", shard)
         )  # fmt: skip
         pending.stats.append(stats)
+        if value is not None:
+            self._snapshot(pending, row, value)
 
     def _summarise(
         self, pending: PendingStep, tensor: torch.Tensor, units: bool

@@ -548,6 +548,73 @@ def test_values_are_summarised_in_the_layout_the_compiler_chose(tmp_path: Path) 
         assert compiled.activity(module, step=0).tolist() == eager.activity(module, step=0).tolist()
 
 
+def test_full_steps_save_the_tensors_inside_the_graph_as_an_eager_run_does(
+    tmp_path: Path,
+) -> None:
+    """A step that saves tensors whole runs a variant of the graph that returns each value
+    it summarises (and hands on each gradient); the other steps run the graph with
+    statistics only, and steps not recorded the graph as compiled: three variants, no
+    recompile per step. ``ReLU(inplace=True)`` after the convolution: the convolution's
+    tensor is saved as the module returned it, before the ReLU changed it."""
+    options = {"steps": "0-2", "full_every": 2, "full_modules": ["conv", "act", "head"]}
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+    def train(out: Path | None, compile_: bool) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = InPlaceStage()
+        run = torch.compile(model) if compile_ else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        recording = hooktrace.record(model, out, strict=True, **options) if out else None
+        with recording or contextlib.nullcontext():
+            for _ in range(4):  # step 3 is not recorded
+                loss = run(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+
+    plain = train(None, True)
+    assert train(tmp_path / "compiled", True) == plain  # bit for bit
+    train(tmp_path / "eager", False)
+    compiled, eager = hooktrace.load(tmp_path / "compiled"), hooktrace.load(tmp_path / "eager")
+    columns = ["step", "module", "kind", "slot"]
+    saved = compiled.records[compiled.records["tensor_key"] != ""]
+    eager_saved = eager.records[eager.records["tensor_key"] != ""]
+    assert sorted(saved[columns].values.tolist()) == sorted(eager_saved[columns].values.tolist())
+    inside = saved[
+        saved["module"].isin(["conv", "act", "head"]) & saved["kind"].str.endswith("output")
+    ]
+    assert len(inside) == 2 * 3 * 2  # two full steps, three modules, output and gradient
+    assert set(inside["step"]) == {0, 2}
+    assert set(compiled.records["step"]) == {0, 1, 2}
+    for step, module, kind, slot in saved[columns].itertuples(index=False):
+        np.testing.assert_allclose(
+            compiled.tensor(module, kind, step=step, slot=slot),
+            eager.tensor(module, kind, step=step, slot=slot),
+            rtol=1e-5,
+            atol=1e-6,
+            err_msg=f"{module} {kind} {slot} step {step}",
+        )
+    conv = compiled.tensor("conv", "output", step=0)
+    assert (conv < 0).any()  # as returned, before the ReLU in place
+
+
+class InPlaceStage(nn.Module):
+    """A convolution whose output a ``ReLU(inplace=True)`` changes, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.act = nn.ReLU(inplace=True)
+        self.head = nn.Linear(4 * 6 * 6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.act(self.conv(x)).flatten(1))
+
+
 def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> None:
     """The process-wide hook marks every module's outputs while dynamo traces; a graph of
     modules the recording does not hold (a teacher model, a compiled loss) is compiled
