@@ -182,21 +182,37 @@ def mark_outputs(output: Any, slot: str = "", depth: int = 0) -> None:
     """Mark each tensor of a module's output with its slot (as ``records.flatten`` names
     them): runs while dynamo traces the module's call, so only what dynamo traces without a
     graph break is looked into (tensors, tuples, lists, dicts with string keys)."""
-    if isinstance(output, torch.Tensor):
-        if shards.dtensor(output):  # its local tensor (hooktrace::mark has no sharding rule: a
-            # graph break), marked as a DTensor's for the plan to place it (LOCAL_MARKS)
-            torch.ops.hooktrace.mark_local(cast(Any, output).to_local(), slot or "0")
+    _mark(output, slot, depth, inputs=False)
+
+
+def mark_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Mark each tensor of a module call's arguments with its slot (as
+    ``records.flatten.flatten_call`` names them), as :func:`mark_outputs` does."""
+    for i, arg in enumerate(args):
+        _mark(arg, str(i), 0, inputs=True)
+    for key, arg in kwargs.items():
+        _mark(arg, str(key), 0, inputs=True)
+
+
+def _mark(value: Any, slot: str, depth: int, *, inputs: bool) -> None:
+    if isinstance(value, torch.Tensor):
+        if shards.dtensor(value):
+            if not inputs:  # its local tensor (hooktrace::mark has no sharding rule: a graph
+                # break), marked as a DTensor's for the plan to place it (LOCAL_MARKS)
+                torch.ops.hooktrace.mark_local(cast(Any, value).to_local(), slot or "0")
+        elif inputs:
+            torch.ops.hooktrace.mark_input(value, slot or "0")
         else:
-            torch.ops.hooktrace.mark(output, slot or "0")
-    elif depth < _MAX_DEPTH and isinstance(output, (tuple, list)):
-        fields = getattr(output, "_fields", None)  # a namedtuple's slots are its fields
-        for i, item in enumerate(output):
+            torch.ops.hooktrace.mark(value, slot or "0")
+    elif depth < _MAX_DEPTH and isinstance(value, (tuple, list)):
+        fields = getattr(value, "_fields", None)  # a namedtuple's slots are its fields
+        for i, item in enumerate(value):
             key = fields[i] if fields is not None else str(i)
-            mark_outputs(item, f"{slot}.{key}" if slot else key, depth + 1)
-    elif depth < _MAX_DEPTH and type(output) is dict:
-        for key, item in output.items():
+            _mark(item, f"{slot}.{key}" if slot else key, depth + 1, inputs=inputs)
+    elif depth < _MAX_DEPTH and type(value) is dict:
+        for key, item in value.items():
             if isinstance(key, str):
-                mark_outputs(item, f"{slot}.{key}" if slot else key, depth + 1)
+                _mark(item, f"{slot}.{key}" if slot else key, depth + 1, inputs=inputs)
 
 
 @torch.library.custom_op("hooktrace::mark", mutates_args=())
@@ -205,6 +221,16 @@ def _mark_op(x: torch.Tensor, slot: str) -> None:
 
 
 @_mark_op.register_fake
+def _(x: torch.Tensor, slot: str) -> None:
+    return None
+
+
+@torch.library.custom_op("hooktrace::mark_input", mutates_args=())
+def _mark_input_op(x: torch.Tensor, slot: str) -> None:
+    """A mark of a module call's argument: never runs, as ``mark``."""
+
+
+@_mark_input_op.register_fake
 def _(x: torch.Tensor, slot: str) -> None:
     return None
 
@@ -254,6 +280,9 @@ torch.fx.node.has_side_effect(torch.ops.hooktrace.sink.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.sink_kept.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_local.default)
+torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_input.default)
+INPUT_MARKS = (torch.ops.hooktrace.mark_input, torch.ops.hooktrace.mark_input.default)
+"""Marks of a module call's arguments (``inputs=True``)."""
 LOCAL_MARKS = (torch.ops.hooktrace.mark_local, torch.ops.hooktrace.mark_local.default)
 """Marks of a DTensor output's local tensor (the DTensor is the local tensor's argument)."""
-MARKS = (torch.ops.hooktrace.mark, torch.ops.hooktrace.mark.default, *LOCAL_MARKS)
+MARKS = (torch.ops.hooktrace.mark, torch.ops.hooktrace.mark.default, *LOCAL_MARKS, *INPUT_MARKS)

@@ -70,6 +70,7 @@ class Output:
     shape: tuple[int, ...]  # -1 where dynamic
     dims: Dims = None  # where dynamic: its sizes' places among the graph's size outputs
     shard: Shard | None = None  # a DTensor's local tensor: what it is a part of
+    kind: str = "output"  # or "input": an argument of the call (``inputs=True``)
 
     def shape_of(self, sizes: Sequence[int]) -> tuple[int, ...]:
         """The output's shape in this run (``sizes``: the graph's size outputs)."""
@@ -145,7 +146,7 @@ def instrument(
         isinstance(v := p.meta.get("example_value"), torch.Tensor) and v.requires_grad
         for p in placeholders
     )
-    calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool]]]] = {}
+    calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool, str]]]] = {}
     for mark in marks:
         value, slot = mark.args
         stack = mark.meta.get("nn_module_stack") or {}
@@ -154,7 +155,8 @@ def instrument(
         if key and not recorded(int(key.split("@")[0])):
             continue  # (no stack: the frame's own module, known only when the graph runs)
         local = mark.target in ops.LOCAL_MARKS
-        calls.setdefault(key, (path, module_type, []))[2].append((str(slot), value, local))
+        kind = "input" if mark.target in ops.INPUT_MARKS else "output"
+        calls.setdefault(key, (path, module_type, []))[2].append((str(slot), value, local, kind))
     if not calls:
         gm.recompile()
         return None
@@ -164,7 +166,7 @@ def instrument(
     planned: list[Call] = []
     for key, (path, module_type, marked) in calls.items():
         outputs = []
-        for slot, node, local in marked:
+        for slot, node, local, kind in marked:
             shard, tap_on = None, None
             if local:  # a DTensor's local tensor (its to_local()): the gradient tapped on it
                 tap_on = cast(fx.Node, node.args[0])
@@ -174,8 +176,10 @@ def instrument(
                     continue
             value = node.meta.get("example_value")
             if isinstance(value, torch.Tensor) and not value.is_complex():
-                channels_first = module_type is not None and issubclass(
-                    module_type, _CHANNELS_FIRST
+                channels_first = (
+                    kind == "output"
+                    and module_type is not None
+                    and issubclass(module_type, _CHANNELS_FIRST)
                 )
                 outputs.append(
                     adding.output(
@@ -185,6 +189,7 @@ def instrument(
                         channels_first=channels_first,
                         shard=shard,
                         tap_on=tap_on,
+                        kind=kind,
                     )
                 )
         if outputs:
@@ -242,6 +247,8 @@ class _Adding:
         self.sizes: list[fx.Node] = []  # dynamic outputs' sizes, returned after the statistics
         self.channel_shapes: set[tuple[int, ...]] = set()  # of channels-first 3-D outputs
         self.made: dict[fx.Node, tuple[int, tuple[int, int] | None, int | None, Dims]] = {}
+        self._ours: dict[fx.Node, set[fx.Node]] = {}  # by value: the nodes added to read it
+        self._after: dict[fx.Node, fx.Node] = {}  # by value: the last of them
 
     def output(
         self,
@@ -252,17 +259,22 @@ class _Adding:
         channels_first: bool,
         shard: Shard | None = None,
         tap_on: fx.Node | None = None,
+        kind: str = "output",
     ) -> Output:
         """``node`` summarised (``value`` its example), its gradient tapped at ``tap_on``
-        (the DTensor whose local tensor ``node`` is) or at ``node``."""
+        (the DTensor whose local tensor ``node`` is) or at ``node`` where it is an output
+        (an argument's gradient is not recorded, as in an eager run)."""
         shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
         static = -1 not in shape
         if static and channels_first and len(shape) == 3:
             self.channel_shapes.add(shape)
         if node not in self.made:
-            self.made[node] = self._summarise(node, value, shape, static, tap_on)
+            self.made[node] = self._summarise(node, value, shape, static)
         row, span, tap, dims = self.made[node]
-        return Output(slot, row, span, tap, value.dtype, shape, dims, shard)
+        if tap is None and kind == "output":  # (an argument of a call before: not tapped)
+            tap = self._tap(node, tap_on)
+            self.made[node] = (row, span, tap, dims)
+        return Output(slot, row, span, tap, value.dtype, shape, dims, shard, kind)
 
     def _summarise(
         self,
@@ -270,8 +282,9 @@ class _Adding:
         value: torch.Tensor,
         shape: tuple[int, ...],
         static: bool,
-        tap_on: fx.Node | None = None,
     ) -> tuple[int, tuple[int, int] | None, int | None, Dims]:
+        """Add ``node``'s statistics (and counts, its copy on a full variant, its sizes
+        where dynamic); its row, its span of the counts, no tap yet, its sizes' places."""
         graph = self.graph
         dim = unit_dim(value, channels_first=shape in self.channel_shapes)
         # (a dynamic dimension is -1: its units are not counted)
@@ -306,20 +319,10 @@ class _Adding:
             self.values.append(kept)
         if counting:
             self.count_nodes.append(last)
-        tap = None
-        target = node if tap_on is None else tap_on
-        grads = getattr(target.meta.get("example_value"), "requires_grad", False)
-        if self.training and grads:
-            tap = self.new_tap()
-            copy = self.output_node in target.users or _mutated(target)
-            with graph.inserting_after(kept if kept is not None else last):
-                tapped = graph.call_function(ops.tap, (target, tap, copy, self.full))
-            ours = {summary, last, tapped, node, *summary.all_input_nodes} - {target}
-            if kept is not None:
-                ours |= {kept, *kept.all_input_nodes}
-            for user in list(target.users):
-                if user not in ours:
-                    user.replace_input_with(target, tapped)
+        self._ours[node] = {summary, last, node, *summary.all_input_nodes}
+        if kept is not None:
+            self._ours[node] |= {kept, *kept.all_input_nodes}
+        self._after[node] = kept if kept is not None else last
         dims = None
         if not static:  # its sizes leave the graph with the statistics
             dims = tuple(range(len(self.sizes), len(self.sizes) + len(shape)))
@@ -327,7 +330,26 @@ class _Adding:
                 with graph.inserting_before(self.output_node):
                     size = graph.call_function(torch.ops.aten.sym_size.int, (node, d))
                 self.sizes.append(size)
-        return len(self.rows) - 1, span, tap, dims
+        return len(self.rows) - 1, span, None, dims
+
+    def _tap(self, node: fx.Node, tap_on: fx.Node | None) -> int | None:
+        """A tap on the gradient of ``node`` (or of ``tap_on``, the DTensor whose local
+        tensor it is), after its statistics: its site, or None where the graph does not
+        train or the value takes no gradient."""
+        graph = self.graph
+        target = node if tap_on is None else tap_on
+        grads = getattr(target.meta.get("example_value"), "requires_grad", False)
+        if not (self.training and grads):
+            return None
+        tap = self.new_tap()
+        copy = self.output_node in target.users or _mutated(target)
+        with graph.inserting_after(self._after[node]):
+            tapped = graph.call_function(ops.tap, (target, tap, copy, self.full))
+        ours = (self._ours[node] | {tapped}) - {target}
+        for user in list(target.users):
+            if user not in ours:
+                user.replace_input_with(target, tapped)
+        return tap
 
     def finish(self) -> list[fx.Node]:
         """The extra outputs: the statistics, the counts (if any), the sizes, the values."""

@@ -28,7 +28,7 @@ from torch import nn
 from torch.compiler import is_exporting
 
 from hooktrace.recorder.graphs import ops
-from hooktrace.recorder.graphs.ops import mark_outputs
+from hooktrace.recorder.graphs.ops import mark_inputs, mark_outputs
 from hooktrace.recorder.graphs.plan import Plan
 from hooktrace.recorder.hooks import attach
 from hooktrace.recorder.hooks.attach import Attached, ModuleTable, is_compiling
@@ -103,6 +103,8 @@ class Hooks:
     ) -> None:
         if is_compiling():  # dynamo traces this: the outputs are marked in its graph
             if not is_exporting() and type(module).__name__ != "OptimizedModule":
+                if self.inputs:  # (here, not in _pre: dynamo traces no frame inspection)
+                    mark_inputs(args, kwargs)
                 mark_outputs(output)
             return
         entry = self._table.get(module)
@@ -221,10 +223,10 @@ class Hooks:
                 units = (
                     counts[span[0] : span[1]] if span is not None and counts is not None else None
                 )
-                observer.summarised(pending, self.micro_step, name, call, "output", out.slot,
+                observer.summarised(pending, self.micro_step, name, call, out.kind, out.slot,
                                     stats[out.row], units, out.dtype, shape, phase=phase,
                                     shard=out.shard, value=values[out.row] if full else None)  # fmt: skip
-                if training and out.tap is not None:
+                if training and out.tap is not None and out.kind == "output":
                     target = (name, call, "grad_output", out.slot)
                     taps.setdefault(out.tap, ([], out.dtype, shape))[0].append(target)
         for tap, expected in taps.items():

@@ -615,6 +615,59 @@ class InPlaceStage(nn.Module):
         return self.head(self.act(self.conv(x)).flatten(1))
 
 
+class Scaled(nn.Module):
+    """Blocks, then a value made outside any module passed through ``nn.Identity``: the
+    identity's argument is marked before the same value is marked as its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = Blocks()
+        self.ident = nn.Identity()
+        self.out = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 2.0) -> torch.Tensor:
+        return self.out(self.ident(self.blocks(x) * scale))
+
+
+def test_inputs_inside_the_graph_are_recorded_as_an_eager_run_records_them(
+    tmp_path: Path,
+) -> None:
+    """``inputs=True``: each module call's arguments inside the graph, under the slots,
+    calls and kinds of an eager run, and the gradients as without it."""
+    batches = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1))
+
+    def train(out: Path | None, compile_: bool) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Scaled()
+        run = torch.compile(model) if compile_ else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        recording = hooktrace.record(model, out, strict=True, inputs=True) if out else None
+        with recording or contextlib.nullcontext():
+            for x in batches:
+                loss = run(x, scale=3.0).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+
+    compiled_losses = train(tmp_path / "compiled", True)
+    assert compiled_losses == train(None, True)  # bit for bit
+    assert compiled_losses == pytest.approx(train(tmp_path / "eager", False), rel=1e-5)
+    compiled, eager = hooktrace.load(tmp_path / "compiled"), hooktrace.load(tmp_path / "eager")
+    columns = ["step", "micro_step", "phase", "module", "call", "kind", "slot", "units"]
+    assert sorted(compiled.records[columns].values.tolist()) == sorted(
+        eager.records[columns].values.tolist()
+    )
+    kinds = compiled.records.groupby("module")["kind"].agg(set)
+    assert {"input", "output", "grad_output"} <= kinds["ident"]
+    assert {"input", "output", "grad_output"} <= kinds["blocks.blocks.1.fc"]
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+
+
 def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> None:
     """The process-wide hook marks every module's outputs while dynamo traces; a graph of
     modules the recording does not hold (a teacher model, a compiled loss) is compiled
