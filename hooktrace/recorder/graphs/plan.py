@@ -82,12 +82,15 @@ class Output:
 @dataclass(frozen=True)
 class Call:
     """One module call in the graph: the frame it ran under, its path from that frame's
-    module, the id of the module traced, and its outputs."""
+    module, the id of the module traced, and its outputs; or, where its arguments are
+    recorded (``inputs=True``), those in an entry of their own, placed where the call began,
+    which counts the call only where no entry of its outputs follows (``counts``)."""
 
     frame: str
     path: str
     traced_id: int
     outputs: tuple[Output, ...]
+    counts: bool = True
 
 
 @dataclass
@@ -147,15 +150,21 @@ def instrument(
         for p in placeholders
     )
     calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool, str]]]] = {}
-    for mark in marks:
+    begins: dict[str, tuple[int, int]] = {"": (0, 0)}  # by call: (its first mark, depth)
+    ends: dict[str, int] = {}  # by call: its first output's mark
+    for position, mark in enumerate(marks):
         value, slot = mark.args
         stack = mark.meta.get("nn_module_stack") or {}
+        for depth, outer in enumerate(stack, start=1):  # this mark is inside each of them
+            begins.setdefault(outer, (position, depth))
         key, (path, module_type) = next(reversed(stack.items()), ("", ("", None)))
         graph.erase_node(mark)
         if key and not recorded(int(key.split("@")[0])):
             continue  # (no stack: the frame's own module, known only when the graph runs)
         local = mark.target in ops.LOCAL_MARKS
         kind = "input" if mark.target in ops.INPUT_MARKS else "output"
+        if kind == "output":
+            ends.setdefault(key, position)
         calls.setdefault(key, (path, module_type, []))[2].append((str(slot), value, local, kind))
     if not calls:
         gm.recompile()
@@ -163,7 +172,7 @@ def instrument(
     adding = _Adding(
         graph, output_node, max_units=max_units, training=training, new_tap=new_tap, full=full
     )
-    planned: list[Call] = []
+    placed: list[tuple[tuple[int, int, int], Call]] = []
     for key, (path, module_type, marked) in calls.items():
         outputs = []
         for slot, node, local, kind in marked:
@@ -192,11 +201,18 @@ def instrument(
                         kind=kind,
                     )
                 )
-        if outputs:
-            traced_id = int(key.split("@")[0]) if key else 0
-            # no stack: the frame's own module, a module's call compiled on its own
-            frame, relative = _split_path(path) if path else (_SELF, "")
-            planned.append(Call(frame, relative, traced_id, tuple(outputs)))
+        traced_id = int(key.split("@")[0]) if key else 0
+        # no stack: the frame's own module, a module's call compiled on its own
+        frame, relative = _split_path(path) if path else (_SELF, "")
+        arguments = tuple(o for o in outputs if o.kind == "input")
+        returned = tuple(o for o in outputs if o.kind == "output")
+        begin, depth = begins[key]
+        if arguments:  # where the call began, before the calls inside it, as hooks see them
+            call = Call(frame, relative, traced_id, arguments, counts=key not in ends)
+            placed.append(((begin, 0, depth), call))
+        if returned:
+            placed.append(((ends[key], 1, depth), Call(frame, relative, traced_id, returned)))
+    planned = [call for _, call in sorted(placed, key=lambda p: p[0])]
     if not planned:  # marks of values with nothing to summarise (complex, not tensors)
         gm.recompile()
         return None

@@ -69,6 +69,10 @@ class Calls:
         self.counts[key] = call + 1
         return call
 
+    def peek(self, phase: str, name: str) -> int:
+        """The number the next call of ``name`` in ``phase`` will be counted as."""
+        return self.counts.get((phase, name), 0)
+
     def hook_grad(self, tensor: torch.Tensor, target: Target, hook_for: HookFor) -> None:
         """Record ``tensor``'s gradient as ``target``. One hook a tensor: one returned again
         unchanged (a container's output is its last child's) takes one more target in the

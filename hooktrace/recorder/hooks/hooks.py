@@ -216,7 +216,8 @@ class Hooks:
             if entry is None or entry.name is None or (entry.root and not roots):
                 continue
             name = entry.name
-            call = calls.count(phase, name)
+            # an entry of a call's arguments comes first: the call is counted by its outputs'
+            call = calls.count(phase, name) if module_call.counts else calls.peek(phase, name)
             full = bool(values) and self._full_step and name in self._names.full_modules
             for out in module_call.outputs:
                 span, shape = out.counts, out.shape_of(sizes)
@@ -314,7 +315,7 @@ class Hooks:
         self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> None:
         phase = self._phase_of(module)
-        call = self._calls.counts.get((phase, name), 0)  # the forward hook counts the call
+        call = self._calls.peek(phase, name)  # the forward hook counts the call
         full = self._full_step and name in self._names.full_modules
         if full:  # what replay needs to call the module again
             spec = call_spec(module, args, kwargs)

@@ -633,7 +633,7 @@ def test_inputs_inside_the_graph_are_recorded_as_an_eager_run_records_them(
     tmp_path: Path,
 ) -> None:
     """``inputs=True``: each module call's arguments inside the graph, under the slots,
-    calls and kinds of an eager run, and the gradients as without it."""
+    calls and kinds of an eager run and in its order, and the gradients as without it."""
     batches = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1))
 
     def train(out: Path | None, compile_: bool) -> list[float]:
@@ -661,6 +661,10 @@ def test_inputs_inside_the_graph_are_recorded_as_an_eager_run_records_them(
     assert sorted(compiled.records[columns].values.tolist()) == sorted(
         eager.records[columns].values.tolist()
     )
+    # in the order hooks see them: a call's arguments before the calls inside it
+    forward = compiled.records[compiled.records["kind"] != "grad_output"]
+    eager_forward = eager.records[eager.records["kind"] != "grad_output"]
+    assert forward[columns].values.tolist() == eager_forward[columns].values.tolist()
     kinds = compiled.records.groupby("module")["kind"].agg(set)
     assert {"input", "output", "grad_output"} <= kinds["ident"]
     assert {"input", "output", "grad_output"} <= kinds["blocks.blocks.1.fc"]
