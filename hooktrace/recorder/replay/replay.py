@@ -209,6 +209,13 @@ class _Call:
                     "on a call's first input row; a call without one keeps it only when its "
                     "own output is the next record)"
                 )
+            if not inputs.empty and (inputs["tensor_key"] != "").all():
+                raise TensorNotRecorded(
+                    f"cannot replay {self.module_name!r} at step {self.step}: its inputs are "
+                    "saved but not how the call was made (its call spec): it ran inside a "
+                    "compiled graph, where the recorder sees the call's tensors only. Record "
+                    "the steps to replay with TORCHDYNAMO_DISABLE=1"
+                )
             what = "were not recorded" if inputs.empty else "were recorded as statistics only"
             raise TensorNotRecorded(self.missing(f"its inputs {what}"))
         if (outputs["tensor_key"] == "").any():

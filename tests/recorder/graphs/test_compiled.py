@@ -556,7 +556,12 @@ def test_full_steps_save_the_tensors_inside_the_graph_as_an_eager_run_does(
     statistics only, and steps not recorded the graph as compiled: three variants, no
     recompile per step. ``ReLU(inplace=True)`` after the convolution: the convolution's
     tensor is saved as the module returned it, before the ReLU changed it."""
-    options = {"steps": "0-2", "full_every": 2, "full_modules": ["conv", "act", "head"]}
+    options = {
+        "steps": "0-2",
+        "full_every": 2,
+        "full_modules": ["conv", "act", "head"],
+        "inputs": True,
+    }
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
 
     def train(out: Path | None, compile_: bool) -> list[float]:
@@ -588,6 +593,7 @@ def test_full_steps_save_the_tensors_inside_the_graph_as_an_eager_run_does(
         saved["module"].isin(["conv", "act", "head"]) & saved["kind"].str.endswith("output")
     ]
     assert len(inside) == 2 * 3 * 2  # two full steps, three modules, output and gradient
+    assert (saved["kind"] == "input").sum() == 2 * 3  # and their arguments
     assert set(inside["step"]) == {0, 2}
     assert set(compiled.records["step"]) == {0, 1, 2}
     for step, module, kind, slot in saved[columns].itertuples(index=False):
@@ -600,6 +606,10 @@ def test_full_steps_save_the_tensors_inside_the_graph_as_an_eager_run_does(
         )
     conv = compiled.tensor("conv", "output", step=0)
     assert (conv < 0).any()  # as returned, before the ReLU in place
+    # replay needs the call as the hooks see it: a graph's is not kept, and the error says so
+    with pytest.raises(hooktrace.TensorNotRecorded, match="inside a compiled graph"):
+        hooktrace.replay_module(tmp_path / "compiled", "head", module=InPlaceStage().head, step=0)
+    hooktrace.replay_module(tmp_path / "eager", "head", module=InPlaceStage().head, step=0)
 
 
 class InPlaceStage(nn.Module):
