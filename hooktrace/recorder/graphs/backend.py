@@ -10,8 +10,9 @@ stay the script's: nothing recompiles, nothing breaks the graph.
 
 Where some steps go unrecorded, the graph is compiled twice, with and without its
 statistics, and each step runs the one it needs (no recompile per step). Where some steps
-save tensors whole (``full_every``, ``full_steps``), once more, returning the values it
-summarises and handing on their gradients: those steps run that one.
+save tensors whole (``full_every``, ``full_steps``) or histogram the kinds a graph records
+(``histograms=("output", ...)``), once more, returning the values it summarises and
+handing on their gradients: those steps run that one.
 
 Where the instrumented graph cannot be compiled, the graph is put back as it was and
 compiled as the script asked (the recorder says so once): the script's compile never fails
@@ -46,11 +47,12 @@ class Receiver(Protocol):
 
     @property
     def saves_full(self) -> bool:
-        """Some steps save tensors whole: graphs are compiled to return their values too."""
+        """Some steps need the values inside graphs (tensors saved whole, histograms of
+        outputs): graphs are compiled to return them too."""
 
     @property
     def full_graphs(self) -> bool:
-        """The step running saves tensors whole."""
+        """The step running needs the values inside graphs."""
 
     def graph_ran(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
         """An instrumented graph ran: ``extras`` are its statistics and counts."""

@@ -218,7 +218,7 @@ class Hooks:
             name = entry.name
             # an entry of a call's arguments comes first: the call is counted by its outputs'
             call = calls.count(phase, name) if module_call.counts else calls.peek(phase, name)
-            full = bool(values) and self._full_step and name in self._names.full_modules
+            full = self._full_step and name in self._names.full_modules
             for out in module_call.outputs:
                 span, shape = out.counts, out.shape_of(sizes)
                 units = (
@@ -226,7 +226,8 @@ class Hooks:
                 )
                 observer.summarised(pending, self.micro_step, name, call, out.kind, out.slot,
                                     stats[out.row], units, out.dtype, shape, phase=phase,
-                                    shard=out.shard, value=values[out.row] if full else None)  # fmt: skip
+                                    shard=out.shard, value=values[out.row] if values else None,
+                                    full=full)  # fmt: skip
                 if training and out.tap is not None and out.kind == "output":
                     target = (name, call, "grad_output", out.slot)
                     taps.setdefault(out.tap, ([], out.dtype, shape))[0].append(target)
@@ -258,10 +259,10 @@ class Hooks:
                     self._backward_active = True
                     torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
                 for module, call, kind, slot in targets:
-                    full = value is not None and self._full_step and self._names.wants_full(module)
+                    full = self._full_step and self._names.wants_full(module)
                     self._observer.summarised(self._pending, self.micro_step, module, call, kind,
                                               slot, row, None, dtype, shape, phase="train",
-                                              shard=shard, value=value if full else None)  # fmt: skip
+                                              shard=shard, value=value, full=full)  # fmt: skip
             except Exception as exc:
                 self._fault(exc, f"the backward of {targets[0][0]!r}")
 

@@ -342,12 +342,17 @@ class Recorder(Steps):
 
     @property
     def saves_full(self) -> bool:
-        """Whether some steps save tensors whole (graphs compile a variant returning them)."""
-        return self._sampling.full_steps is not None
+        """Whether some steps need the values inside graphs (graphs compile a variant that
+        returns them): steps that save tensors whole, or histograms of the kinds graphs
+        record (outputs, their gradients, inputs)."""
+        sampling = self._sampling
+        return sampling.full_steps is not None or bool(sampling.histogram_kinds & _GRAPH_KINDS)
 
     @property
     def full_graphs(self) -> bool:
-        return self._recording and self._full_step
+        return self._recording and (
+            self._full_step or bool(self._observer.histogram_now & _GRAPH_KINDS)
+        )
 
     def graph_values_failed(self, exc: BaseException) -> None:
         """A graph that returns its values could not be compiled: on the steps that save
@@ -515,6 +520,10 @@ def _data_parallel(models: list[nn.Module]) -> dict[str, Any]:
     except Exception:  # a torch of other private names: the analyzer judges from the records
         return {}
     return {} if place is None else {"data_parallel": place}
+
+
+_GRAPH_KINDS = frozenset({"input", "output", "grad_output"})
+"""The kinds of record a compiled graph makes (the others are made outside it)."""
 
 
 def _dtensor_note(paths: list[str]) -> str:

@@ -189,11 +189,13 @@ class Observer:
         phase: str,
         shard: Shard | None = None,
         value: torch.Tensor | None = None,
+        full: bool = False,
     ) -> None:
         """Queue a record whose statistics were computed elsewhere (in a compiled graph):
         ``stats`` a row of ``STATS_WIDTH``, ``counts`` the per-unit positive counts;
         ``shard``: a DTensor's shard columns, where this is its local shard's; ``value``:
-        the tensor itself, saved whole (a full step)."""
+        the tensor itself, where the graph returned it: histogrammed where its kind takes a
+        histogram this step, and saved whole where ``full``."""
         row = len(pending.meta)
         n_units = unit_size = 0
         if counts is not None:
@@ -206,7 +208,12 @@ class Observer:
         )  # fmt: skip
         pending.stats.append(stats)
         if value is not None:
-            self._snapshot(pending, row, value)
+            if kind in self.histogram_now:
+                binned = self.histograms.one(value)
+                if binned is not None:
+                    pending.histograms.append((row, binned))
+            if full:
+                self._snapshot(pending, row, value)
 
     def _summarise(
         self, pending: PendingStep, tensor: torch.Tensor, units: bool

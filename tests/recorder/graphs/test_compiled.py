@@ -612,6 +612,46 @@ def test_full_steps_save_the_tensors_inside_the_graph_as_an_eager_run_does(
     hooktrace.replay_module(tmp_path / "eager", "head", module=InPlaceStage().head, step=0)
 
 
+def test_histograms_of_outputs_inside_the_graph_match_an_eager_runs(tmp_path: Path) -> None:
+    """Histograms of the kinds a graph records (``output``, ``grad_output``) are made from
+    the values the graph returns on the steps that take them (``histogram_every``); the
+    exponent bins count the same values as an eager run's, but for rounding at a bin's
+    edge."""
+    options = {"histograms": ("output", "grad_output", "param"), "histogram_every": 2}
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+    def train(out: Path | None, compile_: bool) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = InPlaceStage()
+        run = torch.compile(model) if compile_ else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        recording = hooktrace.record(model, out, strict=True, **options) if out else None
+        with recording or contextlib.nullcontext():
+            for _ in range(3):
+                loss = run(x).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        return losses
+
+    assert train(tmp_path / "compiled", True) == train(None, True)  # bit for bit
+    train(tmp_path / "eager", False)
+    key = ["step", "module", "kind", "slot"]
+    compiled = hooktrace.load(tmp_path / "compiled").histograms().sort_values(key)
+    eager = hooktrace.load(tmp_path / "eager").histograms().sort_values(key)
+    assert compiled[key].values.tolist() == eager[key].values.tolist()
+    assert set(compiled["step"]) == {0, 2}
+    assert {"conv", "act", "head"} <= set(compiled[compiled["kind"] == "grad_output"]["module"])
+    for (_, a), (_, b) in zip(compiled.iterrows(), eager.iterrows(), strict=True):
+        assert a["numel"] == b["numel"] and a["zero"] == b["zero"], (a["module"], a["kind"])
+        # values at rtol 1e-5 of each other: at most a few cross a power of two
+        moved = np.abs(a["pos"] - b["pos"]).sum() + np.abs(a["neg"] - b["neg"]).sum()
+        assert moved <= max(2, a["numel"] // 100), (a["module"], a["kind"], moved)
+
+
 class InPlaceStage(nn.Module):
     """A convolution whose output a ``ReLU(inplace=True)`` changes, and a head."""
 
