@@ -88,7 +88,7 @@ _ANY_LAYOUT = tuple(t for t in [getattr(torch.Tag, "flexible_layout", None)] if 
 otherwise hands it the strides of an eager run, copying (a channels-last convolution's output
 into its eager layout, and the model's fused kernels after it with it)."""
 
-_register_fake = getattr(torch.library, "register_fake", None) or torch.library.impl_abstract
+_register_fake = torch.library.register_fake
 
 _LIBRARY.define("summarize_cpu(Tensor x, int dim) -> (Tensor, Tensor)", tags=_ANY_LAYOUT)
 

@@ -54,7 +54,7 @@ Dims = tuple[int, ...] | None
 _SELF = "L['self']"
 """The frame of a module's own call (``Module._call_impl``), compiled on its own."""
 
-_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.setitem}
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,8 @@ def instrument(
         isinstance(v := p.meta.get("example_value"), torch.Tensor) and v.requires_grad
         for p in placeholders
     )
+    starts = _starts(graph)
+    changed = {n for n in graph.nodes if _mutated(n)}  # before taps take their users
     calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool, str]]]] = {}
     begins: dict[str, tuple[int, int]] = {"": (0, 0)}  # by call: (its first mark, depth)
     ends: dict[str, int] = {}  # by call: its first output's mark
@@ -190,6 +192,8 @@ def instrument(
                     and module_type is not None
                     and issubclass(module_type, _CHANNELS_FIRST)
                 )
+                # an argument changed in place since it was made: read as the call begins
+                at = starts.get(key) if kind == "input" and node in changed else None
                 outputs.append(
                     adding.output(
                         slot,
@@ -199,6 +203,7 @@ def instrument(
                         shard=shard,
                         tap_on=tap_on,
                         kind=kind,
+                        at=at,
                     )
                 )
         traced_id = int(key.split("@")[0]) if key else 0
@@ -208,7 +213,7 @@ def instrument(
         returned = tuple(o for o in outputs if o.kind == "output")
         begin, depth = begins[key]
         if arguments:  # where the call began, before the calls inside it, as hooks see them
-            call = Call(frame, relative, traced_id, arguments, counts=key not in ends)
+            call = Call(frame, relative, traced_id, arguments, counts=not returned)
             placed.append(((begin, 0, depth), call))
         if returned:
             placed.append(((ends[key], 1, depth), Call(frame, relative, traced_id, returned)))
@@ -262,9 +267,11 @@ class _Adding:
         self.counted = 0
         self.sizes: list[fx.Node] = []  # dynamic outputs' sizes, returned after the statistics
         self.channel_shapes: set[tuple[int, ...]] = set()  # of channels-first 3-D outputs
-        self.made: dict[fx.Node, tuple[int, tuple[int, int] | None, int | None, Dims]] = {}
+        # by value (and where it is read, if not where it is made)
+        self.made: dict[Any, tuple[int, tuple[int, int] | None, int | None, Dims]] = {}
         self._ours: dict[fx.Node, set[fx.Node]] = {}  # by value: the nodes added to read it
         self._after: dict[fx.Node, fx.Node] = {}  # by value: the last of them
+        self._tapped: dict[fx.Node, fx.Node] = {}  # by value: its tap, which later nodes read
 
     def output(
         self,
@@ -276,20 +283,24 @@ class _Adding:
         shard: Shard | None = None,
         tap_on: fx.Node | None = None,
         kind: str = "output",
+        at: fx.Node | None = None,
     ) -> Output:
-        """``node`` summarised (``value`` its example), its gradient tapped at ``tap_on``
-        (the DTensor whose local tensor ``node`` is) or at ``node`` where it is an output
-        (an argument's gradient is not recorded, as in an eager run)."""
+        """``node`` summarised (``value`` its example) where it is made, or just before
+        ``at`` (the first node of a call whose argument was changed in place after it was
+        made); its gradient tapped at ``tap_on`` (the DTensor whose local tensor ``node``
+        is) or at ``node`` where it is an output (an argument's gradient is not recorded,
+        as in an eager run)."""
         shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
         static = -1 not in shape
         if static and channels_first and len(shape) == 3:
             self.channel_shapes.add(shape)
-        if node not in self.made:
-            self.made[node] = self._summarise(node, value, shape, static)
-        row, span, tap, dims = self.made[node]
+        made: Any = node if at is None else (node, at)
+        if made not in self.made:
+            self.made[made] = self._summarise(node, value, shape, static, at)
+        row, span, tap, dims = self.made[made]
         if tap is None and kind == "output":  # (an argument of a call before: not tapped)
             tap = self._tap(node, tap_on)
-            self.made[node] = (row, span, tap, dims)
+            self.made[made] = (row, span, tap, dims)
         return Output(slot, row, span, tap, value.dtype, shape, dims, shard, kind)
 
     def _summarise(
@@ -298,9 +309,11 @@ class _Adding:
         value: torch.Tensor,
         shape: tuple[int, ...],
         static: bool,
+        at: fx.Node | None = None,
     ) -> tuple[int, tuple[int, int] | None, int | None, Dims]:
         """Add ``node``'s statistics (and counts, its copy on a full variant, its sizes
-        where dynamic); its row, its span of the counts, no tap yet, its sizes' places."""
+        where dynamic), after it or before ``at``; its row, its span of the counts, no tap
+        yet, its sizes' places."""
         graph = self.graph
         dim = unit_dim(value, channels_first=shape in self.channel_shapes)
         # (a dynamic dimension is -1: its units are not counted)
@@ -311,8 +324,11 @@ class _Adding:
         if counting:
             span = (self.counted, self.counted + shape[dim])  # type: ignore[index]
             self.counted += shape[dim]  # type: ignore[index]
+        where = graph.inserting_after(node) if at is None else graph.inserting_before(at)
+        if at is not None:  # the value the call reads: a tap's, where one hands it on
+            node = self._tapped.get(node, node)
         if value.device.type == "cpu" and ops.CPU_OPERATOR:  # the hooks' route, called
-            with graph.inserting_after(node):
+            with where:
                 both = graph.call_function(ops.summarize_cpu, (node, dim if counting else -1))
             with graph.inserting_after(both):
                 summary = graph.call_function(operator.getitem, (both, 0))
@@ -321,7 +337,7 @@ class _Adding:
                 with graph.inserting_after(summary):
                     last = graph.call_function(operator.getitem, (both, 1))
         else:  # statistics the compiler fuses with the model's kernels
-            with graph.inserting_after(node):
+            with where:
                 summary = graph.call_function(ops.summary, (node,))
             last = summary
             if counting:
@@ -335,10 +351,11 @@ class _Adding:
             self.values.append(kept)
         if counting:
             self.count_nodes.append(last)
-        self._ours[node] = {summary, last, node, *summary.all_input_nodes}
-        if kept is not None:
-            self._ours[node] |= {kept, *kept.all_input_nodes}
-        self._after[node] = kept if kept is not None else last
+        if at is None:  # (one read before a call is never tapped)
+            self._ours[node] = {summary, last, node, *summary.all_input_nodes}
+            if kept is not None:
+                self._ours[node] |= {kept, *kept.all_input_nodes}
+            self._after[node] = kept if kept is not None else last
         dims = None
         if not static:  # its sizes leave the graph with the statistics
             dims = tuple(range(len(self.sizes), len(self.sizes) + len(shape)))
@@ -361,6 +378,7 @@ class _Adding:
         copy = self.output_node in target.users or _mutated(target)
         with graph.inserting_after(self._after[node]):
             tapped = graph.call_function(ops.tap, (target, tap, copy, self.full))
+        self._tapped[target] = tapped
         ours = (self._ours[node] | {tapped}) - {target}
         for user in list(target.users):
             if user not in ours:
@@ -374,6 +392,22 @@ class _Adding:
             if self.count_nodes:
                 extra.append(self.graph.call_function(torch.cat, (self.count_nodes,)))
         return extra + self.sizes + self.values
+
+
+def _starts(graph: fx.Graph) -> dict[str, fx.Node]:
+    """Where each module call in ``graph`` begins: the first node run inside it (by the
+    calls in its ``nn_module_stack``) that is not a mark; for a call that runs nothing but
+    its marks, the first node after them."""
+    starts: dict[str, fx.Node] = {}
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        for key in stack:
+            if key not in starts:
+                first = node
+                while first.op == "call_function" and first.target in ops.MARKS:
+                    first = first.next
+                starts[key] = first
+    return starts
 
 
 def _shard_of(node: Any) -> Shard | None:

@@ -246,11 +246,11 @@ class Hooks:
         if not self._recording or _in_transform():
             return
         with self._lock:
+            value = self._compiled.kept.pop(site, None) if self._compiled.kept else None
             expected = self._compiled.arrived(site)
             if expected is None:
                 return
             targets, dtype, shape = expected
-            value = self._compiled.kept.pop(site, None) if self._compiled.kept else None
             shard, place = None, ops.gradient_place(site)
             if place is not None:  # a DTensor's gradient: its local shard's statistics
                 shard, shape = place

@@ -183,6 +183,7 @@ class Recorder(Steps):
         self._calls = Calls()
         self._compiled = CompiledCalls(self._names, self._table)
         self._graph_failures = 0
+        self._values_failures = 0  # graphs whose values-returning variant failed to compile
         self._notes: list[str] = []  # what the trace lacks and why, for the rank's status
         self._dtensor_outputs: list[str] = []  # modules whose DTensor outputs of dynamic
         # shapes inside compiled graphs go unrecorded
@@ -361,11 +362,13 @@ class Recorder(Steps):
             raise RecordingError(
                 fault_message(exc, "compiling a graph that returns its values", self.current_step)
             ) from exc
-        self._note(
-            f"compiling a graph that returns its values failed ({type(exc).__name__}: "
-            f"{one_line(exc)}); on the steps that save tensors whole, the modules inside it "
-            "record their statistics, not their tensors"
-        )
+        self._values_failures += 1
+        if self._values_failures == 1:
+            self._note(
+                f"compiling a graph that returns its values failed ({type(exc).__name__}: "
+                f"{one_line(exc)}); on the steps that save tensors whole or histogram "
+                "outputs, the modules inside it record their statistics only"
+            )
 
     def records_module(self, module_id: int) -> bool:
         entry = self._table.by_id(module_id)
@@ -469,6 +472,7 @@ class Recorder(Steps):
     def _detach(self) -> None:
         """Remove every hook and patch, and empty the table: torch is as it was."""
         graphs.receive(None)
+        self._compiled.kept.clear()  # gradients a graph handed on, none recorded since
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -563,12 +563,20 @@ def test_full_steps_save_the_tensors_inside_the_graph_as_an_eager_run_does(
         "inputs": True,
     }
     x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    compiles: list[Path | None] = []
 
     def train(out: Path | None, compile_: bool) -> list[float]:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = InPlaceStage()
-        run = torch.compile(model) if compile_ else model
+
+        def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            from torch._inductor.compile_fx import compile_fx
+
+            compiles.append(out)
+            return compile_fx(gm, example_inputs)
+
+        run = torch.compile(model, backend=inductor) if compile_ else model
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses = []
         recording = hooktrace.record(model, out, strict=True, **options) if out else None
@@ -583,6 +591,8 @@ def test_full_steps_save_the_tensors_inside_the_graph_as_an_eager_run_does(
 
     plain = train(None, True)
     assert train(tmp_path / "compiled", True) == plain  # bit for bit
+    # one graph: compiled with statistics, returning its values, and as it was; once each
+    assert compiles.count(tmp_path / "compiled") == 3 and compiles.count(None) == 1
     train(tmp_path / "eager", False)
     compiled, eager = hooktrace.load(tmp_path / "compiled"), hooktrace.load(tmp_path / "eager")
     columns = ["step", "module", "kind", "slot"]
@@ -720,6 +730,58 @@ def test_inputs_inside_the_graph_are_recorded_as_an_eager_run_records_them(
     assert {"input", "output", "grad_output"} <= kinds["blocks.blocks.1.fc"]
     result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
     assert result.match, result
+
+
+class Changed(nn.Module):
+    """A value changed in place between the module that made it and the one it is passed
+    to (``h[:, 0] = 0``, ``mul_``, then a ``ReLU(inplace=True)``), and a module returning a
+    complex value, called twice, whose arguments are the only tensors recorded of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.act = nn.ReLU(inplace=True)
+        self.b = nn.Linear(8, 8)
+        self.spectrum = Spectrum()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        h[:, 0] = 0.0
+        h.mul_(2.0)
+        y = self.b(self.act(h))
+        return y + self.spectrum(y).abs().sum() + self.spectrum(x).abs().sum()
+
+
+def test_arguments_changed_in_place_are_read_as_the_call_found_them(tmp_path: Path) -> None:
+    """Found by review: an argument's statistics were those of the value when it was made,
+    not when the call received it; and a call whose only outputs hold nothing to summarise
+    was not counted, so the next one took its number."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+    def train(out: Path, compile_: bool) -> None:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Changed()
+        run = torch.compile(model) if compile_ else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hooktrace.record(model, out, strict=True, inputs=True):
+            for _ in range(2):
+                run(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+
+    train(tmp_path / "compiled", True)
+    train(tmp_path / "eager", False)
+    compiled, eager = hooktrace.load(tmp_path / "compiled"), hooktrace.load(tmp_path / "eager")
+    arguments = compiled.records[compiled.records["kind"] == "input"]
+    assert sorted(arguments[arguments["module"] == "spectrum"]["call"]) == [0, 0, 1, 1]
+    act = arguments[(arguments["module"] == "act") & (arguments["step"] == 0)].iloc[0]
+    assert act["zero_fraction"] >= 1 / 8  # the column set to zero before the call
+    eager_act = eager.records.query("module == 'act' and kind == 'input' and step == 0")
+    assert act["mean"] == pytest.approx(eager_act["mean"].iloc[0], rel=1e-5)
+    assert act["max"] == pytest.approx(eager_act["max"].iloc[0], rel=1e-5)
+    a = compiled.records.query("module == 'a' and kind == 'output' and step == 0").iloc[0]
+    assert a["zero_fraction"] < 1 / 8  # a's own output, as it returned it
 
 
 def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> None:
