@@ -205,7 +205,8 @@ class Hooks:
         roots: bool,
     ) -> None:
         """Queue the records of a graph's module calls (``roots``: its roots' calls too);
-        ``values``: on a step that saves tensors whole, the values summarised, by row."""
+        ``values``: where the step needs them (tensors saved whole, histograms of outputs),
+        the values summarised, by row."""
         phase = (
             self._phase if self._root_depth else ("train" if torch.is_grad_enabled() else "eval")
         )
@@ -236,7 +237,7 @@ class Hooks:
 
     def graph_kept(self, site: int, value: torch.Tensor) -> None:
         """A compiled backward handed on the gradient at one of its taps in full (a step
-        that saves tensors whole): its record takes it when its row arrives."""
+        that needs the values): its record takes it when its row arrives."""
         if self._recording and not _in_transform():
             with self._lock:
                 self._compiled.kept[site] = value

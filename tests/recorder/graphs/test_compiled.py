@@ -12,7 +12,7 @@ import contextlib
 import math
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -495,6 +495,36 @@ def test_outputs_changed_in_place_are_recorded_as_they_were_returned(tmp_path: P
     assert all({"output", "grad_output"} <= kinds[m] for m in ("conv", "act", "fc")), kinds
 
 
+def _seeded_training(
+    model_class: Callable[[], nn.Module],
+    batches: Sequence[torch.Tensor],
+    out: Path | None,
+    *,
+    compile_: bool = True,
+    backend: Any = "inductor",
+    call: Callable[[Any, torch.Tensor], torch.Tensor] = lambda run, x: run(x),
+    **options: Any,
+) -> list[float]:
+    """SGD steps (the output's mean square as the loss) of a fresh ``model_class`` seeded
+    with 0, a step a batch, compiled by ``backend`` where ``compile_``, recorded into ``out``
+    (strict, with ``options``) where given: the losses."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = model_class()
+    run = torch.compile(model, backend=backend) if compile_ else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    recording = hooktrace.record(model, out, strict=True, **options) if out else None
+    with recording or contextlib.nullcontext():
+        for x in batches:
+            loss = call(run, x).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
 class ConvStage(nn.Module):
     """Convolution, batch normalisation, ReLU and pooling, as the reference CNN's stages:
     inductor lays the convolution's output out channels-last on a CPU and fuses the three
@@ -562,32 +592,20 @@ def test_full_steps_save_the_tensors_inside_the_graph_as_an_eager_run_does(
         "full_modules": ["conv", "act", "head"],
         "inputs": True,
     }
-    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    batches = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))] * 4
     compiles: list[Path | None] = []
 
     def train(out: Path | None, compile_: bool) -> list[float]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = InPlaceStage()
-
         def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
             from torch._inductor.compile_fx import compile_fx
 
             compiles.append(out)
             return compile_fx(gm, example_inputs)
 
-        run = torch.compile(model, backend=inductor) if compile_ else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        recording = hooktrace.record(model, out, strict=True, **options) if out else None
-        with recording or contextlib.nullcontext():
-            for _ in range(4):  # step 3 is not recorded
-                loss = run(x).pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-        return losses
+        # step 3 is not recorded
+        return _seeded_training(
+            InPlaceStage, batches, out, compile_=compile_, backend=inductor, **options
+        )
 
     plain = train(None, True)
     assert train(tmp_path / "compiled", True) == plain  # bit for bit
@@ -628,24 +646,10 @@ def test_histograms_of_outputs_inside_the_graph_match_an_eager_runs(tmp_path: Pa
     exponent bins count the same values as an eager run's, but for rounding at a bin's
     edge."""
     options = {"histograms": ("output", "grad_output", "param"), "histogram_every": 2}
-    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    batches = [torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))] * 3
 
     def train(out: Path | None, compile_: bool) -> list[float]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = InPlaceStage()
-        run = torch.compile(model) if compile_ else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        recording = hooktrace.record(model, out, strict=True, **options) if out else None
-        with recording or contextlib.nullcontext():
-            for _ in range(3):
-                loss = run(x).pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-        return losses
+        return _seeded_training(InPlaceStage, batches, out, compile_=compile_, **options)
 
     assert train(tmp_path / "compiled", True) == train(None, True)  # bit for bit
     train(tmp_path / "eager", False)
@@ -697,21 +701,14 @@ def test_inputs_inside_the_graph_are_recorded_as_an_eager_run_records_them(
     batches = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1))
 
     def train(out: Path | None, compile_: bool) -> list[float]:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = Scaled()
-        run = torch.compile(model) if compile_ else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        recording = hooktrace.record(model, out, strict=True, inputs=True) if out else None
-        with recording or contextlib.nullcontext():
-            for x in batches:
-                loss = run(x, scale=3.0).pow(2).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-        return losses
+        return _seeded_training(
+            Scaled,
+            batches,
+            out,
+            compile_=compile_,
+            call=lambda run, x: run(x, scale=3.0),
+            inputs=True,
+        )
 
     compiled_losses = train(tmp_path / "compiled", True)
     assert compiled_losses == train(None, True)  # bit for bit
@@ -756,19 +753,10 @@ def test_arguments_changed_in_place_are_read_as_the_call_found_them(tmp_path: Pa
     """Found by review: an argument's statistics were those of the value when it was made,
     not when the call received it; and a call whose only outputs hold nothing to summarise
     was not counted, so the next one took its number."""
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    batches = [torch.randn(4, 8, generator=torch.Generator().manual_seed(1))] * 2
 
     def train(out: Path, compile_: bool) -> None:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = Changed()
-        run = torch.compile(model) if compile_ else model
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with hooktrace.record(model, out, strict=True, inputs=True):
-            for _ in range(2):
-                run(x).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
+        _seeded_training(Changed, batches, out, compile_=compile_, inputs=True)
 
     train(tmp_path / "compiled", True)
     train(tmp_path / "eager", False)
