@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.compiler import is_exporting
 
 from hooktrace.recorder.graphs import ops
 from hooktrace.recorder.graphs.ops import mark_inputs, mark_outputs
@@ -102,7 +101,7 @@ class Hooks:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
     ) -> None:
         if is_compiling():  # dynamo traces this: the outputs are marked in its graph
-            if not is_exporting() and type(module).__name__ != "OptimizedModule":
+            if not attach.exporting() and type(module).__name__ != "OptimizedModule":
                 if self.inputs:  # (here, not in _pre: dynamo traces no frame inspection)
                     mark_inputs(args, kwargs)
                 mark_outputs(output)

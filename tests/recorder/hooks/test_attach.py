@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules import module as module_globals
 
 import hooktrace
+from hooktrace.recorder.hooks import attach
 
 
 class Net(nn.Module):
@@ -174,6 +175,33 @@ def test_a_compiled_model_is_recorded_inside_under_the_names_eager_gives(
     assert len(step[step["kind"] == "param"]) == len(step[step["kind"] == "grad_param"]) == 4
     # nothing of hooktrace in the model's compiled call
     assert "hooktrace" not in type(model.__dict__.get("_compiled_call_impl")).__module__
+
+
+def test_a_hook_traced_by_the_compiler_tells_compiling_from_exporting() -> None:
+    """torch 2.11's dynamo answers ``torch.compiler.is_exporting()`` with True inside every
+    ``torch.compile`` trace: the recorder's hook then marked nothing, and no module inside
+    a compiled graph was recorded (seen on a GPU machine's torch). ``attach.exporting``
+    reads export's own flag."""
+    seen: list[tuple[str, bool]] = []
+
+    def hook(module: nn.Module, args: object, output: object) -> None:
+        if torch.compiler.is_compiling():
+            seen.append((type(module).__name__, attach.exporting()))
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    handle = module_globals.register_module_forward_hook(hook)
+    try:
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's note on process-wide hooks
+            torch.compile(model, backend="eager")(torch.randn(2, 4))
+        compiled, seen[:] = list(seen), []
+        torch.export.export(model, (torch.randn(2, 4),))
+    finally:
+        handle.remove()
+        torch._dynamo.reset()
+    assert ("Linear", False) in compiled and all(not exporting for _, exporting in compiled)
+    assert ("Linear", True) in seen and all(exporting for _, exporting in seen)
 
 
 def test_module_compile_during_recording_is_recorded_from_then_on(tmp_path: Path) -> None:
