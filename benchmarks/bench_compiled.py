@@ -24,7 +24,11 @@ compiled variant (capture and compile, the FX graph cache off) is timed on its o
 one compile of an unrelated function (the first compile of a process pays for inductor's
 start): what recording adds to the compile.
 
+On a GPU (``--device cuda``, as ``gpu_check.py --costs`` runs it) models and batches live on
+the device and each window ends by waiting for it.
+
 Run: python benchmarks/bench_compiled.py [--reps 9] [--seconds 2] [--models SmallCNN,TinyTransformer]
+     [--device cpu]
 """
 
 from __future__ import annotations
@@ -65,13 +69,14 @@ def _inductor() -> Callable[..., Any]:
 class Setup:
     """One variant: its model, its compiled call, its optimizer, its recording."""
 
-    def __init__(self, name: str, label: str, out: Path) -> None:
-        self.model = make_model(name)
+    def __init__(self, name: str, label: str, out: Path, device: torch.device) -> None:
+        self.device = device
+        self.model = make_model(name).to(device)
         self.run: nn.Module = self.model
         if label.startswith("compiled"):
             self.run = torch.compile(self.model, backend=_inductor())  # type: ignore[assignment]
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
-        self.batch = make_batch(name, seed=0)
+        self.batch = make_batch(name, seed=0).to(device)
         self.recorded = "+" in label
         self.options = OUTPUTS_ONLY if label.endswith("+out") else {}
         self.out = out / label.replace("+", "_")
@@ -90,6 +95,10 @@ class Setup:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
 
+    def wait(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
 
 def warm_compiler() -> None:
     """One compile of an unrelated function first: the first compile in a process also pays
@@ -104,8 +113,10 @@ def warm_compiler() -> None:
 def first_step(setup: Setup) -> float:
     """Seconds of the first step: dynamo's capture and the backend's compile."""
     with torch._inductor.config.patch(fx_graph_cache=False), setup.recording():
+        setup.wait()
         start = time.perf_counter()
         setup.step()
+        setup.wait()
         return time.perf_counter() - start
 
 
@@ -114,17 +125,24 @@ def steady(setup: Setup, seconds: float) -> float:
     with setup.recording():
         for _ in range(WARM_UP_STEPS):
             setup.step()
+        setup.wait()
         start, steps = time.perf_counter(), 0
         while steps < 4 or time.perf_counter() - start < seconds:
             setup.step()
             steps += 1
+        setup.wait()
         return (time.perf_counter() - start) / steps
 
 
-def bench(name: str, reps: int, seconds: float) -> None:
+def allow_a_recompile_per_recording() -> None:
+    torch._dynamo.config.recompile_limit = 1024  # a recompile per recording: see above
+    torch._dynamo.config.accumulated_recompile_limit = 1 << 16
+
+
+def bench(name: str, reps: int, seconds: float, device: torch.device) -> None:
     torch._dynamo.reset()
     with tempfile.TemporaryDirectory() as tmp:
-        setups = {label: Setup(name, label, Path(tmp)) for label in VARIANTS}
+        setups = {label: Setup(name, label, Path(tmp), device) for label in VARIANTS}
         warm_compiler()
         firsts = {label: first_step(setups[label]) for label in VARIANTS[2:4]}
         times: dict[str, list[float]] = {label: [] for label in VARIANTS}
@@ -139,7 +157,7 @@ def bench(name: str, reps: int, seconds: float) -> None:
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         return f"{q[1]:.3f}x (quartiles {q[0]:.3f}-{q[2]:.3f})"
 
-    print(f"\n{name}: median step time over {reps} interleaved repetitions")
+    print(f"\n{name} on {device}: median step time over {reps} interleaved repetitions")
     for label in VARIANTS:
         print(f"  {label:<14} {statistics.median(times[label]) * 1e3:8.2f} ms")
     print(f"  compiled+rec / compiled   {paired('compiled+rec', 'compiled')}")
@@ -159,11 +177,11 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--seconds", type=float, default=2.0)
     parser.add_argument("--models", default="SmallCNN,TinyTransformer")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    torch._dynamo.config.recompile_limit = 1024  # a recompile per recording: see above
-    torch._dynamo.config.accumulated_recompile_limit = 1 << 16
+    allow_a_recompile_per_recording()
     for name in args.models.split(","):
-        bench(name, args.reps, args.seconds)
+        bench(name, args.reps, args.seconds, torch.device(args.device))
 
 
 if __name__ == "__main__":

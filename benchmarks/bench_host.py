@@ -20,7 +20,11 @@ all of them alike; each figure is the median over repetitions. The variants:
   no capture     histograms=None, capture_nonfinite=False
   outputs only   histograms=None, capture_nonfinite=False, params=False
 
-Run: python benchmarks/bench_host.py [--reps 7] [--steps 20] [--layers 200]
+On a GPU (``--device cuda``, as ``gpu_check.py --costs`` runs it) the model and its batch
+live on the device and each window ends by waiting for it: the steps are bound by the host
+all the same.
+
+Run: python benchmarks/bench_host.py [--reps 7] [--steps 20] [--layers 200] [--device cpu]
 """
 
 from __future__ import annotations
@@ -89,12 +93,18 @@ def make_model(layers: int) -> nn.Module:
     return nn.Sequential(*(nn.Linear(8, 8) for _ in range(layers)))
 
 
+def _wait(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_steps(variant: Variant, model: nn.Module, out: Path, steps: int) -> float:
     """Seconds per training step under ``variant`` (after two steps of warm-up inside it)."""
+    device = next(model.parameters()).device
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 8, generator=generator)
-    target = torch.randn(2, 8, generator=generator)
+    x = torch.randn(2, 8, generator=generator).to(device)
+    target = torch.randn(2, 8, generator=generator).to(device)
     losses = []
 
     def step() -> None:
@@ -107,9 +117,11 @@ def time_steps(variant: Variant, model: nn.Module, out: Path, steps: int) -> flo
     with variant(model, out):
         step()
         step()
+        _wait(device)
         start = time.perf_counter()
         for _ in range(steps):
             step()
+        _wait(device)
         elapsed = time.perf_counter() - start
     if not torch.isfinite(torch.stack(losses)).all():
         raise SystemExit(
@@ -119,26 +131,27 @@ def time_steps(variant: Variant, model: nn.Module, out: Path, steps: int) -> flo
     return elapsed / steps
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps a variant a rep")
-    parser.add_argument("--layers", type=int, default=200)
-    args = parser.parse_args()
+def measure(device: torch.device, reps: int, steps: int, layers: int) -> dict[str, list[float]]:
+    """Seconds per step of each variant, one figure a repetition."""
     torch.set_num_threads(1)
-    model = make_model(args.layers)
+    model = make_model(layers).to(device)
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as tmp:
         time_steps(VARIANTS["defaults"], model, Path(tmp), 2)  # numba's kernels loaded
-        for _ in range(args.reps):
+        for _ in range(reps):
             for name, variant in VARIANTS.items():
                 gc.collect()
-                times[name].append(time_steps(variant, model, Path(tmp), args.steps))
-    per_call = {n: [t / args.layers * 1e6 for t in ts] for n, ts in times.items()}
+                times[name].append(time_steps(variant, model, Path(tmp), steps))
+    return times
+
+
+def report(times: dict[str, list[float]], device: torch.device, steps: int, layers: int) -> None:
+    reps = len(times["plain"])
+    per_call = {n: [t / layers * 1e6 for t in ts] for n, ts in times.items()}
     plain_us = statistics.median(per_call["plain"])
     print(
-        f"torch {torch.__version__}, 1 thread; {args.layers} x nn.Linear(8, 8), batch 2, SGD; "
-        f"medians of {args.reps} interleaved repetitions of {args.steps} steps"
+        f"torch {torch.__version__}, {device}, 1 thread; {layers} x nn.Linear(8, 8), batch 2, "
+        f"SGD; medians of {reps} interleaved repetitions of {steps} steps"
     )
     print(f"{'variant':<16}{'step':>10}{'x plain':>9}{'host us / module call':>24}")
     for name, ts in times.items():
@@ -161,6 +174,17 @@ def main() -> None:
             [a - b for a, b in zip(per_call[this], per_call[less], strict=True)]
         )
         print(f"  {what:<30}{diff:+8.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps a variant a rep")
+    parser.add_argument("--layers", type=int, default=200)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    report(measure(device, args.reps, args.steps, args.layers), device, args.steps, args.layers)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,18 @@ class Batch:
     def run(self, model: nn.Module) -> Any:
         return model(*self.args, **self.kwargs)
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch with its tensors on ``device``."""
+
+        def move(value: Any) -> Any:
+            return value.to(device) if isinstance(value, torch.Tensor) else value
+
+        return Batch(
+            args=tuple(move(a) for a in self.args),
+            kwargs={k: move(v) for k, v in self.kwargs.items()},
+            target=move(self.target),
+        )
+
 
 class ZooModel(nn.Module):
     """Base class: a zoo model knows how to make an input for itself."""
