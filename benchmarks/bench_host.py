@@ -19,6 +19,8 @@ all of them alike; each figure is the median over repetitions. The variants:
   no histograms  histograms=None
   no capture     histograms=None, capture_nonfinite=False
   outputs only   histograms=None, capture_nonfinite=False, params=False
+  torch's route  (on a GPU) the defaults, a tensor's statistics and histogram by torch's
+                 operations instead of the Triton kernels
 
 On a GPU (``--device cuda``, as ``gpu_check.py --costs`` runs it) the model and its batch
 live on the device and each window ends by waiting for it: the steps are bound by the host
@@ -39,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -81,11 +84,26 @@ def recorded(options: dict[str, Any]) -> Variant:
     return variant
 
 
+@contextlib.contextmanager
+def torch_route(model: nn.Module, out: Path) -> Iterator[None]:
+    """The defaults with a device's statistics and histograms taken by torch's operations,
+    a launch each, instead of the Triton kernels (``device_kernels``): on a GPU only."""
+    from hooktrace.recorder.stats import device_kernels
+
+    with (
+        mock.patch.object(device_kernels, "usable", lambda *args, **kwargs: False),
+        hooktrace.record(model, out / "run", overwrite=True),
+    ):
+        yield
+
+
 VARIANTS: dict[str, Variant] = {
     "plain": plain,
     "no-op hook": noop_hook,
     **{name: recorded(options) for name, options in RECORDED.items()},
 }
+ON_A_DEVICE: dict[str, Variant] = {"torch's route": torch_route}
+"""Variants measured on a GPU only."""
 
 
 def make_model(layers: int) -> nn.Module:
@@ -135,11 +153,12 @@ def measure(device: torch.device, reps: int, steps: int, layers: int) -> dict[st
     """Seconds per step of each variant, one figure a repetition."""
     torch.set_num_threads(1)
     model = make_model(layers).to(device)
-    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    variants = {**VARIANTS, **(ON_A_DEVICE if device.type == "cuda" else {})}
+    times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
-        time_steps(VARIANTS["defaults"], model, Path(tmp), 2)  # numba's kernels loaded
+        time_steps(VARIANTS["defaults"], model, Path(tmp), 2)  # kernels loaded, compiled
         for _ in range(reps):
-            for name, variant in VARIANTS.items():
+            for name, variant in variants.items():
                 gc.collect()
                 times[name].append(time_steps(variant, model, Path(tmp), steps))
     return times

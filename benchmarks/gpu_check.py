@@ -44,8 +44,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -311,8 +313,67 @@ def compiled_checks(name: str, device: torch.device, tmp: Path) -> dict[str, lis
 CHECKS = {"eager": eager_checks, "compiled": compiled_checks}
 
 
+def tensor_costs(device: torch.device) -> None:
+    """One tensor's statistics and histogram on the device, torch's route against the Triton
+    kernels: the host's time a call (what a module call pays) and the device's (CUDA
+    events), medians of 5 rounds of 50 calls; and the kernels' first call (Triton's compile)."""
+    from hooktrace.recorder.stats import device_kernels
+    from hooktrace.recorder.stats.histogram import _histogram_torch
+    from hooktrace.recorder.stats.stats import summarize_on_device
+
+    if not device_kernels.usable(torch.ones(1, device=device)):
+        print("\nno Triton kernels on this device: torch's route only")
+        return
+    first = {}
+    for name, call in [
+        ("statistics", device_kernels.summarize),
+        ("histogram", device_kernels.histogram),
+    ]:
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call(torch.ones(10, device=device))
+        torch.cuda.synchronize(device)
+        first[name] = time.perf_counter() - start
+    print(
+        f"\nthe kernels' first calls (Triton's compile): statistics {first['statistics']:.2f} s,"
+        f" histogram {first['histogram']:.2f} s"
+    )
+    routes = {
+        "statistics, torch": summarize_on_device,
+        "statistics, kernel": device_kernels.summarize,
+        "histogram, torch": _histogram_torch,
+        "histogram, kernel": device_kernels.histogram,
+    }
+    print(f"{'values':>10} {'route':<20}{'host us':>10}{'device us':>11}{'GB/s':>8}")
+    for numel in (64, 65_536, 1 << 24, 1 << 28):
+        x = torch.randn(numel, device=device)
+        for label, call in routes.items():
+            host, dev = [], []
+            for _ in range(5):
+                torch.cuda.synchronize(device)
+                begin, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                begin.record()
+                start = time.perf_counter()
+                for _ in range(50):
+                    call(x)
+                host.append((time.perf_counter() - start) / 50 * 1e6)
+                end.record()
+                torch.cuda.synchronize(device)
+                dev.append(begin.elapsed_time(end) / 50 * 1e3)
+            rate = numel * 4 / (statistics.median(dev) * 1e-6) / 1e9
+            print(f"{numel:>10} {label:<20}{statistics.median(host):>10.1f}"
+                  f"{statistics.median(dev):>11.1f}{rate:>8.0f}")  # fmt: skip
+        del x
+
+
 def costs(device: torch.device, models: list[str]) -> None:
-    """What recording costs on the device: the host per module call, and training steps."""
+    """What recording costs on the device: one tensor's statistics, the host per module
+    call, and training steps."""
+    if device.type == "cuda":
+        tensor_costs(device)
     print()
     layers = 200
     steps, reps = 10, 3

@@ -1,11 +1,14 @@
 """What hooktrace adds to a compiled graph: statistics, per-unit counts and gradient taps.
 
-:func:`summary` and ``stats.activity`` are plain tensor operations, traced into the graph and
-compiled with the model by its backend (inductor fuses them with the model's own kernels):
-the same statistics as the hooks take on a device (``stats.summarize_on_device``), in
-float32, as one float64 row. A CPU value is summarised by :func:`summarize_cpu` instead, an
-operator that takes the hooks' own route. They read a detached value, so the model's own
-computation and its gradients do not change.
+A module's value is summarised by :func:`summarize`, an operator the graph calls, which takes
+the hooks' own route (the one-pass kernel on the CPU, the Triton kernels on a GPU): one
+float64 row of the statistics, and the per-unit counts. The compiler calls it; it does not
+generate its code, so the model's own kernels stay those of the graph unrecorded. Compiled
+into the graph instead (:data:`FUSED`, :func:`summary` and ``stats.activity``, tensor
+operations inductor fuses with the model's kernels), the statistics' reductions changed
+the model's: on a GPU, the recorded CNN trained differently in the last bits (its batch
+norm's reduction fused with the per-channel counts, gpu_check 2026-11-29). Both read a
+detached value, so the model's computation and its gradients do not change.
 
 Where a module call's outputs are, dynamo learns from the recorder's own forward hook: while
 dynamo traces a module's call it traces the process-wide hooks too, and the recorder's marks
@@ -39,9 +42,11 @@ from hooktrace.recorder.stats.stats import STATS_WIDTH, summarize_on_device, sum
 Sink = Callable[[int, torch.Tensor], None]
 Keep = Callable[[int, torch.Tensor], None]
 
-CPU_OPERATOR = True
-"""Whether CPU values are summarised by :func:`summarize_cpu` (False: compiled into the graph
-as a device's are; for tests of that route on a machine without a device)."""
+FUSED = False
+"""Whether values are summarised by tensor operations compiled into the graph with the model
+(:func:`summary`) rather than by the operator :func:`summarize`: not bit-identical on a GPU
+(the module's docstring), and slower on a CPU (docs/PERFORMANCE.md); kept for the
+measurements that say so."""
 
 _sink: list[Sink | None] = [None]
 """Where tapped gradients go: the recording's receiver, or None (graphs compiled while
@@ -70,12 +75,13 @@ def kept_copy(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.hooktrace.copy(x.detach())
 
 
-def summarize_cpu(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def summarize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`summary` and :func:`activity` (``dim`` >= 0; else no counts: an empty tensor)
-    of a CPU value, by the route the hooks take (the one-pass kernel where it is loaded):
-    an operator the compiler calls, not code it generates. Inductor's reductions on a CPU
-    took 0.59 to 0.66 of torch's passes, the one-pass kernel 0.18 to 0.26."""
-    return torch.ops.hooktrace.summarize_cpu(x.detach(), dim)
+    of a value, by the route the hooks take (the one-pass kernel on the CPU where it is
+    loaded, the Triton kernels on a GPU where Triton is): an operator the compiler calls,
+    not code it generates. Inductor's reductions on a CPU took 0.59 to 0.66 of torch's
+    passes, the one-pass kernel 0.18 to 0.26."""
+    return torch.ops.hooktrace.summarize(x.detach(), dim)
 
 
 _LIBRARY = torch.library.Library("hooktrace", "DEF")
@@ -90,32 +96,33 @@ into its eager layout, and the model's fused kernels after it with it)."""
 
 _register_fake = torch.library.register_fake
 
-_LIBRARY.define("summarize_cpu(Tensor x, int dim) -> (Tensor, Tensor)", tags=_ANY_LAYOUT)
+_LIBRARY.define("summarize(Tensor x, int dim) -> (Tensor, Tensor)", tags=_ANY_LAYOUT)
 
 
-def _summarize_cpu_op(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _summarize_op(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     stats, counts = summarize_with_activity(x, dim if dim >= 0 else None)
     if stats is None:  # no values to summarise
-        row = torch.full((STATS_WIDTH,), float("nan"), dtype=torch.float64)
+        row = torch.full((STATS_WIDTH,), float("nan"), dtype=torch.float64, device=x.device)
         row[5:] = 0
     elif isinstance(stats, np.ndarray):
         row = torch.from_numpy(stats)
     else:
         row = stats.to(torch.float64)
     if counts is None:
-        return row, torch.zeros(max(x.shape[dim], 0) if dim >= 0 else 0, dtype=torch.int64)
+        units = max(x.shape[dim], 0) if dim >= 0 else 0
+        return row, torch.zeros(units, dtype=torch.int64, device=x.device)
     if isinstance(counts, np.ndarray):
         return row, torch.from_numpy(counts.astype(np.int64, copy=False))
     return row, counts.to(torch.int64)
 
 
-def _summarize_cpu_fake(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _summarize_fake(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     units = x.shape[dim] if dim >= 0 else 0
     return x.new_empty(STATS_WIDTH, dtype=torch.float64), x.new_empty(units, dtype=torch.int64)
 
 
-_LIBRARY.impl("summarize_cpu", _summarize_cpu_op, "CPU")
-_register_fake("hooktrace::summarize_cpu", _summarize_cpu_fake, lib=_LIBRARY)
+_LIBRARY.impl("summarize", _summarize_op, "CompositeExplicitAutograd")
+_register_fake("hooktrace::summarize", _summarize_fake, lib=_LIBRARY)
 
 
 class _Tap(torch.autograd.Function):
@@ -138,8 +145,7 @@ class _Tap(torch.autograd.Function):
                 shard = shards.described(cast(Any, grad)._spec)
             _GRADIENT_PLACES[ctx.site] = (shard, tuple(int(d) for d in local.shape))
             value = cast(Any, grad).to_local()
-        on_cpu = value.device.type == "cpu" and CPU_OPERATOR
-        row = summarize_cpu(value, -1)[0] if on_cpu else summary(value)
+        row = summary(value) if FUSED else summarize(value, -1)[0]
         if ctx.keep:  # one operator for both: a compiler may order two apart
             torch.ops.hooktrace.sink_kept(row, value, ctx.site)
         else:

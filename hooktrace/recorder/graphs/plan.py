@@ -327,9 +327,9 @@ class _Adding:
         where = graph.inserting_after(node) if at is None else graph.inserting_before(at)
         if at is not None:  # the value the call reads: a tap's, where one hands it on
             node = self._tapped.get(node, node)
-        if value.device.type == "cpu" and ops.CPU_OPERATOR:  # the hooks' route, called
+        if not ops.FUSED:  # the hooks' route, called
             with where:
-                both = graph.call_function(ops.summarize_cpu, (node, dim if counting else -1))
+                both = graph.call_function(ops.summarize, (node, dim if counting else -1))
             with graph.inserting_after(both):
                 summary = graph.call_function(operator.getitem, (both, 0))
             last = summary

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hooktrace.recorder.stats import numba_kernels
+from hooktrace.recorder.stats import device_kernels, numba_kernels
 from hooktrace.recorder.stats.histogram_bits import (
     BFLOAT16,
     FLOAT16,
@@ -52,6 +52,10 @@ def histogram(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
     the statistics)."""
     if tensor.is_cpu:
         return histogram_many([tensor])[0]
+    if device_kernels.usable(tensor, histogram=True):
+        counts = device_kernels.histogram(tensor)  # one launch
+        if counts is not None:
+            return counts
     return _histogram_torch(tensor)
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from torch.nn.parameter import UninitializedTensorMixin as _LAZY  # type: ignore[attr-defined]
 
-from hooktrace.recorder.stats import kernel_cache
+from hooktrace.recorder.stats import device_kernels, kernel_cache
 from hooktrace.trace import schema
 
 STATS_WIDTH = 8
@@ -190,6 +190,10 @@ def summarize(tensor: torch.Tensor, *, scratch: torch.Tensor | None = None) -> S
     tensor on the tensor's device elsewhere. None for tensors that hold no values to
     summarise (empty, complex, quantized, meta).
     """
+    if not tensor.is_cpu and device_kernels.usable(tensor):
+        row = device_kernels.summarize(tensor)  # one pass, two launches
+        if row is not None:
+            return row
     x = _values(tensor)
     if x is None:
         return None

@@ -1,0 +1,195 @@
+"""A GPU tensor's statistics and histogram, each in one Triton kernel compiled once per dtype.
+
+torch's route (``stats.summarize_on_device``, ``histogram._histogram_torch``) queues some 14
+and 15 operations a tensor, a launch each, and the host pays for every launch: on a GPU
+that is most of what recording a module call costs. Here each is a pass over the values
+by one kernel (:func:`_partials`, :func:`_bins`), then, for the statistics, one program
+that combines the passes' partial results in float64 (:func:`_combine`): two launches for
+the statistics, one for the histogram, whatever the tensor's size, nothing waited for.
+
+The numbers are torch's route's: each value read as float32, the statistics (mean,
+population std, min, max, norm, zeros, NaNs, Infs) as one float64 row with torch's NaN and
+Inf rules (a NaN makes every statistic but the counts NaN, an Inf the std), equal to it up
+to float32 rounding (the sums are taken in another order); the histogram's counts equal,
+bin for bin. Each block's sums in a fixed order and one program combining them: the same
+tensor gives the same row, bit for bit, every time.
+
+Triton specialises a kernel on its arguments' values unless told not to: the sizes are
+marked ``do_not_specialize``, so one compile serves every shape. Without Triton, or for
+what the kernels do not take (float64 histograms, integers, tensors on devices Triton does
+not drive), torch's route stands in: :func:`usable` says which.
+
+``TRITON_INTERPRET=1`` runs the kernels on the CPU, in numpy: how the tests check them on
+a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import Any
+
+import torch
+
+from hooktrace.trace.histograms import WIDTH
+
+BLOCK = 2048
+"""Values a program of the first pass reads."""
+
+PARTS = 1024
+"""Partial results the combining program reads at a time."""
+
+FIELDS = 9
+"""A block's partial result: count, sum, centred sum of squares, sum of squares, min, max,
+zeros, NaNs, Infs."""
+
+HISTOGRAM_BINS = 1024
+"""The histogram kernel's bins: ``WIDTH`` rounded up to a power of two, as Triton's
+``tl.histogram`` wants."""
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+"""What the kernels read (as float32, exactly); float64 for the statistics too, rounded to
+float32 as torch's route rounds it."""
+
+
+@functools.cache
+def _triton() -> Any:
+    """The kernels' module (``triton_kernels``: Triton compiles each at its first call), or
+    None where Triton is missing or ``HOOKTRACE_DEVICE_KERNELS=0``."""
+    if os.environ.get("HOOKTRACE_DEVICE_KERNELS", "1") == "0":
+        return None
+    try:
+        from hooktrace.recorder.stats import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels
+
+
+def usable(x: torch.Tensor, *, histogram: bool = False) -> bool:
+    """Whether the kernels take ``x``: a strided float tensor of some values, on a device
+    Triton drives (a CPU tensor too where ``TRITON_INTERPRET=1``: the tests), where they
+    gave torch's numbers on a probe of its dtype (:func:`_proven`)."""
+    if type(x) not in _PLAIN or x.layout is not torch.strided or x.numel() == 0:
+        return False  # (a subclass's data pointer is not its values')
+    if x.dtype not in _FLOATS and (histogram or x.dtype is not torch.float64):
+        return False
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not (x.is_cuda or (interpreted and x.is_cpu)):
+        return False
+    if _failed or _triton() is None:
+        return False
+    proven = _proven.get((x.device, x.dtype))
+    return proven if proven is not None else _prove(x.device, x.dtype)
+
+
+_failed: list[str] = []
+"""Why the kernels were given up in this process (empty: they were not)."""
+
+_proven: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def _prove(device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernels' first call on a device and dtype: compiled, and checked against torch's
+    route on a probe that holds zeros, both signs and subnormals. Where Triton
+    fails or disagrees (another version, another device), they are given up for the
+    process with a warning, and torch's route takes every tensor: never a wrong record,
+    never a recording stopped. It waits for the device, once."""
+    from hooktrace.recorder.stats.histogram import _histogram_torch
+    from hooktrace.recorder.stats.stats import summarize_on_device
+
+    probe = torch.linspace(-3.0, 5.0, 5000, dtype=torch.float64).pow(5)
+    probe[::7] = 0.0
+    probe[1::11] *= 1e-40  # subnormal in float32 and bfloat16 (zero in float16)
+    x = probe.to(dtype).to(device)
+    try:
+        row, counts = _summarize(x), None if dtype is torch.float64 else _histogram(x)
+        same = torch.allclose(row, summarize_on_device(x.float()), rtol=1e-5, atol=1e-6)
+        if counts is not None:
+            expected = torch.as_tensor(_histogram_torch(x), device=counts.device)
+            same = same and bool(torch.equal(counts, expected))
+    except Exception as exc:  # any failure of Triton's: torch's route
+        _give_up(exc)
+        return False
+    if not same:
+        _give_up(f"they disagreed with torch's operations on a {dtype} probe")
+        return False
+    _proven[(device, dtype)] = True
+    return True
+
+
+def _give_up(why: str | Exception) -> None:
+    import warnings
+
+    if isinstance(why, Exception):
+        why = f"Triton failed: {type(why).__name__}: {(str(why).splitlines() or [''])[0]}"
+    _failed.append(why)
+    warnings.warn(
+        f"hooktrace: the GPU statistics kernels are not used ({why}); torch's operations "
+        "compute the same statistics, a few more launches a tensor",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s values as one contiguous row, in memory order: a view where they lie
+    contiguously (also channels-last), else a copy. Order does not matter to the kernels."""
+    if x.is_contiguous():
+        return x.view(-1)
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return x.permute(0, 2, 3, 1).reshape(-1)  # a view: channels-last is NHWC in memory
+    return x.contiguous().view(-1)
+
+
+def summarize(x: torch.Tensor) -> torch.Tensor | None:
+    """``stats.summarize_on_device``'s row of ``x`` (where :func:`usable`), queued; None
+    where Triton failed (the kernels are then given up, and torch's route takes it)."""
+    try:
+        return _summarize(x)
+    except Exception as exc:
+        _give_up(exc)
+        return None
+
+
+def histogram(x: torch.Tensor) -> torch.Tensor | None:
+    """``histogram._histogram_torch``'s counts of ``x`` (where :func:`usable` with
+    ``histogram``), queued: ``WIDTH`` int64 counts on ``x``'s device; None where Triton
+    failed, as :func:`summarize`."""
+    try:
+        return _histogram(x)
+    except Exception as exc:
+        _give_up(exc)
+        return None
+
+
+def _summarize(x: torch.Tensor) -> torch.Tensor:
+    kernels = _triton()
+    flat = _flat(x.detach())
+    n = flat.numel()
+    blocks = -(-n // BLOCK)
+    partials = torch.empty((blocks, FIELDS), dtype=torch.float32, device=flat.device)
+    row = torch.empty(8, dtype=torch.float64, device=flat.device)
+    with _on(flat.device):
+        kernels.partials[(blocks,)](flat, partials, n, BLOCK=BLOCK)
+        kernels.combine[(1,)](partials, blocks, n, row, PARTS=PARTS)
+    return row
+
+
+def _histogram(x: torch.Tensor) -> torch.Tensor:
+    kernels = _triton()
+    flat = _flat(x.detach())
+    n = flat.numel()
+    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=flat.device)
+    with _on(flat.device):
+        kernels.bins[(-(-n // BLOCK),)](flat, counts, n, BLOCK=BLOCK, BINS=HISTOGRAM_BINS)
+    return counts[:WIDTH]
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Triton launches on the current device: ``device``, for the launch."""
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

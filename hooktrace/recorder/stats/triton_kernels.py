@@ -1,0 +1,125 @@
+"""The Triton kernels of :mod:`hooktrace.recorder.stats.device_kernels`, which says what they
+compute and imports this module only where Triton is installed (Triton resolves a kernel's
+helpers among its module's globals: they live here, at the top level)."""
+
+# mypy: disable-error-code="no-untyped-def"
+# (Triton kernels: their arguments are pointers and compile-time constants, not Python types)
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from hooktrace.trace import histograms
+
+# a kernel reads a global only as a compile-time constant (Triton 3 refuses a plain int;
+# its interpreter does not)
+EXPONENT_MIN = tl.constexpr(histograms.EXPONENT_MIN)
+MAGNITUDE_BINS = tl.constexpr(histograms.MAGNITUDE_BINS)
+POS = tl.constexpr(histograms.POS)
+NEG = tl.constexpr(histograms.NEG)
+
+
+@triton.jit
+def float32(x):
+    # bfloat16 is float32's upper half: its bits moved up, exactly (subnormals too,
+    # which Triton's interpreter converts wrongly)
+    if x.dtype == tl.bfloat16:
+        return (x.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["n"])
+def partials(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    block = tl.program_id(0).to(tl.int64)
+    offsets = block * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    x = float32(tl.load(x_ptr + offsets, mask=inside, other=0.0))
+    count = tl.sum(inside.to(tl.float32), axis=0)
+    total = tl.sum(x, axis=0)
+    centred = tl.where(inside, x - total / count, 0.0)
+    out = out_ptr + block * 9
+    tl.store(out + 0, count)
+    tl.store(out + 1, total)
+    tl.store(out + 2, tl.sum(centred * centred, axis=0))
+    tl.store(out + 3, tl.sum(x * x, axis=0))
+    tl.store(out + 4, tl.min(tl.where(inside, x, float("inf")), axis=0))
+    tl.store(out + 5, tl.max(tl.where(inside, x, float("-inf")), axis=0))
+    tl.store(out + 6, tl.sum((inside & (x == 0.0)).to(tl.float32), axis=0))
+    tl.store(out + 7, tl.sum((x != x).to(tl.float32), axis=0))
+    tl.store(out + 8, tl.sum((tl.abs(x) == float("inf")).to(tl.float32), axis=0))
+
+
+@triton.jit(do_not_specialize=["blocks", "n"])
+def combine(part_ptr, blocks, n, row_ptr, PARTS: tl.constexpr):
+    # Chan's combination, in float64: the mean first, then each block's centred sum
+    # of squares moved to it
+    total = tl.zeros([PARTS], dtype=tl.float64)
+    squares = tl.zeros([PARTS], dtype=tl.float64)
+    zeros = tl.zeros([PARTS], dtype=tl.float64)
+    nans = tl.zeros([PARTS], dtype=tl.float64)
+    infs = tl.zeros([PARTS], dtype=tl.float64)
+    lo = tl.full([PARTS], float("inf"), dtype=tl.float32)
+    hi = tl.full([PARTS], float("-inf"), dtype=tl.float32)
+    start = blocks * 0  # (a while loop: the interpreter's ranges take no runtime bound)
+    while start < blocks:
+        rows = start + tl.arange(0, PARTS)
+        inside = rows < blocks
+        part = part_ptr + rows.to(tl.int64) * 9
+        start += PARTS
+        total += tl.load(part + 1, mask=inside, other=0.0).to(tl.float64)
+        squares += tl.load(part + 3, mask=inside, other=0.0).to(tl.float64)
+        lo = tl.minimum(lo, tl.load(part + 4, mask=inside, other=float("inf")))
+        hi = tl.maximum(hi, tl.load(part + 5, mask=inside, other=float("-inf")))
+        zeros += tl.load(part + 6, mask=inside, other=0.0).to(tl.float64)
+        nans += tl.load(part + 7, mask=inside, other=0.0).to(tl.float64)
+        infs += tl.load(part + 8, mask=inside, other=0.0).to(tl.float64)
+    count = n.to(tl.float64)
+    mean = tl.sum(total, axis=0) / count
+    spread = tl.zeros([PARTS], dtype=tl.float64)
+    start = blocks * 0
+    while start < blocks:
+        rows = start + tl.arange(0, PARTS)
+        inside = rows < blocks
+        part = part_ptr + rows.to(tl.int64) * 9
+        start += PARTS
+        size = tl.load(part + 0, mask=inside, other=0.0).to(tl.float64)
+        block_total = tl.load(part + 1, mask=inside, other=0.0).to(tl.float64)
+        block_m2 = tl.load(part + 2, mask=inside, other=0.0).to(tl.float64)
+        apart = tl.where(inside, block_total / tl.maximum(size, 1.0) - mean, 0.0)
+        spread += block_m2 + size * apart * apart
+    nan_count = tl.sum(nans, axis=0)
+    any_nan = nan_count > 0
+    low = tl.min(lo, axis=0).to(tl.float64)
+    high = tl.max(hi, axis=0).to(tl.float64)
+    tl.store(row_ptr + 0, mean)
+    tl.store(row_ptr + 1, tl.sqrt(tl.sum(spread, axis=0) / count))
+    tl.store(row_ptr + 2, tl.where(any_nan, float("nan"), low))
+    tl.store(row_ptr + 3, tl.where(any_nan, float("nan"), high))
+    tl.store(row_ptr + 4, tl.sqrt(tl.sum(squares, axis=0)))
+    tl.store(row_ptr + 5, tl.sum(zeros, axis=0))
+    tl.store(row_ptr + 6, nan_count)
+    tl.store(row_ptr + 7, tl.sum(infs, axis=0))
+
+
+@triton.jit(do_not_specialize=["n"])
+def bins(x_ptr, counts_ptr, n, BLOCK: tl.constexpr, BINS: tl.constexpr):
+    block = tl.program_id(0).to(tl.int64)
+    offsets = block * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < n
+    x = float32(tl.load(x_ptr + offsets, mask=inside, other=0.0))
+    magnitude = tl.abs(x)
+    subnormal = magnitude < 1.1754943508222875e-38  # below 2^-126: scaled by 2^64 first
+    scaled = tl.where(subnormal, magnitude * 18446744073709551616.0, magnitude)
+    exponent = ((scaled.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.where(subnormal, exponent - 64, exponent)
+    place = tl.minimum(tl.maximum(exponent - EXPONENT_MIN + 1, 0), MAGNITUDE_BINS - 1)
+    bin = tl.where(x > 0, POS + place, NEG + place)
+    bin = tl.where(x == 0.0, 0, bin)  # ZERO
+    bin = tl.where(x != x, 1, bin)  # NAN
+    bin = tl.where(x == float("inf"), 2, bin)  # POS_INF
+    bin = tl.where(x == float("-inf"), 3, bin)  # NEG_INF
+    bin = tl.where(inside, bin, BINS - 1)  # past WIDTH: not returned
+    counted = tl.histogram(bin, BINS)
+    tl.atomic_add(counts_ptr + tl.arange(0, BINS), counted.to(tl.int64))
