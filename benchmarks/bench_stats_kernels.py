@@ -58,6 +58,7 @@ from hooktrace.recorder.stats.stats import (
     summarize,
     summarize_with_activity,
 )
+from hooktrace.recorder.stats.torch_route import histogram_torch
 from hooktrace.trace.histograms import reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -178,7 +179,7 @@ def parameter_statistics(tensors: list[torch.Tensor]) -> None:
 
 def torch_route(tensors: list[torch.Tensor]) -> None:
     for t in tensors:
-        histogram._histogram_torch(t)
+        histogram_torch(t)
 
 
 def one_thread(tensors: list[torch.Tensor]) -> None:

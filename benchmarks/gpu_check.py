@@ -334,8 +334,7 @@ def tensor_costs(device: torch.device) -> None:
     kernels: the host's time a call (what a module call pays) and the device's (CUDA
     events), medians of 5 rounds of 50 calls; and the kernels' first call (Triton's compile)."""
     from hooktrace.recorder.stats import device_kernels
-    from hooktrace.recorder.stats.histogram import _histogram_torch
-    from hooktrace.recorder.stats.stats import summarize_on_device
+    from hooktrace.recorder.stats.torch_route import histogram_torch, summarize_on_device
 
     if not device_kernels.usable(torch.ones(1, device=device)):
         print("\nno Triton kernels on this device: torch's route only")
@@ -357,7 +356,7 @@ def tensor_costs(device: torch.device) -> None:
     routes = {
         "statistics, torch": summarize_on_device,
         "statistics, kernel": device_kernels.summarize,
-        "histogram, torch": _histogram_torch,
+        "histogram, torch": histogram_torch,
         "histogram, kernel": device_kernels.histogram,
     }
     print(f"{'values':>10} {'route':<20}{'host us':>10}{'device us':>11}{'GB/s':>8}")

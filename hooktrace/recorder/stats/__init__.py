@@ -8,6 +8,9 @@ tensors' rows, bit for bit as numpy), ``histogram_kernel.py``; ``numba_kernels.p
 out once loaded; ``kernel_cache.py`` fills numba's cache in another process; ``omp.py`` runs
 the kernel on torch's own OpenMP threads. ``host.py`` gives numpy's view of a CPU tensor
 without ``Tensor.numpy()``, which would mark the script's storage as never resizable again.
+On a GPU: ``device_kernels.py`` (statistics and histograms in Triton kernels, defined in
+``triton_kernels.py``, each checked at its first call), or ``torch_route.py`` (torch's own
+operations, queued) where Triton is not.
 
 May import: nothing of the recorder.
 """

@@ -1,9 +1,9 @@
 """A GPU tensor's statistics and histogram, each in one Triton kernel compiled once per dtype.
 
-torch's route (``stats.summarize_on_device``, ``histogram._histogram_torch``) queues some 14
+torch's route (:mod:`hooktrace.recorder.stats.torch_route`) queues some 14
 and 15 operations a tensor, a launch each, and the host pays for every launch: on a GPU
 that is most of what recording a module call costs. Here each is a pass over the values
-by one kernel (:func:`_partials`, :func:`_bins`), then, for the statistics, one program
+by one kernel (``triton_kernels.partials``, ``triton_kernels.bins``), then, for the statistics, one program
 that combines the passes' partial results in float64 (:func:`_combine`): two launches for
 the statistics, one for the histogram, whatever the tensor's size, nothing waited for.
 
@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from hooktrace.recorder.stats import torch_route
 from hooktrace.trace.histograms import WIDTH
 
 BLOCK = 2048
@@ -97,8 +98,6 @@ def _prove(device: torch.device, dtype: torch.dtype) -> bool:
     fails or disagrees (another version, another device), they are given up for the
     process with a warning, and torch's route takes every tensor: never a wrong record,
     never a recording stopped. It waits for the device, once."""
-    from hooktrace.recorder.stats.histogram import _histogram_torch
-    from hooktrace.recorder.stats.stats import summarize_on_device
 
     probe = torch.linspace(-3.0, 5.0, 5000, dtype=torch.float64).pow(5)
     probe[::7] = 0.0
@@ -106,9 +105,9 @@ def _prove(device: torch.device, dtype: torch.dtype) -> bool:
     x = probe.to(dtype).to(device)
     try:
         row, counts = _summarize(x), None if dtype is torch.float64 else _histogram(x)
-        same = torch.allclose(row, summarize_on_device(x.float()), rtol=1e-5, atol=1e-6)
+        same = torch.allclose(row, torch_route.summarize_on_device(x.float()), rtol=1e-5, atol=1e-6)
         if counts is not None:
-            expected = torch.as_tensor(_histogram_torch(x), device=counts.device)
+            expected = torch.as_tensor(torch_route.histogram_torch(x), device=counts.device)
             same = same and bool(torch.equal(counts, expected))
     except Exception as exc:  # any failure of Triton's: torch's route
         _give_up(exc)
@@ -145,7 +144,7 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 
 def summarize(x: torch.Tensor) -> torch.Tensor | None:
-    """``stats.summarize_on_device``'s row of ``x`` (where :func:`usable`), queued; None
+    """``torch_route.summarize_on_device``'s row of ``x`` (where :func:`usable`), queued; None
     where Triton failed (the kernels are then given up, and torch's route takes it)."""
     try:
         return _summarize(x)
@@ -155,7 +154,7 @@ def summarize(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def histogram(x: torch.Tensor) -> torch.Tensor | None:
-    """``histogram._histogram_torch``'s counts of ``x`` (where :func:`usable` with
+    """``torch_route.histogram_torch``'s counts of ``x`` (where :func:`usable` with
     ``histogram``), queued: ``WIDTH`` int64 counts on ``x``'s device; None where Triton
     failed, as :func:`summarize`."""
     try:

@@ -12,7 +12,8 @@ value once (:mod:`hooktrace.recorder.stats.histogram_kernel`), float32, float64,
 bfloat16 tensors where they lie, a list of them in one call; before that, or without numba,
 by numpy, in a few passes. Integers and bool are binned as their float64 values. On other
 devices, torch computes the same counts from ``frexp`` (float16 and bfloat16 as float32,
-integers as float64: an exact conversion keeps the exponent).
+integers as float64: an exact conversion keeps the exponent: ``torch_route.py``), or, where
+Triton is, by one kernel (``device_kernels.py``).
 """
 
 from __future__ import annotations
@@ -30,19 +31,9 @@ from hooktrace.recorder.stats.histogram_bits import (
     flushes_denormals,
 )
 from hooktrace.recorder.stats.host import as_numpy
-from hooktrace.trace.histograms import (
-    EXPONENT_MIN,
-    MAGNITUDE_BINS,
-    NAN,
-    NEG,
-    NEG_INF,
-    POS,
-    POS_INF,
-    WIDTH,
-    ZERO,
-)
+from hooktrace.recorder.stats.torch_route import histogram_torch
+from hooktrace.trace.histograms import WIDTH
 
-_EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
 _FORMATS = {torch.float32: FLOAT32, torch.float64: FLOAT64, torch.float16: FLOAT16}
 
 
@@ -56,7 +47,7 @@ def histogram(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
         counts = device_kernels.histogram(tensor)  # one launch
         if counts is not None:
             return counts
-    return _histogram_torch(tensor)
+    return histogram_torch(tensor)
 
 
 def histogram_many(tensors: list[torch.Tensor]) -> np.ndarray:
@@ -109,36 +100,3 @@ def _histogram_bits(tensor: torch.Tensor, flush: bool) -> np.ndarray:
     # in memory order: a view of a transposed or permuted tensor, a copy of a sliced one
     bits = as_numpy(x).view(form.bits).ravel(order="K")
     return counts(bits, form, flush)
-
-
-def _histogram_torch(tensor: torch.Tensor) -> np.ndarray | torch.Tensor:
-    """The torch route, for tensors on other devices (it runs on any: numpy counts for a CPU
-    tensor). Binning takes several int64 tensors the size of its input: a large tensor is
-    binned ``TORCH_CHUNK`` values at a time, so that the scratch stays some 80 MB whatever
-    its size (a 1 GB embedding's gradient would otherwise take 10 GB)."""
-    x = tensor.detach()
-    if x.layout != torch.strided:
-        x = x.to_dense()
-    x = x.reshape(-1)
-    if x.dtype not in (torch.float32, torch.float64):
-        x = x.float() if x.dtype in _EXACT_IN_FLOAT32 else x.double()
-    counts = torch.zeros(WIDTH, dtype=torch.int64, device=x.device)
-    for chunk in x.split(TORCH_CHUNK):
-        bins = _bins(chunk)
-        counts.index_add_(0, bins, torch.ones_like(bins))
-    return counts.numpy() if x.is_cpu else counts
-
-
-TORCH_CHUNK = 1 << 20
-"""Values binned at once on the torch route."""
-
-
-def _bins(x: torch.Tensor) -> torch.Tensor:
-    """Each value's bin in the flat histogram vector (int64)."""
-    _, e = torch.frexp(x)  # |x| = m * 2^e, 0.5 <= m < 1: floor(log2|x|) = e - 1
-    magnitude = (e.to(torch.int64) - EXPONENT_MIN).clamp_(0, MAGNITUDE_BINS - 1)
-    bins = torch.where(x > 0, magnitude + POS, magnitude + NEG)
-    bins = torch.where(x == 0, ZERO, bins)
-    bins = torch.where(torch.isnan(x), NAN, bins)
-    bins = torch.where(x == float("inf"), POS_INF, bins)
-    return torch.where(x == float("-inf"), NEG_INF, bins)

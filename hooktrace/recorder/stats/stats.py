@@ -36,6 +36,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin as _LAZY  # type: ignore[attr-defined]
 
 from hooktrace.recorder.stats import device_kernels, kernel_cache
+from hooktrace.recorder.stats.torch_route import summarize_on_device
 from hooktrace.trace import schema
 
 STATS_WIDTH = 8
@@ -371,17 +372,6 @@ def _std(x: torch.Tensor, mean: float, squares: float) -> float:
     if var <= _CANCELLATION * mean_square:  # spread small against the offset: two passes
         var = (torch.linalg.vector_norm(x - mean).item() ** 2) / n
     return math.sqrt(max(var, 0.0))
-
-
-def summarize_on_device(x: torch.Tensor) -> torch.Tensor:
-    var, mean = torch.var_mean(x, correction=0)
-    lo, hi = torch.aminmax(x)
-    norm = torch.linalg.vector_norm(x)
-    zeros = x.numel() - torch.count_nonzero(x).double()
-    nans = torch.count_nonzero(torch.isnan(x)).double()
-    infs = torch.count_nonzero(torch.isinf(x)).double()
-    # stack promotes the float32 statistics to float64 exactly; counts stay exact to 2**53
-    return torch.stack([mean, var.sqrt(), lo, hi, norm, zeros, nans, infs])
 
 
 def unit_dim(tensor: torch.Tensor, *, channels_first: bool) -> int | None:

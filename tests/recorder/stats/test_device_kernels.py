@@ -26,8 +26,7 @@ _CHILD = textwrap.dedent(
     import numpy as np
     import torch
     from hooktrace.recorder.stats import device_kernels
-    from hooktrace.recorder.stats.histogram import _histogram_torch
-    from hooktrace.recorder.stats.stats import summarize_on_device
+    from hooktrace.recorder.stats.torch_route import histogram_torch, summarize_on_device
 
     g = torch.Generator().manual_seed(0)
     cases = {
@@ -53,7 +52,7 @@ _CHILD = textwrap.dedent(
         hist = torch_hist = None
         if device_kernels.usable(x, histogram=True):
             hist = device_kernels.histogram(x).tolist()
-            torch_hist = np.asarray(_histogram_torch(x)).tolist()
+            torch_hist = np.asarray(histogram_torch(x)).tolist()
         again = device_kernels.summarize(x).tolist()
         out[name] = dict(usable=usable, row=row, torch_row=torch_row, hist=hist,
                          torch_hist=torch_hist, again=again)

@@ -17,13 +17,9 @@ from hypothesis import strategies as st
 
 from hooktrace.recorder.records.staging import Staging
 from hooktrace.recorder.stats import histogram_kernel, numba_kernels
-from hooktrace.recorder.stats.histogram import (
-    _histogram_torch,
-    histogram,
-    histogram_many,
-    histogram_staged,
-)
+from hooktrace.recorder.stats.histogram import histogram, histogram_many, histogram_staged
 from hooktrace.recorder.stats.stats import route
+from hooktrace.recorder.stats.torch_route import histogram_torch
 from hooktrace.trace.histograms import (
     MAGNITUDE_BINS,
     NAN,
@@ -363,7 +359,7 @@ def test_the_torch_route_of_other_devices_matches_the_reference(dtype: torch.dty
         else:
             x = torch.randint(-100, 100, (n,), generator=generator).to(dtype)
         want = reference(x.double().numpy() if dtype in FLOATS else x.numpy())
-        got = _histogram_torch(x.t() if x.dim() == 2 else x)
+        got = histogram_torch(x.t() if x.dim() == 2 else x)
         assert isinstance(got, np.ndarray) and got.tolist() == want.tolist(), n
 
 
@@ -372,15 +368,15 @@ def test_the_torch_route_bins_a_large_tensor_a_chunk_at_a_time(
 ) -> None:
     """Found in review: binning took some ten int64 tensors the size of the input, 10 GB of
     a GPU's memory for a 1 GB gradient. Chunks bound it; the counts are the chunks' sum."""
-    from hooktrace.recorder.stats import histogram as module
+    from hooktrace.recorder.stats import torch_route as module
 
     monkeypatch.setattr(module, "TORCH_CHUNK", 7)
     x = spread(100, torch.float32, torch.Generator().manual_seed(3))
-    assert _histogram_torch(x).tolist() == reference(x.double().numpy()).tolist()
+    assert histogram_torch(x).tolist() == reference(x.double().numpy()).tolist()
     seen: list[int] = []
     bins = module._bins
     monkeypatch.setattr(module, "_bins", lambda chunk: seen.append(chunk.numel()) or bins(chunk))
-    _histogram_torch(x)
+    histogram_torch(x)
     assert max(seen) == 7 and sum(seen) == 100
 
 
