@@ -16,8 +16,8 @@ For each reference model (tests/models.py: SmallCNN, TinyTransformer) on the GPU
      tensor's values in other bins than the CPU's (a value that other rounding moves
      across a power of two), and the training's loss is unchanged by recording.
 
-The compiled path, for each model compiled by ``torch.compile`` (inductor, its statistics
-compiled into the model's graphs as Triton kernels):
+The compiled path, for each model compiled by ``torch.compile`` (inductor; its graphs call
+hooktrace's operator on each module's value, which takes the hooks' route):
 
   4. no synchronisation, as in 1, with histograms of every module's outputs and gradients
      (the graphs' variant that returns their values) and then with full tensors;
@@ -336,22 +336,15 @@ def tensor_costs(device: torch.device) -> None:
     from hooktrace.recorder.stats import device_kernels
     from hooktrace.recorder.stats.torch_route import histogram_torch, summarize_on_device
 
-    if not device_kernels.usable(torch.ones(1, device=device)):
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    usable = device_kernels.usable(torch.ones(1, device=device))  # compiles them, checks them
+    torch.cuda.synchronize(device)
+    if not usable:
         print("\nno Triton kernels on this device: torch's route only")
         return
-    first = {}
-    for name, call in [
-        ("statistics", device_kernels.summarize),
-        ("histogram", device_kernels.histogram),
-    ]:
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        call(torch.ones(10, device=device))
-        torch.cuda.synchronize(device)
-        first[name] = time.perf_counter() - start
     print(
-        f"\nthe kernels' first calls (Triton's compile): statistics {first['statistics']:.2f} s,"
-        f" histogram {first['histogram']:.2f} s"
+        f"\nthe kernels' first use (Triton's compile, the check): {time.perf_counter() - start:.2f} s"
     )
     routes = {
         "statistics, torch": summarize_on_device,

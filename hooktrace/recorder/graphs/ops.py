@@ -37,7 +37,8 @@ import torch
 
 from hooktrace.recorder.records import shards
 from hooktrace.recorder.records.shards import Shard
-from hooktrace.recorder.stats.stats import STATS_WIDTH, summarize_on_device, summarize_with_activity
+from hooktrace.recorder.stats.stats import STATS_WIDTH, summarize_with_activity
+from hooktrace.recorder.stats.torch_route import summarize_on_device
 
 Sink = Callable[[int, torch.Tensor], None]
 Keep = Callable[[int, torch.Tensor], None]

@@ -1,16 +1,18 @@
 """A GPU tensor's statistics and histogram, each in one Triton kernel compiled once per dtype.
 
-torch's route (:mod:`hooktrace.recorder.stats.torch_route`) queues some 14
-and 15 operations a tensor, a launch each, and the host pays for every launch: on a GPU
-that is most of what recording a module call costs. Here each is a pass over the values
-by one kernel (``triton_kernels.partials``, ``triton_kernels.bins``), then, for the statistics, one program
-that combines the passes' partial results in float64 (:func:`_combine`): two launches for
-the statistics, one for the histogram, whatever the tensor's size, nothing waited for.
+torch's route (:mod:`hooktrace.recorder.stats.torch_route`) queues some 14 and 15
+operations a tensor, a launch each, and the host pays for every launch: on a GPU that is
+most of what recording a module call costs. Here each is a pass over the values by one
+kernel (``triton_kernels.partials``, ``triton_kernels.bins``), then, for the statistics,
+one program that combines the passes' partial results in float64 (``combine``): two
+launches for the statistics, two for the histogram (its counts' fill, the kernel), whatever
+the tensor's size, nothing waited for.
 
 The numbers are torch's route's: each value read as float32, the statistics (mean,
-population std, min, max, norm, zeros, NaNs, Infs) as one float64 row with torch's NaN and
-Inf rules (a NaN makes every statistic but the counts NaN, an Inf the std), equal to it up
-to float32 rounding (the sums are taken in another order); the histogram's counts equal,
+population std, min, max, norm, zeros, NaNs, Infs) as one float64 row, equal to it up to
+float32 rounding (the sums are taken in another order), with the CPU routes' NaN and Inf
+rules (a NaN makes every statistic but the counts NaN, an Inf the std; the mean of values
+holding an Inf is that Inf, where torch's ``var_mean`` on a device says NaN); the histogram's counts equal,
 bin for bin. Each block's sums in a fixed order and one program combining them: the same
 tensor gives the same row, bit for bit, every time.
 
@@ -59,12 +61,12 @@ float32 as torch's route rounds it."""
 @functools.cache
 def _triton() -> Any:
     """The kernels' module (``triton_kernels``: Triton compiles each at its first call), or
-    None where Triton is missing or ``HOOKTRACE_DEVICE_KERNELS=0``."""
+    None where Triton is missing, fails to import, or ``HOOKTRACE_DEVICE_KERNELS=0``."""
     if os.environ.get("HOOKTRACE_DEVICE_KERNELS", "1") == "0":
         return None
     try:
         from hooktrace.recorder.stats import triton_kernels
-    except ImportError:
+    except Exception:  # not installed, or an install that does not import
         return None
     return triton_kernels
 
@@ -72,10 +74,10 @@ def _triton() -> Any:
 def usable(x: torch.Tensor, *, histogram: bool = False) -> bool:
     """Whether the kernels take ``x``: a strided float tensor of some values, on a device
     Triton drives (a CPU tensor too where ``TRITON_INTERPRET=1``: the tests), where they
-    gave torch's numbers on a probe of its dtype (:func:`_proven`)."""
-    if type(x) not in _PLAIN or x.layout is not torch.strided or x.numel() == 0:
+    gave torch's numbers on a probe of its dtype (:func:`_prove`). Never raises."""
+    if type(x) not in _PLAIN or x.layout is not torch.strided or x.is_nested:
         return False  # (a subclass's data pointer is not its values')
-    if x.dtype not in _FLOATS and (histogram or x.dtype is not torch.float64):
+    if x.numel() == 0 or (x.dtype not in _FLOATS and (histogram or x.dtype is not torch.float64)):
         return False
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if not (x.is_cuda or (interpreted and x.is_cpu)):
@@ -94,22 +96,34 @@ _proven: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 def _prove(device: torch.device, dtype: torch.dtype) -> bool:
     """The kernels' first call on a device and dtype: compiled, and checked against torch's
-    route on a probe that holds zeros, both signs and subnormals. Where Triton
+    route on a probe that holds zeros, both signs, subnormals and a NaN. Where Triton
     fails or disagrees (another version, another device), they are given up for the
     process with a warning, and torch's route takes every tensor: never a wrong record,
-    never a recording stopped. It waits for the device, once."""
-
-    probe = torch.linspace(-3.0, 5.0, 5000, dtype=torch.float64).pow(5)
-    probe[::7] = 0.0
-    probe[1::11] *= 1e-40  # subnormal in float32 and bfloat16 (zero in float16)
-    x = probe.to(dtype).to(device)
+    never a recording stopped. It waits for the device, once; not while a CUDA graph is
+    captured (which forbids that) nor where the device lacks the memory: those tensors
+    take torch's route, and a later one proves the kernels."""
     try:
-        row, counts = _summarize(x), None if dtype is torch.float64 else _histogram(x)
-        same = torch.allclose(row, torch_route.summarize_on_device(x.float()), rtol=1e-5, atol=1e-6)
-        if counts is not None:
-            expected = torch.as_tensor(torch_route.histogram_torch(x), device=counts.device)
-            same = same and bool(torch.equal(counts, expected))
-    except Exception as exc:  # any failure of Triton's: torch's route
+        with _on(device):
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return False
+            probe = torch.linspace(-3.0, 5.0, 5000, dtype=torch.float64).pow(5)
+            probe[::7] = 0.0
+            probe[1::11] *= 1e-40  # subnormal in float32 and bfloat16 (zero in float16)
+            probe[4] = float("nan")
+            x = probe.to(dtype).to(device)
+            row = _summarize(x)
+            expected = torch_route.summarize_on_device(x.float())
+            same = torch.allclose(row, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+            finite = x[~torch.isnan(x)]  # (the row's NaN leaves little to compare)
+            same = same and torch.allclose(
+                _summarize(finite), torch_route.summarize_on_device(finite.float()), rtol=1e-5
+            )
+            if dtype is not torch.float64:
+                counts = torch_route.histogram_torch(x)
+                same = same and bool(torch.equal(_histogram(x), torch.as_tensor(counts)))
+    except torch.cuda.OutOfMemoryError:
+        return False  # not the kernels' fault: a later tensor proves them
+    except Exception as exc:  # any failure of Triton's: torch's route from now on
         _give_up(exc)
         return False
     if not same:
@@ -134,13 +148,26 @@ def _give_up(why: str | Exception) -> None:
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
-    """``x``'s values as one contiguous row, in memory order: a view where they lie
-    contiguously (also channels-last), else a copy. Order does not matter to the kernels."""
+    """``x``'s values as one contiguous row, in memory order: a view where they fill their
+    memory without gaps (contiguous, transposed, channels-last), else a copy. Order does
+    not matter to the kernels."""
     if x.is_contiguous():
         return x.view(-1)
-    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
-        return x.permute(0, 2, 3, 1).reshape(-1)  # a view: channels-last is NHWC in memory
+    if _dense(x):
+        return x.as_strided((x.numel(),), (1,))
     return x.contiguous().view(-1)
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether ``x``'s values fill ``numel`` elements of memory from its first, in some order
+    of its dimensions (strides of a permutation of a contiguous shape)."""
+    expected = 1
+    pairs = zip(x.stride(), x.shape, strict=True)
+    for stride, size in sorted((st, sz) for st, sz in pairs if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def summarize(x: torch.Tensor) -> torch.Tensor | None:
@@ -148,6 +175,8 @@ def summarize(x: torch.Tensor) -> torch.Tensor | None:
     where Triton failed (the kernels are then given up, and torch's route takes it)."""
     try:
         return _summarize(x)
+    except torch.cuda.OutOfMemoryError:
+        return None  # (torch's route may fit: it copies nothing)
     except Exception as exc:
         _give_up(exc)
         return None
@@ -159,6 +188,8 @@ def histogram(x: torch.Tensor) -> torch.Tensor | None:
     failed, as :func:`summarize`."""
     try:
         return _histogram(x)
+    except torch.cuda.OutOfMemoryError:
+        return None
     except Exception as exc:
         _give_up(exc)
         return None

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -56,6 +57,13 @@ _CHILD = textwrap.dedent(
         again = device_kernels.summarize(x).tolist()
         out[name] = dict(usable=usable, row=row, torch_row=torch_row, hist=hist,
                          torch_hist=torch_hist, again=again)
+    # blocks of 16 values, partial results read 4 at a time: the combining program's loops
+    # run hundreds of times (a tensor of over 2 million values does at the real sizes)
+    device_kernels.BLOCK, device_kernels.PARTS = 16, 4
+    for name in ["blocks", "nan", "bfloat16", "transposed"]:
+        x = cases[name]
+        out[name]["small_blocks"] = device_kernels.summarize(x).tolist()
+        out[name]["small_blocks_hist"] = device_kernels.histogram(x).tolist()
     from torch.nn.parameter import UninitializedParameter
     out["rejected"] = [
         device_kernels.usable(x)
@@ -121,6 +129,15 @@ def test_the_kernels_give_torchs_route_numbers(
         assert result["hist"] == result["torch_hist"]
 
 
+@pytest.mark.parametrize("case", ["blocks", "nan", "bfloat16", "transposed"])
+def test_blocks_combined_many_times_give_the_same_numbers(
+    kernels_run: dict[str, dict[str, object]], case: str
+) -> None:
+    result = kernels_run[case]
+    assert result["small_blocks"] == pytest.approx(result["row"], rel=1e-6, nan_ok=True)
+    assert result["small_blocks_hist"] == result["hist"]
+
+
 def test_an_inf_gives_the_cpus_mean_not_torchs_nan(
     kernels_run: dict[str, dict[str, object]],
 ) -> None:
@@ -182,3 +199,34 @@ def test_the_kernels_compile_for_a_gpu(dtype: str) -> None:
         )
         assert ".entry" in compiled.asm["ptx"]
         assert len(compiled.asm["cubin"]) > 0  # ptxas took it too
+
+
+class _Broken:
+    """Kernels that fail as a Triton that does not work here would (fault injection)."""
+
+    def __getattr__(self, name: str) -> object:
+        raise RuntimeError(f"no {name} here")
+
+
+def test_kernels_that_fail_are_given_up_for_torchs_route_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # so that a CPU tensor is the kernels'
+    monkeypatch.setattr(device_kernels, "_triton", _Broken)
+    monkeypatch.setattr(device_kernels, "_failed", [])
+    monkeypatch.setattr(device_kernels, "_proven", {})
+    with pytest.warns(RuntimeWarning, match="kernels are not used .*RuntimeError: no partials"):
+        assert not device_kernels.usable(torch.ones(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert not device_kernels.usable(torch.ones(3, dtype=torch.float16))
+
+
+def test_a_kernel_failing_after_its_proof_hands_the_tensor_to_torchs_route(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(device_kernels, "_triton", _Broken)
+    monkeypatch.setattr(device_kernels, "_failed", [])
+    with pytest.warns(RuntimeWarning, match="kernels are not used"):
+        assert device_kernels.summarize(torch.ones(3)) is None
+    assert device_kernels._failed  # and no tensor is theirs from now on
