@@ -51,6 +51,11 @@ HISTOGRAM_BINS = 1024
 """The histogram kernel's bins: ``WIDTH`` rounded up to a power of two, as Triton's
 ``tl.histogram`` wants."""
 
+_OPTIONS = {"enable_fp_fusion": False}
+"""Triton's options for every launch: each operation rounded as written (no fused
+multiply-add), the same numbers whatever Triton's default (which 3.9 warns it will change:
+a warning in the script's output otherwise)."""
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -203,8 +208,8 @@ def _summarize(x: torch.Tensor) -> torch.Tensor:
     partials = torch.empty((blocks, FIELDS), dtype=torch.float32, device=flat.device)
     row = torch.empty(8, dtype=torch.float64, device=flat.device)
     with _on(flat.device):
-        kernels.partials[(blocks,)](flat, partials, n, BLOCK=BLOCK)
-        kernels.combine[(1,)](partials, blocks, n, row, PARTS=PARTS)
+        kernels.partials[(blocks,)](flat, partials, n, BLOCK=BLOCK, **_OPTIONS)
+        kernels.combine[(1,)](partials, blocks, n, row, PARTS=PARTS, **_OPTIONS)
     return row
 
 
@@ -214,7 +219,8 @@ def _histogram(x: torch.Tensor) -> torch.Tensor:
     n = flat.numel()
     counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=flat.device)
     with _on(flat.device):
-        kernels.bins[(-(-n // BLOCK),)](flat, counts, n, BLOCK=BLOCK, BINS=HISTOGRAM_BINS)
+        blocks = -(-n // BLOCK)
+        kernels.bins[(blocks,)](flat, counts, n, BLOCK=BLOCK, BINS=HISTOGRAM_BINS, **_OPTIONS)
     return counts[:WIDTH]
 
 

@@ -195,7 +195,9 @@ def test_the_kernels_compile_for_a_gpu(dtype: str) -> None:
         )
     for kernel, signature, constants in kernels:
         compiled = triton.compile(
-            ASTSource(fn=kernel, signature=signature, constexprs=constants), target=target
+            ASTSource(fn=kernel, signature=signature, constexprs=constants),
+            target=target,
+            options=device_kernels._OPTIONS,
         )
         assert ".entry" in compiled.asm["ptx"]
         assert len(compiled.asm["cubin"]) > 0  # ptxas took it too
