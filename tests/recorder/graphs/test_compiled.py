@@ -867,3 +867,37 @@ def test_a_graph_that_cannot_be_instrumented_runs_as_compiled_and_the_trace_says
     notes = hooktrace.summary(tmp_path / "run").notes
     assert list(notes) == [0] and len(notes[0]) == 1, notes
     assert notes[0][0].startswith("reading a compiled graph failed (RuntimeError: planted)")
+
+
+class _Log(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log(x)  # NaN where x < 0
+
+
+class _Logged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.log = _Log()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.log(self.fc(x)))
+
+
+def test_a_nan_made_inside_a_graph_names_its_module_and_its_operation(tmp_path: Path) -> None:
+    """The statistics the graph computed say which module made the first NaN, as an eager
+    run's do; the capture runs the root's call again eagerly and names the operation and
+    the line that made it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Logged()
+    compiled = torch.compile(model)
+    with hooktrace.record(compiled, tmp_path / "run"):
+        compiled(torch.randn(3, 4)).sum().backward()
+    found = hooktrace.anomalies(tmp_path / "run").findings
+    origin = found[found["kind"] == "nonfinite_forward"]
+    assert origin["module"].tolist() == ["log"]
+    captures = hooktrace.load(tmp_path / "run").nonfinite_captures()
+    assert captures["op"].iloc[0] == "aten::log"
+    assert captures["code"].iloc[0].strip() == "return torch.log(x)  # NaN where x < 0"
