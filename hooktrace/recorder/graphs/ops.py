@@ -95,9 +95,20 @@ _ANY_LAYOUT = tuple(t for t in [getattr(torch.Tag, "flexible_layout", None)] if 
 otherwise hands it the strides of an eager run, copying (a channels-last convolution's output
 into its eager layout, and the model's fused kernels after it with it)."""
 
+_NOT_IN_CUDA_GRAPHS = tuple(
+    t for t in [getattr(torch.Tag, "cudagraph_unsafe", None)] if t is not None
+)
+"""Tags of the operators that call the recorder or hand it tensors it keeps past the step:
+a CUDA graph's replay runs kernels, not Python (a tap's gradient would never reach the
+recorder), and overwrites its outputs at the next replay (rows the writer has not copied
+yet). Inductor runs such operators between the CUDA graphs it makes of the rest
+(``mode="reduce-overhead"``; without graph partitions, it makes none of that graph)."""
+
 _register_fake = torch.library.register_fake
 
-_LIBRARY.define("summarize(Tensor x, int dim) -> (Tensor, Tensor)", tags=_ANY_LAYOUT)
+_LIBRARY.define(
+    "summarize(Tensor x, int dim) -> (Tensor, Tensor)", tags=_ANY_LAYOUT + _NOT_IN_CUDA_GRAPHS
+)
 
 
 def _summarize_op(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,7 +263,7 @@ def _(x: torch.Tensor, slot: str) -> None:
     return None
 
 
-_LIBRARY.define("sink(Tensor row, int site) -> ()")
+_LIBRARY.define("sink(Tensor row, int site) -> ()", tags=_NOT_IN_CUDA_GRAPHS)
 
 
 def _sink_op(row: torch.Tensor, site: int) -> None:
@@ -264,11 +275,11 @@ def _sink_op(row: torch.Tensor, site: int) -> None:
 _LIBRARY.impl("sink", _sink_op, "CompositeExplicitAutograd")
 _register_fake("hooktrace::sink", lambda row, site: None, lib=_LIBRARY)
 
-_LIBRARY.define("copy(Tensor x) -> Tensor", tags=_ANY_LAYOUT)
+_LIBRARY.define("copy(Tensor x) -> Tensor", tags=_ANY_LAYOUT + _NOT_IN_CUDA_GRAPHS)
 _LIBRARY.impl("copy", lambda x: x.clone(), "CompositeExplicitAutograd")
 _register_fake("hooktrace::copy", lambda x: torch.empty_like(x), lib=_LIBRARY)
 
-_LIBRARY.define("sink_kept(Tensor row, Tensor value, int site) -> ()")
+_LIBRARY.define("sink_kept(Tensor row, Tensor value, int site) -> ()", tags=_NOT_IN_CUDA_GRAPHS)
 
 
 def _sink_kept_op(row: torch.Tensor, value: torch.Tensor, site: int) -> None:

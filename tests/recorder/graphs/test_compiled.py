@@ -901,3 +901,36 @@ def test_a_nan_made_inside_a_graph_names_its_module_and_its_operation(tmp_path: 
     captures = hooktrace.load(tmp_path / "run").nonfinite_captures()
     assert captures["op"].iloc[0] == "aten::log"
     assert captures["code"].iloc[0].strip() == "return torch.log(x)  # NaN where x < 0"
+
+
+def test_the_operators_that_reach_the_recorder_stay_out_of_cuda_graphs(tmp_path: Path) -> None:
+    """A CUDA graph's replay runs kernels, not Python: a tap's gradient would never reach
+    the recorder, and the rows it holds for the writer would be overwritten by the next
+    replay. Inductor leaves operators tagged ``cudagraph_unsafe`` out of the CUDA graphs
+    it makes (``mode="reduce-overhead"``): every such node of an instrumented graph is
+    one, as inductor's own check reads it."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        graphs.append(gm)  # forward and backward, in aten operators as inductor gets them
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = Blocks()
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    with hooktrace.record(compiled, tmp_path / "run", full_steps=[1]):
+        for _ in range(2):
+            compiled(torch.randn(4, 8)).sum().backward()
+    ours = [
+        node
+        for gm in graphs
+        for node in gm.graph.nodes
+        if node.op == "call_function" and "hooktrace" in str(node.target)
+    ]
+    assert {str(node.target).split(".")[1] for node in ours} >= {"summarize", "copy", "sink"}
+    assert all(is_cudagraph_unsafe_fx_node(node) for node in ours)
+    for op in ("summarize", "copy", "sink", "sink_kept"):
+        assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.hooktrace, op).default.tags
