@@ -81,19 +81,24 @@ dist.destroy_process_group()
 """
 
 
+_VALUES = ("--full-steps", "2", "--histograms", "output,grad_output,param,grad_param")
+"""Options that make a compiled graph run its variant that returns its values and their
+gradients (a full step, histograms of outputs at every step)."""
+
+
 @pytest.mark.parametrize(
-    ("layout", "ranks", "how"),
-    [("ddp", 2, "eager"), ("fsdp2", 2, "eager"), ("tp", 2, "eager"), ("fsdp_tp", 4, "eager"),
-     ("fsdp2", 2, "compiled"), ("tp", 2, "compiled")],
+    ("layout", "ranks", "how", "options"),
+    [("ddp", 2, "eager", ()), ("fsdp2", 2, "eager", ()), ("tp", 2, "eager", ()),
+     ("fsdp_tp", 4, "eager", ()), ("fsdp2", 2, "compiled", ()), ("tp", 2, "compiled", _VALUES)],
 )  # fmt: skip
 def test_sharded_training_trains_bit_identically_recorded(
-    tmp_path: Path, layout: str, ranks: int, how: str
+    tmp_path: Path, layout: str, ranks: int, how: str, options: tuple[str, ...]
 ) -> None:
     script = tmp_path / "sharded.py"
     script.write_text(_SCRIPT)
     plain = torchrun(tmp_path, str(script), str(tmp_path / "plain.pt"), layout, how, ranks=ranks)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    record = ["-m", "hooktrace", "record", "-q", "-o", str(tmp_path / "run")]
+    record = ["-m", "hooktrace", "record", "-q", "-o", str(tmp_path / "run"), *options]
     recorded = torchrun(
         tmp_path, *record, str(script), "--", str(tmp_path / "recorded.pt"), layout, how,
         ranks=ranks,
@@ -147,6 +152,20 @@ def test_sharded_training_trains_bit_identically_recorded(
     assert (counted[list(expected)] == 4).all()  # one a step
     assert "hooktrace:" not in recorded.stderr  # nothing it could not record (FSDP2 compiled
     assert hooktrace.summary(trace).notes == {}  # was said to run graphs compiled before)
+    if options:  # inside the graph: each local shard saved whole at step 2, and histogrammed
+        at_two = trace.query(
+            kinds=["output", "grad_output"], steps=[2], logical=False,
+            columns=["rank", "module", "kind", "tensor_key"],
+        )  # fmt: skip
+        saved = at_two[at_two["tensor_key"] != ""]
+        assert {(int(r), m, k) for r, m, k, _ in saved.itertuples(index=False)} >= expected
+        hist = trace.histograms()
+        inside = hist[hist["kind"].isin(["output", "grad_output"])]
+        assert set(zip(inside["module"], inside["kind"], strict=True)) >= {
+            (m, kind)
+            for m in ("0", "0.0", "1", "2", "3", "4")
+            for kind in ("output", "grad_output")
+        }
     if layout == "tp":  # each DTensor output and gradient placed, compiled or not: by hand
         placed = trace.query(
             kinds=["output", "grad_output"], modules=["0", "0.0", "2"], steps=[0], logical=False,
