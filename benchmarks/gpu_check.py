@@ -256,7 +256,14 @@ def check_compiled_against_eager(name: str, device: torch.device, tmp: Path) -> 
     # norm, an attention's key bias) is noise of 1e-7 in both runs on the CPU, and more on
     # a GPU (an H200 left 7 of the CNN's 201 records apart at 1e-6)
     result = hooktrace.diff(tmp / "eager", tmp / "compiled", rtol=1e-3, atol=1e-5)
-    problems = [] if result.match else [" / ".join(repr(result).splitlines()[1:])]
+    # and a gradient's exact zeros are sums that cancel (an attention's key bias), exact in
+    # one run and 1e-10 in the other: a few percent of its zero fraction, nothing else
+    table = result.table
+    cancelled = (table["exceeded"] == "zero_fraction") & (table["d_zero_fraction"].abs() < 0.05)
+    apart = table[~cancelled]
+    problems = []
+    if result.structure.differs or len(apart):
+        problems.append(" / ".join(repr(result).splitlines()[1:]))
     inside = set(hooktrace.load(tmp / "compiled").records["module"])
     if len(inside) < 3:
         problems.append(f"only {sorted(inside)} recorded: the modules inside are missing")
