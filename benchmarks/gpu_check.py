@@ -339,7 +339,8 @@ CHECKS = {"eager": eager_checks, "compiled": compiled_checks}
 def tensor_costs(device: torch.device) -> None:
     """One tensor's statistics and histogram on the device, torch's route against the Triton
     kernels: the host's time a call (what a module call pays) and the device's (CUDA
-    events), medians of 5 rounds of 50 calls; and the kernels' first call (Triton's compile)."""
+    events), medians of 5 rounds of 50 calls; and the kernels' first use (Triton's compile and
+    the check against torch's route)."""
     from hooktrace.recorder.stats import device_kernels
     from hooktrace.recorder.stats.torch_route import histogram_torch, summarize_on_device
 

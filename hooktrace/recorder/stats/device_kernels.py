@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -178,21 +179,23 @@ def _dense(x: torch.Tensor) -> bool:
 def summarize(x: torch.Tensor) -> torch.Tensor | None:
     """``torch_route.summarize_on_device``'s row of ``x`` (where :func:`usable`), queued; None
     where Triton failed (the kernels are then given up, and torch's route takes it)."""
-    try:
-        return _summarize(x)
-    except torch.cuda.OutOfMemoryError:
-        return None  # (torch's route may fit: it copies nothing)
-    except Exception as exc:
-        _give_up(exc)
-        return None
+    return _guarded(_summarize, x)
 
 
 def histogram(x: torch.Tensor) -> torch.Tensor | None:
     """``torch_route.histogram_torch``'s counts of ``x`` (where :func:`usable` with
     ``histogram``), queued: ``WIDTH`` int64 counts on ``x``'s device; None where Triton
     failed, as :func:`summarize`."""
+    return _guarded(_histogram, x)
+
+
+def _guarded(
+    kernel: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
+) -> torch.Tensor | None:
+    """``kernel(x)``, or None where it failed: out of memory leaves the kernels in use
+    (torch's route, which copies nothing, may fit); any other failure gives them up."""
     try:
-        return _histogram(x)
+        return kernel(x)
     except torch.cuda.OutOfMemoryError:
         return None
     except Exception as exc:
@@ -217,9 +220,9 @@ def _histogram(x: torch.Tensor) -> torch.Tensor:
     kernels = _triton()
     flat = _flat(x.detach())
     n = flat.numel()
+    blocks = -(-n // BLOCK)
     counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=flat.device)
     with _on(flat.device):
-        blocks = -(-n // BLOCK)
         kernels.bins[(blocks,)](flat, counts, n, BLOCK=BLOCK, BINS=HISTOGRAM_BINS, **_OPTIONS)
     return counts[:WIDTH]
 
