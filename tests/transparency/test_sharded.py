@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun import torchrun
+from torchrun import torchrun, unrecorded
 
 import hooktrace
 
@@ -96,7 +96,7 @@ def test_sharded_training_trains_bit_identically_recorded(
 ) -> None:
     script = tmp_path / "sharded.py"
     script.write_text(_SCRIPT)
-    plain = torchrun(tmp_path, str(script), str(tmp_path / "plain.pt"), layout, how, ranks=ranks)
+    plain = unrecorded(tmp_path, str(script), str(tmp_path / "plain.pt"), layout, how, ranks=ranks)
     assert plain.returncode == 0, plain.stderr[-3000:]
     record = ["-m", "hooktrace", "record", "-q", "-o", str(tmp_path / "run"), *options]
     recorded = torchrun(
