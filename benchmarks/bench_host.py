@@ -21,6 +21,8 @@ all of them alike; each figure is the median over repetitions. The variants:
   outputs only   histograms=None, capture_nonfinite=False, params=False
   torch's route  (on a GPU) the defaults, a tensor's statistics and histogram by torch's
                  operations instead of the Triton kernels
+  one by one     (on a GPU) the defaults, parameters and gradients each by its own route
+                 instead of in batches (``device_batches``)
 
 On a GPU (``--device cuda``, as ``gpu_check.py --costs`` runs it) the model and its batch
 live on the device and each window ends by waiting for it: the steps are bound by the host
@@ -97,12 +99,25 @@ def torch_route(model: nn.Module, out: Path) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def one_by_one(model: nn.Module, out: Path) -> Iterator[None]:
+    """The defaults with a device's parameters and gradients each summarised and histogrammed
+    by its own route rather than in batches (``device_batches``): on a GPU only."""
+    from hooktrace.recorder.stats import device_batches
+
+    with (
+        mock.patch.object(device_batches, "batchable", lambda value: False),
+        hooktrace.record(model, out / "run", overwrite=True),
+    ):
+        yield
+
+
 VARIANTS: dict[str, Variant] = {
     "plain": plain,
     "no-op hook": noop_hook,
     **{name: recorded(options) for name, options in RECORDED.items()},
 }
-ON_A_DEVICE: dict[str, Variant] = {"torch's route": torch_route}
+ON_A_DEVICE: dict[str, Variant] = {"torch's route": torch_route, "one by one": one_by_one}
 """Variants measured on a GPU only."""
 
 

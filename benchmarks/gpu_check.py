@@ -28,8 +28,9 @@ hooktrace's operator on each module's value, which takes the hooks' route):
      atol 1e-5 for gradients that are zero but for rounding), dropout switched off (the
      two runs draw their masks from different generators).
 
-``--costs`` then prints what recording costs on the device: ``bench_host.py``'s host cost per
-module call and ``bench_compiled.py``'s step ratios, eager and compiled.
+``--costs`` then prints what recording costs on the device: ``bench_device_batches.py``'s
+parameters and gradients one by one and batched, ``bench_host.py``'s host cost per module
+call and ``bench_compiled.py``'s step ratios, eager and compiled.
 
 Prints one line per check and exits 1 if any fails. Without a CUDA device it says so and
 exits 2. `--device cpu` runs the same steps on the CPU, where there is nothing to
@@ -62,6 +63,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_compiled
+import bench_device_batches
 import bench_host
 from models import default_loss, make_batch, make_model
 
@@ -390,6 +392,8 @@ def costs(device: torch.device, models: list[str]) -> None:
     call, and training steps."""
     if device.type == "cuda":
         tensor_costs(device)
+    print()
+    bench_device_batches.report(str(device), 15)
     print()
     layers = 200
     steps, reps = 10, 3

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,10 +59,12 @@ last child's, and one gradient may reach several hooks in a row."""
 class Reads:
     """What a kind's records keep from step to step while they hold: where their values lie,
     for the statistics (``staged_kernels.TensorsInPlace``) and the histograms
-    (``histogram_kernel.TensorsInPlace``) read in place. Made once the kernels are loaded."""
+    (``histogram_kernel.TensorsInPlace``) read in place, made once the kernels are loaded;
+    how the values of each group on a device are batched (``device_batches.Batches``)."""
 
     stats: Any = None
     histograms: Any = None
+    batches: dict[int, Any] = field(default_factory=dict)
 
 
 class Histograms:

@@ -1,9 +1,11 @@
 """Parameters, buffers and parameter gradients: a record of each, every step.
 
 Most of a model's parameters are small: they are taken together (:class:`ParamRecords`),
-rather than each taking a hook's work. Once numba is loaded, one compiled call reads the
-float32, float64 and int64 ones in place; the others are staged (one copy per dtype) for the
-writer. Large ones, and those saved whole on a full step, take the hook's route one by one.
+rather than each taking a hook's work. On the CPU, once numba is loaded, one compiled call
+reads the float32, float64 and int64 ones in place; the others are staged (one copy per
+dtype) for the writer. On a device, those of a dtype are summarised and histogrammed in a
+few launches for all (:mod:`hooktrace.recorder.stats.device_batches`). Large ones, and those
+saved whole on a full step, take the hook's route one by one.
 
 Values are looked up by name every step (:func:`values_of`): a module may replace a buffer
 or a parameter with a new tensor (``model.double()`` replaces buffers, and a forward may
@@ -25,9 +27,10 @@ from torch import nn
 from hooktrace.recorder.records.layout import Meta
 from hooktrace.recorder.records.observe import Histograms, Reads
 from hooktrace.recorder.records.pending import PendingStep
+from hooktrace.recorder.records.shards import dtensor, local_shard
 from hooktrace.recorder.records.staging import Staged, Staging
-from hooktrace.recorder.stats import numba_kernels
-from hooktrace.recorder.stats.stats import shape_of, stageable, usual
+from hooktrace.recorder.stats import device_batches, numba_kernels
+from hooktrace.recorder.stats.stats import shape_of, stageable, summarize, usual
 
 
 class Entry(NamedTuple):
@@ -73,12 +76,14 @@ def trainable(entries: Sequence[Entry]) -> list[Entry]:
 class ParamRecords:
     """The records of one kind of value (``param``, ``buffer`` or ``grad_param``), in entry
     order. ``observed`` entries are summarised one by one, as a hook's tensor would be (large
-    values, and values saved whole on a full step); the others are staged, ``together`` by
-    dtype, or have no value (no record statistics)."""
+    values, and values saved whole on a full step); ``on_device`` ones in batches, by device
+    and dtype; the others are staged, ``together`` by dtype, or have no value (no record
+    statistics)."""
 
     metas: tuple[Meta, ...]
     together: tuple[tuple[int, ...], ...]
     observed: tuple[int, ...]
+    on_device: tuple[tuple[int, ...], ...] = ()
 
     def stage(
         self, values: Sequence[torch.Tensor | None], staging: Staging, reads: Reads
@@ -104,7 +109,44 @@ class ParamRecords:
                 first = staging.add_many([values[i] for i in staged])  # type: ignore[misc]
                 for k, i in enumerate(staged):
                     stats[i] = Staged(first + k)
+        for g, group in enumerate(self.on_device):
+            rows = _batched(device_batches.summarize, group, g, values, reads)
+            for k, i in enumerate(group):  # a row each, or each one's own route
+                stats[i] = rows[k] if rows is not None else summarize(_local(values[i]))
         return stats
+
+
+def _batched(
+    make: Callable[..., torch.Tensor],
+    group: Sequence[int],
+    g: int,
+    values: Sequence[torch.Tensor | None],
+    reads: Reads,
+) -> torch.Tensor | None:
+    """``make`` (:func:`device_batches.summarize` or ``histograms``) of the values of
+    ``group``, the ``g``-th on a device, batched as ``reads`` keeps them; None where the
+    batches are not used there (given up, or a probe that could not run)."""
+    tensors = [_local(values[i]) for i in group]
+    first = tensors[0]
+    if not device_batches.usable(first.device, first.dtype):
+        return None
+    batches = reads.batches.get(g)
+    try:
+        if batches is None:
+            sizes = [t.numel() for t in tensors]
+            batches = reads.batches[g] = device_batches.Batches(sizes, first.device)
+        return make(tensors, batches)
+    except torch.cuda.OutOfMemoryError:
+        return None  # each one's own route, which copies less
+    except Exception as exc:
+        device_batches.give_up(exc)
+        return None
+
+
+def _local(value: Any) -> torch.Tensor:
+    """A batched value's tensor (a group's values are never None): a DTensor's local shard
+    (read as an attribute, nothing dispatched through it), or the value itself."""
+    return local_shard(value)[0] if dtensor(value) else value
 
 
 def param_records(
@@ -121,10 +163,20 @@ def param_records(
     saves them."""
     metas: list[Meta] = []
     together: dict[torch.dtype, list[int]] = {}
+    on_device: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     observed: list[int] = []
     for i, ((module, slot, *_), value) in enumerate(zip(entries, values, strict=True)):
         if value is None:
             metas.append(Meta(micro_step, phase, module, 0, kind, slot, None, (), 0, 0))
+            continue
+        local, shard = local_shard(value) if dtensor(value) else (value, None)
+        if module not in saved_whole and device_batches.batchable(local):
+            shape = tuple(local.shape)  # a DTensor's local shard, placed by its shard columns
+            meta = Meta(
+                micro_step, phase, module, 0, kind, slot, local.dtype, shape, 0, 0, "", shard
+            )
+            metas.append(meta)
+            on_device.setdefault((local.device, local.dtype), []).append(i)
             continue
         shape = shape_of(value)
         metas.append(Meta(micro_step, phase, module, 0, kind, slot, value.dtype, shape, 0, 0))
@@ -133,7 +185,10 @@ def param_records(
         else:
             together.setdefault(value.dtype, []).append(i)
     return ParamRecords(
-        tuple(metas), tuple(tuple(indices) for indices in together.values()), tuple(observed)
+        tuple(metas),
+        tuple(tuple(indices) for indices in together.values()),
+        tuple(observed),
+        tuple(tuple(indices) for indices in on_device.values()),
     )
 
 
@@ -164,7 +219,7 @@ class RecordsCache:
                     [(entry.module, entry.slot) for entry in entries],  # (some left out)
                     phase,
                     micro_step,
-                    [None if v is None else (v.dtype, v.shape, v.is_cpu, v.layout) for v in values],
+                    [None if v is None else (v.dtype, v.shape, v.device, v.layout) for v in values],
                 )
             except (RuntimeError, ValueError):  # a value without a shape: not kept
                 return param_records(
@@ -221,6 +276,12 @@ def queue_records(
     pending.stats.extend(stats[done:])
     if histograms is not None:
         _queue_histograms(pending, first_row, values, stats, sorted(batched), histograms, reads)
+        for g, group in enumerate(records.on_device):
+            counts = _batched(device_batches.histograms, group, g, values, reads)
+            for k, i in enumerate(group):
+                binned = counts[k] if counts is not None else histograms.one(_local(values[i]))
+                if binned is not None:
+                    pending.histograms.append((first_row + i, binned))
 
 
 def _queue_histograms(

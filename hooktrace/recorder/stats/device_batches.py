@@ -1,0 +1,203 @@
+"""Many small tensors on one device summarised together: their statistics and histograms in
+a fixed number of launches, whatever their number.
+
+A step's parameters, buffers and gradients are hundreds of tensors, most of them small (biases,
+norms' scales); one by one, each costs the host two launches for its statistics and two for
+its histogram with the Triton kernels (:mod:`hooktrace.recorder.stats.device_kernels`), 14 and
+15 with torch's operations, and a small tensor's launches cost far more than its reading.
+Here a batch of them is copied into one row (``torch.cat``) and reduced segment by segment
+(``torch.segment_reduce``, one launch a statistic for the whole batch): some 25 launches a
+batch, of up to :data:`BATCH_VALUES` values. Tensors larger than :data:`MAX_VALUES` keep their
+own route, where the launches are nothing against the reading.
+
+The numbers are the per-tensor routes': each value read as float32, the statistics as one
+float64 row (mean, population std, min, max, norm, zeros, NaNs, Infs) with their NaN and Inf
+rules, summed here in float64 from the float32 values and rounded to float32 as those routes'
+float32 sums are: equal to them up to float32 rounding; the histograms' counts equal bin for
+bin. Each (device, dtype) is checked against torch's per-tensor route on a probe at its first
+use; a failure or a disagreement gives the batches up for the process with a warning, and the
+tensors take their own routes: never a wrong record, never a recording stopped.
+``HOOKTRACE_DEVICE_BATCHES=0`` switches the batches off.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch._utils import _flatten_dense_tensors
+
+from hooktrace.recorder.stats.torch_route import _bins, histogram_torch, summarize_on_device
+from hooktrace.trace.histograms import WIDTH
+
+MAX_VALUES = 1 << 20
+"""Values of the largest tensor batched: a larger one takes its own route."""
+
+BATCH_VALUES = 1 << 22
+"""Values a batch holds at most (one tensor over it is a batch of its own): its scratch is a
+few float64 and int64 copies of them, some 200 MB at most."""
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+_EXACT_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)
+
+_failed: list[str] = (
+    ["HOOKTRACE_DEVICE_BATCHES=0"] if os.environ.get("HOOKTRACE_DEVICE_BATCHES") == "0" else []
+)
+"""Why the batches were given up in this process (empty: they were not)."""
+
+_proven: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def batchable(x: torch.Tensor | None) -> bool:
+    """Whether ``x`` is summarised in a batch: a plain strided float tensor of some values,
+    at most :data:`MAX_VALUES`, on a device other than the CPU (whose small tensors have a
+    kernel that reads a list of them where they lie). Never raises."""
+    if x is None or type(x) not in _PLAIN or x.layout is not torch.strided or x.is_nested:
+        return False
+    if x.is_cpu or x.is_meta or x.dtype not in _FLOATS or not 0 < x.numel() <= MAX_VALUES:
+        return False
+    return not _failed
+
+
+class Batches:
+    """How tensors of the given sizes are batched, on ``device``: consecutive runs of them
+    of at most :data:`BATCH_VALUES` values, each with its segments' lengths and each value's
+    segment, on the device. Made once for a list of sizes (the caller keeps it while they
+    hold): the one copy to the device it makes is not repeated step after step."""
+
+    def __init__(self, sizes: Sequence[int], device: torch.device) -> None:
+        self.runs: list[tuple[int, int]] = []  # (first, end) of each batch's tensors
+        first = total = 0
+        for i, size in enumerate(sizes):
+            if total and total + size > BATCH_VALUES:
+                self.runs.append((first, i))
+                first, total = i, 0
+            total += size
+        if sizes:
+            self.runs.append((first, len(sizes)))
+        self.lengths: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor] = []  # the lengths as float64
+        self.segments: list[torch.Tensor] = []  # each value's segment
+        for first, end in self.runs:
+            lengths = torch.tensor(sizes[first:end], dtype=torch.int64).to(device)
+            self.lengths.append(lengths)
+            self.counts.append(lengths.double())
+            positions = torch.arange(end - first, device=device)
+            total = sum(sizes[first:end])
+            self.segments.append(torch.repeat_interleave(positions, lengths, output_size=total))
+
+
+def summarize(tensors: Sequence[torch.Tensor], batches: Batches) -> torch.Tensor:
+    """The statistics of ``tensors`` (:func:`batchable`, on one device): one float64 row of
+    8 each, queued on their device."""
+    rows = [_summarize(tensors, batches, k) for k in range(len(batches.runs))]
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+
+def histograms(tensors: Sequence[torch.Tensor], batches: Batches) -> torch.Tensor:
+    """The histograms of ``tensors`` (:func:`batchable`, on one device): ``WIDTH`` int64
+    counts each, queued on their device."""
+    counts = [_histograms(tensors, batches, k) for k in range(len(batches.runs))]
+    return counts[0] if len(counts) == 1 else torch.cat(counts)
+
+
+def _values(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> torch.Tensor:
+    """The values of batch ``k``'s tensors, one after the other, in one row (flattened and
+    joined in one call into torch's C++, outside autograd)."""
+    first, end = batches.runs[k]
+    with torch.no_grad():
+        return _flatten_dense_tensors(list(tensors[first:end]))
+
+
+def _summarize(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> torch.Tensor:
+    x = _values(tensors, batches, k).float().double()  # each value as float32, as every route
+    lengths, n = batches.lengths[k], batches.counts[k]
+
+    def total(values: torch.Tensor) -> torch.Tensor:
+        return torch.segment_reduce(values, "sum", lengths=lengths, unsafe=True)
+
+    mean = total(x) / n  # an Inf's mean is that Inf; a NaN's, NaN
+    centred = x - mean[batches.segments[k]]  # two passes: no cancellation (NaN where an Inf is)
+    std = _float32(total(centred * centred) / n).sqrt()
+    lo = torch.segment_reduce(x, "min", lengths=lengths, unsafe=True)  # NaN where a NaN is
+    hi = torch.segment_reduce(x, "max", lengths=lengths, unsafe=True)
+    norm = _float32(total(x * x)).sqrt()
+    measures = _float32(torch.stack([mean, std, lo, hi, norm], dim=1))
+    counted = [total((x == 0).double()), total(x.isnan().double()), total(x.isinf().double())]
+    return torch.cat([measures, torch.stack(counted, dim=1)], dim=1)
+
+
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to float32, as the per-tensor routes' float32 sums are: a sum of squares
+    past float32's range is Inf there (the norm of values near 1e38), and so here."""
+    return x.float().double()
+
+
+def _histograms(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> torch.Tensor:
+    values = _values(tensors, batches, k)  # each as its own route bins it: float64 as float64
+    values = values.float() if values.dtype in _EXACT_IN_FLOAT32 else values.double()
+    first, end = batches.runs[k]
+    where = _bins(values) + batches.segments[k] * WIDTH
+    counts = torch.zeros((end - first) * WIDTH, dtype=torch.int64, device=values.device)
+    counts.index_add_(0, where, torch.ones_like(where))
+    return counts.view(end - first, WIDTH)
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the batches take tensors of ``dtype`` on ``device``: they gave the per-tensor
+    route's numbers on a probe there (:func:`_prove`). Never raises."""
+    if _failed:
+        return False
+    proven = _proven.get((device, dtype))
+    return proven if proven is not None else _prove(device, dtype)
+
+
+def _prove(device: torch.device, dtype: torch.dtype) -> bool:
+    """A first use on ``device`` and ``dtype``: three probes batched (zeros, both signs,
+    subnormals; a NaN; an Inf) against torch's per-tensor route. It waits for the device,
+    once; not while a CUDA graph is captured, nor where the device lacks the memory (a later
+    use proves them)."""
+    try:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        probe = torch.linspace(-3.0, 5.0, 999, dtype=torch.float64).pow(5)
+        probe[::7] = 0.0
+        probe[1::11] *= 1e-40  # subnormal in float32 and bfloat16 (zero in float16)
+        with_nan, with_inf = probe[:300].clone(), probe[300:].clone()
+        with_nan[4], with_inf[9] = float("nan"), float("inf")
+        tensors = [t.to(dtype).to(device) for t in (probe, with_nan, with_inf)]
+        batches = Batches([t.numel() for t in tensors], device)
+        rows, counts = summarize(tensors, batches), histograms(tensors, batches)
+        expected = torch.stack([summarize_on_device(t.float()) for t in tensors])
+        expected[2, 0] = float("inf")  # the mean of values with an Inf (a device's var_mean: NaN)
+        same = torch.allclose(rows, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+        for i, t in enumerate(tensors):
+            same = same and bool(torch.equal(counts[i], torch.as_tensor(histogram_torch(t))))
+    except torch.cuda.OutOfMemoryError:
+        return False  # not the batches' fault: a later use proves them
+    except Exception as exc:  # a device that lacks an operation: the tensors' own routes
+        give_up(exc)
+        return False
+    if not same:
+        give_up(f"they disagreed with torch's operations on a {dtype} probe")
+        return False
+    _proven[(device, dtype)] = True
+    return True
+
+
+def give_up(why: str | Exception) -> None:
+    """No more batches in this process: each tensor takes its own route from now on."""
+    if isinstance(why, Exception):
+        why = f"{type(why).__name__}: {(str(why).splitlines() or [''])[0]}"
+    _failed.append(why)
+    warnings.warn(
+        f"hooktrace: parameters on a device are summarised one by one ({why}); the same "
+        "statistics, a few more launches a tensor",
+        RuntimeWarning,
+        stacklevel=3,
+    )
