@@ -1,7 +1,8 @@
 """Data-parallel and sharded training recorded trains bit-identically to the same training
 unrecorded, in each layout a trainer uses: DDP (2 ranks), FSDP2 (2 ranks), tensor parallelism (2
 ranks) and FSDP2 + tensor parallelism on a 2x2 mesh (4 ranks), and FSDP2 and tensor
-parallelism compiled by inductor, as trainers run them; gloo, torchrun, one thread a
+parallelism compiled by inductor, as trainers run them (with statistics only, and with the
+graphs' variant that returns their values: a full step, histograms of outputs); gloo, torchrun, one thread a
 rank. The same losses on every rank, the same final parameters, gathered whole, and the same
 checkpoints (torch.distributed.checkpoint's, of the model and the optimizer, and a full state
 dict). The recorder reads each DTensor's local shard (and saves a capture's parameters) without
@@ -89,7 +90,8 @@ gradients (a full step, histograms of outputs at every step)."""
 @pytest.mark.parametrize(
     ("layout", "ranks", "how", "options"),
     [("ddp", 2, "eager", ()), ("fsdp2", 2, "eager", ()), ("tp", 2, "eager", ()),
-     ("fsdp_tp", 4, "eager", ()), ("fsdp2", 2, "compiled", ()), ("tp", 2, "compiled", _VALUES)],
+     ("fsdp_tp", 4, "eager", ()), ("fsdp2", 2, "compiled", ()), ("tp", 2, "compiled", _VALUES),
+     ("fsdp2", 2, "compiled", _VALUES)],
 )  # fmt: skip
 def test_sharded_training_trains_bit_identically_recorded(
     tmp_path: Path, layout: str, ranks: int, how: str, options: tuple[str, ...]
