@@ -1,8 +1,8 @@
 """Data-parallel and sharded training recorded trains bit-identically to the same training
 unrecorded, in each layout a trainer uses: DDP (2 ranks), FSDP2 (2 ranks), tensor parallelism (2
-ranks) and FSDP2 + tensor parallelism on a 2x2 mesh (4 ranks), and FSDP2 and tensor
-parallelism compiled by inductor, as trainers run them (with statistics only, and with the
-graphs' variant that returns their values: a full step, histograms of outputs); gloo, torchrun, one thread a
+ranks) and FSDP2 + tensor parallelism on a 2x2 mesh (4 ranks), and FSDP2 and tensor parallelism
+compiled by inductor, as trainers run them (with statistics only, and with the graphs' variant
+that returns their values: a full step, histograms of outputs); gloo, torchrun, one thread a
 rank. The same losses on every rank, the same final parameters, gathered whole, and the same
 checkpoints (torch.distributed.checkpoint's, of the model and the optimizer, and a full state
 dict). The recorder reads each DTensor's local shard (and saves a capture's parameters) without
