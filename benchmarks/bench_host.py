@@ -10,8 +10,9 @@ squared error to a fixed target, which stays finite for thousands of steps: a ru
 would measure the non-finite capture at work, not a healthy run (the benchmark stops if a
 loss is not finite).
 
-Each repetition runs every variant once, in turn, so that drift on a shared machine falls on
-all of them alike; each figure is the median over repetitions. The variants:
+Each repetition runs every variant once, in turn, each starting one variant further on, so
+that drift on a shared machine falls on all of them alike; each figure is the median over
+repetitions. The variants:
 
   plain          no hooks: the step itself (its time / 200 is "the nn.Linear call itself")
   no-op hook     one process-wide no-op forward hook
@@ -19,6 +20,8 @@ all of them alike; each figure is the median over repetitions. The variants:
   no histograms  histograms=None
   no capture     histograms=None, capture_nonfinite=False
   outputs only   histograms=None, capture_nonfinite=False, params=False
+  no collector   the defaults with Python's cyclic garbage collector off while they run
+                 (what the recorder's allocations make it do is the difference)
   torch's route  (on a GPU) the defaults, a tensor's statistics and histogram by torch's
                  operations instead of the Triton kernels
   one by one     (on a GPU) the defaults, parameters and gradients each by its own route
@@ -87,6 +90,16 @@ def recorded(options: dict[str, Any]) -> Variant:
 
 
 @contextlib.contextmanager
+def no_collector(model: nn.Module, out: Path) -> Iterator[None]:
+    gc.disable()
+    try:
+        with hooktrace.record(model, out / "run", overwrite=True):
+            yield
+    finally:
+        gc.enable()
+
+
+@contextlib.contextmanager
 def torch_route(model: nn.Module, out: Path) -> Iterator[None]:
     """The defaults with a device's statistics and histograms taken by torch's operations,
     a launch each, instead of the Triton kernels (``device_kernels``): on a GPU only."""
@@ -116,6 +129,7 @@ VARIANTS: dict[str, Variant] = {
     "plain": plain,
     "no-op hook": noop_hook,
     **{name: recorded(options) for name, options in RECORDED.items()},
+    "no collector": no_collector,
 }
 ON_A_DEVICE: dict[str, Variant] = {"torch's route": torch_route, "one by one": one_by_one}
 """Variants measured on a GPU only."""
@@ -172,8 +186,10 @@ def measure(device: torch.device, reps: int, steps: int, layers: int) -> dict[st
     times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         time_steps(VARIANTS["defaults"], model, Path(tmp), 2)  # kernels loaded, compiled
-        for _ in range(reps):
-            for name, variant in variants.items():
+        order = list(variants.items())
+        for rep in range(reps):  # each repetition starts one variant further on
+            turn = rep % len(order)
+            for name, variant in order[turn:] + order[:turn]:
                 gc.collect()
                 times[name].append(time_steps(variant, model, Path(tmp), steps))
     return times
@@ -202,6 +218,7 @@ def report(times: dict[str, list[float]], device: torch.device, steps: int, laye
         "non-finite capture": ("no histograms", "no capture"),
         "parameters, their gradients": ("no capture", "outputs only"),
         "outputs, output gradients": ("outputs only", "plain"),
+        "Python's collector": ("defaults", "no collector"),
     }
     for what, (this, less) in shares.items():
         diff = statistics.median(

@@ -150,7 +150,14 @@ def histograms_table(steps: list[StepData], records: pa.Table) -> pa.Table | Non
         return None
     bases = np.cumsum([0] + [d.rows for d in steps[:-1]])
     rows = np.concatenate([d.histogram_rows + base for d, base in zip(steps, bases, strict=True)])
-    counts = np.concatenate([d.histograms for d in steps])
     keys = records.take(pa.array(rows)).select(["step", "seq", "module", "kind", "slot", "numel"])
     columns = {name: keys.column(name) for name in keys.column_names}
-    return table({**columns, **histograms.columns(counts)}, histograms.HISTOGRAM_SCHEMA)
+    # each step's counts to their columns, then those joined: the dense counts (4.5 kB a
+    # histogram) are read once, not copied together first
+    counts = [histograms.columns(d.histograms) for d in steps if len(d.histogram_rows)]
+    for name in counts[0]:
+        parts = [c[name] for c in counts]
+        columns[name] = (
+            pa.concat_arrays(parts) if isinstance(parts[0], pa.Array) else np.concatenate(parts)
+        )
+    return table(columns, histograms.HISTOGRAM_SCHEMA)

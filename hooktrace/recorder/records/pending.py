@@ -182,11 +182,14 @@ class PendingStep:
             _wait_for_devices(tensors)
             for gathered_rows, gathered in _gather(tensors, on_device):
                 counts[gathered_rows] = gathered
-        if self.histogram_blocks:
+        if self.histogram_blocks:  # (a step's parameters and gradients: megabytes of counts)
             rows = np.concatenate([rows] + [block for block, _ in self.histogram_blocks])
-            counts = np.concatenate([counts] + [block for _, block in self.histogram_blocks])
-        order = np.argsort(rows, kind="stable")
-        return rows[order], counts[order]
+            parts = [counts] if len(counts) else []
+            counts = np.concatenate(parts + [block for _, block in self.histogram_blocks])
+        if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # in order already, as a rule
+            order = np.argsort(rows, kind="stable")
+            rows, counts = rows[order], counts[order]
+        return rows, counts
 
     def _activity(self) -> list[tuple[int, np.ndarray]]:
         """Each record's per-unit positive counts (int64), in row order."""
