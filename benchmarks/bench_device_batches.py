@@ -7,10 +7,12 @@ their histograms (the defaults), by each route, for the 200-layer model of bench
   one by one, torch   torch's operations per tensor (``torch_route``): a GPU without Triton
   one by one, Triton  the Triton kernels per tensor (``device_kernels``): 4 launches a
                       tensor; run on a GPU where Triton is, else counted only
-  batched             ``device_batches``: a few launches for all of them
+  batched             ``device_batches``: a few dozen launches for all of them (each of
+                      at most ``MAX_VALUES`` values; any larger one by one, by torch)
 
 It prints the operations dispatched that compute (on a GPU, each is a kernel launch, and the
-host pays for each: the figure that carries over to a GPU; views, which launch nothing, apart) and, on ``--device`` (the CPU by default), the
+host pays for each: the figure that carries over to a GPU; views, which launch nothing, apart;
+on a GPU, ``segment_reduce`` takes 3 launches where it counts 1 here) and, on ``--device`` (the CPU by default), the
 host time a step's parameters and gradients take, median of ``--reps``, side by side in
 each repetition. On the CPU an operation's host cost stands in for a launch's, but the host
 time includes the computing too, which a GPU does on its own: where the values are many
@@ -76,9 +78,13 @@ def one_by_one_triton(tensors: list[torch.Tensor]) -> None:
         device_kernels.histogram(t)
 
 
-def batched(tensors: list[torch.Tensor], batches: device_batches.Batches) -> None:
-    device_batches.summarize(tensors, batches)
-    device_batches.histograms(tensors, batches)
+def batched(tensors: list[torch.Tensor]) -> None:
+    """As the recorder does it: tensors of at most ``MAX_VALUES`` values batched, any larger
+    one by one (by torch's operations: the Triton kernels where they would be used)."""
+    small = [t for t in tensors if t.numel() <= device_batches.MAX_VALUES]
+    device_batches.summarize(small)
+    device_batches.histograms(small)
+    one_by_one([t for t in tensors if t.numel() > device_batches.MAX_VALUES])
 
 
 def _ops(run: Callable[[], None]) -> str:
@@ -113,10 +119,9 @@ def report(device: str, reps: int) -> None:
     print("model | tensors | route | operations (views) | host ms | x batched, paired")
     for name, model in models.items():
         tensors = _tensors(model, device)
-        batches = device_batches.Batches([t.numel() for t in tensors], torch.device(device))
         routes: dict[str, Callable[[], None]] = {
             "one by one, torch": functools.partial(one_by_one, tensors),
-            "batched": functools.partial(batched, tensors, batches),
+            "batched": functools.partial(batched, tensors),
         }
         if all(device_kernels.usable(t, histogram=True) for t in tensors):  # a GPU with Triton
             routes["one by one, Triton"] = functools.partial(one_by_one_triton, tensors)

@@ -60,11 +60,11 @@ class Reads:
     """What a kind's records keep from step to step while they hold: where their values lie,
     for the statistics (``staged_kernels.TensorsInPlace``) and the histograms
     (``histogram_kernel.TensorsInPlace``) read in place, made once the kernels are loaded;
-    how the values of each group on a device are batched (``device_batches.Batches``)."""
+    the groups on a device that ran out of memory batched (``params._batched``)."""
 
     stats: Any = None
     histograms: Any = None
-    batches: dict[int, Any] = field(default_factory=dict)
+    unbatched: set[int] = field(default_factory=set)
 
 
 class Histograms:
@@ -143,7 +143,8 @@ class Observer:
         Returns the statistics (None for a tensor not summarised): a row on the CPU, a
         tensor on a device, or where they will be made from a staged copy."""
         if not usual(tensor):
-            self._unusual(pending, micro_step, module, call, kind, slot, tensor, phase, full, shard)
+            self._unusual(pending, micro_step, module, call, kind, slot, tensor, phase, full,
+                          units, histogram, shard)  # fmt: skip
             return None
         row = len(pending.meta)
         recent = self.recent.get(id(tensor))  # (lookup(), inline: this runs for every tensor)
@@ -278,34 +279,41 @@ class Observer:
         tensor: torch.Tensor,
         phase: str,
         full: bool,
+        units: bool,
+        histogram: bool,
         shard: Shard | None = None,
     ) -> None:
-        """A tensor that is not a plain dense one. Nested tensors are summarised over their
+        """A tensor that is not a plain dense one (``units`` and ``histogram`` as
+        :meth:`observe` takes them). Nested tensors are summarised over their
         values, Python subclasses as plain tensors; any other costs its own record only: a
         record with no statistics, whose note says why (the recording goes on). A DTensor
         is summarised over its local shard, which its record's shard columns place (``shard``:
         a DTensor's, whose local shard this is); a collective's pending result once done."""
         if pending_collective(tensor):
             self.observe(pending, micro_step, module, call, kind, slot, collected(tensor),
-                         phase=phase, full=full, units=True, shard=shard)  # fmt: skip
+                         phase=phase, full=full, units=units, histogram=histogram,
+                         shard=shard)  # fmt: skip
             return
         if dtensor(tensor):
             local, shard = local_shard(tensor)
             self.observe(pending, micro_step, module, call, kind, slot, local,
-                         phase=phase, full=full, units=True, shard=shard)  # fmt: skip
+                         phase=phase, full=full, units=units, histogram=histogram,
+                         shard=shard)  # fmt: skip
             return
         if python_subclass(tensor):
             tensor = plain(tensor)
             if usual(tensor):
                 self.observe(pending, micro_step, module, call, kind, slot, tensor,
-                             phase=phase, full=full, units=True, note="")  # fmt: skip
+                             phase=phase, full=full, units=units, histogram=histogram,
+                             note="")  # fmt: skip
                 return
         reason = unsupported(tensor)
         if reason is None:  # nested: summarised over its values
             values = nested_values(tensor)
             note = f"nested: statistics over the values of its {tensor.size(0)} components"
             self.observe(pending, micro_step, module, call, kind, slot, values,
-                         phase=phase, full=False, units=False, note=note)  # fmt: skip
+                         phase=phase, full=False, units=False, histogram=histogram,
+                         note=note)  # fmt: skip
             return
         pending.meta.append(
             Meta(micro_step, phase, module, call, kind, slot, tensor.dtype,

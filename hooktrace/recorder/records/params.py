@@ -117,27 +117,27 @@ class ParamRecords:
 
 
 def _batched(
-    make: Callable[..., torch.Tensor],
+    make: Callable[[Sequence[torch.Tensor]], torch.Tensor],
     group: Sequence[int],
     g: int,
     values: Sequence[torch.Tensor | None],
     reads: Reads,
 ) -> torch.Tensor | None:
     """``make`` (:func:`device_batches.summarize` or ``histograms``) of the values of
-    ``group``, the ``g``-th on a device, batched as ``reads`` keeps them; None where the
-    batches are not used there (given up, or a probe that could not run)."""
-    tensors = [_local(values[i]) for i in group]
-    first = tensors[0]
-    if not device_batches.usable(first.device, first.dtype):
+    ``group``, the ``g``-th on a device; None where the batches do not take them (given up,
+    a CUDA graph captured, or the group ran out of memory while these records hold: each
+    value then takes its own route, which copies less, and no failed allocation is tried
+    again every step)."""
+    if g in reads.unbatched:
         return None
-    batches = reads.batches.get(g)
+    tensors = [_local(values[i]) for i in group]
     try:
-        if batches is None:
-            sizes = [t.numel() for t in tensors]
-            batches = reads.batches[g] = device_batches.Batches(sizes, first.device)
-        return make(tensors, batches)
+        if not device_batches.usable(tensors[0].device, tensors[0].dtype):
+            return None
+        return make(tensors)
     except torch.cuda.OutOfMemoryError:
-        return None  # each one's own route, which copies less
+        reads.unbatched.add(g)
+        return None
     except Exception as exc:
         device_batches.give_up(exc)
         return None
@@ -219,7 +219,10 @@ class RecordsCache:
                     [(entry.module, entry.slot) for entry in entries],  # (some left out)
                     phase,
                     micro_step,
-                    [None if v is None else (v.dtype, v.shape, v.device, v.layout) for v in values],
+                    [
+                        None if v is None else (type(v), v.dtype, v.shape, v.device, v.layout)
+                        for v in values
+                    ],
                 )
             except (RuntimeError, ValueError):  # a value without a shape: not kept
                 return param_records(

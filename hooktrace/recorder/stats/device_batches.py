@@ -6,9 +6,12 @@ norms' scales); one by one, each costs the host two launches for its statistics 
 its histogram with the Triton kernels (:mod:`hooktrace.recorder.stats.device_kernels`), 14 and
 15 with torch's operations, and a small tensor's launches cost far more than its reading.
 Here a batch of them is copied into one row (``torch.cat``) and reduced segment by segment
-(``torch.segment_reduce``, one launch a statistic for the whole batch): some 25 launches a
-batch, of up to :data:`BATCH_VALUES` values. Tensors larger than :data:`MAX_VALUES` keep their
-own route, where the launches are nothing against the reading.
+(``torch.segment_reduce``): 35 operations a batch for the statistics, 28 for the
+histograms, of up to :data:`BATCH_VALUES` values (on a GPU some 16 more launches: CUDA's
+``segment_reduce`` is 3 for each of the 8). Tensors larger than :data:`MAX_VALUES` keep
+their own route.
+``torch.segment_reduce`` is kept public by torch for compatibility: where a torch lacks it,
+the first use fails and gives the batches up, with a warning.
 
 The numbers are the per-tensor routes': each value read as float32, the statistics as one
 float64 row (mean, population std, min, max, norm, zeros, NaNs, Infs) with their NaN and Inf
@@ -22,9 +25,11 @@ tensors take their own routes: never a wrong record, never a recording stopped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -32,8 +37,10 @@ from torch._utils import _flatten_dense_tensors
 from hooktrace.recorder.stats.torch_route import _bins, histogram_torch, summarize_on_device
 from hooktrace.trace.histograms import WIDTH
 
-MAX_VALUES = 1 << 20
-"""Values of the largest tensor batched: a larger one takes its own route."""
+MAX_VALUES = 1 << 16
+"""Values of the largest tensor batched: a larger one takes its own route, where its few
+launches are nothing against its reading (and a segmented reduction gives each tensor one
+block of threads: a large one would keep a GPU's multiprocessor busy alone)."""
 
 BATCH_VALUES = 1 << 22
 """Values a batch holds at most (one tensor over it is a batch of its own): its scratch is a
@@ -65,51 +72,78 @@ def batchable(x: torch.Tensor | None) -> bool:
 
 
 class Batches:
-    """How tensors of the given sizes are batched, on ``device``: consecutive runs of them
-    of at most :data:`BATCH_VALUES` values, each with its segments' lengths and each value's
-    segment, on the device. Made once for a list of sizes (the caller keeps it while they
-    hold): the one copy to the device it makes is not repeated step after step."""
+    """How tensors of the given sizes are batched on ``device``: consecutive runs of them of
+    at most :data:`BATCH_VALUES` values, each with its tensors' sizes on the device. One per
+    list of sizes (:meth:`of`, which keeps the last few): the copy of the sizes to the
+    device, from pinned memory, not waited for, is made once, not every step."""
+
+    _made: ClassVar[dict[tuple[torch.device, tuple[int, ...]], Batches]] = {}
+    _KEEP = 64
+
+    @classmethod
+    def of(cls, sizes: tuple[int, ...], device: torch.device) -> Batches:
+        batches = cls._made.get((device, sizes))
+        if batches is None:
+            if len(cls._made) >= cls._KEEP:
+                cls._made.clear()
+            batches = cls._made[(device, sizes)] = cls(sizes, device)
+        return batches
 
     def __init__(self, sizes: Sequence[int], device: torch.device) -> None:
-        self.runs: list[tuple[int, int]] = []  # (first, end) of each batch's tensors
+        self.runs: list[tuple[int, int, int]] = []  # (first, end, values) of each batch
         first = total = 0
         for i, size in enumerate(sizes):
             if total and total + size > BATCH_VALUES:
-                self.runs.append((first, i))
+                self.runs.append((first, i, total))
                 first, total = i, 0
             total += size
         if sizes:
-            self.runs.append((first, len(sizes)))
+            self.runs.append((first, len(sizes), total))
         self.lengths: list[torch.Tensor] = []
         self.counts: list[torch.Tensor] = []  # the lengths as float64
-        self.segments: list[torch.Tensor] = []  # each value's segment
-        for first, end in self.runs:
-            lengths = torch.tensor(sizes[first:end], dtype=torch.int64).to(device)
+        self.positions: list[torch.Tensor] = []  # 0, 1, ... a batch's tensors
+        pinned = device.type == "cuda"
+        for first, end, _ in self.runs:
+            host = torch.tensor(sizes[first:end], dtype=torch.int64)
+            lengths = host.pin_memory().to(device, non_blocking=True) if pinned else host.to(device)
             self.lengths.append(lengths)
             self.counts.append(lengths.double())
-            positions = torch.arange(end - first, device=device)
-            total = sum(sizes[first:end])
-            self.segments.append(torch.repeat_interleave(positions, lengths, output_size=total))
+            self.positions.append(torch.arange(end - first, device=device))
+
+    def segments(self, k: int) -> torch.Tensor:
+        """Each value's tensor, in batch ``k`` (made when needed: int64 a value is more than
+        the values themselves, not to be kept)."""
+        return torch.repeat_interleave(
+            self.positions[k], self.lengths[k], output_size=self.runs[k][2]
+        )
 
 
-def summarize(tensors: Sequence[torch.Tensor], batches: Batches) -> torch.Tensor:
+def summarize(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The statistics of ``tensors`` (:func:`batchable`, on one device): one float64 row of
     8 each, queued on their device."""
+    batches = _batches(tensors)
     rows = [_summarize(tensors, batches, k) for k in range(len(batches.runs))]
     return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
-def histograms(tensors: Sequence[torch.Tensor], batches: Batches) -> torch.Tensor:
+def histograms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The histograms of ``tensors`` (:func:`batchable`, on one device): ``WIDTH`` int64
     counts each, queued on their device."""
+    batches = _batches(tensors)
     counts = [_histograms(tensors, batches, k) for k in range(len(batches.runs))]
     return counts[0] if len(counts) == 1 else torch.cat(counts)
+
+
+def _batches(tensors: Sequence[torch.Tensor]) -> Batches:
+    """The batches of the tensors' sizes as they are now (read every call: a size the
+    device was told once and that no longer holds would make it read past the values)."""
+    return Batches.of(tuple(t.numel() for t in tensors), tensors[0].device)
 
 
 def _values(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> torch.Tensor:
     """The values of batch ``k``'s tensors, one after the other, in one row (flattened and
     joined in one call into torch's C++, outside autograd)."""
-    first, end = batches.runs[k]
+    first, end, _ = batches.runs[k]
     with torch.no_grad():
         return _flatten_dense_tensors(list(tensors[first:end]))
 
@@ -122,7 +156,7 @@ def _summarize(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> tor
         return torch.segment_reduce(values, "sum", lengths=lengths, unsafe=True)
 
     mean = total(x) / n  # an Inf's mean is that Inf; a NaN's, NaN
-    centred = x - mean[batches.segments[k]]  # two passes: no cancellation (NaN where an Inf is)
+    centred = x - mean[batches.segments(k)]  # two passes: no cancellation (NaN where an Inf is)
     std = _float32(total(centred * centred) / n).sqrt()
     lo = torch.segment_reduce(x, "min", lengths=lengths, unsafe=True)  # NaN where a NaN is
     hi = torch.segment_reduce(x, "max", lengths=lengths, unsafe=True)
@@ -141,8 +175,8 @@ def _float32(x: torch.Tensor) -> torch.Tensor:
 def _histograms(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> torch.Tensor:
     values = _values(tensors, batches, k)  # each as its own route bins it: float64 as float64
     values = values.float() if values.dtype in _EXACT_IN_FLOAT32 else values.double()
-    first, end = batches.runs[k]
-    where = _bins(values) + batches.segments[k] * WIDTH
+    first, end, _ = batches.runs[k]
+    where = _bins(values) + batches.segments(k) * WIDTH
     counts = torch.zeros((end - first) * WIDTH, dtype=torch.int64, device=values.device)
     counts.index_add_(0, where, torch.ones_like(where))
     return counts.view(end - first, WIDTH)
@@ -150,29 +184,36 @@ def _histograms(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> to
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the batches take tensors of ``dtype`` on ``device``: they gave the per-tensor
-    route's numbers on a probe there (:func:`_prove`). Never raises."""
-    if _failed:
+    route's numbers on a probe there (:func:`_prove`), and no CUDA graph is being captured
+    (whose replays would not run the batches' copy of their sizes). Never raises."""
+    if _failed or _capturing(device):
         return False
     proven = _proven.get((device, dtype))
     return proven if proven is not None else _prove(device, dtype)
 
 
+def _capturing(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        with torch.cuda.device(device):
+            return torch.cuda.is_current_stream_capturing()
+    except Exception:  # a device that cannot say: take no chance
+        return True
+
+
 def _prove(device: torch.device, dtype: torch.dtype) -> bool:
     """A first use on ``device`` and ``dtype``: three probes batched (zeros, both signs,
     subnormals; a NaN; an Inf) against torch's per-tensor route. It waits for the device,
-    once; not while a CUDA graph is captured, nor where the device lacks the memory (a later
-    use proves them)."""
+    once; not where the device lacks the memory (a later use proves them)."""
     try:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return False
         probe = torch.linspace(-3.0, 5.0, 999, dtype=torch.float64).pow(5)
         probe[::7] = 0.0
         probe[1::11] *= 1e-40  # subnormal in float32 and bfloat16 (zero in float16)
         with_nan, with_inf = probe[:300].clone(), probe[300:].clone()
         with_nan[4], with_inf[9] = float("nan"), float("inf")
         tensors = [t.to(dtype).to(device) for t in (probe, with_nan, with_inf)]
-        batches = Batches([t.numel() for t in tensors], device)
-        rows, counts = summarize(tensors, batches), histograms(tensors, batches)
+        rows, counts = summarize(tensors), histograms(tensors)
         expected = torch.stack([summarize_on_device(t.float()) for t in tensors])
         expected[2, 0] = float("inf")  # the mean of values with an Inf (a device's var_mean: NaN)
         same = torch.allclose(rows, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
@@ -195,9 +236,10 @@ def give_up(why: str | Exception) -> None:
     if isinstance(why, Exception):
         why = f"{type(why).__name__}: {(str(why).splitlines() or [''])[0]}"
     _failed.append(why)
-    warnings.warn(
-        f"hooktrace: parameters on a device are summarised one by one ({why}); the same "
-        "statistics, a few more launches a tensor",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    with contextlib.suppress(Exception):  # warnings made errors (-W error): it goes on
+        warnings.warn(
+            f"hooktrace: parameters on a device are summarised one by one ({why}); the same "
+            "statistics, a few more launches a tensor",
+            RuntimeWarning,
+            stacklevel=3,
+        )

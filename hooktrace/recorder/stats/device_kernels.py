@@ -145,12 +145,13 @@ def _give_up(why: str | Exception) -> None:
     if isinstance(why, Exception):
         why = f"Triton failed: {type(why).__name__}: {(str(why).splitlines() or [''])[0]}"
     _failed.append(why)
-    warnings.warn(
-        f"hooktrace: the GPU statistics kernels are not used ({why}); torch's operations "
-        "compute the same statistics, a few more launches a tensor",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    with contextlib.suppress(Exception):  # warnings made errors (-W error): it goes on
+        warnings.warn(
+            f"hooktrace: the GPU statistics kernels are not used ({why}); torch's operations "
+            "compute the same statistics, a few more launches a tensor",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,7 @@ def _fresh() -> Iterator[None]:
 
 
 def _batched(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    batches = Batches([t.numel() for t in tensors], _CPU)
-    return device_batches.summarize(tensors, batches), device_batches.histograms(tensors, batches)
+    return device_batches.summarize(tensors), device_batches.histograms(tensors)
 
 
 def _bin(value: float) -> int:
@@ -127,15 +126,32 @@ def test_batches_split_where_their_values_run_over(monkeypatch: pytest.MonkeyPat
     whole_rows, whole_counts = _batched(tensors)
     monkeypatch.setattr(device_batches, "BATCH_VALUES", 1000)
     batches = Batches([t.numel() for t in tensors], _CPU)
-    assert batches.runs == [(0, 1), (1, 2), (2, 3), (3, 6), (6, 7), (7, 8)]
-    rows = device_batches.summarize(tensors, batches)
-    counts = device_batches.histograms(tensors, batches)
+    assert [run[:2] for run in batches.runs] == [(0, 1), (1, 2), (2, 3), (3, 6), (6, 7), (7, 8)]
+    monkeypatch.setattr(Batches, "_made", {})  # none made before at the real size
+    rows, counts = _batched(tensors)
     torch.testing.assert_close(rows, whole_rows, rtol=1e-12, atol=0, equal_nan=True)
     assert torch.equal(counts, whole_counts)
 
 
+def test_batches_follow_the_sizes_the_tensors_have_now() -> None:
+    """The device is told the tensors' sizes once per list of sizes, kept and used again;
+    tensors whose sizes change (a shard resized, a parameter given new data) are summarised
+    by their sizes now, never by sizes told before (which would read past the values)."""
+    g = torch.Generator().manual_seed(1)
+    before = [torch.randn(5, generator=g), torch.randn(3, 4, generator=g)]
+    after = [torch.randn(7, generator=g), torch.randn(2, generator=g)]  # 17 values, then 9
+    for tensors in (before, after, before):
+        rows, counts = _batched(tensors)
+        for i, t in enumerate(tensors):
+            torch.testing.assert_close(rows[i], summarize_on_device(t), rtol=1e-5, atol=1e-6)
+            assert torch.equal(counts[i], torch.as_tensor(histogram_torch(t)))
+    assert Batches.of((5, 12), _CPU) is Batches.of((5, 12), _CPU)
+
+
 def test_what_is_batched() -> None:
-    """Plain float tensors of some values on a device; the CPU's have their own kernels."""
+    """Plain float tensors of some values on a device, of at most MAX_VALUES each; none on
+    the CPU, whose small tensors have their own kernels (a test machine has no other device
+    than the CPU and meta: the route is checked on CPU tensors, routed as a device's)."""
     from torch.nn.parameter import UninitializedParameter
 
     assert not device_batches.batchable(torch.ones(3))  # the CPU
@@ -156,8 +172,17 @@ def test_a_probe_that_disagrees_gives_the_batches_up_with_one_warning(
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not device_batches.usable(_CPU, torch.float64)  # given up: no second warning
-        assert not device_batches.batchable(torch.ones(3, device="meta"))
-    assert device_batches.usable.__doc__ and "Never raises" in device_batches.usable.__doc__
+
+
+def test_a_warning_made_an_error_does_not_escape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``-W error`` makes the give-up's warning an exception: the batches are given up all
+    the same, and nothing reaches the training."""
+    real = device_batches._summarize
+    monkeypatch.setattr(device_batches, "_summarize", lambda *a: real(*a) + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not device_batches.usable(_CPU, torch.float32)
+    assert device_batches._failed
 
 
 class _Net(nn.Module):
@@ -196,12 +221,11 @@ def _as_on_a_device(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
 
         def counting(
             tensors: list[torch.Tensor],
-            batches: Batches,
             real: Callable[..., torch.Tensor] = real,
             sizes: list[int] = sizes,
         ) -> torch.Tensor:
             sizes.extend(t.numel() for t in tensors)
-            return real(tensors, batches)
+            return real(tensors)
 
         monkeypatch.setattr(device_batches, name, counting)
     monkeypatch.setattr(params, "stageable", lambda value: False)
@@ -242,9 +266,33 @@ def test_batches_that_fail_leave_each_parameter_its_own_route(
     monkeypatch.setattr(device_batches, "summarize", failing)
     with pytest.warns(RuntimeWarning, match="one by one .RuntimeError: segment_reduce"):
         got = _record(tmp_path / "failed")
-    stats = ["mean", "std", "min", "max", "norm", "zero_fraction"]
+    stats = ["mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count"]
     pd.testing.assert_frame_equal(got[stats], plain[stats], rtol=1e-5, atol=1e-7)
     assert hooktrace.load(tmp_path / "failed").status == "complete"
+
+
+def test_a_group_out_of_memory_takes_its_own_route_while_its_records_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that does not fit on the device: no warning, the same records made one by
+    one, and the allocation is not tried again at every step (on a GPU each failed one
+    empties the allocator's cache)."""
+    plain = _record(tmp_path / "plain")
+    batched = _as_on_a_device(monkeypatch)
+    tried: list[int] = []
+
+    def out_of_memory(tensors: list[torch.Tensor]) -> torch.Tensor:
+        tried.append(len(tensors))
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (as a GPU says it)")
+
+    monkeypatch.setattr(device_batches, "summarize", out_of_memory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _record(tmp_path / "oom")
+    assert tried == [6, 6]  # the parameters' group and the gradients', once each
+    assert batched["histograms"] == []  # their histograms one by one too
+    stats = ["mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count"]
+    pd.testing.assert_frame_equal(got[stats], plain[stats], rtol=1e-5, atol=1e-7)
 
 
 _FSDP2 = """
@@ -263,12 +311,12 @@ rank = dist.get_rank()
 batched = []  # the local shards summarised in batches
 if sys.argv[2] == "batched":  # the CPU's local shards routed as a device's are
     params.stageable = lambda value: False
-    device_batches.batchable = lambda value: value is not None and not value.is_meta
+    device_batches.batchable = lambda value: value is not None and value.numel() > 0
     assert device_batches.usable(torch.device("cpu"), torch.float32)  # its probes not counted
     real = device_batches.summarize
-    def counting(tensors, batches):
+    def counting(tensors):
         batched.extend(type(t).__name__ for t in tensors)
-        return real(tensors, batches)
+        return real(tensors)
     device_batches.summarize = counting
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))  # 5 rows: uneven
@@ -300,8 +348,8 @@ def test_fsdp2_shards_batched_are_recorded_as_one_by_one(tmp_path: Path) -> None
     for rank in (0, 1):  # 4 parameters, their gradients, 3 steps: their local shards
         assert (tmp_path / f"batched.batched{rank}").read_text().split() == ["Tensor"] * 24
     plain, batched = (hooktrace.load(tmp_path / name) for name in ("plain", "batched"))
-    columns = ["rank", "step", "module", "kind", "slot", "dtype", "shape", "logical_shape",
-               "mesh_shape", "mesh_coord", "placements", "shard_offset"]  # fmt: skip
+    columns = ["rank", "step", "module", "kind", "slot", "dtype", "shape", "units", "unit_size",
+               "logical_shape", "mesh_shape", "mesh_coord", "placements", "shard_offset"]  # fmt: skip
     stats = ["mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count"]
     want = ["param", "grad_param"]
     expected = plain.query(kinds=want, columns=columns + stats, logical=False)

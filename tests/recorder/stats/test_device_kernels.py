@@ -232,3 +232,16 @@ def test_a_kernel_failing_after_its_proof_hands_the_tensor_to_torchs_route(
     with pytest.warns(RuntimeWarning, match="kernels are not used"):
         assert device_kernels.summarize(torch.ones(3)) is None
     assert device_kernels._failed  # and no tensor is theirs from now on
+
+
+def test_a_warning_made_an_error_does_not_escape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``-W error`` makes the give-up's warning an exception: the kernels are given up all
+    the same (``usable`` never raises), and nothing reaches the training."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(device_kernels, "_triton", _Broken)
+    monkeypatch.setattr(device_kernels, "_failed", [])
+    monkeypatch.setattr(device_kernels, "_proven", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not device_kernels.usable(torch.ones(3))
+    assert device_kernels._failed
