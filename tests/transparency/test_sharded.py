@@ -90,8 +90,8 @@ gradients (a full step, histograms of outputs at every step)."""
 @pytest.mark.parametrize(
     ("layout", "ranks", "how", "options"),
     [("ddp", 2, "eager", ()), ("fsdp2", 2, "eager", ()), ("tp", 2, "eager", ()),
-     ("fsdp_tp", 4, "eager", ()), ("fsdp2", 2, "compiled", ()), ("tp", 2, "compiled", _VALUES),
-     ("fsdp2", 2, "compiled", _VALUES)],
+     ("fsdp_tp", 4, "eager", ()), ("fsdp2", 2, "compiled", ()),
+     ("tp", 2, "compiled", (*_VALUES, "--inputs")), ("fsdp2", 2, "compiled", _VALUES)],
 )  # fmt: skip
 def test_sharded_training_trains_bit_identically_recorded(
     tmp_path: Path, layout: str, ranks: int, how: str, options: tuple[str, ...]
@@ -168,6 +168,17 @@ def test_sharded_training_trains_bit_identically_recorded(
             for m in ("0", "0.0", "1", "2", "3", "4")
             for kind in ("output", "grad_output")
         }
+    if "--inputs" in options:  # every module's argument, as the call got it: the plain
+        # tensor, before tensor parallelism's own pre-hooks make it a DTensor (as eager)
+        inputs = trace.query(
+            kinds=["input"], logical=False, columns=["rank", "module", "shape", "placements"]
+        )
+        got = inputs.groupby(["rank", "module"], observed=True).size()
+        assert {(int(r), m) for r, m in got.index if m != "Sequential"} == {
+            (rank, m) for rank in range(ranks) for m in ("0", "0.0", "1", "2", "3", "4")
+        }
+        assert (got == 4).all() and set(inputs["shape"]) == {"8,16"}
+        assert set(inputs["placements"]) == {""}
     if layout == "tp":  # each DTensor output and gradient placed, compiled or not: by hand
         placed = trace.query(
             kinds=["output", "grad_output"], modules=["0", "0.0", "2"], steps=[0], logical=False,

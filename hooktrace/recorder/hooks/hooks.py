@@ -78,7 +78,12 @@ class Hooks:
     def _pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
     ) -> None:
-        if is_compiling():
+        if is_compiling():  # dynamo traces this: the positional arguments are marked in its
+            # graph as the call gets them, before the module's own pre-hooks (tensor
+            # parallelism's make them DTensors), as an eager run records them
+            wrapper = type(module).__name__ == "OptimizedModule"
+            if self.inputs and args and not wrapper and not attach.exporting():
+                mark_inputs(args, {})
             return
         entry = self._table.get(module)
         if entry is None or not (entry.root or self.inputs) or self._paused or attach.traced():
@@ -102,8 +107,8 @@ class Hooks:
     ) -> None:
         if is_compiling():  # dynamo traces this: the outputs are marked in its graph
             if not attach.exporting() and type(module).__name__ != "OptimizedModule":
-                if self.inputs:  # (here, not in _pre: dynamo traces no frame inspection)
-                    mark_inputs(args, kwargs)
+                if self.inputs and kwargs:  # (here, not in _pre: dynamo traces no frame
+                    mark_inputs((), kwargs)  # inspection, which finds them there)
                 mark_outputs(output)
             return
         entry = self._table.get(module)

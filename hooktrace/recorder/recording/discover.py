@@ -63,7 +63,10 @@ class ScriptRecorder(Recorder):
     def _pre(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None
     ) -> None:
-        if attach.is_compiling() or attach.in_backward() or self._paused or attach.traced():
+        if attach.is_compiling():  # dynamo traces this: the arguments are marked in its graph
+            super()._pre(module, args, kwargs)
+            return
+        if attach.in_backward() or self._paused or attach.traced():
             return
         self._depth += 1
         if self._depth == 1 and self._active:
