@@ -82,8 +82,7 @@ def batched(tensors: list[torch.Tensor]) -> None:
     """As the recorder does it: tensors of at most ``MAX_VALUES`` values batched, any larger
     one by one (by torch's operations: the Triton kernels where they would be used)."""
     small = [t for t in tensors if t.numel() <= device_batches.MAX_VALUES]
-    device_batches.summarize(small)
-    device_batches.histograms(small)
+    device_batches.both(small)  # statistics and histograms, from one copy of the values
     one_by_one([t for t in tensors if t.numel() > device_batches.MAX_VALUES])
 
 

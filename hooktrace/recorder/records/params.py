@@ -86,14 +86,20 @@ class ParamRecords:
     on_device: tuple[tuple[int, ...], ...] = ()
 
     def stage(
-        self, values: Sequence[torch.Tensor | None], staging: Staging, reads: Reads
+        self,
+        values: Sequence[torch.Tensor | None],
+        staging: Staging,
+        reads: Reads,
+        device_counts: dict[int, torch.Tensor] | None = None,
     ) -> list[Any]:
         """Each record's statistics, or what stands for them until the writer computes them
         (None: none, or an observed entry's). Once the compiled kernels are ready, the values
         they read in place are summarised now, in one call, and the rest staged (copied
         aside, one copy per dtype); before, all of them are staged. Both give the same rows,
         bit for bit. ``reads``: what these records keep from step to step (where their values
-        lie), for as long as the records are those of the values (:class:`RecordsCache`)."""
+        lie), for as long as the records are those of the values (:class:`RecordsCache`).
+        ``device_counts``: where given, the histograms of the values batched on a device are
+        made with their statistics (their values copied once for both), by entry."""
         stats: list[Any] = [None] * len(self.metas)
         kernels = numba_kernels.staged_loading() if self.together else None
         if kernels is not None:
@@ -110,20 +116,27 @@ class ParamRecords:
                 for k, i in enumerate(staged):
                     stats[i] = Staged(first + k)
         for g, group in enumerate(self.on_device):
-            rows = _batched(device_batches.summarize, group, g, values, reads)
+            counts = None
+            if device_counts is None:
+                rows = _batched(device_batches.summarize, group, g, values, reads)
+            else:
+                made = _batched(device_batches.both, group, g, values, reads)
+                rows, counts = made if made is not None else (None, None)
             for k, i in enumerate(group):  # a row each, or each one's own route
                 stats[i] = rows[k] if rows is not None else summarize(_local(values[i]))
+                if counts is not None and device_counts is not None:
+                    device_counts[i] = counts[k]
         return stats
 
 
 def _batched(
-    make: Callable[[Sequence[torch.Tensor]], torch.Tensor],
+    make: Callable[[Sequence[torch.Tensor]], Any],
     group: Sequence[int],
     g: int,
     values: Sequence[torch.Tensor | None],
     reads: Reads,
-) -> torch.Tensor | None:
-    """``make`` (:func:`device_batches.summarize` or ``histograms``) of the values of
+) -> Any:
+    """``make`` (:func:`device_batches.summarize` or ``both``) of the values of
     ``group``, the ``g``-th on a device; None where the batches do not take them (given up,
     a CUDA graph captured, or the group ran out of memory while these records hold: each
     value then takes its own route, which copies less, and no failed allocation is tried
@@ -262,9 +275,10 @@ def queue_records(
     records, reads = cache.records(
         entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
     )
-    stats = records.stage(values, pending.staging, reads)
-    first_row = len(pending.meta)
     wanted = histograms is not None
+    device_counts: dict[int, torch.Tensor] | None = {} if wanted else None
+    stats = records.stage(values, pending.staging, reads, device_counts)
+    first_row = len(pending.meta)
     batched = {i for i in records.observed if wanted and _plain_cpu(values[i])}
     done = 0
     for i in records.observed:
@@ -279,10 +293,11 @@ def queue_records(
     pending.stats.extend(stats[done:])
     if histograms is not None:
         _queue_histograms(pending, first_row, values, stats, sorted(batched), histograms, reads)
-        for g, group in enumerate(records.on_device):
-            counts = _batched(device_batches.histograms, group, g, values, reads)
-            for k, i in enumerate(group):
-                binned = counts[k] if counts is not None else histograms.one(_local(values[i]))
+        for group in records.on_device:  # made with the statistics, or each by its route
+            for i in group:
+                binned = (device_counts or {}).get(i)
+                if binned is None:
+                    binned = histograms.one(_local(values[i]))
                 if binned is not None:
                     pending.histograms.append((first_row + i, binned))
 

@@ -7,8 +7,9 @@ its histogram with the Triton kernels (:mod:`hooktrace.recorder.stats.device_ker
 15 with torch's operations, and a small tensor's launches cost far more than its reading.
 Here a batch of them is copied into one row (``torch.cat``) and reduced segment by segment
 (``torch.segment_reduce``): 35 operations a batch for the statistics, 28 for the
-histograms, of up to :data:`BATCH_VALUES` values (on a GPU some 16 more launches: CUDA's
-``segment_reduce`` is 3 for each of the 8). Tensors larger than :data:`MAX_VALUES` keep
+histograms, 60 for both from one copy of the values (:func:`both`), of up to
+:data:`BATCH_VALUES` values (on a GPU some 16 more launches: CUDA's ``segment_reduce`` is 3
+for each of the 8). Tensors larger than :data:`MAX_VALUES` keep
 their own route.
 ``torch.segment_reduce`` is kept public by torch for compatibility: where a torch lacks it,
 the first use fails and gives the batches up, with a warning.
@@ -29,7 +30,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch._utils import _flatten_dense_tensors
@@ -121,42 +122,60 @@ class Batches:
 def summarize(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The statistics of ``tensors`` (:func:`batchable`, on one device): one float64 row of
     8 each, queued on their device."""
-    batches = _batches(tensors)
-    rows = [_summarize(tensors, batches, k) for k in range(len(batches.runs))]
-    return rows[0] if len(rows) == 1 else torch.cat(rows)
+    return _each_batch(tensors, histograms=False)[0]
 
 
 def histograms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The histograms of ``tensors`` (:func:`batchable`, on one device): ``WIDTH`` int64
     counts each, queued on their device."""
-    batches = _batches(tensors)
-    counts = [_histograms(tensors, batches, k) for k in range(len(batches.runs))]
-    return counts[0] if len(counts) == 1 else torch.cat(counts)
+    return _each_batch(tensors, statistics=False)[1]
+
+
+def both(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`summarize` and :func:`histograms` of ``tensors``, each batch's values copied
+    once for the two (a step that histograms its parameters)."""
+    rows, counts = _each_batch(tensors)
+    return rows, counts
+
+
+def _each_batch(
+    tensors: Sequence[torch.Tensor], *, statistics: bool = True, histograms: bool = True
+) -> tuple[Any, Any]:
+    """The statistics and the histograms asked for, of each batch of ``tensors``, joined."""
+    batches = _batches(tensors)  # the sizes as they are now (a stale one reads past them)
+    rows, counts = [], []
+    for k, (first, end, _) in enumerate(batches.runs):
+        with torch.no_grad():  # one row, joined in one call into torch's C++
+            values = _flatten_dense_tensors(list(tensors[first:end]))
+        segments = batches.segments(k)  # each value's tensor
+        if statistics:
+            rows.append(_summarize(values, batches, k, segments))
+        if histograms:
+            counts.append(_histograms(values, end - first, segments))
+    return _joined(rows), _joined(counts)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _batches(tensors: Sequence[torch.Tensor]) -> Batches:
-    """The batches of the tensors' sizes as they are now (read every call: a size the
-    device was told once and that no longer holds would make it read past the values)."""
     return Batches.of(tuple(t.numel() for t in tensors), tensors[0].device)
 
 
-def _values(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> torch.Tensor:
-    """The values of batch ``k``'s tensors, one after the other, in one row (flattened and
-    joined in one call into torch's C++, outside autograd)."""
-    first, end, _ = batches.runs[k]
-    with torch.no_grad():
-        return _flatten_dense_tensors(list(tensors[first:end]))
-
-
-def _summarize(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> torch.Tensor:
-    x = _values(tensors, batches, k).float().double()  # each value as float32, as every route
+def _summarize(
+    values: torch.Tensor, batches: Batches, k: int, segments: torch.Tensor
+) -> torch.Tensor:
+    x = values.float().double()  # each value as float32, as every route reads it
     lengths, n = batches.lengths[k], batches.counts[k]
 
     def total(values: torch.Tensor) -> torch.Tensor:
         return torch.segment_reduce(values, "sum", lengths=lengths, unsafe=True)
 
     mean = total(x) / n  # an Inf's mean is that Inf; a NaN's, NaN
-    centred = x - mean[batches.segments(k)]  # two passes: no cancellation (NaN where an Inf is)
+    centred = x - mean[segments]  # two passes: no cancellation (NaN where an Inf is)
     std = _float32(total(centred * centred) / n).sqrt()
     lo = torch.segment_reduce(x, "min", lengths=lengths, unsafe=True)  # NaN where a NaN is
     hi = torch.segment_reduce(x, "max", lengths=lengths, unsafe=True)
@@ -172,14 +191,13 @@ def _float32(x: torch.Tensor) -> torch.Tensor:
     return x.float().double()
 
 
-def _histograms(tensors: Sequence[torch.Tensor], batches: Batches, k: int) -> torch.Tensor:
-    values = _values(tensors, batches, k)  # each as its own route bins it: float64 as float64
+def _histograms(values: torch.Tensor, tensors: int, segments: torch.Tensor) -> torch.Tensor:
+    # each value binned as its own route bins it: float64 as float64
     values = values.float() if values.dtype in _EXACT_IN_FLOAT32 else values.double()
-    first, end, _ = batches.runs[k]
-    where = _bins(values) + batches.segments(k) * WIDTH
-    counts = torch.zeros((end - first) * WIDTH, dtype=torch.int64, device=values.device)
+    where = _bins(values) + segments * WIDTH
+    counts = torch.zeros(tensors * WIDTH, dtype=torch.int64, device=values.device)
     counts.index_add_(0, where, torch.ones_like(where))
-    return counts.view(end - first, WIDTH)
+    return counts.view(tensors, WIDTH)
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:

@@ -111,6 +111,16 @@ def test_batches_give_each_tensors_own_route_numbers(dtype: torch.dtype) -> None
     assert torch.equal(again.nan_to_num(), rows.nan_to_num())  # bit for bit, every time
 
 
+def test_both_at_once_give_each_alone() -> None:
+    """Statistics and histograms made together, from one copy of the values: the same."""
+    tensors = _cases()
+    rows, counts = device_batches.both(tensors)
+    torch.testing.assert_close(
+        rows, device_batches.summarize(tensors), rtol=0, atol=0, equal_nan=True
+    )
+    assert torch.equal(counts, device_batches.histograms(tensors))
+
+
 def test_a_small_spread_far_from_zero_keeps_its_std() -> None:
     """Two passes, not the sum of squares less the squared mean (which cancels to noise)."""
     x = torch.full((1000,), 1000.0)
@@ -215,7 +225,7 @@ def _as_on_a_device(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
     """Parameters on the CPU routed as a device's are (the route is torch's operations, the
     same on either); returns the sizes of the values batched, for statistics and histograms."""
     assert device_batches.usable(_CPU, torch.float32)  # proved first: the probes not counted
-    batched: dict[str, list[int]] = {"summarize": [], "histograms": []}
+    batched: dict[str, list[int]] = {"summarize": [], "histograms": [], "both": []}
     for name, sizes in batched.items():
         real = getattr(device_batches, name)
 
@@ -241,8 +251,9 @@ def test_parameters_batched_are_recorded_as_one_by_one(
     plain = _record(tmp_path / "plain")
     batched = _as_on_a_device(monkeypatch)
     got = _record(tmp_path / "batched")
-    assert len(batched["summarize"]) == len(batched["histograms"]) == 3 * 2 * 6  # 6 parameters,
-    # their gradients, 3 steps
+    # 6 parameters, their gradients, 3 steps: histogrammed each step, with their statistics
+    assert len(batched["both"]) == 3 * 2 * 6
+    assert batched["summarize"] == batched["histograms"] == []
     keys = ["step", "module", "kind", "slot", "dtype", "shape"]
     pd.testing.assert_frame_equal(got[keys], plain[keys])
     stats = ["mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count"]
@@ -263,7 +274,7 @@ def test_batches_that_fail_leave_each_parameter_its_own_route(
     def failing(*args: object) -> torch.Tensor:
         raise RuntimeError("segment_reduce: not implemented for this device")
 
-    monkeypatch.setattr(device_batches, "summarize", failing)
+    monkeypatch.setattr(device_batches, "both", failing)
     with pytest.warns(RuntimeWarning, match="one by one .RuntimeError: segment_reduce"):
         got = _record(tmp_path / "failed")
     stats = ["mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count"]
@@ -285,12 +296,12 @@ def test_a_group_out_of_memory_takes_its_own_route_while_its_records_hold(
         tried.append(len(tensors))
         raise torch.cuda.OutOfMemoryError("CUDA out of memory (as a GPU says it)")
 
-    monkeypatch.setattr(device_batches, "summarize", out_of_memory)
+    monkeypatch.setattr(device_batches, "both", out_of_memory)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         got = _record(tmp_path / "oom")
     assert tried == [6, 6]  # the parameters' group and the gradients', once each
-    assert batched["histograms"] == []  # their histograms one by one too
+    assert batched["summarize"] == batched["histograms"] == []  # all of them one by one
     stats = ["mean", "std", "min", "max", "norm", "zero_fraction", "nan_count", "inf_count"]
     pd.testing.assert_frame_equal(got[stats], plain[stats], rtol=1e-5, atol=1e-7)
 
@@ -313,11 +324,11 @@ if sys.argv[2] == "batched":  # the CPU's local shards routed as a device's are
     params.stageable = lambda value: False
     device_batches.batchable = lambda value: value is not None and value.numel() > 0
     assert device_batches.usable(torch.device("cpu"), torch.float32)  # its probes not counted
-    real = device_batches.summarize
+    real = device_batches.both  # (parameters and gradients are histogrammed every step)
     def counting(tensors):
         batched.extend(type(t).__name__ for t in tensors)
         return real(tensors)
-    device_batches.summarize = counting
+    device_batches.both = counting
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 5))  # 5 rows: uneven
 for layer in (model[0], model[2]):
