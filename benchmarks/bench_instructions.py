@@ -227,7 +227,7 @@ def main() -> None:
         print(f"{name:<16}{n:>14,.0f}{ratio}{extra}")
     shares = {w: (a, b) for w, (a, b) in SHARES.items() if a in counts and b in counts}
     if "hooks only" in counts and "outputs only" in counts and "plain" in counts:
-        shares["  of which the hooks' dispatch"] = ("hooks only", "plain")
+        shares["  of which hooks, bookkeeping"] = ("hooks only", "plain")
     if "no collector" in counts and "defaults" in counts:
         shares["Python's collector"] = ("defaults", "no collector")
     if shares:
