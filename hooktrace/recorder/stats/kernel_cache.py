@@ -71,6 +71,21 @@ def compile_here() -> bool:
     return os.environ.get("HOOKTRACE_ONE_PASS") == "wait"
 
 
+def compile_in_turn(warm_up: Callable[[], object]) -> None:
+    """Run ``warm_up`` here, compiling what numba's cache lacks (``HOOKTRACE_ONE_PASS=wait``),
+    once no other process is compiling into the same cache (a filler, or another process
+    waiting so: the ranks of a torchrun, the workers of a test run): what that one compiled
+    is then loaded, in a few seconds, not compiled again beside it."""
+    try:
+        lock = open(_lock_path(), "a")  # noqa: SIM115 (held for the warm-up below)
+    except OSError:  # no temporary folder to lock in: compile with no turn taken
+        warm_up()
+        return
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        warm_up()
+
+
 def load(warm_up: Callable[[], object]) -> bool:
     """Run ``warm_up`` if numba's cache holds every kernel it calls (loading them), and return
     True; else False, with nothing compiled (kernels loaded before the first missing one stay

@@ -259,7 +259,8 @@ def route() -> Route:
     to the one-pass kernel, when it has ended: a first recording starts at once, and its
     statistics on either side agree to float32 rounding. ``HOOKTRACE_ONE_PASS=0`` keeps to
     the eager route; ``HOOKTRACE_ONE_PASS=wait`` compiles here, before the first large
-    tensor (benchmarks, and tests that check the kernel).
+    tensor, after any other process compiling them (benchmarks, and tests that check the
+    kernel).
     """
     global _route
     taken = _route
@@ -286,7 +287,7 @@ def _decide(before: Route | None) -> Route:
 
         threads: list[str | None] = []  # why the kernel keeps to one thread, if it does
         if kernel_cache.compile_here():
-            load()
+            kernel_cache.compile_in_turn(load)
         elif not kernel_cache.load(load):
             if before is not None:
                 why = (

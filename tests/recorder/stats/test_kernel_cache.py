@@ -348,6 +348,8 @@ while not kernel_cache.filled() and time.monotonic() < deadline:
 print(started, len(seen) > 10, kernel_cache.succeeded(), file=sys.stderr)
 """
 
+_WAITER = "from hooktrace.recorder.stats import stats; print(stats.route().description)"
+
 
 def test_a_filler_started_without_stdio_waits_for_the_one_compiling_then_fills_the_cache(
     tmp_path: Path,
@@ -356,7 +358,9 @@ def test_a_filler_started_without_stdio_waits_for_the_one_compiling_then_fills_t
     It is started from a process whose descriptors 0 and 1 are closed (the report pipe may
     take those numbers: found in review), with torch on one thread (torchrun's
     OMP_NUM_THREADS=1), and still compiles what a run on two threads loads (found in review:
-    the threaded histogram kernel was left out). One cold compile serves the three."""
+    the threaded histogram kernel was left out). A process that compiles in its own
+    (``HOOKTRACE_ONE_PASS=wait``, as another rank may) takes its turn too. One cold compile
+    serves them all."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     with open(_lock_path_for(env), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -364,12 +368,20 @@ def test_a_filler_started_without_stdio_waits_for_the_one_compiling_then_fills_t
             [sys.executable, "-c", _CLOSED_STDIO],
             env={**env, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+        waiter = subprocess.Popen(
+            [sys.executable, "-c", _WAITER], env={**env, "HOOKTRACE_ONE_PASS": "wait"},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
         with pytest.raises(subprocess.TimeoutExpired):
             starter.wait(timeout=8)  # long enough to have compiled something, unlocked
+        assert waiter.poll() is None
         assert not any(tmp_path.rglob("*.nbi"))
     _, stderr = starter.communicate(timeout=500)
     assert starter.returncode == 0, stderr
     assert stderr.split()[-3:] == ["True", "True", "True"], stderr  # seen running, then filled
+    said, stderr = waiter.communicate(timeout=500)
+    assert waiter.returncode == 0, stderr
+    assert said.startswith("one-pass (numba "), said
     probe = (
         "import torch; torch.set_num_threads(2); from hooktrace.recorder.stats import kernel_cache as c;"
         "print(c.load(c.warm_up))"
