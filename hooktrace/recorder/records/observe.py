@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from hooktrace.recorder.records.layout import Meta
@@ -36,6 +37,7 @@ from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.histogram import histogram as histogram_of
 from hooktrace.recorder.stats.histogram import histogram_many
 from hooktrace.recorder.stats.stats import (
+    PLAIN,
     STAGED_MAX_VALUES,
     nested_values,
     plain,
@@ -142,10 +144,6 @@ class Observer:
         step, unless ``histogram`` is False: made elsewhere) and note where they belong.
         Returns the statistics (None for a tensor not summarised): a row on the CPU, a
         tensor on a device, or where they will be made from a staged copy."""
-        if not usual(tensor):
-            self._unusual(pending, micro_step, module, call, kind, slot, tensor, phase, full,
-                          units, histogram, shard)  # fmt: skip
-            return None
         row = len(pending.meta)
         recent = self.recent.get(id(tensor))  # (lookup(), inline: this runs for every tensor)
         if (
@@ -154,9 +152,16 @@ class Observer:
             and tensor._version == recent[1]
             and (recent[3] is not None or not units)  # counts wanted now were not made then
         ):
-            stats, counts = recent[2], recent[3]
+            stats, counts = recent[2], recent[3]  # (only a usual tensor is remembered)
         else:
-            stats, counts = self._summarise(pending, tensor, units)
+            summed = self._read_in_place(tensor, units)
+            if summed is None:
+                if not usual(tensor):
+                    self._unusual(pending, micro_step, module, call, kind, slot, tensor, phase,
+                                  full, units, histogram, shard)  # fmt: skip
+                    return None
+                summed = self._summarise(pending, tensor, units)
+            stats, counts = summed
             self._remember(tensor, stats, counts)
         n_units = unit_size = 0
         if counts is not None and units:
@@ -217,6 +222,46 @@ class Observer:
                     pending.histograms.append((row, binned))
             if full:
                 self._snapshot(pending, row, value)
+
+    def _read_in_place(
+        self, tensor: torch.Tensor, units: bool
+    ) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The route of most tensors a CPU run meets, taken in one place: a small, plain,
+        contiguous CPU tensor of a dtype the kernels read (float32, float64, int64),
+        summarised where it lies, with its per-unit counts, once the kernels are loaded.
+        Each property is read once; None for any other tensor (:meth:`_summarise` and
+        :meth:`_unusual` take it, with the same answer for these). What this asks implies
+        :func:`usual`: a CPU tensor is no meta tensor, and these dtypes are neither complex
+        nor quantized."""
+        in_place = self._in_place
+        if in_place is None:
+            return None
+        code = in_place.codes.get(tensor.dtype)
+        if (
+            code is None
+            or type(tensor) not in PLAIN
+            or not tensor.is_cpu
+            or tensor.is_nested
+            or tensor.layout is not torch.strided
+            or not tensor.is_contiguous()
+            or tensor.is_neg()
+        ):
+            return None
+        numel = tensor.numel()
+        if not 0 < numel <= STAGED_MAX_VALUES or (code == in_place.FLOAT64 and in_place.flushes()):
+            return None
+        shape = tensor.shape
+        dim = None
+        if units and code != in_place.INT64 and shape:  # floating point, with units
+            ndim = len(shape)
+            dim = 1 if ndim >= 4 or (ndim == 3 and shape in self.channel_shapes) else ndim - 1
+            if not 0 < shape[dim] <= self.max_units:
+                dim = None
+        try:
+            address = tensor.data_ptr()
+        except RuntimeError:  # no storage to read (a functional tensor's)
+            return None
+        return in_place.summarize_at(address, numel, code, shape, dim)
 
     def _summarise(
         self, pending: PendingStep, tensor: torch.Tensor, units: bool

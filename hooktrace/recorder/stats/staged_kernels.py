@@ -147,6 +147,10 @@ class InPlace:
     _COUNTS = 8192
 
     def __init__(self) -> None:
+        # how the kernel names the dtypes it reads, for a caller that checks a tensor itself
+        self.codes = _IN_PLACE
+        self.FLOAT64, self.INT64 = _FLOAT64, _INT64
+        self.flushes = _flushes_denormals  # float64 is then not read in place
         self._lock = threading.Lock()
         self._rows = np.empty((0, 8), dtype=np.float64)
         self._row = 0
@@ -161,10 +165,18 @@ class InPlace:
         address = _address(tensor)
         if not address:
             return None
+        return self.summarize_at(address, tensor.numel(), _IN_PLACE[tensor.dtype],
+                                 tensor.shape, dim)  # fmt: skip
+
+    def summarize_at(
+        self, address: int, numel: int, code: int, shape: tuple[int, ...], dim: int | None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """:meth:`summarize` of a tensor that :func:`_address` found at ``address``, with
+        ``numel`` values of the dtype ``_IN_PLACE`` names ``code``, of ``shape``."""
         if dim is None:
             outer = units = inner = 0
         else:
-            outer, units, inner = _plan(tuple(tensor.shape), dim)[:3]
+            outer, units, inner = _plan(shape, dim)[:3]
         with self._lock:
             i = self._row
             if i == len(self._rows):
@@ -177,8 +189,8 @@ class InPlace:
                 at = 0
             self._at = at + units
             rows, counts = self._rows, self._counts
-        _one_in_place(address, tensor.numel(), _IN_PLACE[tensor.dtype], outer, units, inner,
-                      rows, i, counts, at, _DENORMAL64 == 0.0)  # fmt: skip
+        _one_in_place(address, numel, code, outer, units, inner, rows, i, counts, at,
+                      _DENORMAL64 == 0.0)  # fmt: skip
         return rows[i], counts[at : at + units] if dim is not None else None
 
 

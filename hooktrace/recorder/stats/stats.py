@@ -57,7 +57,7 @@ STAGED_MAX_VALUES = 8192
 """CPU tensors up to this size are staged; larger ones are summarised in the hook."""
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
 """Tensor types summarised as they are; others go through :func:`unsupported` first."""
 
 
@@ -65,7 +65,7 @@ def usual(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` can be summarised as it is (the hot path's one question): a plain
     dense tensor of real values, not a subclass, nested, meta, quantized or complex one."""
     return (
-        type(tensor) in _PLAIN
+        type(tensor) in PLAIN
         and not tensor.is_nested
         and not tensor.is_meta
         and not tensor.is_quantized
@@ -78,7 +78,7 @@ def python_subclass(tensor: torch.Tensor) -> bool:
     its own): summarised as the plain tensor it holds (:func:`plain`)."""
     kind = type(tensor)
     return (
-        kind not in _PLAIN
+        kind not in PLAIN
         and kind.__torch_dispatch__ is torch.Tensor.__torch_dispatch__
         and not isinstance(tensor, _LAZY)
         and not tensor.is_nested
@@ -94,7 +94,7 @@ def unsupported(tensor: torch.Tensor) -> str | None:
         return "uninitialized (a lazy module's, before its first call)"
     if tensor.is_nested:
         return None
-    if kind not in _PLAIN:
+    if kind not in PLAIN:
         # a wrapper subclass (FakeTensor, FunctionalTensor, DTensor, ...): its operations
         # may run anything, a collective included; its values are not this process's
         return f"tensor subclass {kind.__module__}.{kind.__qualname__}"
@@ -131,7 +131,7 @@ def shape_of(tensor: torch.Tensor) -> tuple[int, ...]:
 def stageable(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is a small CPU tensor whose statistics can wait for the writer."""
     return (
-        type(tensor) in _PLAIN
+        type(tensor) in PLAIN
         and not tensor.is_nested
         and tensor.is_cpu
         and 0 < tensor.numel() <= STAGED_MAX_VALUES
