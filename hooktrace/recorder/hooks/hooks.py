@@ -353,15 +353,14 @@ class Hooks:
         if spec is not None:
             self._pending.specs[len(self._pending.meta)] = spec
         outputs = (("0", output),) if isinstance(output, torch.Tensor) else flatten(output)
-        captures = self._captures
+        captures, observer, pending = self._captures, self._observer, self._pending
         armed = captures.armed
         nonfinite = hooked = False
         for slot, tensor in outputs:
             if channels_first and tensor.dim() == 3:
-                self._observer.channel_shapes.add(tensor.shape)
-            stats = self._observe(
-                name, call, "output", slot, tensor, phase=phase, full=full, units=True
-            )
+                observer.channel_shapes.add(tensor.shape)
+            stats = observer.observe(pending, self.micro_step, name, call, "output", slot, tensor,
+                                     phase=phase, full=full, units=True)  # fmt: skip
             if armed and not nonfinite:
                 nonfinite = self._nonfinite(stats, tensor)
             if phase == "train" and tensor.requires_grad:
@@ -385,7 +384,8 @@ class Hooks:
             self._backward_active = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         full = self._full_step and self._names.wants_full(module)
-        return self._observe(module, call, kind, slot, grad, phase="train", full=full, units=False)
+        return self._observer.observe(self._pending, self.micro_step, module, call, kind, slot,
+                                      grad, phase="train", full=full, units=False)  # fmt: skip
 
     def _backward_done(self) -> None:
         """Queued on the autograd engine: runs once when a backward pass completes."""

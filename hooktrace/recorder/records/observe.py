@@ -295,12 +295,14 @@ class Observer:
         """Keep what ``tensor`` was summarised to, for :meth:`lookup`: the latest few tensors,
         forgotten all at once when there are more (a tensor met again after that is
         summarised again: the same record, at the cost of its summary)."""
-        if tensor.is_inference():  # inference tensors keep no version counter
+        try:
+            version = tensor._version
+        except RuntimeError:  # an inference tensor keeps no version counter: not remembered
             return
         recent = self.recent  # (one C call each: hooks may fire in several threads)
         if len(recent) >= _RECENT:
             recent.clear()
-        recent[id(tensor)] = (weakref.ref(tensor), tensor._version, stats, counts)
+        recent[id(tensor)] = (weakref.ref(tensor), version, stats, counts)
 
     def lookup(self, tensor: torch.Tensor) -> tuple[Any, Any] | None:
         """Statistics already queued for this very tensor (a container's output is its last

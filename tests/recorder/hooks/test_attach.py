@@ -362,7 +362,7 @@ def test_hooktraces_warnings_never_raise_into_the_script(
         with hooktrace.record(model, tmp_path / "run") as rec:
             _train(model, steps=1)
             model.compile(backend="eager")
-            rec._observe = None  # type: ignore[assignment,method-assign]  # a planted fault
+            rec._observer.observe = None  # type: ignore[assignment,method-assign]  # a planted fault
             _train(model, steps=1)
     err = capsys.readouterr().err
     assert "hooktrace failed in the forward of 'Net' at step 1" in err

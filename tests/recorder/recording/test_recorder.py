@@ -319,7 +319,7 @@ def test_a_fault_inside_hooktrace_warns_once_and_training_goes_on(run_dir: Path)
         warnings.simplefilter("always")
         for step in range(4):
             if step == 2:
-                rec._observe = None  # type: ignore[assignment,method-assign]  # a planted internal bug
+                rec._observer.observe = None  # type: ignore[assignment,method-assign]  # a planted internal bug
             batch = make_batch("SharedTwice", seed=step)
             default_loss(batch.run(model), batch.target).backward()
             opt.step()
@@ -336,17 +336,17 @@ def _broken(*args: object, **kwargs: object) -> None:
     raise ValueError("a planted internal bug.")
 
 
-@pytest.mark.parametrize("where", ["_observe", "_on_grad"])
+@pytest.mark.parametrize("where", ["observe", "_on_grad"])
 def test_the_fault_warning_points_at_the_users_line(run_dir: Path, where: str) -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     with hooktrace.record(model, run_dir) as rec, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        setattr(rec, where, _broken)
+        setattr(rec._observer if where == "observe" else rec, where, _broken)
         loss = model(torch.randn(2, 3)).sum()
         loss.backward()
     [warning] = [w for w in caught if "hooktrace failed" in str(w.message)]
     assert warning.filename == __file__  # not a line inside hooktrace or torch
-    line = "loss = model(" if where == "_observe" else "loss.backward()"
+    line = "loss = model(" if where == "observe" else "loss.backward()"
     assert line in Path(__file__).read_text().splitlines()[warning.lineno - 1]
     assert "ValueError: a planted internal bug. Recording stopped;" in str(warning.message)
 
@@ -357,7 +357,7 @@ def test_strict_makes_a_fault_fatal(run_dir: Path) -> None:
         pytest.raises(RecordingError, match="hooktrace failed"),
         hooktrace.record(model, run_dir, strict=True) as rec,
     ):
-        rec._observe = None  # type: ignore[assignment,method-assign]
+        rec._observer.observe = None  # type: ignore[assignment,method-assign]
         make_batch("SharedTwice").run(model)
     assert _hooks_left(model) == []
 
