@@ -62,10 +62,13 @@ class Reads:
     """What a kind's records keep from step to step while they hold: where their values lie,
     for the statistics (``staged_kernels.TensorsInPlace``) and the histograms
     (``histogram_kernel.TensorsInPlace``) read in place, made once the kernels are loaded;
-    the groups on a device that ran out of memory batched (``params._batched``)."""
+    the histograms' places taken from the statistics' (``params._histogram_places``: what
+    they were made from, and the places, or None where they cannot be); the groups on a
+    device that ran out of memory batched (``params._batched``)."""
 
     stats: Any = None
     histograms: Any = None
+    histogram_places: tuple[Any, tuple[int, ...], np.ndarray | None] | None = None
     unbatched: set[int] = field(default_factory=set)
 
 
@@ -80,12 +83,20 @@ class Histograms:
     def one(self, tensor: torch.Tensor) -> Any:
         return self._made(histogram_of, tensor)
 
-    def many(self, values: Sequence[torch.Tensor | None], reads: Reads | None = None) -> Any:
+    def many(
+        self,
+        values: Sequence[torch.Tensor | None],
+        reads: Reads | None = None,
+        places: np.ndarray | None = None,
+    ) -> Any:
         """The histograms of CPU ``values``; ``reads``: where the same values' places are
-        kept from step to step (:class:`Reads`)."""
+        kept from step to step (:class:`Reads`); ``places``: where the caller found them
+        (``histogram_kernel.histograms_at``), if it did."""
         kernels = numba_kernels.histograms() if reads is not None else None
         if reads is None or kernels is None:
             return self._made(histogram_many, values)
+        if places is not None:
+            return self._made(kernels.histograms_at, places)
         if reads.histograms is None:
             reads.histograms = kernels.TensorsInPlace()
         return self._made(reads.histograms.histograms, values)

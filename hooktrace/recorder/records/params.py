@@ -292,7 +292,8 @@ def queue_records(
     pending.meta.extend(records.metas[done:])
     pending.stats.extend(stats[done:])
     if histograms is not None:
-        _queue_histograms(pending, first_row, values, stats, sorted(batched), histograms, reads)
+        _queue_histograms(pending, first_row, records.together, values, stats, sorted(batched),
+                          histograms, reads)  # fmt: skip
         for group in records.on_device:  # made with the statistics, or each by its route
             for i in group:
                 binned = (device_counts or {}).get(i)
@@ -305,6 +306,7 @@ def queue_records(
 def _queue_histograms(
     pending: PendingStep,
     first_row: int,
+    together: Sequence[Sequence[int]],
     values: Sequence[torch.Tensor | None],
     stats: Sequence[Any],
     batched: Sequence[int],
@@ -316,10 +318,44 @@ def _queue_histograms(
     ones (plain CPU tensors observed one by one), now, in one call. The hook's route made
     the other observed ones' (on a device, or not plain tensors)."""
     now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + list(batched))
-    counts = histograms.many([values[i] for i in now], reads) if now else None
+    places = _histogram_places(together, now, reads) if now and not batched else None
+    counts = histograms.many([values[i] for i in now], reads, places) if now else None
     if counts is not None:
         pending.histogram_blocks.append((np.asarray(now, dtype=np.int64) + first_row, counts))
     pending.histograms.extend((first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged)
+
+
+def _histogram_places(
+    together: Sequence[Sequence[int]], now: list[int], reads: Reads
+) -> np.ndarray | None:
+    """Where the entries ``now`` lie, for the histogram kernel (``histogram_kernel.
+    histograms_at``), from the places the statistics read them at this step
+    (``staged_kernels.TensorsInPlace.read``; ``together``: the entries it was given, in
+    order): no tensor is asked again where it lies. None where one of them was not read
+    there, or is of a dtype the histogram kernel does not read (int64). Built again only
+    when the statistics' places were, or the entries changed."""
+    read = reads.stats.read if reads.stats is not None else None
+    if read is None:
+        return None
+    cached = reads.histogram_places
+    if cached is not None and cached[0] is read[1] and cached[1] == tuple(now):
+        return cached[2]
+    found, places = read
+    indices = [i for group in together for i in group]
+    row_of = {indices[position]: row for row, position in enumerate(found)}
+    rows = [row_of.get(i) for i in now]
+    built = None
+    hist = numba_kernels.histograms()
+    staged = numba_kernels.staged()
+    if hist is not None and staged is not None and None not in rows:
+        taken = places[rows]
+        codes = [hist.CODES.get(staged.DTYPES[code]) for code in taken[:, 2].tolist()]
+        if None not in codes and (taken[:, 1] > 0).all():
+            built = np.column_stack(
+                [taken[:, 0], taken[:, 1], np.array(codes), np.arange(len(rows))]
+            ).astype(np.int64)
+    reads.histogram_places = (read[1], tuple(now), built)
+    return built
 
 
 def _plain_cpu(value: torch.Tensor | None) -> bool:

@@ -38,6 +38,7 @@ _CODES = {
     torch.float16: FLOAT16,
     torch.bfloat16: BFLOAT16,
 }
+CODES = _CODES
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 _THREADS_FROM = 1 << 17
@@ -110,6 +111,15 @@ class TensorsInPlace:
         out = np.zeros((len(tensors), WIDTH), dtype=np.int64)
         _in_place(built[2], out, histogram_bits.flushes_denormals())
         return out
+
+
+def histograms_at(places: np.ndarray) -> np.ndarray:
+    """The histograms of tensors a caller found in place (plain contiguous CPU tensors of a
+    dtype :data:`CODES` names, none a negative view, each with 1 to ``_THREADS_FROM - 1``
+    values), a row of ``places`` each: (address, values, dtype code, row of the result)."""
+    out = np.zeros((len(places), WIDTH), dtype=np.int64)
+    _in_place(places, out, histogram_bits.flushes_denormals())
+    return out
 
 
 def histogram_segments(values: np.ndarray, bounds: np.ndarray, positions: list[int]) -> np.ndarray:

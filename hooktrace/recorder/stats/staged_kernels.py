@@ -97,8 +97,13 @@ class TensorsInPlace:
         # the addresses, the positions read in place, and their places: one tuple, replaced
         # whole, so that a thread reading it never sees the parts of two steps
         self._built: tuple[list[int], list[int], np.ndarray] = ([], [], np.zeros((0, 6)))
+        self.read: tuple[list[int], np.ndarray] | None = None
+        """Where the last :meth:`summarize` read its tensors in place: their positions in
+        its list, and a place each, (address, values, dtype as :data:`DTYPES` names it, ...);
+        the same objects from call to call while nothing moved. None: it read none so."""
 
     def summarize(self, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
+        self.read = None
         flush = _DENORMAL64 == 0.0
         if flush:
             return summarize_tensors(tensors)  # float64 ones are staged then: rare
@@ -126,6 +131,7 @@ class TensorsInPlace:
             ).reshape(-1, 6)
             built = self._built = (addresses, found, places)
         _, found, places = built
+        self.read = (found, places)
         rows: list[np.ndarray | None] = [None] * len(tensors)
         if found:
             out = np.empty((len(found), 8), dtype=np.float64)
@@ -222,6 +228,7 @@ def _address(t: torch.Tensor) -> int:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _FLOAT32, _FLOAT64, _INT64 = 0, 1, 2
 _IN_PLACE = {torch.float32: _FLOAT32, torch.float64: _FLOAT64, torch.int64: _INT64}
+DTYPES = {code: dtype for dtype, code in _IN_PLACE.items()}
 """The dtypes read in place, and how the kernel names them. Others (half precision, bool,
 smaller integers) are rare in parameters and buffers, and staged."""
 _NO_COUNTS = np.zeros(0, dtype=np.int64)

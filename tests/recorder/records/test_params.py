@@ -286,36 +286,56 @@ def test_parameters_read_in_place_are_recorded_as_staged_ones(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 ) -> None:
     """The same training recorded twice, once with the values read in place and once staged:
-    every statistic of every parameter, buffer and gradient record is equal. Every one of
-    them is read in place, the int64 ``num_batches_tracked`` too."""
-    from hooktrace.recorder.stats import numba_kernels, staged_kernels
+    every statistic of every parameter, buffer and gradient record is equal, and every
+    histogram. Every one of them is read in place, the int64 ``num_batches_tracked`` too;
+    the histograms of the parameters and gradients where the statistics found them, also
+    after a parameter moved (``.data`` replaced at step 1)."""
+    from hooktrace.recorder.stats import histogram_kernel, numba_kernels, staged_kernels
 
     route()
     read: list[int] = []
+    binned: list[int] = []
     real = staged_kernels.TensorsInPlace.summarize
+    real_at = histogram_kernel.histograms_at
 
     def counting(self: object, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
         rows = real(self, tensors)  # type: ignore[arg-type]
         read.extend(1 for row in rows if row is not None)
         return rows
 
-    records = {}
+    def counting_at(places: np.ndarray) -> np.ndarray:
+        binned.append(len(places))
+        return real_at(places)
+
+    records, histograms = {}, {}
     for name in ("in_place", "staged"):
         if name == "in_place":
             monkeypatch.setattr(staged_kernels.TensorsInPlace, "summarize", counting)
+            monkeypatch.setattr(histogram_kernel, "histograms_at", counting_at)
         else:
             monkeypatch.setattr(numba_kernels, "staged", lambda: None)
         torch.manual_seed(0)
         model = _Net().to(dtype)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with hooktrace.record(model, tmp_path / name):
-            for _ in range(3):
+            for step in range(3):
+                if step == 1:  # the weight moves: found where it lies now
+                    model.fc.weight.data = model.fc.weight.data.clone()
                 model(torch.randn(8, 4, dtype=dtype)).sum().backward()
                 opt.step()
                 opt.zero_grad()
-        loaded = hooktrace.load(tmp_path / name).records
+        trace = hooktrace.load(tmp_path / name)
+        loaded = trace.records
         records[name] = loaded[loaded["kind"].isin(["param", "buffer", "grad_param"])]
+        counts = trace.histograms()
+        histograms[name] = counts.sort_values(["step", "module", "kind", "slot"])
     assert len(read) == 3 * (6 + 3 + 6)  # parameters, buffers, gradients, a step
+    assert binned == [6, 6] * 3  # the parameters' and the gradients' histograms, a step
+    got, want = (histograms[n].reset_index(drop=True) for n in ("in_place", "staged"))
+    assert len(got) == 3 * (6 + 6)
+    for column in ("pos", "neg"):
+        assert np.array_equal(np.stack(got.pop(column)), np.stack(want.pop(column)))
+    pd.testing.assert_frame_equal(got, want, check_exact=True)
     columns = ["step", "module", "kind", "slot", "dtype", "mean", "std", "min", "max", "norm"]
     columns += ["zero_fraction", "nan_count", "inf_count"]
     in_place, staged = (records[n][columns].reset_index(drop=True) for n in records)
