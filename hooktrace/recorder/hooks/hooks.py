@@ -408,9 +408,12 @@ class Hooks:
                 )
                 call = self._calls.count(phase, name)
                 full = self._full_step and self._names.wants_full(name)
-                self._observe(name, call, "tensor", "0", tensor, phase=phase, full=full, units=True)
-                if phase == "train" and tensor.requires_grad:
-                    self._calls.hook_grad(tensor, (name, call, "grad_tensor", "0"), self._grad_hook)
+                with _unseen():  # a script's tensor subclass sees none of it
+                    self._observe(name, call, "tensor", "0", tensor, phase=phase, full=full,
+                                  units=True)  # fmt: skip
+                    if phase == "train" and tensor.requires_grad:
+                        target = (name, call, "grad_tensor", "0")
+                        self._calls.hook_grad(tensor, target, self._grad_hook)
             except Exception as exc:
                 self._fault(exc, f"the watched tensor {name!r}")
 

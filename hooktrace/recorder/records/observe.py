@@ -245,12 +245,11 @@ class Observer:
         :func:`usual`: a CPU tensor is no meta tensor, and these dtypes are neither complex
         nor quantized."""
         in_place = self._in_place
-        if in_place is None:
-            return None
+        if in_place is None or type(tensor) not in PLAIN:  # (first: a subclass's attributes
+            return None  # may run its own code)
         code = in_place.codes.get(tensor.dtype)
         if (
             code is None
-            or type(tensor) not in PLAIN
             or not tensor.is_cpu
             or tensor.is_nested
             or tensor.layout is not torch.strided

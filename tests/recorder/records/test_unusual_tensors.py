@@ -71,6 +71,25 @@ class Odd(nn.Module):
         }
 
 
+def test_a_watched_subclass_sees_nothing_of_the_recorder(tmp_path: Path) -> None:
+    """``watch`` of a script's own tensor subclass: its ``__torch_function__`` sees no
+    attribute read of hooktrace's (found in review: ``dtype``, ``is_nested`` and
+    ``requires_grad`` were), and the record is made all the same."""
+    model = nn.Linear(4, 4)
+    with hooktrace.record(model, tmp_path / "run") as rec:
+        model(torch.randn(2, 4)).sum().backward()
+        rec.step()
+        mine = torch.randn(3, 4, requires_grad=True).as_subclass(Logged)
+        Logged.seen.clear()
+        rec.watch(mine, "mine")
+        assert Logged.seen == []
+        rec.step()
+        assert rec.error is None
+    records = hooktrace.load(tmp_path / "run").records
+    watched = records[records["module"] == "mine"]
+    assert list(watched["kind"]) == ["tensor"] and list(watched["numel"]) == [12]
+
+
 def test_each_unusual_tensor_costs_its_record_only(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Odd()
