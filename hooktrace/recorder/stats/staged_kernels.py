@@ -228,9 +228,10 @@ def _address(t: torch.Tensor) -> int:
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _FLOAT32, _FLOAT64, _INT64 = 0, 1, 2
 _IN_PLACE = {torch.float32: _FLOAT32, torch.float64: _FLOAT64, torch.int64: _INT64}
-DTYPES = {code: dtype for dtype, code in _IN_PLACE.items()}
 """The dtypes read in place, and how the kernel names them. Others (half precision, bool,
 smaller integers) are rare in parameters and buffers, and staged."""
+DTYPES = {code: dtype for dtype, code in _IN_PLACE.items()}
+"""The dtype each code names (``TensorsInPlace.read``'s places hold codes)."""
 _NO_COUNTS = np.zeros(0, dtype=np.int64)
 _DENORMAL64 = 5e-324  # the smallest float64: zero where this thread flushes denormals
 _SMALLEST_NORMAL32 = np.int32(0x00800000)  # the bits of float32's smallest normal value
