@@ -46,6 +46,7 @@ class Steps(Hooks):
     _owners: Optimizers
     _writer: TraceWriter
     _staging_pool: StagingPool
+    _counts_pool: StagingPool
     _layouts: Layouts
 
     def _optimizer_stepping(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -120,6 +121,7 @@ class Steps(Hooks):
             self.current_step,
             time.time(),
             staging=Staging(self._staging_pool),
+            counts_pool=self._counts_pool,
             layouts=self._layouts,
         )
 

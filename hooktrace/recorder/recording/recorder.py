@@ -55,7 +55,7 @@ from hooktrace.recorder.records.staging import StagingPool
 from hooktrace.recorder.stats.stats import route_taken
 from hooktrace.trace import schema
 from hooktrace.trace.paths import one_line
-from hooktrace.trace.writer import TraceWriter
+from hooktrace.trace.writer import HOLD_STEPS, TraceWriter
 
 __all__ = ["DEFAULT_HISTOGRAMS", "Models", "Recorder", "active_recorder", "unwrap"]
 
@@ -193,6 +193,8 @@ class Recorder(Steps):
         # device threads, a user's threads): each takes this lock for what it changes
         self._lock = threading.RLock()
         self._staging_pool = StagingPool()
+        # two blocks of histograms a step: its parameters' and its gradients'
+        self._counts_pool = StagingPool(dtype=torch.int64, keep=2 * (HOLD_STEPS + 4))
         self._layouts = Layouts()
         self._observer = Observer(
             max_units=max_units,

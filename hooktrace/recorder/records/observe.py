@@ -88,23 +88,26 @@ class Histograms:
         values: Sequence[torch.Tensor | None],
         reads: Reads | None = None,
         places: np.ndarray | None = None,
+        zeros: Callable[[int], np.ndarray] | None = None,
     ) -> Any:
         """The histograms of CPU ``values``; ``reads``: where the same values' places are
         kept from step to step (:class:`Reads`); ``places``: where the caller found them
-        (``histogram_kernel.histograms_at``), if it did."""
+        (``histogram_kernel.histograms_at``), if it did; ``zeros(n)``: where the kernel
+        counts them (``PendingStep.counts``), zeros, if the caller has it."""
         kernels = numba_kernels.histograms() if reads is not None else None
         if reads is None or kernels is None:
             return self._made(histogram_many, values)
         if places is not None:
-            return self._made(kernels.histograms_at, places)
+            return self._made(kernels.histograms_at, places, zeros)
         if reads.histograms is None:
             reads.histograms = kernels.TensorsInPlace()
-        return self._made(reads.histograms.histograms, values)
+        return self._made(reads.histograms.histograms, values, zeros)
 
-    def _made(self, make: Callable[[Any], Any], values: Any) -> Any:
-        """``make(values)``, or None where it fails."""
+    def _made(self, make: Callable[..., Any], values: Any, zeros: Any = None) -> Any:
+        """``make(values)`` (``make(values, zeros)`` given ``zeros``), or None where it
+        fails."""
         try:
-            return make(values)
+            return make(values) if zeros is None else make(values, zeros)
         except Exception as exc:
             self.failed += 1
             if self.failed == 1:

@@ -319,7 +319,9 @@ def _queue_histograms(
     the other observed ones' (on a device, or not plain tensors)."""
     now = sorted([i for i, s in enumerate(stats) if type(s) is np.ndarray] + list(batched))
     places = _histogram_places(together, now, reads) if now and not batched else None
-    counts = histograms.many([values[i] for i in now], reads, places) if now else None
+    counts = (
+        histograms.many([values[i] for i in now], reads, places, pending.counts) if now else None
+    )
     if counts is not None:
         pending.histogram_blocks.append((np.asarray(now, dtype=np.int64) + first_row, counts))
     pending.histograms.extend((first_row + i, s) for i, s in enumerate(stats) if type(s) is Staged)

@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 
 from hooktrace.recorder.records.layout import Layout, Layouts, Meta, dtype_name
-from hooktrace.recorder.records.staging import Staged, StagedUnits, Staging
+from hooktrace.recorder.records.staging import Staged, StagedUnits, Staging, StagingPool
 from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.histogram import histogram_staged
 from hooktrace.recorder.stats.host import as_numpy
@@ -40,6 +40,8 @@ class PendingStep:
     # several records' histograms made together: their rows (int64) and counts (rows of WIDTH)
     histogram_blocks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     staging: Staging = field(default_factory=Staging)
+    counts_pool: StagingPool | None = None  # where histogram_blocks' counts are counted into
+    counts_held: list[torch.Tensor] = field(default_factory=list)  # taken from it this step
     layouts: Layouts | None = None  # shared between steps; None: each step builds its own
     tensors: list[tuple[int, torch.Tensor, torch.cuda.Event | None]] = field(default_factory=list)
     specs: dict[int, str] = field(default_factory=dict)  # row -> call spec (JSON)
@@ -53,11 +55,28 @@ class PendingStep:
         """Copy a small CPU tensor aside; its statistics are computed in :meth:`materialize`."""
         return Staged(self.staging.add(tensor))
 
+    def counts(self, rows: int) -> np.ndarray:
+        """Zeros for ``rows`` histograms (int64, rows of ``WIDTH``), for a block of
+        :attr:`histogram_blocks`: from the pool, which has them back once the step is
+        materialized. A step's new megabytes of counts, made and freed again every step, cost
+        the training thread about 300 page faults a step (docs/PERFORMANCE.md)."""
+        if self.counts_pool is None:
+            return np.zeros((rows, HISTOGRAM_WIDTH), dtype=np.int64)
+        buffer = self.counts_pool.take(rows * HISTOGRAM_WIDTH)
+        self.counts_held.append(buffer)
+        block = buffer[: rows * HISTOGRAM_WIDTH].numpy().reshape(rows, HISTOGRAM_WIDTH)
+        block.fill(0)
+        return block
+
     def materialize(self) -> StepData:
         try:
             return self._materialize()
         finally:
             self.staging.release()
+            held, self.counts_held = self.counts_held, []
+            if self.counts_pool is not None:
+                for buffer in held:
+                    self.counts_pool.give_back(buffer)
 
     def _materialize(self) -> StepData:
         n = len(self.meta)

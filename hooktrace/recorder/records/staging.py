@@ -40,10 +40,11 @@ class StagedUnits(NamedTuple):
 
 
 class StagingPool:
-    """Float64 buffers that small tensors' values are copied into, reused from step to step.
+    """Buffers that outlive a step, reused from step to step: float64 ones that small tensors'
+    values are copied into (the default), int64 ones that histograms are counted into.
 
-    A step fills one buffer; the writer thread gives it back once the step's statistics are
-    computed. Why not a copy per tensor: a few dozen allocations a step fewer in the hooks,
+    A step fills one buffer (two of counts: its parameters' and its gradients'); the writer
+    thread gives it back once the step's statistics and histograms are computed. Why not a copy per tensor: a few dozen allocations a step fewer in the hooks,
     and no concatenation in the writer. Small allocations that live for a step also change
     how the C allocator reuses the heap: in one measurement (the reference CNN, one thread)
     the training's own large tensors then took about 1,500 more page faults a step, more
@@ -51,8 +52,15 @@ class StagingPool:
     (docs/PERFORMANCE.md).
     """
 
-    def __init__(self, *, keep: int = HOLD_STEPS + 4, keep_values: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        *,
+        dtype: torch.dtype = torch.float64,
+        keep: int = HOLD_STEPS + 4,
+        keep_values: int = 1 << 20,
+    ) -> None:
         self._lock = threading.Lock()
+        self._dtype = dtype
         self._free: list[torch.Tensor] = []
         self._keep = keep  # buffers held between steps, at most: the steps the writer
         # holds, the step being recorded, and a few in the writer's queue
@@ -70,7 +78,7 @@ class StagingPool:
             self.allocated += 1
         with torch.inference_mode(False):  # hooks may fire inside inference mode: a buffer
             # made there could not be written outside it
-            return torch.empty(self.capacity, dtype=torch.float64)
+            return torch.empty(self.capacity, dtype=self._dtype)
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """Keep ``buffer`` for a later step, unless the pool holds enough, or it is smaller

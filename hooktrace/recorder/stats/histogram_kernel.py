@@ -17,6 +17,7 @@ recorder has loaded numba for its statistics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import no_type_check
 
 import numba
@@ -40,6 +41,11 @@ _CODES = {
 }
 CODES = _CODES
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _zeros(rows: int) -> np.ndarray:
+    return np.zeros((rows, WIDTH), dtype=np.int64)
+
 
 _THREADS_FROM = 1 << 17
 """Values from which a tensor is read by several threads, torch's OpenMP threads
@@ -79,7 +85,10 @@ class TensorsInPlace:
         # what the places were built for, and the places: one tuple, replaced whole
         self._built: tuple[list[int], list[int], np.ndarray] = ([], [], np.zeros((0, 4)))
 
-    def histograms(self, tensors: list[torch.Tensor]) -> np.ndarray:
+    def histograms(
+        self, tensors: list[torch.Tensor], zeros: Callable[[int], np.ndarray] = _zeros
+    ) -> np.ndarray:
+        """``zeros(n)``: where the counts of ``n`` tensors go, zeros (rows of ``WIDTH``)."""
         try:
             addresses = [
                 t.data_ptr()
@@ -108,16 +117,17 @@ class TensorsInPlace:
                 dtype=np.int64,
             ).reshape(-1, 4)
             built = self._built = (addresses, sizes, places)
-        out = np.zeros((len(tensors), WIDTH), dtype=np.int64)
+        out = zeros(len(tensors))
         _in_place(built[2], out, histogram_bits.flushes_denormals())
         return out
 
 
-def histograms_at(places: np.ndarray) -> np.ndarray:
+def histograms_at(places: np.ndarray, zeros: Callable[[int], np.ndarray] = _zeros) -> np.ndarray:
     """The histograms of tensors a caller found in place (plain contiguous CPU tensors of a
     dtype :data:`CODES` names, none a negative view, each with 1 to ``_THREADS_FROM - 1``
-    values), a row of ``places`` each: (address, values, dtype code, row of the result)."""
-    out = np.zeros((len(places), WIDTH), dtype=np.int64)
+    values), a row of ``places`` each: (address, values, dtype code, row of the result).
+    ``zeros(n)``: where they are counted, zeros (rows of ``WIDTH``)."""
+    out = zeros(len(places))
     _in_place(places, out, histogram_bits.flushes_denormals())
     return out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -303,9 +304,9 @@ def test_parameters_read_in_place_are_recorded_as_staged_ones(
         read.extend(1 for row in rows if row is not None)
         return rows
 
-    def counting_at(places: np.ndarray) -> np.ndarray:
+    def counting_at(places: np.ndarray, zeros: Callable[[int], np.ndarray]) -> np.ndarray:
         binned.append(len(places))
-        return real_at(places)
+        return real_at(places, zeros)
 
     records, histograms = {}, {}
     for name in ("in_place", "staged"):

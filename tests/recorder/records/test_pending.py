@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +16,19 @@ import hooktrace
 from hooktrace.recorder.records.layout import Layouts, Meta
 from hooktrace.recorder.records.pending import PendingStep
 from hooktrace.recorder.records.staging import Staging, StagingPool
+from hooktrace.recorder.stats.stats import route_taken
+from hooktrace.trace.histograms import (
+    MAGNITUDE_BINS,
+    NAN,
+    NEG,
+    NEG_INF,
+    POS,
+    POS_INF,
+    WIDTH,
+    ZERO,
+    reference,
+)
+from hooktrace.trace.writer import HOLD_STEPS
 
 
 def _stage_all(step: PendingStep, tensors: list[torch.Tensor]) -> None:
@@ -213,3 +227,40 @@ def test_histograms_made_together_and_one_by_one_come_out_in_row_order() -> None
     seal(step, micro_steps=1)
     rows, _ = step._histograms()
     assert rows.tolist() == [0, 1, 2, 3]
+
+
+def test_a_recording_reuses_its_blocks_of_histogram_counts(tmp_path: Path) -> None:
+    """The parameters' and the gradients' histograms are counted into two blocks a step, from
+    a pool the writer gives them back to (new ones each step cost the training thread page
+    faults): each step's counts are still that step's, by the numpy definition."""
+    torch.manual_seed(0)
+    model = make_model("SmallCNN")
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # the weights move: stale counts show
+    batch = make_batch("SmallCNN", seed=0)
+    steps = 30
+    weights = []
+    with hooktrace.record(model, tmp_path / "run", histograms="param,grad_param") as rec:
+        for _ in range(steps):
+            weights.append(model.features[0].weight.detach().numpy().copy())
+            default_loss(batch.run(model), batch.target).backward()
+            opt.step()
+            opt.zero_grad()
+        pool = rec._counts_pool
+    assert route_taken().description.startswith("one-pass")  # the kernels counted them
+    assert 1 <= pool.allocated <= 2 * (HOLD_STEPS + 4) < 2 * steps
+    trace = hooktrace.load(tmp_path / "run")
+    counts = trace.histograms()
+    counts = counts[(counts["kind"] == "param") & (counts["module"] == "features.0")]
+    counts = counts[counts["slot"] == "weight"].sort_values("step")
+    assert counts["step"].tolist() == list(range(steps))
+    for weight, row in zip(weights, counts.itertuples(), strict=True):
+        assert _flat(row).tolist() == reference(weight.astype(np.float64)).tolist()
+
+
+def _flat(row: Any) -> np.ndarray:
+    """A histogram table's row as the flat counts it was made from."""
+    flat = np.zeros(WIDTH, dtype=np.int64)
+    flat[[ZERO, NAN, POS_INF, NEG_INF]] = row.zero, row.nan, row.pos_inf, row.neg_inf
+    flat[POS : POS + MAGNITUDE_BINS] = row.pos
+    flat[NEG : NEG + MAGNITUDE_BINS] = row.neg
+    return flat
