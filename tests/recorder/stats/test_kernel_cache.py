@@ -54,48 +54,26 @@ print(json.dumps({"routes": routes, "histograms": histograms, "children": childr
 """
 
 
-def _record(out: Path, cache: Path, length: str) -> dict[str, list]:
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache)}
-    env.pop("HOOKTRACE_ONE_PASS")  # the default, not the suite's (conftest.py)
-    done = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, str(out), length],
-        env=env, capture_output=True, text=True, timeout=400,
+def _env(cache: Path, **more: str) -> dict[str, str]:
+    """This suite's environment but for numba's cache, and hooktrace's default (no
+    ``HOOKTRACE_ONE_PASS``, conftest.py's) unless ``more`` sets it."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), **more}
+    if "HOOKTRACE_ONE_PASS" not in more:
+        env.pop("HOOKTRACE_ONE_PASS", None)
+    return env
+
+
+def _recording(out: Path, cache: Path, length: str, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", _SCRIPT, str(out), length], env=_env(cache, **env),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
 
 
-def test_a_cold_cache_is_filled_aside_and_the_run_takes_the_kernel_once_it_is(
-    tmp_path: Path,
-) -> None:
-    cache = tmp_path / "numba-cache"
-    cache.mkdir()
-    seen = _record(tmp_path / "cold", cache, "long")
-    routes = seen["routes"]
-    assert routes[0] == "eager (numba's cache lacked the one-pass kernel; compiling it for later)"
-    assert routes[-1].startswith("one-pass (numba ") and "eager before" in routes[-1]
-    assert seen["histograms"][0] is False and seen["histograms"][-1] is True
-    # nothing of hooktrace's outlives the recording: no thread in the middle of a compile
-    # when the interpreter exits (that ended cold runs with SIGABRT)
-    assert seen["threads"] == ["MainThread"]
-    assert seen["children"] is False  # the filler is no child a script's os.wait() could meet
-    trace = hooktrace.load(tmp_path / "cold")
-    assert trace.manifest["ranks"]["0"]["stats_route"] == routes[-1]
-    # the same tensors every step, summarised on both routes: the same within the last bits
-    weight = trace.query(modules=["0"], kinds=["param"], columns=["step", "slot", "norm", "mean"])
-    weight = weight[weight["slot"] == "weight"]
-    assert len(weight) == len(routes) > 1
-    np.testing.assert_allclose(weight["norm"], weight["norm"].iloc[0], rtol=1e-6)
-    np.testing.assert_allclose(weight["mean"], weight["mean"].iloc[0], rtol=1e-5, atol=1e-9)
-    counts = trace.histograms()
-    first, last = counts[counts["step"] == 0], counts[counts["step"] == counts["step"].max()]
-    assert len(first) == len(last) > 0
-    np.testing.assert_array_equal(np.stack(first["pos"]), np.stack(last["pos"]))
-
-    warm = _record(tmp_path / "warm", cache, "short")  # the next run loads what was filled
-    assert warm["routes"][0].startswith("one-pass (numba ")
-    assert "eager before" not in warm["routes"][0]
-    assert warm["histograms"] == [True]
+def _seen(recording: subprocess.Popen[str]) -> dict[str, list]:
+    said, stderr = recording.communicate(timeout=400)
+    assert recording.returncode == 0, stderr
+    return json.loads(said)
 
 
 def _fillers(cache: Path, called: bytes = b"c.main(") -> list[int]:
@@ -351,42 +329,76 @@ print(started, len(seen) > 10, kernel_cache.succeeded(), file=sys.stderr)
 _WAITER = "from hooktrace.recorder.stats import stats; print(stats.route().description)"
 
 
-def test_a_filler_started_without_stdio_waits_for_the_one_compiling_then_fills_the_cache(
+def test_a_cold_cache_is_compiled_once_and_every_process_takes_the_kernels(
     tmp_path: Path,
 ) -> None:
-    """Another rank's filler holds the lock: this one compiles nothing until it is released.
-    It is started from a process whose descriptors 0 and 1 are closed (the report pipe may
-    take those numbers: found in review), with torch on one thread (torchrun's
-    OMP_NUM_THREADS=1), and still compiles what a run on two threads loads (found in review:
-    the threaded histogram kernel was left out). A process that compiles in its own
-    (``HOOKTRACE_ONE_PASS=wait``, as another rank may) takes its turn too. One cold compile
-    serves them all."""
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    with open(_lock_path_for(env), "a") as lock:
+    """Whoever compiles holds the lock (another rank's filler, say): nothing is compiled
+    beside it. Three processes wait for it: a recording, which starts at once on the eager
+    route and whose own filler waits; a filler started from a process whose descriptors 0
+    and 1 are closed (the report pipe may take those numbers: found in review); and a
+    process that compiles in its own (``HOOKTRACE_ONE_PASS=wait``, as another rank may).
+    Once the lock is let go, the first of them compiles, the others load what it compiled,
+    and the recording takes the one-pass kernel. One cold compile serves them all (about a
+    minute on a free core). Every process here has torch on one thread (torchrun's
+    ``OMP_NUM_THREADS=1``), and whichever compiled, it compiled what a run on two threads
+    loads (found in review: the threaded histogram kernel was left out)."""
+    cache = tmp_path / "numba-cache"
+    cache.mkdir()
+    one_thread = {"OMP_NUM_THREADS": "1"}
+    with open(_lock_path_for(_env(cache)), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        recording = _recording(tmp_path / "cold", cache, "long", **one_thread)
         starter = subprocess.Popen(
-            [sys.executable, "-c", _CLOSED_STDIO],
-            env={**env, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-c", _CLOSED_STDIO], env=_env(cache, **one_thread),
+            stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         waiter = subprocess.Popen(
-            [sys.executable, "-c", _WAITER], env={**env, "HOOKTRACE_ONE_PASS": "wait"},
+            [sys.executable, "-c", _WAITER],
+            env=_env(cache, HOOKTRACE_ONE_PASS="wait", **one_thread),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         with pytest.raises(subprocess.TimeoutExpired):
             starter.wait(timeout=8)  # long enough to have compiled something, unlocked
-        assert waiter.poll() is None
-        assert not any(tmp_path.rglob("*.nbi"))
+        assert waiter.poll() is None and recording.poll() is None
+        assert not any(cache.rglob("*.nbi"))
     _, stderr = starter.communicate(timeout=500)
     assert starter.returncode == 0, stderr
     assert stderr.split()[-3:] == ["True", "True", "True"], stderr  # seen running, then filled
     said, stderr = waiter.communicate(timeout=500)
     assert waiter.returncode == 0, stderr
     assert said.startswith("one-pass (numba "), said
+
+    seen = _seen(recording)
+    routes = seen["routes"]
+    assert routes[0] == "eager (numba's cache lacked the one-pass kernel; compiling it for later)"
+    assert routes[-1].startswith("one-pass (numba ") and "eager before" in routes[-1]
+    assert seen["histograms"][0] is False and seen["histograms"][-1] is True
+    # nothing of hooktrace's outlives the recording: no thread in the middle of a compile
+    # when the interpreter exits (that ended cold runs with SIGABRT)
+    assert seen["threads"] == ["MainThread"]
+    assert seen["children"] is False  # the filler is no child a script's os.wait() could meet
+    trace = hooktrace.load(tmp_path / "cold")
+    assert trace.manifest["ranks"]["0"]["stats_route"] == routes[-1]
+    # the same tensors every step, summarised on both routes: the same within the last bits
+    weight = trace.query(modules=["0"], kinds=["param"], columns=["step", "slot", "norm", "mean"])
+    weight = weight[weight["slot"] == "weight"]
+    assert len(weight) == len(routes) > 1
+    np.testing.assert_allclose(weight["norm"], weight["norm"].iloc[0], rtol=1e-6)
+    np.testing.assert_allclose(weight["mean"], weight["mean"].iloc[0], rtol=1e-5, atol=1e-9)
+    counts = trace.histograms()
+    first, last = counts[counts["step"] == 0], counts[counts["step"] == counts["step"].max()]
+    assert len(first) == len(last) > 0
+    np.testing.assert_array_equal(np.stack(first["pos"]), np.stack(last["pos"]))
+
+    warm = _seen(_recording(tmp_path / "warm", cache, "short"))  # the next run loads it
+    assert warm["routes"][0].startswith("one-pass (numba ")
+    assert "eager before" not in warm["routes"][0]
+    assert warm["histograms"] == [True]
     probe = (
         "import torch; torch.set_num_threads(2); from hooktrace.recorder.stats import kernel_cache as c;"
         "print(c.load(c.warm_up))"
     )
     loaded = subprocess.run(
-        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", probe], env=_env(cache), capture_output=True, text=True, check=True
     )
     assert loaded.stdout.strip() == "True"
