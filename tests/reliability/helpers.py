@@ -123,15 +123,17 @@ def argv_for(
     command: str, run: str | os.PathLike[str], *, other: str | os.PathLike[str]
 ) -> list[str]:
     """The argv that points ``command`` at ``run``; commands that take two runs (diff) get
-    ``other`` first and ``run`` second. Required options get a value of their kind: a step
-    number, or an output file (a page or a picture) next to ``run``."""
+    ``other`` first and ``run`` second. One whose second run is optional (report) gets
+    ``run`` alone: it draws each run's pictures, and those of an undamaged ``other``, the
+    same every time, took half of these tests' time. Required options get a value of their
+    kind: a step number, or an output file (a page or a picture) next to ``run``."""
     cmd = command_named(command)
     arguments = [p for p in cmd.params if isinstance(p, click.Argument) and p.nargs == 1]
     runs = [p for p in arguments if p.name != "logdir"]
     words = command.split()
     argv = (
         [*words, os.fsdecode(other), os.fsdecode(run)]
-        if len(runs) >= 2
+        if len(runs) >= 2 and command != "report"
         else [*words, os.fsdecode(run)]
     )
     if any(p.name == "logdir" for p in arguments):  # a new directory each time: never reused

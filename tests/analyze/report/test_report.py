@@ -213,6 +213,19 @@ def test_report_errors_are_one_line(tmp_path: Path, args: list[str], message: st
     assert len(result.output.strip().splitlines()) == 1
 
 
+def test_a_damaged_second_run_is_a_one_line_error_before_any_picture(tmp_path: Path) -> None:
+    """The suites of damaged traces give report one run each (reliability/helpers.py,
+    ``argv_for``): its two-run form meets a damaged run here."""
+    damaged = tmp_path / "damaged"
+    shutil.copytree(SAMPLES / "healthy", damaged)
+    (damaged / "manifest.json").write_text("{")
+    result = invoke("report", SAMPLES / "healthy", damaged, "-o", tmp_path / "r.html")
+    assert result.exit_code == 2
+    assert result.output.startswith("hooktrace: error: ") and "manifest is damaged" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "r.html").exists()
+
+
 class Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
