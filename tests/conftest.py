@@ -16,14 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HOOKTRACE_ONE_PASS", "wait")
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: a worker more than the cores this process may run on. Most tests wait
-    on processes of their own (a recording, torchrun's ranks), or on a lock, a signal or a
-    timer, and a core waits with them; a third worker on the 2-core CI machine fills it."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (cores or 1) + 1
-
-
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
