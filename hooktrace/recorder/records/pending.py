@@ -58,8 +58,9 @@ class PendingStep:
     def counts(self, rows: int) -> np.ndarray:
         """Zeros for ``rows`` histograms (int64, rows of ``WIDTH``), for a block of
         :attr:`histogram_blocks`: from the pool, which has them back once the step is
-        materialized. A step's new megabytes of counts, made and freed again every step, cost
-        the training thread about 300 page faults a step (docs/PERFORMANCE.md)."""
+        materialized (:meth:`_histograms` copies them out). New megabytes of counts made and
+        freed every step took the training thread 545 to 755 page faults a step in two runs
+        of three (docs/PERFORMANCE.md)."""
         if self.counts_pool is None:
             return np.zeros((rows, HISTOGRAM_WIDTH), dtype=np.int64)
         buffer = self.counts_pool.take(rows * HISTOGRAM_WIDTH)
@@ -201,7 +202,8 @@ class PendingStep:
             _wait_for_devices(tensors)
             for gathered_rows, gathered in _gather(tensors, on_device):
                 counts[gathered_rows] = gathered
-        if self.histogram_blocks:  # (a step's parameters and gradients: megabytes of counts)
+        if self.histogram_blocks:  # (a step's parameters and gradients: megabytes of counts,
+            # in the pool's blocks, which go back to it after this: copied out here)
             rows = np.concatenate([rows] + [block for block, _ in self.histogram_blocks])
             parts = [counts] if len(counts) else []
             counts = np.concatenate(parts + [block for _, block in self.histogram_blocks])
