@@ -16,30 +16,6 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("HOOKTRACE_ONE_PASS", "wait")
 
 
-SLOW_FIRST = (
-    "recorder/stats/test_kernel_cache.py",  # a cold compile of its own, on the other core
-    "transparency/test_sharded.py",
-    "analyze/diff/test_layouts.py",
-    "reliability/test_fuzz.py",
-    "cli/test_cli_record.py",
-    "transparency/test_transparency.py",
-    "recorder/nonfinite/test_fsdp2_capture.py",
-    "recorder/stats/test_device_batches.py",
-    "reliability/test_kills.py",
-)
-"""Test files run first, slowest first (by CI's --durations): pytest-xdist hands tests out in
-this order, so the run ends on short tests, not on a minute-long one while the other worker
-waits."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        path = item.path.relative_to(ROOT / "tests").as_posix()
-        return SLOW_FIRST.index(path) if path in SLOW_FIRST else len(SLOW_FIRST)
-
-    items.sort(key=rank)  # stable: each file's own order, and the others', as collected
-
-
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path / "run"
