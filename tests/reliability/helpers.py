@@ -123,9 +123,9 @@ def argv_for(
     command: str, run: str | os.PathLike[str], *, other: str | os.PathLike[str]
 ) -> list[str]:
     """The argv that points ``command`` at ``run``; commands that take two runs (diff) get
-    ``other`` first and ``run`` second. One whose second run is optional (report) gets
-    ``run`` alone: it draws each run's pictures, and those of an undamaged ``other``, the
-    same every time, took half of these tests' time. Required options get a value of their
+    ``other`` first and ``run`` second, but report, which takes one run or two, gets ``run``
+    alone: it draws each run's pictures, and those of an undamaged ``other``, the same every
+    time, took half of these tests' time. Required options get a value of their
     kind: a step number, or an output file (a page or a picture) next to ``run``."""
     cmd = command_named(command)
     arguments = [p for p in cmd.params if isinstance(p, click.Argument) and p.nargs == 1]

@@ -193,8 +193,8 @@ class Recorder(Steps):
         # device threads, a user's threads): each takes this lock for what it changes
         self._lock = threading.RLock()
         self._staging_pool = StagingPool()
-        # two blocks of histograms a step: its parameters' and its gradients'
-        self._counts_pool = StagingPool(dtype=torch.int64, keep=2 * (HOLD_STEPS + 4))
+        # a block of histograms a step for each kind: parameters, buffers, gradients
+        self._counts_pool = StagingPool(dtype=torch.int64, keep=3 * (HOLD_STEPS + 4))
         self._layouts = Layouts()
         self._observer = Observer(
             max_units=max_units,

@@ -41,14 +41,16 @@ class StagedUnits(NamedTuple):
 
 class StagingPool:
     """Buffers that outlive a step, reused from step to step: float64 ones that small tensors'
-    values are copied into (the default), int64 ones that histograms are counted into.
+    values are copied into (the default), int64 ones that histograms are counted into (a
+    block a step for each kind histogrammed together: parameters, buffers, gradients). The
+    writer thread gives them back once the step's statistics and histograms are computed.
 
-    A step fills one buffer (two of counts: its parameters' and its gradients'); the writer
-    thread gives it back once the step's statistics and histograms are computed. Why not a copy per tensor: a few dozen allocations a step fewer in the hooks,
-    and no concatenation in the writer. Small allocations that live for a step also change
-    how the C allocator reuses the heap: in one measurement (the reference CNN, one thread)
-    the training's own large tensors then took about 1,500 more page faults a step, more
-    time than the statistics themselves; with the pool, no more than without recording
+    Why not a copy per tensor: a few dozen allocations a step fewer in the hooks, and no
+    concatenation in the writer. Small allocations that live for a step also change how the
+    C allocator reuses the heap: in one measurement (the reference CNN, one thread) the
+    training's own large tensors then took about 1,500 more page faults a step, more time than
+    the statistics themselves; with the pool, no more than without recording. New megabytes
+    of counts each step took the training thread 545 to 755 faults a step in two runs of three
     (docs/PERFORMANCE.md).
     """
 
@@ -69,16 +71,22 @@ class StagingPool:
         self.allocated = 0  # buffers made, over the pool's life
 
     def take(self, at_least: int) -> torch.Tensor:
+        """A buffer of ``at_least`` values or more: one given back, or a new one of the
+        largest size asked for so far; one larger than worth holding is made to measure."""
         with self._lock:
-            self.capacity = max(self.capacity, at_least)
-            while self._free:
-                buffer = self._free.pop()
-                if buffer.numel() >= self.capacity:
-                    return buffer
             self.allocated += 1
+            size = at_least
+            if at_least <= self._keep_values:
+                self.capacity = size = max(self.capacity, at_least)
+                while self._free:
+                    buffer = self._free.pop()
+                    if buffer.numel() >= self.capacity:
+                        self.allocated -= 1
+                        return buffer
         with torch.inference_mode(False):  # hooks may fire inside inference mode: a buffer
-            # made there could not be written outside it
-            return torch.empty(self.capacity, dtype=self._dtype)
+            # made there could not be written outside it; on the CPU whatever the script's
+            # default device (torch.set_default_device)
+            return torch.empty(size, dtype=self._dtype, device="cpu")
 
     def give_back(self, buffer: torch.Tensor) -> None:
         """Keep ``buffer`` for a later step, unless the pool holds enough, or it is smaller
@@ -138,7 +146,7 @@ class Staging:
             bigger = self.pool.take(size)
         else:
             with torch.inference_mode(False):
-                bigger = torch.empty(size, dtype=torch.float64)
+                bigger = torch.empty(size, dtype=torch.float64, device="cpu")
         if self.buffer is not None:
             bigger[: self.used].copy_(self.buffer[: self.used])
         self.buffer = bigger

@@ -345,30 +345,41 @@ def test_a_cold_cache_is_compiled_once_and_every_process_takes_the_kernels(
     cache = tmp_path / "numba-cache"
     cache.mkdir()
     one_thread = {"OMP_NUM_THREADS": "1"}
-    with open(_lock_path_for(_env(cache)), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        recording = _recording(tmp_path / "cold", cache, "long", **one_thread)
-        starter = subprocess.Popen(
-            [sys.executable, "-c", _CLOSED_STDIO], env=_env(cache, **one_thread),
-            stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        waiter = subprocess.Popen(
-            [sys.executable, "-c", _WAITER],
-            env=_env(cache, HOOKTRACE_ONE_PASS="wait", **one_thread),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        with pytest.raises(subprocess.TimeoutExpired):
-            starter.wait(timeout=8)  # long enough to have compiled something, unlocked
-        assert waiter.poll() is None and recording.poll() is None
-        assert not any(cache.rglob("*.nbi"))
-    _, stderr = starter.communicate(timeout=500)
-    assert starter.returncode == 0, stderr
-    assert stderr.split()[-3:] == ["True", "True", "True"], stderr  # seen running, then filled
-    said, stderr = waiter.communicate(timeout=500)
-    assert waiter.returncode == 0, stderr
-    assert said.startswith("one-pass (numba "), said
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        with open(_lock_path_for(_env(cache)), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            recording = _recording(tmp_path / "cold", cache, "long", **one_thread)
+            processes.append(recording)
+            starter = subprocess.Popen(
+                [sys.executable, "-c", _CLOSED_STDIO], env=_env(cache, **one_thread),
+                stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            processes.append(starter)
+            waiter = subprocess.Popen(
+                [sys.executable, "-c", _WAITER],
+                env=_env(cache, HOOKTRACE_ONE_PASS="wait", **one_thread),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+            processes.append(waiter)
+            with pytest.raises(subprocess.TimeoutExpired):
+                starter.wait(timeout=8)  # long enough to have compiled something, unlocked
+            assert waiter.poll() is None, waiter.communicate()
+            assert recording.poll() is None, recording.communicate()
+            assert not any(cache.rglob("*.nbi"))
+        _, stderr = starter.communicate(timeout=500)
+        assert starter.returncode == 0, stderr
+        assert stderr.split()[-3:] == ["True", "True", "True"], stderr  # seen running, then filled
+        said, stderr = waiter.communicate(timeout=500)
+        assert waiter.returncode == 0, stderr
+        assert said.startswith("one-pass (numba "), said
 
-    seen = _seen(recording)
+        seen = _seen(recording)
+    finally:  # a failed assertion leaves nothing running on CI's cores
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     routes = seen["routes"]
     assert routes[0] == "eager (numba's cache lacked the one-pass kernel; compiling it for later)"
     assert routes[-1].startswith("one-pass (numba ") and "eager before" in routes[-1]
