@@ -103,7 +103,12 @@ class Histograms:
             reads.histograms = kernels.TensorsInPlace()
         return self._made(reads.histograms.histograms, values, zeros)
 
-    def _made(self, make: Callable[..., Any], values: Any, zeros: Any = None) -> Any:
+    def _made(
+        self,
+        make: Callable[..., Any],
+        values: Any,
+        zeros: Callable[[int], np.ndarray] | None = None,
+    ) -> Any:
         """``make(values)`` (``make(values, zeros)`` given ``zeros``), or None where it
         fails."""
         try:

@@ -74,15 +74,14 @@ class StagingPool:
         """A buffer of ``at_least`` values or more: one given back, or a new one of the
         largest size asked for so far; one larger than worth holding is made to measure."""
         with self._lock:
-            self.allocated += 1
             size = at_least
             if at_least <= self._keep_values:
                 self.capacity = size = max(self.capacity, at_least)
                 while self._free:
                     buffer = self._free.pop()
-                    if buffer.numel() >= self.capacity:
-                        self.allocated -= 1
+                    if buffer.numel() >= size:
                         return buffer
+            self.allocated += 1
         with torch.inference_mode(False):  # hooks may fire inside inference mode: a buffer
             # made there could not be written outside it; on the CPU whatever the script's
             # default device (torch.set_default_device)
