@@ -25,7 +25,9 @@ class StepData:
     writer adds where activity and tensors land. ``activity`` and ``tensors`` pair a row
     index with its per-unit counts or its full tensor (with the tensor's own dtype name, which
     for bfloat16 travels as uint16 bits). ``histogram_rows`` are the rows histogrammed, in
-    order, and ``histograms`` their counts, one row of ``histograms.WIDTH`` each.
+    order, and ``histograms`` their counts, one row of ``histograms.WIDTH`` each, or
+    ``histogram_columns`` their count columns as :func:`histograms.columns` makes them (where
+    the recorder made them, in a compiled pass; ``histograms`` is then empty).
     """
 
     step: int
@@ -42,6 +44,7 @@ class StepData:
     histograms: np.ndarray = field(
         default_factory=lambda: np.zeros((0, histograms.WIDTH), dtype=np.int64)
     )
+    histogram_columns: dict[str, Any] | None = None
     histograms_failed: int = 0  # histograms that could not be made: the records hold
 
     @property
@@ -154,7 +157,11 @@ def histograms_table(steps: list[StepData], records: pa.Table) -> pa.Table | Non
     columns = {name: keys.column(name) for name in keys.column_names}
     # each step's counts to their columns, then those joined: the dense counts (4.5 kB a
     # histogram) are read once, not copied together first
-    counts = [histograms.columns(d.histograms) for d in steps if len(d.histogram_rows)]
+    counts = [
+        d.histogram_columns if d.histogram_columns is not None else histograms.columns(d.histograms)
+        for d in steps
+        if len(d.histogram_rows)
+    ]
     for name in counts[0]:
         parts = [c[name] for c in counts]
         columns[name] = (

@@ -83,12 +83,14 @@ class PendingStep:
         n = len(self.meta)
         layout = self.layouts.of(self.meta) if self.layouts is not None else Layout(self.meta)
         stats = self._statistics()
+        histogram_columns = None
         try:  # optional: a failure costs the step's histograms, not its records
             histogram_rows, histograms = self._histograms()
+            if isinstance(histograms, dict):
+                histogram_columns, histograms = histograms, _NO_HISTOGRAMS
             failed = 0
         except Exception:
-            histogram_rows = np.zeros(0, dtype=np.int64)
-            histograms = np.zeros((0, HISTOGRAM_WIDTH), dtype=np.int64)
+            histogram_rows, histograms = np.zeros(0, dtype=np.int64), _NO_HISTOGRAMS
             failed = len(self.histograms) + sum(len(rows) for rows, _ in self.histogram_blocks)
         with np.errstate(invalid="ignore", divide="ignore"):
             numel = layout.numel
@@ -133,6 +135,7 @@ class PendingStep:
             nonfinite=bool((stats[:, 6] > 0).any() or (stats[:, 7] > 0).any()),
             histogram_rows=histogram_rows,
             histograms=histograms,
+            histogram_columns=histogram_columns,
             histograms_failed=failed,
         )
 
@@ -175,10 +178,12 @@ class PendingStep:
                 stats[gathered_rows] = gathered
         return stats
 
-    def _histograms(self) -> tuple[np.ndarray, np.ndarray]:
-        """The histogrammed rows, in order, and their counts (one row of ``WIDTH`` each):
-        staged tensors' made now, from their copies; a device's copied to the host, after
-        :meth:`_statistics` waited for the devices."""
+    def _histograms(self) -> tuple[np.ndarray, np.ndarray | dict[str, Any]]:
+        """The histogrammed rows, in order, and their counts: staged tensors' made now, from
+        their copies; a device's copied to the host, after :meth:`_statistics` waited for
+        the devices. The counts are the histogram table's columns where the kernels are
+        loaded (``histogram_kernel.span_columns``, read where they lie: the pool's blocks
+        are megabytes a step), else one row of ``WIDTH`` each."""
         entries = self.histograms
         rows = np.array([row for row, _ in entries], dtype=np.int64)
         counts = np.zeros((len(entries), HISTOGRAM_WIDTH), dtype=np.int64)
@@ -202,12 +207,22 @@ class PendingStep:
             _wait_for_devices(tensors)
             for gathered_rows, gathered in _gather(tensors, on_device):
                 counts[gathered_rows] = gathered
-        if self.histogram_blocks:  # (a step's parameters and gradients: megabytes of counts,
-            # in the pool's blocks, which go back to it after this: copied out here)
-            rows = np.concatenate([rows] + [block for block, _ in self.histogram_blocks])
-            parts = [counts] if len(counts) else []
-            counts = np.concatenate(parts + [block for _, block in self.histogram_blocks])
-        if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # in order already, as a rule
+        parts = [(rows, counts), *self.histogram_blocks]
+        kernels = numba_kernels.histograms()
+        if kernels is not None:  # each histogram's address, in the order of its row
+            blocks = [np.ascontiguousarray(block) for _, block in parts]
+            rows = np.concatenate([r for r, _ in parts])
+            addresses = np.concatenate(
+                [b.ctypes.data + np.arange(len(b), dtype=np.int64) * b.strides[0] for b in blocks]
+            )
+            if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # in order, as a rule
+                order = np.argsort(rows, kind="stable")
+                rows, addresses = rows[order], addresses[order]
+            return rows, kernels.span_columns(addresses)  # (the blocks live through it)
+        if self.histogram_blocks:
+            rows = np.concatenate([r for r, _ in parts])
+            counts = np.concatenate([block for _, block in parts])
+        if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():
             order = np.argsort(rows, kind="stable")
             rows, counts = rows[order], counts[order]
         return rows, counts
@@ -257,6 +272,9 @@ class PendingStep:
         return [
             (row, merged[end - c.units : end]) for (row, c), end in zip(staged, ends, strict=True)
         ]
+
+
+_NO_HISTOGRAMS = np.zeros((0, HISTOGRAM_WIDTH), dtype=np.int64)
 
 
 def _wait_for_devices(tensors: list[torch.Tensor]) -> None:

@@ -9,7 +9,8 @@ by a third, which runs only where a tensor has some.
 
 Float32, float64, float16 and bfloat16 tensors are read where they lie, a list of them in
 one call. The staged float64 copies of small tensors are read from the staging buffer, all
-of a step's in one call.
+of a step's in one call. For the writer thread, :func:`span_columns` turns a step's
+histograms into the histogram table's columns in one pass that lets go of the interpreter.
 
 This module imports numba: :mod:`hooktrace.recorder.stats.histogram` imports it only once the
 recorder has loaded numba for its statistics.
@@ -22,13 +23,23 @@ from typing import no_type_check
 
 import numba
 import numpy as np
+import pyarrow as pa
 import torch
 from numba.cpython.unsafe.numbers import leading_zeros
 
 from hooktrace.recorder.stats import histogram_bits, omp
 from hooktrace.recorder.stats.histogram_bits import COUNTERS, HIGH, LOW
 from hooktrace.recorder.stats.kernel import _pointer_at
-from hooktrace.trace.histograms import NAN, NEG, NEG_INF, POS, POS_INF, WIDTH, ZERO
+from hooktrace.trace.histograms import (
+    MAGNITUDE_BINS,
+    NAN,
+    NEG,
+    NEG_INF,
+    POS,
+    POS_INF,
+    WIDTH,
+    ZERO,
+)
 
 FLOAT32, FLOAT64, FLOAT16, BFLOAT16 = 0, 1, 2, 3
 """How the kernels name the dtypes they read."""
@@ -148,10 +159,31 @@ def histogram_segments(values: np.ndarray, bounds: np.ndarray, positions: list[i
     return out
 
 
+def span_columns(rows: np.ndarray) -> dict[str, np.ndarray | pa.Array]:
+    """:func:`hooktrace.trace.histograms.columns` of histograms that lie anywhere: ``rows``
+    holds the address of each one's ``WIDTH`` int64 counts, in the order of the table's rows
+    (the caller keeps them alive through the call). One compiled pass, which lets go of the
+    interpreter's lock: the writer thread does this every step, and the numpy route's
+    dozen passes over a step's counts held the lock the training's hooks wait for."""
+    rows = np.ascontiguousarray(rows, dtype=np.int64)
+    counts, pos_start, pos_offsets, pos, neg_start, neg_offsets, neg = _spans(rows)
+    return {
+        "zero": counts[ZERO],
+        "nan": counts[NAN],
+        "pos_inf": counts[POS_INF],
+        "neg_inf": counts[NEG_INF],
+        "pos_start": pos_start,
+        "pos": pa.ListArray.from_arrays(pa.array(pos_offsets), pa.array(pos)),
+        "neg_start": neg_start,
+        "neg": pa.ListArray.from_arrays(pa.array(neg_offsets), pa.array(neg)),
+    }
+
+
 def warm_up() -> None:
     """Compile the kernels (or load them from numba's cache)."""
     histogram_tensors([torch.zeros(1)])  # one kernel for every dtype
     histogram_segments(np.zeros(1), np.array([0, 1], dtype=np.int64), [0])
+    span_columns(np.zeros(0, dtype=np.int64))
     # the threaded kernel wherever numba's threads started (omp.join), whatever torch's
     # count is now (it may grow later in the run); compiled on a team of one, which waits for
     # no thread (a forked child's team may lack them)
@@ -393,3 +425,54 @@ def _staged(values, bounds, positions, out, flush):
     for i in range(positions.size):
         p = positions[i]
         _float64(bits[bounds[p] : bounds[p + 1]], flush, out[i], counters)
+
+
+@_inline
+@no_type_check
+def _ends(row, lo):
+    """The occupied span of ``row[lo:lo + MAGNITUDE_BINS]``: (first, end) within it, (0, 0)
+    where every bin is empty."""
+    first = 0
+    while first < MAGNITUDE_BINS and row[lo + first] == 0:
+        first += 1
+    if first == MAGNITUDE_BINS:
+        return 0, 0
+    end = MAGNITUDE_BINS
+    while row[lo + end - 1] == 0:
+        end -= 1
+    return first, end
+
+
+@_jit
+@no_type_check
+def _spans(rows):
+    """The histogram table's columns of the histograms whose counts lie at ``rows``
+    (addresses): the four counts (int64, ``counts[ZERO]``: each histogram's zeros, ...),
+    and each sign's span starts (int16), offsets (int32) and values (int64)."""
+    n = rows.size
+    counts = np.empty((4, n), dtype=np.int64)
+    pos_start = np.empty(n, dtype=np.int16)
+    neg_start = np.empty(n, dtype=np.int16)
+    pos_offsets = np.zeros(n + 1, dtype=np.int32)
+    neg_offsets = np.zeros(n + 1, dtype=np.int32)
+    for i in range(n):
+        row = numba.carray(_pointer_at(rows[i], np.int64), WIDTH)
+        for s in range(4):
+            counts[s, i] = row[s]
+        first, end = _ends(row, POS)
+        pos_start[i] = first
+        pos_offsets[i + 1] = pos_offsets[i] + end - first
+        first, end = _ends(row, NEG)
+        neg_start[i] = first
+        neg_offsets[i + 1] = neg_offsets[i] + end - first
+    pos = np.empty(pos_offsets[n], dtype=np.int64)
+    neg = np.empty(neg_offsets[n], dtype=np.int64)
+    for i in range(n):
+        row = numba.carray(_pointer_at(rows[i], np.int64), WIDTH)
+        at = pos_offsets[i]
+        for k in range(pos_offsets[i + 1] - at):
+            pos[at + k] = row[POS + pos_start[i] + k]
+        at = neg_offsets[i]
+        for k in range(neg_offsets[i + 1] - at):
+            neg[at + k] = row[NEG + neg_start[i] + k]
+    return counts, pos_start, pos_offsets, pos, neg_start, neg_offsets, neg

@@ -16,7 +16,7 @@ import hooktrace
 from hooktrace.recorder.records.layout import Layouts, Meta
 from hooktrace.recorder.records.pending import PendingStep
 from hooktrace.recorder.records.staging import Staging, StagingPool
-from hooktrace.recorder.stats.stats import route_taken
+from hooktrace.recorder.stats.stats import route, route_taken
 from hooktrace.trace.histograms import (
     MAGNITUDE_BINS,
     NAN,
@@ -27,6 +27,7 @@ from hooktrace.trace.histograms import (
     WIDTH,
     ZERO,
     reference,
+    whole,
 )
 
 
@@ -200,14 +201,36 @@ def test_layouts_keep_only_the_most_recent() -> None:
     assert layouts.built == 4
 
 
-def test_histograms_made_together_and_one_by_one_come_out_in_row_order() -> None:
+def _whole_rows(counts: np.ndarray | dict[str, Any]) -> np.ndarray:
+    """The rows of ``WIDTH`` counts that ``PendingStep._histograms`` gives: as they are, or
+    from the histogram table's columns, where the compiled kernels made those."""
+    if not isinstance(counts, dict):
+        return counts
+    rows = np.zeros((len(counts["zero"]), WIDTH), dtype=np.int64)
+    for at, name in ((ZERO, "zero"), (NAN, "nan"), (POS_INF, "pos_inf"), (NEG_INF, "neg_inf")):
+        rows[:, at] = counts[name]
+    rows[:, POS : POS + MAGNITUDE_BINS] = whole(counts["pos_start"], counts["pos"])
+    rows[:, NEG : NEG + MAGNITUDE_BINS] = whole(counts["neg_start"], counts["neg"])
+    return rows
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["compiled", "numpy"])
+def test_histograms_made_together_and_one_by_one_come_out_in_row_order(
+    kernels: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A kind's parameters are histogrammed in one call, queued as one block of rows; other
     records' histograms one by one (staged, or made in the hook). The step's histograms come
-    out in row order, each with its own counts; sealing a step cut by a signal keeps only
-    the whole records' histograms, of the blocks too."""
+    out in row order, each with its own counts, whether the compiled kernel reads them where
+    they lie or numpy copies them together; sealing a step cut by a signal keeps only the
+    whole records' histograms, of the blocks too."""
     from hooktrace.recorder.hooks.steps import seal
-    from hooktrace.trace.histograms import WIDTH
+    from hooktrace.recorder.stats import numba_kernels
 
+    route()
+    if kernels:
+        assert numba_kernels.histograms() is not None
+    else:
+        monkeypatch.setattr(numba_kernels, "histograms", lambda: None)
     step = PendingStep(0, 0.0, staging=Staging(StagingPool()))
     _stage_all(step, [torch.tensor([1.0, -2.0]), torch.tensor([0.0])] * 2)  # rows 0 to 3
     block = np.arange(2 * WIDTH, dtype=np.int64).reshape(2, WIDTH)
@@ -215,7 +238,9 @@ def test_histograms_made_together_and_one_by_one_come_out_in_row_order() -> None
     step.histograms.append((2, step.stats[2]))  # staged
     one = np.full(WIDTH, 7, dtype=np.int64)
     step.histograms.append((0, one))  # made in the hook
-    rows, counts = step._histograms()
+    rows, made = step._histograms()
+    assert isinstance(made, dict) == kernels
+    counts = _whole_rows(made)
     assert rows.tolist() == [0, 1, 2, 3]
     assert counts[0].tolist() == one.tolist()
     assert counts[1].tolist() == block[0].tolist() and counts[3].tolist() == block[1].tolist()

@@ -391,3 +391,39 @@ def test_the_two_routes_agree_on_a_models_parameters_and_gradients(
         return [p for p in model.parameters()] + [p.grad for p in model.parameters()]  # type: ignore[misc]
 
     _routes_agree(parameters_and_gradients, monkeypatch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.dictionaries(st.integers(0, WIDTH - 1), st.integers(1, 2**40), max_size=12),
+        max_size=9,
+    ),
+    st.data(),
+)
+def test_the_compiled_spans_are_the_writers_columns(
+    occupied: list[dict[int, int]], data: st.DataObject
+) -> None:
+    """Property: the histogram table's columns that the writer thread makes in one compiled
+    pass (``span_columns``, reading each histogram where it lies, in any order) are the ones
+    numpy makes from the same rows (``histograms.columns``): empty rows, a bin at either
+    end, every bin."""
+    from hooktrace.trace.histograms import columns
+
+    assert route().one_pass is not None
+    rows = np.zeros((len(occupied) + 2, WIDTH), dtype=np.int64)
+    for row, bins in zip(rows, occupied, strict=False):
+        for at, count in bins.items():
+            row[at] = count
+    rows[-2, POS : POS + MAGNITUDE_BINS] = 1  # every bin of one sign
+    rows[-1, [POS, NEG + MAGNITUDE_BINS - 1]] = 3  # the two far ends
+    order = data.draw(st.permutations(range(len(rows))))
+    addresses = rows.ctypes.data + np.array(order, dtype=np.int64) * rows.strides[0]
+    got = histogram_kernel.span_columns(addresses)
+    want = columns(rows[order])
+    assert got.keys() == want.keys()
+    for name, column in want.items():
+        if isinstance(column, np.ndarray):
+            assert got[name].dtype == column.dtype and got[name].tolist() == column.tolist()
+        else:
+            assert got[name].equals(column), name
