@@ -62,13 +62,17 @@ class Reads:
     """What a kind's records keep from step to step while they hold: where their values lie,
     for the statistics (``staged_kernels.TensorsInPlace``) and the histograms
     (``histogram_kernel.TensorsInPlace``) read in place, made once the kernels are loaded;
-    the histograms' places taken from the statistics' (``params._histogram_places``: what
-    they were made from, and the places, or None where they cannot be); the groups on a
-    device that ran out of memory batched (``params._batched``)."""
+    the histograms' places taken from the statistics' (``params._histogram_places``: the
+    positions the statistics read and the entries histogrammed, the statistics' rows of
+    those, the places, or None where they cannot be, and the statistics' places they were
+    taken from); the groups on a device that ran out of memory batched
+    (``params._batched``)."""
 
     stats: Any = None
     histograms: Any = None
-    histogram_places: tuple[Any, tuple[int, ...], np.ndarray | None] | None = None
+    histogram_places: (
+        tuple[list[int], tuple[int, ...], np.ndarray, np.ndarray | None, np.ndarray] | None
+    ) = None
     unbatched: set[int] = field(default_factory=set)
 
 

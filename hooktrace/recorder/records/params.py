@@ -335,28 +335,38 @@ def _histogram_places(
     (``staged_kernels.TensorsInPlace.read``; ``together``: the entries it was given, in
     order): no tensor is asked again where it lies. None where one of them was not read
     there, or is of a dtype the histogram kernel does not read (int64). Built again only
-    when the statistics' places were, or the entries changed."""
+    when the statistics read other positions, or the entries changed; where the same
+    positions moved (a gradient is a new tensor each step), only their addresses are
+    taken again."""
     read = reads.stats.read if reads.stats is not None else None
     if read is None:
         return None
-    cached = reads.histogram_places
-    if cached is not None and cached[0] is read[1] and cached[1] == tuple(now):
-        return cached[2]
     found, places = read
+    cached = reads.histogram_places
+    if cached is not None and cached[0] is found and cached[1] == tuple(now):
+        _, _, rows, built, built_from = cached
+        if built is None or built_from is places:
+            return built
+        built = built.copy()
+        built[:, 0] = places[rows, 0]
+        reads.histogram_places = (found, cached[1], rows, built, places)
+        return built
     indices = [i for group in together for i in group]
     row_of = {indices[position]: row for row, position in enumerate(found)}
-    rows = [row_of.get(i) for i in now]
+    found_rows = [row_of.get(i) for i in now]
     built = None
+    rows = np.zeros(0, dtype=np.int64)
     hist = numba_kernels.histograms()
     staged = numba_kernels.staged()
-    if hist is not None and staged is not None and None not in rows:
+    if hist is not None and staged is not None and None not in found_rows:
+        rows = np.array(found_rows, dtype=np.int64)
         taken = places[rows]
         codes = [hist.CODES.get(staged.DTYPES[code]) for code in taken[:, 2].tolist()]
         if None not in codes and (taken[:, 1] > 0).all():
             built = np.column_stack(
                 [taken[:, 0], taken[:, 1], np.array(codes), np.arange(len(rows))]
             ).astype(np.int64)
-    reads.histogram_places = (read[1], tuple(now), built)
+    reads.histogram_places = (found, tuple(now), rows, built, places)
     return built
 
 

@@ -99,8 +99,9 @@ class TensorsInPlace:
         self._built: tuple[list[int], list[int], np.ndarray] = ([], [], np.zeros((0, 6)))
         self.read: tuple[list[int], np.ndarray] | None = None
         """Where the last :meth:`summarize` read its tensors in place: their positions in
-        its list, and a place each, (address, values, dtype as :data:`DTYPES` names it, ...);
-        the same objects from call to call while nothing moved. None: it read none so."""
+        its list, and a place each, (address, values, dtype as :data:`DTYPES` names it, ...).
+        The positions are the same list object while the same positions are read, the
+        places the same array while nothing moved. None: it read none so."""
 
     def summarize(self, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
         self.read = None
@@ -122,13 +123,18 @@ class TensorsInPlace:
         built = self._built
         if addresses != built[0]:
             found = [i for i, address in enumerate(addresses) if address]
-            places = np.array(
-                [
-                    (addresses[i], tensors[i].numel(), _IN_PLACE[tensors[i].dtype], 0, 0, 0)
-                    for i in found
-                ],
-                dtype=np.int64,
-            ).reshape(-1, 6)
+            if found == built[1]:  # the same positions, moved (a gradient is new each step):
+                found = built[1]  # their sizes and dtypes are as before, by the caller's check
+                places = built[2].copy()
+                places[:, 0] = [addresses[i] for i in found]
+            else:
+                places = np.array(
+                    [
+                        (addresses[i], tensors[i].numel(), _IN_PLACE[tensors[i].dtype], 0, 0, 0)
+                        for i in found
+                    ],
+                    dtype=np.int64,
+                ).reshape(-1, 6)
             built = self._built = (addresses, found, places)
         _, found, places = built
         self.read = (found, places)
