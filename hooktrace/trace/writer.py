@@ -128,6 +128,8 @@ class TraceWriter:
         self._incoming_bytes = 0  # (both guarded by _space)
         self._buffer: list[StepData] = []
         self._buffered_bytes = 0  # bytes of the steps in _buffer, released when flushed
+        self._buffered_held = 0  # what those steps hold now (StepData.held_bytes): a flush
+        # by size is of these (a step's histograms weigh megabytes submitted, kilobytes here)
         self._buffered_rows = 0
         self._waiting = 0  # submitters blocked by backpressure
         self._new_modules: list[dict[str, Any]] = []
@@ -237,7 +239,7 @@ class TraceWriter:
                 continue
             if (
                 self._buffered_rows >= self.flush_rows
-                or self._buffered_bytes >= self.flush_bytes
+                or self._buffered_held >= self.flush_bytes
                 or self._waiting
                 or time.monotonic() - last_flush >= self.flush_seconds
             ):
@@ -270,6 +272,7 @@ class TraceWriter:
                 continue
             self._buffer.append(data)
             self._buffered_rows += data.rows
+            self._buffered_held += data.held_bytes()
             self.nonfinite_seen = self.nonfinite_seen or data.nonfinite
 
     def _release(self, nbytes: int) -> None:
@@ -282,11 +285,11 @@ class TraceWriter:
             self.error = exc
         self.steps_lost += len(self._buffer)
         self._buffer.clear()
-        self._buffered_rows = 0
+        self._buffered_rows = self._buffered_held = 0
 
     def _flush_safely(self) -> None:
         nbytes, self._buffered_bytes = self._buffered_bytes, 0
-        self._buffered_rows = 0
+        self._buffered_rows = self._buffered_held = 0
         steps = len(self._buffer)
         written = self.steps_written
         try:
