@@ -22,7 +22,8 @@ Nothing here imports torch: the analyzer reads these, and the recorder's computa
 
 from __future__ import annotations
 
-from typing import Final
+from dataclasses import dataclass
+from typing import Any, Final
 
 import numpy as np
 import pyarrow as pa
@@ -120,6 +121,75 @@ def columns(flat: np.ndarray) -> dict[str, pa.Array | np.ndarray]:
         "neg_start": neg_start,
         "neg": neg,
     }
+
+
+SPAN_HEAD: Final = 8
+"""A histogram's fixed part in :class:`Spans`: its zero, nan, pos_inf and neg_inf counts,
+then where its positive span starts and how long it is, and the same of its negative one."""
+
+
+@dataclass(frozen=True)
+class Spans:
+    """Histograms already cut to their spans, as the recorder's kernel counts a kind's
+    parameters (or gradients) into a buffer: ``head`` (rows of ``SPAN_HEAD``), and each
+    sign's spans one after the other, ``pos`` and ``neg``, in row order. The arrays may be
+    views of a buffer that is used again once the step is written: :meth:`columns` copies."""
+
+    head: np.ndarray
+    pos: np.ndarray
+    neg: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.head)
+
+    def columns(self) -> dict[str, Any]:
+        """The histogram table's count columns of these rows (as :func:`columns` makes them
+        from whole rows), copied out of the buffer."""
+        head = self.head
+        return {
+            "zero": head[:, ZERO].copy(),
+            "nan": head[:, NAN].copy(),
+            "pos_inf": head[:, POS_INF].copy(),
+            "neg_inf": head[:, NEG_INF].copy(),
+            "pos_start": head[:, 4].astype(np.int16),
+            "pos": _list_array(head[:, 5], self.pos),
+            "neg_start": head[:, 6].astype(np.int16),
+            "neg": _list_array(head[:, 7], self.neg),
+        }
+
+    def rows(self) -> np.ndarray:
+        """These histograms as whole rows of ``WIDTH`` counts."""
+        made = self.columns()
+        rows = np.zeros((len(self), WIDTH), dtype=np.int64)
+        for at, name in enumerate(COUNT_FIELDS):
+            rows[:, at] = made[name]
+        rows[:, POS : POS + MAGNITUDE_BINS] = whole(made["pos_start"], made["pos"])
+        rows[:, NEG : NEG + MAGNITUDE_BINS] = whole(made["neg_start"], made["neg"])
+        return rows
+
+    def __getitem__(self, rows: np.ndarray) -> Spans:
+        """The rows ``rows`` selects (a boolean mask, or positions in order)."""
+        head = self.head
+        picked = head[rows]
+        return Spans(
+            picked,
+            _gather(head[:, 5], self.pos, picked.shape[0], rows),
+            _gather(head[:, 7], self.neg, picked.shape[0], rows),
+        )
+
+
+def _list_array(lengths: np.ndarray, values: np.ndarray) -> pa.ListArray:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values[: offsets[-1]].copy()))
+
+
+def _gather(lengths: np.ndarray, values: np.ndarray, n: int, rows: np.ndarray) -> np.ndarray:
+    """The spans of ``rows`` out of spans of ``lengths`` laid one after the other."""
+    starts = np.cumsum(lengths) - lengths
+    kept = np.arange(len(lengths))[rows] if n else np.zeros(0, dtype=np.int64)
+    pieces = [values[starts[i] : starts[i] + lengths[i]] for i in kept]
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int64)
 
 
 def _spans(bins: np.ndarray) -> tuple[np.ndarray, pa.ListArray]:

@@ -190,7 +190,7 @@ def seal(pending: PendingStep, *, micro_steps: int) -> None:
     pending.end_time = time.time()
     pending.nbytes += 96 * len(pending.meta) + pending.staging.nbytes
     histograms = len(pending.histograms) + sum(len(rows) for rows, _ in pending.histogram_blocks)
-    pending.nbytes += HISTOGRAM_WIDTH * 8 * histograms  # made whole there
+    pending.nbytes += HISTOGRAM_WIDTH * 8 * histograms  # held until the writer has them
 
 
 def nonfinite_rows(pending: PendingStep, first: int, *, device_checks: bool) -> bool:

@@ -92,31 +92,33 @@ class Histograms:
         values: Sequence[torch.Tensor | None],
         reads: Reads | None = None,
         places: np.ndarray | None = None,
-        zeros: Callable[[int], np.ndarray] | None = None,
+        buffer: Callable[[int], np.ndarray] | None = None,
     ) -> Any:
-        """The histograms of CPU ``values``; ``reads``: where the same values' places are
-        kept from step to step (:class:`Reads`); ``places``: where the caller found them
-        (``histogram_kernel.histograms_at``), if it did; ``zeros(n)``: where the kernel
-        counts them (``PendingStep.counts``), zeros, if the caller has it."""
+        """The histograms of CPU ``values``: rows of ``WIDTH``, or, where the kernel reads
+        them in place, cut to their spans (``histograms.Spans``). ``reads``: where the
+        same values' places are kept from step to step (:class:`Reads`); ``places``: where
+        the caller found them (``histogram_kernel.histograms_at``), if it did;
+        ``buffer(k)``: ``k`` int64 values where the kernel puts the spans
+        (``PendingStep.counts``), if the caller has them."""
         kernels = numba_kernels.histograms() if reads is not None else None
         if reads is None or kernels is None:
             return self._made(histogram_many, values)
         if places is not None:
-            return self._made(kernels.histograms_at, places, zeros)
+            return self._made(kernels.histograms_at, places, buffer)
         if reads.histograms is None:
             reads.histograms = kernels.TensorsInPlace()
-        return self._made(reads.histograms.histograms, values, zeros)
+        return self._made(reads.histograms.histograms, values, buffer)
 
     def _made(
         self,
         make: Callable[..., Any],
         values: Any,
-        zeros: Callable[[int], np.ndarray] | None = None,
+        buffer: Callable[[int], np.ndarray] | None = None,
     ) -> Any:
-        """``make(values)`` (``make(values, zeros)`` given ``zeros``), or None where it
+        """``make(values)`` (``make(values, buffer)`` given ``buffer``), or None where it
         fails."""
         try:
-            return make(values) if zeros is None else make(values, zeros)
+            return make(values) if buffer is None else make(values, buffer)
         except Exception as exc:
             self.failed += 1
             if self.failed == 1:

@@ -24,6 +24,7 @@ from hooktrace.recorder.stats.histogram import histogram_staged
 from hooktrace.recorder.stats.host import as_numpy
 from hooktrace.recorder.stats.stats import STATS_WIDTH, Stats, activity_staged, summarize_staged
 from hooktrace.trace.histograms import WIDTH as HISTOGRAM_WIDTH
+from hooktrace.trace.histograms import Spans, columns
 from hooktrace.trace.step_data import StepData
 
 
@@ -37,8 +38,9 @@ class PendingStep:
         default_factory=list
     )
     histograms: list[tuple[int, np.ndarray | torch.Tensor | Staged]] = field(default_factory=list)
-    # several records' histograms made together: their rows (int64) and counts (rows of WIDTH)
-    histogram_blocks: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    # several records' histograms made together: their rows (int64) and counts (rows of
+    # WIDTH, or cut to their spans by the kernel)
+    histogram_blocks: list[tuple[np.ndarray, np.ndarray | Spans]] = field(default_factory=list)
     staging: Staging = field(default_factory=Staging)
     counts_pool: StagingPool | None = None  # where histogram_blocks' counts are counted into
     counts_held: list[torch.Tensor] = field(default_factory=list)  # taken from it this step
@@ -55,19 +57,17 @@ class PendingStep:
         """Copy a small CPU tensor aside; its statistics are computed in :meth:`materialize`."""
         return Staged(self.staging.add(tensor))
 
-    def counts(self, rows: int) -> np.ndarray:
-        """Zeros for ``rows`` histograms (int64, rows of ``WIDTH``), for a block of
-        :attr:`histogram_blocks`: from the pool, which has them back once the step is
-        materialized (:meth:`_histograms` copies them out). New megabytes of counts made and
-        freed every step took the training thread 545 to 755 page faults a step in two runs
-        of three (docs/PERFORMANCE.md)."""
+    def counts(self, values: int) -> np.ndarray:
+        """``values`` int64 places (their contents undefined) where a block of
+        :attr:`histogram_blocks` is counted (``histogram_kernel.histograms_at``): from the
+        pool, which has them back once the step is materialized (:meth:`_histograms` copies
+        them out). New megabytes of counts made and freed every step took the training
+        thread 545 to 755 page faults a step in two runs of three (docs/PERFORMANCE.md)."""
         if self.counts_pool is None:
-            return np.zeros((rows, HISTOGRAM_WIDTH), dtype=np.int64)
-        buffer = self.counts_pool.take(rows * HISTOGRAM_WIDTH)
+            return np.empty(values, dtype=np.int64)
+        buffer = self.counts_pool.take(values)
         self.counts_held.append(buffer)
-        block = buffer[: rows * HISTOGRAM_WIDTH].numpy().reshape(rows, HISTOGRAM_WIDTH)
-        block.fill(0)
-        return block
+        return buffer[:values].numpy()
 
     def materialize(self) -> StepData:
         try:
@@ -83,14 +83,11 @@ class PendingStep:
         n = len(self.meta)
         layout = self.layouts.of(self.meta) if self.layouts is not None else Layout(self.meta)
         stats = self._statistics()
-        histogram_columns = None
         try:  # optional: a failure costs the step's histograms, not its records
-            histogram_rows, histograms = self._histograms()
-            if isinstance(histograms, dict):
-                histogram_columns, histograms = histograms, _NO_HISTOGRAMS
+            histogram_rows, histogram_columns = self._histograms()
             failed = 0
         except Exception:
-            histogram_rows, histograms = np.zeros(0, dtype=np.int64), _NO_HISTOGRAMS
+            histogram_rows, histogram_columns = np.zeros(0, dtype=np.int64), None
             failed = len(self.histograms) + sum(len(rows) for rows, _ in self.histogram_blocks)
         with np.errstate(invalid="ignore", divide="ignore"):
             numel = layout.numel
@@ -134,7 +131,6 @@ class PendingStep:
             dropped=self.dropped,
             nonfinite=bool((stats[:, 6] > 0).any() or (stats[:, 7] > 0).any()),
             histogram_rows=histogram_rows,
-            histograms=histograms,
             histogram_columns=histogram_columns,
             histograms_failed=failed,
         )
@@ -178,12 +174,11 @@ class PendingStep:
                 stats[gathered_rows] = gathered
         return stats
 
-    def _histograms(self) -> tuple[np.ndarray, np.ndarray | dict[str, Any]]:
-        """The histogrammed rows, in order, and their counts: staged tensors' made now, from
-        their copies; a device's copied to the host, after :meth:`_statistics` waited for
-        the devices. The counts are the histogram table's columns where the kernels are
-        loaded (``histogram_kernel.span_columns``, read where they lie: the pool's blocks
-        are megabytes a step), else one row of ``WIDTH`` each."""
+    def _histograms(self) -> tuple[np.ndarray, dict[str, Any] | None]:
+        """The histogrammed rows, in order, and their columns in the histogram table (None:
+        none): staged tensors' made now, from their copies; a device's copied to the host,
+        after :meth:`_statistics` waited for the devices; the blocks' spans as the kernel
+        cut them, or cut here (the pool's blocks are read where they lie)."""
         entries = self.histograms
         rows = np.array([row for row, _ in entries], dtype=np.int64)
         counts = np.zeros((len(entries), HISTOGRAM_WIDTH), dtype=np.int64)
@@ -207,25 +202,25 @@ class PendingStep:
             _wait_for_devices(tensors)
             for gathered_rows, gathered in _gather(tensors, on_device):
                 counts[gathered_rows] = gathered
-        parts = [(rows, counts), *self.histogram_blocks]
+        parts = [(r, c) for r, c in [(rows, counts), *self.histogram_blocks] if len(r)]
+        if not parts:
+            return rows, None
         kernels = numba_kernels.histograms()
-        if kernels is not None:  # each histogram's address, in the order of its row
-            blocks = [np.ascontiguousarray(block) for _, block in parts]
-            rows = np.concatenate([r for r, _ in parts])
-            addresses = np.concatenate(
-                [b.ctypes.data + np.arange(len(b), dtype=np.int64) * b.strides[0] for b in blocks]
-            )
-            if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # in order, as a rule
-                order = np.argsort(rows, kind="stable")
-                rows, addresses = rows[order], addresses[order]
-            return rows, kernels.span_columns(addresses)  # (the blocks live through it)
-        if self.histogram_blocks:
-            rows = np.concatenate([r for r, _ in parts])
-            counts = np.concatenate([block for _, block in parts])
-        if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():
+        made = [_columns_of(block, kernels) for _, block in parts]
+        rows = np.concatenate([r for r, _ in parts])
+        made_columns = {
+            name: pa.concat_arrays(cs) if isinstance(cs[0], pa.Array) else np.concatenate(cs)
+            for name, cs in ((name, [m[name] for m in made]) for name in made[0])
+        }
+        if len(rows) > 1 and not (rows[1:] > rows[:-1]).all():  # in order, as a rule
             order = np.argsort(rows, kind="stable")
-            rows, counts = rows[order], counts[order]
-        return rows, counts
+            rows = rows[order]
+            taken = pa.array(order)
+            made_columns = {
+                name: column.take(taken) if isinstance(column, pa.Array) else column[order]
+                for name, column in made_columns.items()
+            }
+        return rows, made_columns
 
     def _activity(self) -> list[tuple[int, np.ndarray]]:
         """Each record's per-unit positive counts (int64), in row order."""
@@ -274,7 +269,17 @@ class PendingStep:
         ]
 
 
-_NO_HISTOGRAMS = np.zeros((0, HISTOGRAM_WIDTH), dtype=np.int64)
+def _columns_of(block: np.ndarray | Spans, kernels: Any) -> dict[str, Any]:
+    """The histogram table's count columns of a block: cut to its spans by the kernel
+    already, or whole rows cut here (in one compiled pass where the kernels are loaded)."""
+    if isinstance(block, Spans):
+        return block.columns()
+    if kernels is None:
+        return columns(block)
+    block = np.ascontiguousarray(block)  # each row's address; the block lives through the call
+    return kernels.span_columns(
+        block.ctypes.data + np.arange(len(block), dtype=np.int64) * block.strides[0]
+    )
 
 
 def _wait_for_devices(tensors: list[torch.Tensor]) -> None:

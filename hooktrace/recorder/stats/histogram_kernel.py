@@ -37,8 +37,10 @@ from hooktrace.trace.histograms import (
     NEG_INF,
     POS,
     POS_INF,
+    SPAN_HEAD,
     WIDTH,
     ZERO,
+    Spans,
 )
 
 FLOAT32, FLOAT64, FLOAT16, BFLOAT16 = 0, 1, 2, 3
@@ -54,8 +56,12 @@ CODES = _CODES
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
-def _zeros(rows: int) -> np.ndarray:
-    return np.zeros((rows, WIDTH), dtype=np.int64)
+SPAN_VALUES = SPAN_HEAD + 2 * MAGNITUDE_BINS
+"""int64 values a histogram may take as :class:`Spans`: its head and both whole spans."""
+
+
+def _empty(values: int) -> np.ndarray:
+    return np.empty(values, dtype=np.int64)
 
 
 _THREADS_FROM = 1 << 17
@@ -97,9 +103,10 @@ class TensorsInPlace:
         self._built: tuple[list[int], list[int], np.ndarray] = ([], [], np.zeros((0, 4)))
 
     def histograms(
-        self, tensors: list[torch.Tensor], zeros: Callable[[int], np.ndarray] = _zeros
-    ) -> np.ndarray:
-        """``zeros(n)``: where the counts of ``n`` tensors go, zeros (rows of ``WIDTH``)."""
+        self, tensors: list[torch.Tensor], buffer: Callable[[int], np.ndarray] = _empty
+    ) -> Spans | np.ndarray:
+        """The tensors' histograms as :class:`Spans` (rows of ``WIDTH`` where one of them is
+        not read in place). ``buffer(k)``: where the spans go, ``k`` int64 values or more."""
         try:
             addresses = [
                 t.data_ptr()
@@ -128,19 +135,23 @@ class TensorsInPlace:
                 dtype=np.int64,
             ).reshape(-1, 4)
             built = self._built = (addresses, sizes, places)
-        out = zeros(len(tensors))
-        _in_place(built[2], out, histogram_bits.flushes_denormals())
-        return out
+        return histograms_at(built[2], buffer)
 
 
-def histograms_at(places: np.ndarray, zeros: Callable[[int], np.ndarray] = _zeros) -> np.ndarray:
+def histograms_at(places: np.ndarray, buffer: Callable[[int], np.ndarray] = _empty) -> Spans:
     """The histograms of tensors a caller found in place (plain contiguous CPU tensors of a
     dtype :data:`CODES` names, none a negative view, each with 1 to ``_THREADS_FROM - 1``
-    values), a row of ``places`` each: (address, values, dtype code, row of the result).
-    ``zeros(n)``: where they are counted, zeros (rows of ``WIDTH``)."""
-    out = zeros(len(places))
-    _in_place(places, out, histogram_bits.flushes_denormals())
-    return out
+    values), a row of ``places`` each, in order: (address, values, dtype code, -). Each is
+    counted where it is hot in the cache and cut to its spans there (:class:`Spans`), so
+    that a step's whole rows (4.5 kB a histogram) are neither zeroed, written nor read
+    again. ``buffer(k)``: where they go, ``k`` int64 values or more."""
+    n = len(places)
+    out = buffer(n * SPAN_VALUES)
+    head = out[: n * SPAN_HEAD].reshape(n, SPAN_HEAD)
+    pos = out[n * SPAN_HEAD : n * (SPAN_HEAD + MAGNITUDE_BINS)]
+    neg = out[n * (SPAN_HEAD + MAGNITUDE_BINS) : n * SPAN_VALUES]
+    used = _spans_in_place(places, head, pos, neg, histogram_bits.flushes_denormals())
+    return Spans(head, pos[: used[0]], neg[: used[1]])
 
 
 def histogram_segments(values: np.ndarray, bounds: np.ndarray, positions: list[int]) -> np.ndarray:
@@ -184,6 +195,8 @@ def warm_up() -> None:
     histogram_tensors([torch.zeros(1)])  # one kernel for every dtype
     histogram_segments(np.zeros(1), np.array([0, 1], dtype=np.int64), [0])
     span_columns(np.zeros(0, dtype=np.int64))
+    one = torch.zeros(1)
+    histograms_at(np.array([[one.data_ptr(), 1, FLOAT32, 0]], dtype=np.int64))
     # the threaded kernel wherever numba's threads started (omp.join), whatever torch's
     # count is now (it may grow later in the run); compiled on a team of one, which waits for
     # no thread (a forked child's team may lack them)
@@ -476,3 +489,31 @@ def _spans(rows):
         for k in range(neg_offsets[i + 1] - at):
             neg[at + k] = row[NEG + neg_start[i] + k]
     return counts, pos_start, pos_offsets, pos, neg_start, neg_offsets, neg
+
+
+@_jit
+@no_type_check
+def _spans_in_place(places, head, pos, neg, flush):
+    """:func:`_in_place` of each tensor of ``places`` in turn into one row of counts, hot in
+    the cache, then cut to its spans: its head into ``head[k]`` (``SPAN_HEAD``), its
+    spans after the last one's in ``pos`` and ``neg``. Returns how much of each it took."""
+    counters = np.zeros((_LANES, COUNTERS), dtype=np.int64)
+    row = np.zeros(WIDTH, dtype=np.int64)
+    pos_at = neg_at = 0
+    for k in range(places.shape[0]):
+        _tensor(places[k, 0], places[k, 1], places[k, 2], 0, places[k, 1], flush, row, counters)
+        for s in range(4):
+            head[k, s] = row[s]
+        first, end = _ends(row, POS)
+        head[k, 4], head[k, 5] = first, end - first
+        for b in range(first, end):
+            pos[pos_at] = row[POS + b]
+            pos_at += 1
+        first, end = _ends(row, NEG)
+        head[k, 6], head[k, 7] = first, end - first
+        for b in range(first, end):
+            neg[neg_at] = row[NEG + b]
+            neg_at += 1
+        for s in range(WIDTH):
+            row[s] = 0
+    return pos_at, neg_at

@@ -201,16 +201,14 @@ def test_layouts_keep_only_the_most_recent() -> None:
     assert layouts.built == 4
 
 
-def _whole_rows(counts: np.ndarray | dict[str, Any]) -> np.ndarray:
-    """The rows of ``WIDTH`` counts that ``PendingStep._histograms`` gives: as they are, or
-    from the histogram table's columns, where the compiled kernels made those."""
-    if not isinstance(counts, dict):
-        return counts
-    rows = np.zeros((len(counts["zero"]), WIDTH), dtype=np.int64)
+def _whole_rows(made: dict[str, Any]) -> np.ndarray:
+    """The rows of ``WIDTH`` counts whose histogram table columns
+    ``PendingStep._histograms`` made."""
+    rows = np.zeros((len(made["zero"]), WIDTH), dtype=np.int64)
     for at, name in ((ZERO, "zero"), (NAN, "nan"), (POS_INF, "pos_inf"), (NEG_INF, "neg_inf")):
-        rows[:, at] = counts[name]
-    rows[:, POS : POS + MAGNITUDE_BINS] = whole(counts["pos_start"], counts["pos"])
-    rows[:, NEG : NEG + MAGNITUDE_BINS] = whole(counts["neg_start"], counts["neg"])
+        rows[:, at] = made[name]
+    rows[:, POS : POS + MAGNITUDE_BINS] = whole(made["pos_start"], made["pos"])
+    rows[:, NEG : NEG + MAGNITUDE_BINS] = whole(made["neg_start"], made["neg"])
     return rows
 
 
@@ -218,13 +216,13 @@ def _whole_rows(counts: np.ndarray | dict[str, Any]) -> np.ndarray:
 def test_histograms_made_together_and_one_by_one_come_out_in_row_order(
     kernels: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A kind's parameters are histogrammed in one call, queued as one block of rows; other
-    records' histograms one by one (staged, or made in the hook). The step's histograms come
-    out in row order, each with its own counts, whether the compiled kernel reads them where
-    they lie or numpy copies them together; sealing a step cut by a signal keeps only the
-    whole records' histograms, of the blocks too."""
+    """A kind's parameters are histogrammed in one call, queued as one block of rows (cut to
+    their spans by the compiled kernel, whole rows by numpy); other records' histograms one
+    by one (staged, or made in the hook). The step's histograms come out in row order, each
+    with its own counts; sealing a step cut by a signal keeps only the whole records'
+    histograms, of the blocks too."""
     from hooktrace.recorder.hooks.steps import seal
-    from hooktrace.recorder.stats import numba_kernels
+    from hooktrace.recorder.stats import histogram_kernel, numba_kernels
 
     route()
     if kernels:
@@ -233,24 +231,29 @@ def test_histograms_made_together_and_one_by_one_come_out_in_row_order(
         monkeypatch.setattr(numba_kernels, "histograms", lambda: None)
     step = PendingStep(0, 0.0, staging=Staging(StagingPool()))
     _stage_all(step, [torch.tensor([1.0, -2.0]), torch.tensor([0.0])] * 2)  # rows 0 to 3
-    block = np.arange(2 * WIDTH, dtype=np.int64).reshape(2, WIDTH)
+    together = [torch.tensor([0.5, -8.0, 3.0, 0.0]), torch.tensor([2.0**-140, 1e30, -1.0])]
+    if kernels:  # counted where they lie, cut to their spans there
+        places = [(t.data_ptr(), t.numel(), histogram_kernel.FLOAT32, 0) for t in together]
+        block: Any = histogram_kernel.histograms_at(np.array(places, dtype=np.int64))
+    else:
+        block = np.stack([reference(t.numpy()) for t in together])
     step.histogram_blocks.append((np.array([1, 3]), block))
     step.histograms.append((2, step.stats[2]))  # staged
     one = np.full(WIDTH, 7, dtype=np.int64)
     step.histograms.append((0, one))  # made in the hook
     rows, made = step._histograms()
-    assert isinstance(made, dict) == kernels
     counts = _whole_rows(made)
     assert rows.tolist() == [0, 1, 2, 3]
     assert counts[0].tolist() == one.tolist()
-    assert counts[1].tolist() == block[0].tolist() and counts[3].tolist() == block[1].tolist()
+    assert counts[1].tolist() == reference(together[0].numpy()).tolist()
+    assert counts[3].tolist() == reference(together[1].numpy()).tolist()
     assert counts[2].sum() == 2  # row 2, staged: its two values, 1.0 and -2.0
 
     step.meta.append(Meta(0, "train", "cut", 0, "output", "0", torch.float32, (1,), 0, 0))
-    step.histogram_blocks.append((np.array([4]), block[:1]))  # its statistics never came
+    step.histogram_blocks.append((np.array([4, 5]), block))  # their statistics never came
     seal(step, micro_steps=1)
-    rows, _ = step._histograms()
-    assert rows.tolist() == [0, 1, 2, 3]
+    rows, made = step._histograms()
+    assert rows.tolist() == [0, 1, 2, 3] and _whole_rows(made).tolist() == counts.tolist()
 
 
 def test_a_recording_reuses_its_blocks_of_histogram_counts(tmp_path: Path) -> None:

@@ -427,3 +427,29 @@ def test_the_compiled_spans_are_the_writers_columns(
             assert got[name].dtype == column.dtype and got[name].tolist() == column.tolist()
         else:
             assert got[name].equals(column), name
+
+
+def test_histograms_cut_to_their_spans_where_they_are_counted_are_the_reference() -> None:
+    """A kind's parameters (or gradients), read in place and cut to their spans by the
+    kernel as each is counted (``histograms_at``): every dtype, sizes on both sides of
+    the kernel's thresholds, an all-zero tensor (empty spans); the whole rows they stand for
+    are the reference's, and so are any rows picked from them (a step cut by a signal)."""
+    assert route().one_pass is not None
+    generator = torch.Generator().manual_seed(5)
+    tensors = [
+        spread(n, dtype, generator)
+        for dtype in FLOATS
+        for n in SIZES
+        if 0 < n < histogram_kernel._THREADS_FROM
+    ]
+    tensors.append(torch.zeros(9))
+    places = np.array(
+        [(t.data_ptr(), t.numel(), histogram_kernel.CODES[t.dtype], 0) for t in tensors],
+        dtype=np.int64,
+    )
+    spans = histogram_kernel.histograms_at(places)
+    want = np.stack([reference(t.double().numpy()) for t in tensors])
+    assert spans.rows().tolist() == want.tolist()
+    picked = np.arange(len(tensors)) % 3 == 1
+    assert spans[picked].rows().tolist() == want[picked].tolist()
+    assert len(spans[np.zeros(len(tensors), dtype=bool)]) == 0
