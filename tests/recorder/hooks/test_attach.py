@@ -529,3 +529,19 @@ def test_data_parallel_replicas_are_recorded_as_their_module(tmp_path: Path) -> 
         "0": [0, 1], "1": [0, 1], "2": [0, 1], "Sequential": [0, 1]
     }  # fmt: skip
     assert len(step[step["kind"] == "grad_output"]) == 8
+
+
+def test_the_layout_checked_each_step_is_the_modules_in_their_order() -> None:
+    """What each step's first forward compares to see whether modules were assigned: the
+    modules as ``modules()`` gives them, each once, in its order, where modules are
+    shared, a child slot holds None, and a module holds its own parent."""
+    from hooktrace.recorder.hooks.names import _layout
+
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(nn.Sequential(shared, nn.ReLU()), shared, nn.ModuleList([shared]))
+    model.register_module("empty", None)
+    model[0].parent = model  # a cycle
+    assert _layout(model) == [id(m) for m in model.modules()]
+    before = _layout(model)
+    model[0][1] = nn.GELU()  # assigned deep inside: the layout says so
+    assert _layout(model) != before and _layout(model) == [id(m) for m in model.modules()]
