@@ -192,17 +192,17 @@ def span_columns(rows: np.ndarray) -> dict[str, np.ndarray | pa.Array]:
 
 def warm_up() -> None:
     """Compile the kernels (or load them from numba's cache)."""
-    histogram_tensors([torch.zeros(1)])  # one kernel for every dtype
+    histogram_tensors([torch.zeros(1, device="cpu")])  # one kernel for every dtype
     histogram_segments(np.zeros(1), np.array([0, 1], dtype=np.int64), [0])
     span_columns(np.zeros(0, dtype=np.int64))
-    one = torch.zeros(1)
+    one = torch.zeros(1, device="cpu")  # (whatever the script's default device: read by address)
     histograms_at(np.array([[one.data_ptr(), 1, FLOAT32, 0]], dtype=np.int64))
     # the threaded kernel wherever numba's threads started (omp.join), whatever torch's
     # count is now (it may grow later in the run); compiled on a team of one, which waits for
     # no thread (a forked child's team may lack them)
     if omp.started() > 1:
         row = np.zeros(WIDTH, dtype=np.int64)
-        one = torch.zeros(1)
+        one = torch.zeros(1, device="cpu")
         omp.run(_in_place_threads, 1, one.data_ptr(), 1, FLOAT32, 1, row, False)
 
 

@@ -40,8 +40,8 @@ def warm_up() -> None:
     """Compile the kernels now (or load them from numba's cache)."""
     summarize_segments(np.zeros(1), np.array([0, 1], dtype=np.int64))
     unit_counts(np.zeros(1), np.array([[0, 1, 1, 1]], dtype=np.int64))
-    summarize_tensors([torch.zeros(1)])  # one kernel for every dtype read in place
-    InPlace().summarize(torch.zeros(1), None)
+    summarize_tensors([torch.zeros(1, device="cpu")])  # one kernel for every dtype read in place
+    InPlace().summarize(torch.zeros(1, device="cpu"), None)
 
 
 def summarize_segments(values: np.ndarray, bounds: np.ndarray) -> np.ndarray:
