@@ -89,15 +89,22 @@ class Layouts:
     def __init__(self, keep: int = 8) -> None:
         self._keep = keep
         self._recent: OrderedDict[tuple[Meta, ...], Layout] = OrderedDict()
+        self._last: tuple[list[Meta], Layout] | None = None  # the last found, and its records
         self._lock = threading.Lock()  # materialize() normally runs in the writer thread only
         self.built = 0  # layouts built, over the cache's life
 
     def of(self, meta: list[Meta]) -> Layout:
+        last = self._last
+        # most steps line up as the one before: compared in order, without hashing the
+        # records (many of which are the very objects of the step before: parameters')
+        if last is not None and last[0] == meta:
+            return last[1]
         key = tuple(meta)
         with self._lock:
             layout = self._recent.get(key)
             if layout is not None:
                 self._recent.move_to_end(key)
+                self._last = (meta, layout)
                 return layout
         layout = Layout(meta)
         with self._lock:
@@ -105,6 +112,7 @@ class Layouts:
             self._recent[key] = layout
             while len(self._recent) > self._keep:
                 self._recent.popitem(last=False)
+            self._last = (meta, layout)
         return layout
 
 
