@@ -52,6 +52,10 @@ from hooktrace.recorder.stats.stats import (
 )
 from hooktrace.trace import schema
 
+_new_meta = tuple.__new__
+"""``Meta(...)`` without the Python function NamedTuple's constructor calls: 0.36 us against
+0.59, twice a module call."""
+
 _RECENT = 4
 """Tensors whose statistics a hook remembers, the latest ones: a container's output is its
 last child's, and one gradient may reach several hooks in a row."""
@@ -194,8 +198,8 @@ class Observer:
             unit_size = tensor.numel() // max(n_units, 1)
             pending.activity.append((row, counts))
         pending.meta.append(
-            Meta(micro_step, phase, module, call, kind, slot, tensor.dtype,
-                 tuple(tensor.shape), n_units, unit_size, note, shard)
+            _new_meta(Meta, (micro_step, phase, module, call, kind, slot, tensor.dtype,
+                             tuple(tensor.shape), n_units, unit_size, note, shard))
         )  # fmt: skip
         pending.stats.append(stats)
         if histogram and kind in self.histogram_now:  # as the statistics: staged, or now
