@@ -6,8 +6,8 @@ a recording runs, recorded or not. This times one call of a tiny module (nn.Iden
 chain of 200, one thread, no grad) under each variant, interleaved repetition by repetition:
 
   plain        no hooks
-  noop         three no-op process-wide hooks, as hooktrace registers (pre, post with
-               kwargs, exit always called): the price torch itself charges, its slow path
+  noop         two no-op process-wide hooks, as hooktrace registers (pre, and post with
+               kwargs, always called): the price torch itself charges, its slow path
   bystander    hooktrace recording another model: what an unrecorded module pays
   recorded     hooktrace recording this chain: statistics of every output
 
@@ -44,8 +44,9 @@ def plain(net: nn.Module, out: Path) -> Iterator[None]:
 def noop(net: nn.Module, out: Path) -> Iterator[None]:
     handles = [
         register_module_forward_pre_hook(lambda m, a: None),
-        register_module_forward_hook(lambda m, a, k, o: None, with_kwargs=True),
-        register_module_forward_hook(lambda m, a, o: None, always_call=True),
+        register_module_forward_hook(
+            lambda m, a, k, o=None: None, with_kwargs=True, always_call=True
+        ),
     ]
     try:
         yield

@@ -149,21 +149,25 @@ class ModuleTable:
 
 
 PreHook = Callable[[nn.Module, tuple[Any, ...]], None]
-PostHook = Callable[[nn.Module, tuple[Any, ...], dict[str, Any], Any], None]
-ExitHook = Callable[[nn.Module, tuple[Any, ...], Any], None]
+PostHook = Callable[..., None]
+
+RAISED: Any = object()
+"""The output a post hook is given where the forward raised (:func:`install`)."""
 
 
-def install(*, pre: PreHook, post: PostHook, exit: ExitHook) -> list[RemovableHandle]:
-    """Register the three process-wide hooks; returns their handles.
+def install(*, pre: PreHook, post: PostHook) -> list[RemovableHandle]:
+    """Register the two process-wide hooks; returns their handles.
 
     ``pre`` runs before every module's forward (before the module's own pre-hooks), ``post``
-    after it with the call's keyword arguments (before the module's own forward hooks), and
-    ``exit`` last, also when the forward raised.
+    after it (before the module's own forward hooks) as ``post(module, args, kwargs,
+    output)``, and also when the forward raised, as ``post(module, args, None)``: its
+    ``output`` is then :data:`RAISED` where it defaults to it. One hook, not a forward hook
+    and one called always: each process-wide hook costs every module call of the process
+    about 1.4 us.
     """
     return [
         register_module_forward_pre_hook(pre),
-        register_module_forward_hook(post, with_kwargs=True),
-        register_module_forward_hook(exit, always_call=True),
+        register_module_forward_hook(post, with_kwargs=True, always_call=True),
     ]
 
 

@@ -103,14 +103,32 @@ class Hooks:
                     self._fault(exc, f"the inputs of {entry.name!r}")
 
     def _post(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any = attach.RAISED,
     ) -> None:
-        if is_compiling():  # dynamo traces this: the outputs are marked in its graph
+        """A module returned (its outputs recorded, then :meth:`_exit`), or its forward
+        raised (torch then calls this as ``(module, args, None)``: :meth:`_exit` only)."""
+        if is_compiling():  # dynamo traces this: the outputs are marked in its graph (a
+            # compiled call never gets here raising: torch runs no hook then)
             if not attach.exporting() and type(module).__name__ != "OptimizedModule":
                 if self.inputs and kwargs:  # (here, not in _pre: dynamo traces no frame
                     mark_inputs((), kwargs)  # inspection, which finds them there)
                 mark_outputs(output)
             return
+        if output is attach.RAISED:
+            self._exit(module, args, None)
+            return
+        try:
+            self._returned(module, args, kwargs, output)
+        finally:
+            self._exit(module, args, output)
+
+    def _returned(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+    ) -> None:
         entry = self._table.get(module)
         if entry is None or entry.name is None or not self._recording:
             return
@@ -131,7 +149,7 @@ class Hooks:
                 self._fault(exc, f"the forward of {entry.name!r}")
 
     def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Runs after ``_post``, also when the forward raised: the root's records carry the
+        """Runs last in ``_post``, also when the forward raised: the root's records carry the
         root's phase, and an exception leaves no depth behind."""
         if is_compiling():
             return

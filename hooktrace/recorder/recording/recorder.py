@@ -319,7 +319,7 @@ class Recorder(Steps):
     def _install(self) -> None:
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_stepping))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
-        self._handles.extend(attach.install(pre=self._pre, post=self._post, exit=self._exit))
+        self._handles.extend(attach.install(pre=self._pre, post=self._post))
         patch = self._patches.patch
         patch(torch.jit._trace, "_check_trace", self._wrap_check_trace)
         patch(nn.Module, "_replicate_for_data_parallel", replicas_recorded(self._table))
@@ -327,7 +327,7 @@ class Recorder(Steps):
         hooks = [
             cls.__dict__[name].__code__
             for cls in type(self).__mro__
-            for name in ("_pre", "_post", "_exit")
+            for name in ("_pre", "_post", "_returned", "_exit")
             if name in cls.__dict__
         ]
         self._patches.instrument_graphs(graphs.wrap_call_user_compiler, hooks)
