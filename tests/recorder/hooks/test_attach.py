@@ -389,26 +389,41 @@ def test_a_fault_naming_a_module_stops_the_recording_not_the_training(tmp_path: 
 
 
 class Interrupted(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, error: type[BaseException]) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 2)
         self.interrupt = False
+        self.error = error
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.interrupt:
-            raise KeyboardInterrupt  # torch's always_call hooks run for Exception only
+            raise self.error
         return self.fc(x)
 
 
-def test_a_forward_ended_by_a_base_exception_leaves_no_depth_behind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("error", [KeyboardInterrupt, ValueError])
+def test_a_forward_ended_by_an_exception_leaves_no_depth_behind(
+    tmp_path: Path, error: type[BaseException]
+) -> None:
+    """torch calls hooktrace's post hook where the forward raised an Exception (as
+    ``(module, args, None)``): the root's depth is as before the call, and a forward after
+    it in the same step is a root's call of its own. After a BaseException torch calls no
+    hook; the next step starts at depth 0. Either way the steps after it are recorded in
+    their phases."""
     torch.manual_seed(0)
-    model = Interrupted()
+    model = Interrupted(error)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with hooktrace.record(model, tmp_path / "run"):
         for i in range(3):
             model.interrupt = i == 1
-            with contextlib.suppress(KeyboardInterrupt):
+            with contextlib.suppress(error):
                 model(torch.randn(3, 4)).sum().backward()
+            if i == 1:  # the same step goes on: a forward of its own, not inside the one before
+                model.interrupt = False
+                model.eval()
+                with torch.no_grad():
+                    model(torch.randn(3, 4))
+                model.train()
             opt.step()
             opt.zero_grad()
             model.interrupt = False
@@ -426,6 +441,10 @@ def test_a_forward_ended_by_a_base_exception_leaves_no_depth_behind(tmp_path: Pa
         2: ["eval", "train"],
         3: ["eval"],
     }
+    step1 = records[(records["step"] == 1) & (records["module"] == "fc")]
+    if error is ValueError:  # (after a BaseException torch calls no hook: the forward after
+        # it in the same step is taken for one inside it, until the step ends)
+        assert list(step1[step1["kind"] == "output"]["phase"]) == ["eval", "eval"]
     step2 = records[(records["step"] == 2) & (records["module"] == "fc")]
     outputs = step2[step2["kind"] == "output"]
     assert list(outputs["phase"]) == ["eval", "train"]  # the eval after step 1, then training
