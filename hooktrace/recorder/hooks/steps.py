@@ -198,8 +198,12 @@ def nonfinite_rows(pending: PendingStep, first: int, *, device_checks: bool) -> 
     row where that is on the host (the kernel summarised it in place), else from its
     staged copy (no numba, or a half precision value)."""
     bounds = values = None
-    for stats in pending.stats[first:]:
-        if stats is None:
+    rows = pending.stats[first:]
+    on_host = [stats for stats in rows if type(stats) is np.ndarray]  # most of them: at once
+    if on_host and np.concatenate(on_host).reshape(len(on_host), -1)[:, 6:8].any():
+        return True  # (columns 6 and 7: the NaN and Inf counts)
+    for stats in rows:
+        if stats is None or type(stats) is np.ndarray:
             continue
         if isinstance(stats, Staged):
             if bounds is None:
