@@ -133,7 +133,8 @@ class Spans:
     """Histograms already cut to their spans, as the recorder's kernel counts a kind's
     parameters (or gradients) into a buffer: ``head`` (rows of ``SPAN_HEAD``), and each
     sign's spans one after the other, ``pos`` and ``neg``, in row order. The arrays may be
-    views of a buffer that is used again once the step is written: :meth:`columns` copies."""
+    views of a buffer that is used again once the step is materialized: :meth:`columns`
+    copies."""
 
     head: np.ndarray
     pos: np.ndarray

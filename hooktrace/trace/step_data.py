@@ -27,7 +27,7 @@ class StepData:
     for bfloat16 travels as uint16 bits). ``histogram_rows`` are the rows histogrammed, in
     order, and ``histograms`` their counts, one row of ``histograms.WIDTH`` each, or
     ``histogram_columns`` their count columns as :func:`histograms.columns` makes them (where
-    the recorder made them, in a compiled pass; ``histograms`` is then empty).
+    the recorder made them; ``histograms`` is then empty).
     """
 
     step: int

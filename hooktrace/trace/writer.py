@@ -128,8 +128,6 @@ class TraceWriter:
         self._incoming_bytes = 0  # (both guarded by _space)
         self._buffer: list[StepData] = []
         self._buffered_bytes = 0  # bytes of the steps in _buffer, released when flushed
-        self._buffered_held = 0  # what those steps hold now (StepData.held_bytes): a flush
-        # by size is of these (a step's histograms weigh megabytes submitted, kilobytes here)
         self._buffered_rows = 0
         self._waiting = 0  # submitters blocked by backpressure
         self._new_modules: list[dict[str, Any]] = []
@@ -239,7 +237,7 @@ class TraceWriter:
                 continue
             if (
                 self._buffered_rows >= self.flush_rows
-                or self._buffered_held >= self.flush_bytes
+                or self._buffered_bytes >= self.flush_bytes
                 or self._waiting
                 or time.monotonic() - last_flush >= self.flush_seconds
             ):
@@ -272,7 +270,14 @@ class TraceWriter:
                 continue
             self._buffer.append(data)
             self._buffered_rows += data.rows
-            self._buffered_held += data.held_bytes()
+            # from here the step weighs what it holds (a step's histograms are megabytes of
+            # counts submitted, in the recorder's pool, and kilobytes of spans here): the
+            # rest is given back now, so that the flush by size, the wake-up by size and
+            # the back-pressure all count what is held
+            surplus = pending.nbytes - data.held_bytes()
+            if surplus > 0:
+                self._buffered_bytes -= surplus
+                self._release(surplus)
             self.nonfinite_seen = self.nonfinite_seen or data.nonfinite
 
     def _release(self, nbytes: int) -> None:
@@ -285,11 +290,11 @@ class TraceWriter:
             self.error = exc
         self.steps_lost += len(self._buffer)
         self._buffer.clear()
-        self._buffered_rows = self._buffered_held = 0
+        self._buffered_rows = 0
 
     def _flush_safely(self) -> None:
         nbytes, self._buffered_bytes = self._buffered_bytes, 0
-        self._buffered_rows = self._buffered_held = 0
+        self._buffered_rows = 0
         steps = len(self._buffer)
         written = self.steps_written
         try:

@@ -128,10 +128,11 @@ class _Weighed(_Step):
 
 
 def test_a_flush_by_size_weighs_what_the_steps_hold_once_materialised(tmp_path: Path) -> None:
-    """Steps submitted as megabytes that hold kilobytes in the writer are not flushed by size
-    (found measuring: the 200-layer model's histograms, 3.6 MB a step in the pool, flushed
-    every ninth step, a dozen milliseconds of fixed cost a flush, where the timer would
-    have flushed every thirtieth)."""
+    """Steps submitted as megabytes that hold bytes once in the writer are not flushed by
+    size, nor do they weigh on the back-pressure once taken (found measuring: the 200-layer
+    model's histograms, 3.6 MB a step in the pool, flushed every ninth step, a few
+    milliseconds of fixed cost a flush, where the timer would have flushed every
+    thirtieth)."""
     writer = TraceWriter(tmp_path / "run", flush_seconds=3600, flush_bytes=1 << 19)
     made: list[int] = []
     for i in range(8):
@@ -139,6 +140,10 @@ def test_a_flush_by_size_weighs_what_the_steps_hold_once_materialised(tmp_path: 
         deadline = time.monotonic() + 60  # hang detection, not a timing assertion
         while len(made) <= i and time.monotonic() < deadline:
             time.sleep(0.001)
+    deadline = time.monotonic() + 60  # hang detection, not a timing assertion
+    while writer._pending_bytes >= 1 << 20 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert writer._pending_bytes < 1 << 20  # 8 MB submitted, a few hundred bytes held
     writer.close("complete")
     parts = list((tmp_path / "run" / "records" / "rank=0").glob("part-*.parquet"))
     assert len(parts) == 1  # the flush at close

@@ -62,7 +62,7 @@ class PendingStep:
         :attr:`histogram_blocks` is counted (``histogram_kernel.histograms_at``): from the
         pool, which has them back once the step is materialized (:meth:`_histograms` copies
         them out). New megabytes of counts made and freed every step took the training
-        thread 545 to 755 page faults a step in two runs of three (docs/PERFORMANCE.md)."""
+        thread 545 to 755 page faults a step in two runs of three (``getrusage``, 2026-11-30)."""
         if self.counts_pool is None:
             return np.empty(values, dtype=np.int64)
         buffer = self.counts_pool.take(values)

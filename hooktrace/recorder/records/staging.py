@@ -51,7 +51,7 @@ class StagingPool:
     training's own large tensors then took about 1,500 more page faults a step, more time than
     the statistics themselves; with the pool, no more than without recording. New megabytes
     of counts each step took the training thread 545 to 755 faults a step in two runs of three
-    (docs/PERFORMANCE.md).
+    (``getrusage``, the 200-layer model of ``bench_host.py``, 2026-11-30).
     """
 
     def __init__(
