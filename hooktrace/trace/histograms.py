@@ -160,13 +160,7 @@ class Spans:
 
     def rows(self) -> np.ndarray:
         """These histograms as whole rows of ``WIDTH`` counts."""
-        made = self.columns()
-        rows = np.zeros((len(self), WIDTH), dtype=np.int64)
-        for at, name in enumerate(COUNT_FIELDS):
-            rows[:, at] = made[name]
-        rows[:, POS : POS + MAGNITUDE_BINS] = whole(made["pos_start"], made["pos"])
-        rows[:, NEG : NEG + MAGNITUDE_BINS] = whole(made["neg_start"], made["neg"])
-        return rows
+        return whole_rows(self.columns())
 
     def __getitem__(self, rows: np.ndarray) -> Spans:
         """The rows ``rows`` selects (a boolean mask, or positions in order)."""
@@ -214,6 +208,17 @@ def _spans(bins: np.ndarray) -> tuple[np.ndarray, pa.ListArray]:
     columns = np.arange(int(offsets[-1])) - np.repeat(offsets[:-1] - first, lengths)
     spans = pa.ListArray.from_arrays(pa.array(offsets), pa.array(bins[rows, columns]))
     return first.astype(np.int16), spans
+
+
+def whole_rows(made: dict[str, Any]) -> np.ndarray:
+    """The flat histograms (rows of ``WIDTH`` counts) whose count columns are ``made``
+    (:func:`columns`' form)."""
+    rows = np.zeros((len(made["zero"]), WIDTH), dtype=np.int64)
+    for at, name in enumerate(COUNT_FIELDS):
+        rows[:, at] = made[name]
+    rows[:, POS : POS + MAGNITUDE_BINS] = whole(made["pos_start"], made["pos"])
+    rows[:, NEG : NEG + MAGNITUDE_BINS] = whole(made["neg_start"], made["neg"])
+    return rows
 
 
 def whole(starts: np.ndarray, spans: pa.Array | pa.ChunkedArray) -> np.ndarray:

@@ -27,7 +27,7 @@ from hooktrace.trace.histograms import (
     WIDTH,
     ZERO,
     reference,
-    whole,
+    whole_rows,
 )
 
 
@@ -201,17 +201,6 @@ def test_layouts_keep_only_the_most_recent() -> None:
     assert layouts.built == 4
 
 
-def _whole_rows(made: dict[str, Any]) -> np.ndarray:
-    """The rows of ``WIDTH`` counts whose histogram table columns
-    ``PendingStep._histograms`` made."""
-    rows = np.zeros((len(made["zero"]), WIDTH), dtype=np.int64)
-    for at, name in ((ZERO, "zero"), (NAN, "nan"), (POS_INF, "pos_inf"), (NEG_INF, "neg_inf")):
-        rows[:, at] = made[name]
-    rows[:, POS : POS + MAGNITUDE_BINS] = whole(made["pos_start"], made["pos"])
-    rows[:, NEG : NEG + MAGNITUDE_BINS] = whole(made["neg_start"], made["neg"])
-    return rows
-
-
 @pytest.mark.parametrize("kernels", [True, False], ids=["compiled", "numpy"])
 def test_histograms_made_together_and_one_by_one_come_out_in_row_order(
     kernels: bool, monkeypatch: pytest.MonkeyPatch
@@ -242,7 +231,7 @@ def test_histograms_made_together_and_one_by_one_come_out_in_row_order(
     one = np.full(WIDTH, 7, dtype=np.int64)
     step.histograms.append((0, one))  # made in the hook
     rows, made = step._histograms()
-    counts = _whole_rows(made)
+    counts = whole_rows(made)
     assert rows.tolist() == [0, 1, 2, 3]
     assert counts[0].tolist() == one.tolist()
     assert counts[1].tolist() == reference(together[0].numpy()).tolist()
@@ -253,7 +242,7 @@ def test_histograms_made_together_and_one_by_one_come_out_in_row_order(
     step.histogram_blocks.append((np.array([4, 5]), block))  # their statistics never came
     seal(step, micro_steps=1)
     rows, made = step._histograms()
-    assert rows.tolist() == [0, 1, 2, 3] and _whole_rows(made).tolist() == counts.tolist()
+    assert rows.tolist() == [0, 1, 2, 3] and whole_rows(made).tolist() == counts.tolist()
 
 
 def test_a_recording_reuses_its_blocks_of_histogram_counts(tmp_path: Path) -> None:
