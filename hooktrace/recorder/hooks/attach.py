@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.compiler import is_compiling
 from torch.fx import _symbolic_trace
+from torch.nn.modules import module as module_globals
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -165,10 +166,22 @@ def install(*, pre: PreHook, post: PostHook) -> list[RemovableHandle]:
     and one called always: each process-wide hook costs every module call of the process
     (docs/PERFORMANCE.md, ``bench_hooks.py``).
     """
-    return [
-        register_module_forward_pre_hook(pre),
-        register_module_forward_hook(post, with_kwargs=True, always_call=True),
-    ]
+    post_handle = register_module_forward_hook(post, with_kwargs=True, always_call=True)
+    return [register_module_forward_pre_hook(pre), _forgetting_kwargs(post_handle)]
+
+
+def _forgetting_kwargs(handle: RemovableHandle) -> RemovableHandle:
+    """``handle``, whose removal also takes its hook's id out of torch's process-wide
+    ``_global_forward_hooks_with_kwargs``: ``register_module_forward_hook`` puts it there
+    and its handle leaves it behind, and with it torch.compile's wrapper warned of
+    process-wide hooks at every call once a recording had ended."""
+    flags = getattr(module_globals, "_global_forward_hooks_with_kwargs", None)
+    extra = getattr(handle, "extra_dict_ref", None)
+    if not isinstance(flags, dict) or not isinstance(extra, tuple):
+        return handle  # another torch: as it is
+    if not any(ref() is flags for ref in extra):  # (a torch that fixed it has it already)
+        handle.extra_dict_ref = (*extra, weakref.ref(flags))
+    return handle
 
 
 def traced() -> bool:

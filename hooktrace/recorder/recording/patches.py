@@ -4,10 +4,10 @@ The process-wide hooks (:mod:`hooktrace.recorder.hooks.attach`) see every module
 two kinds of call go around them: ``nn.DataParallel`` calls per-device copies of the module,
 made each forward; and ``torch.jit.trace`` runs the model again to check its graph, which is
 no call of the run. Compiled graphs are instrumented where dynamo hands them to their
-backend (:mod:`hooktrace.recorder.graphs`). The recorder patches those places, and filters
-a warning that torch prints because process-wide hooks exist. Apart from the hooks because each of
-these is a change to torch itself, undone in one place (:meth:`Patches.undo`) however the
-recording ends.
+backend (:mod:`hooktrace.recorder.graphs`). The recorder patches those places, and the
+question by which torch.compile's wrapper decides to warn that process-wide hooks exist.
+Apart from the hooks because each of these is a change to torch itself, undone in one place
+(:meth:`Patches.undo`) however the recording ends.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import functools
 import sys
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -88,9 +88,43 @@ class Patches:
             set_code_exec_strategy(code, eager)
         self.patch(OutputGraph, "call_user_compiler", wrap)
 
+    def hide_hooks_from_compile(self, ours: Collection[int]) -> None:
+        """torch.compile's wrapper (``OptimizedModule``) warns at every call where a
+        process-wide module hook exists, and the recorder's are not the script's: while
+        recording, torch's question (``_has_any_global_hook``, which nothing else asks) is
+        answered without the hooks whose handle ids are ``ours``, as an unrecorded run
+        answers it; the script's own hooks make it warn as before. A filter on the warning
+        came behind any the script set itself (``warnings.simplefilter("always")``, a test
+        suite's ``"error"``): the script saw the warning at every step, or raised it."""
+        from torch.nn.modules import module as torch_module
+
+        if "_has_any_global_hook" not in torch_module.__dict__:  # a torch that does not ask
+            self.ignore_warning(COMPILE_HOOKS_WARNING)
+            return
+        ours = frozenset(ours)
+        forward = (
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_forward_hooks_always_called",
+            "_global_forward_hooks_with_kwargs",
+        )
+        backward = ("_global_backward_pre_hooks", "_global_backward_hooks")
+
+        def wrap(original: Callable[[], Any]) -> Callable[[], Any]:
+            def has_any_global_hook() -> bool:
+                try:
+                    return any(getattr(torch_module, name) for name in backward) or any(
+                        not ours.issuperset(getattr(torch_module, name)) for name in forward
+                    )
+                except Exception:  # another torch's names: its own answer, and its warning
+                    return bool(original())
+
+            return has_any_global_hook
+
+        self.patch(torch_module, "_has_any_global_hook", wrap)
+
     def ignore_warning(self, message: str) -> None:
-        """torch warns about the process-wide hooks in the script's output: not the script's
-        concern (its behaviour does not change), so the warning is filtered while recording."""
+        """Filter a warning of torch's about the process-wide hooks while recording."""
         warnings.filterwarnings("ignore", message=message)
         added = warnings.filters[0]
 

@@ -44,7 +44,6 @@ from hooktrace.recorder.recording import rundir
 from hooktrace.recorder.recording.faults import fault_message
 from hooktrace.recorder.recording.faults import warn as _warn
 from hooktrace.recorder.recording.patches import (
-    COMPILE_HOOKS_WARNING,
     Patches,
     replicas_recorded,
 )
@@ -319,11 +318,12 @@ class Recorder(Steps):
     def _install(self) -> None:
         self._handles.append(register_optimizer_step_pre_hook(self._optimizer_stepping))
         self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
-        self._handles.extend(attach.install(pre=self._pre, post=self._post))
+        process_wide = attach.install(pre=self._pre, post=self._post)
+        self._handles.extend(process_wide)
         patch = self._patches.patch
         patch(torch.jit._trace, "_check_trace", self._wrap_check_trace)
         patch(nn.Module, "_replicate_for_data_parallel", replicas_recorded(self._table))
-        self._patches.ignore_warning(COMPILE_HOOKS_WARNING)
+        self._patches.hide_hooks_from_compile([handle.id for handle in process_wide])
         hooks = [
             cls.__dict__[name].__code__
             for cls in type(self).__mro__

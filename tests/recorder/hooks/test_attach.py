@@ -43,6 +43,10 @@ def _global_hooks() -> tuple[int, ...]:
             module_globals._global_forward_pre_hooks,
             module_globals._global_backward_hooks,
             module_globals._global_backward_pre_hooks,
+            # what torch notes of a forward hook: these are left behind where its handle
+            # forgets them (with_kwargs: torch's handle does; the recorder's takes it out)
+            module_globals._global_forward_hooks_with_kwargs,
+            module_globals._global_forward_hooks_always_called,
         )
     )
 
@@ -63,8 +67,9 @@ def test_no_hook_in_the_model_and_none_left_behind(tmp_path: Path) -> None:
     with hooktrace.record(model, tmp_path / "run"):
         _train(model)
         assert _hook_dicts(model) == 0
-        assert _global_hooks()[2:] == before[2:]  # never a process-wide backward hook
+        assert _global_hooks()[2:4] == before[2:4]  # never a process-wide backward hook
     assert _global_hooks() == before
+    assert bool(module_globals._has_any_global_hook()) == any(before)
     assert not [w for w in warnings.filters if "global hooks" in str(w[1])]
 
 
@@ -142,6 +147,41 @@ def test_graphs_are_those_of_the_model_unrecorded(tmp_path: Path) -> None:
     assert set(records["phase"]) == {"train"}
     sizes = records.groupby("step").size().tolist()
     assert sizes == [sizes[0], sizes[0]]
+
+
+def _compile_warnings(compiled: nn.Module) -> list[str]:
+    """What torch warns of at one call of ``compiled``, to a script that sees every warning."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled(torch.ones(1, 4))
+    return [str(w.message) for w in caught]
+
+
+def test_torch_compile_warns_of_the_scripts_process_wide_hooks_not_of_the_recorders(
+    tmp_path: Path,
+) -> None:
+    """torch.compile's wrapper warns at every call while a process-wide module hook exists. A
+    script that sets its own filters once the recording runs (``hooktrace record``'s scripts
+    all do) saw the warning at every call of its model, or raised it (``"error"``): the
+    recorder's hooks are not counted; the script's own still are, as in a run unrecorded."""
+    torch._dynamo.reset()
+    compiled = torch.compile(Net(), backend="eager")
+    asked = module_globals._has_any_global_hook
+    with hooktrace.record(compiled, tmp_path / "run"):
+        assert _compile_warnings(compiled) == []
+        handle = module_globals.register_module_forward_hook(lambda *_: None)
+        try:
+            said = _compile_warnings(compiled)
+        finally:
+            handle.remove()
+        assert len(said) == 1 and "when there are global hooks" in said[0]
+        assert _compile_warnings(compiled) == []
+    assert module_globals._has_any_global_hook is asked  # torch's own again
+    handle = module_globals.register_module_forward_hook(lambda *_: None)
+    try:
+        assert len(_compile_warnings(compiled)) == 1
+    finally:
+        handle.remove()
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
