@@ -11,6 +11,11 @@ bench_record.py) four variants train one step at a time (forward, loss, backward
                   histograms=None, capture_nonfinite=False): the graphs' share of the cost,
                   without the parameters' records, which are taken outside the graph as in
                   an eager run
+  compiled+nonorm compiled+rec without the normalisation layers' outputs (``exclude``: every
+                  BatchNorm, LayerNorm and GroupNorm): their share. A normalisation's output
+                  summarised is made real where plain inductor fuses it into the activation
+                  after it, and inductor then computes its ``rsqrt(var + eps)`` again for
+                  every value instead of once a channel (docs/PERFORMANCE.md)
 
 Each variant has its own copy of the model and its own backend function (dynamo keeps a
 graph per backend, so the compiled variants never run each other's graphs). Each window
@@ -51,7 +56,8 @@ from models import default_loss, make_batch, make_model
 
 import hooktrace
 
-VARIANTS = ("eager", "eager+rec", "compiled", "compiled+rec", "compiled+out")
+VARIANTS = ("eager", "eager+rec", "compiled", "compiled+rec", "compiled+out", "compiled+nonorm")
+NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LayerNorm, nn.GroupNorm)
 OUTPUTS_ONLY = {"params": False, "histograms": None, "capture_nonfinite": False}
 WARM_UP_STEPS = 5
 
@@ -78,7 +84,10 @@ class Setup:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
         self.batch = make_batch(name, seed=0).to(device)
         self.recorded = "+" in label
-        self.options = OUTPUTS_ONLY if label.endswith("+out") else {}
+        self.options: dict[str, Any] = OUTPUTS_ONLY if label.endswith("+out") else {}
+        if label.endswith("+nonorm"):
+            norms = [n for n, m in self.model.named_modules() if isinstance(m, NORMS)]
+            self.options = {"exclude": norms}
         self.out = out / label.replace("+", "_")
 
     @contextlib.contextmanager
@@ -162,6 +171,7 @@ def bench(name: str, reps: int, seconds: float, device: torch.device) -> None:
         print(f"  {label:<14} {statistics.median(times[label]) * 1e3:8.2f} ms")
     print(f"  compiled+rec / compiled   {paired('compiled+rec', 'compiled')}")
     print(f"  compiled+out / compiled   {paired('compiled+out', 'compiled')}")
+    print(f"  compiled+nonorm / compiled {paired('compiled+nonorm', 'compiled')}")
     print(f"  eager+rec / eager         {paired('eager+rec', 'eager')}")
     print(f"  compiled+rec / eager+rec  {paired('compiled+rec', 'eager+rec')}")
     print(f"  compiled / eager          {paired('compiled', 'eager')}")
