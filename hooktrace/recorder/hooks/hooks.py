@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 import threading
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -58,6 +60,7 @@ class Hooks:
     _pending: PendingStep
     _params_phase: str | None  # the phase whose forward recorded the step's parameters
     _root_depth: int  # > 0 inside a root's forward
+    _root_thread: int  # the thread that entered it (threading.get_ident)
     _phase: str  # the phase of the root's forward running, or of the last one
     _backward_active: bool
     _paused: int  # > 0 while torch.jit.trace re-runs the model to check its graph
@@ -292,7 +295,10 @@ class Hooks:
     # -- what they do ----------------------------------------------------------------------
 
     def _enter_root(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._root_depth and self._ended_unseen(module):
+            self._root_depth = 0
         if self._root_depth == 0:
+            self._root_thread = threading.get_ident()
             if self._backward_active:  # the last backward raised before it finished
                 self._backward_active = False
             training = torch.is_grad_enabled() and module.training
@@ -328,6 +334,30 @@ class Hooks:
         if self._root_depth == 0:
             self._compiled.entering()
         self._root_depth += 1
+
+    def _ended_unseen(self, module: nn.Module) -> bool:
+        """Whether the root's forward that the depth counts has ended without a hook: one a
+        BaseException ended (a KeyboardInterrupt the script caught), where torch calls
+        none. Asked where a root's forward (``module``'s) starts inside another's on the
+        thread that entered it: that one runs still where a root's call is on this thread's
+        stack, beyond ``module``'s own. Another thread's root (a replica's) is left as it
+        is."""
+        if threading.get_ident() != self._root_thread:
+            return False
+        call = nn.Module._call_impl.__code__
+        own = True  # the innermost call of ``module``: the one starting now
+        frame: types.FrameType | None = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is call:
+                caller = frame.f_locals.get("self")
+                if own and caller is module:
+                    own = False
+                elif isinstance(caller, nn.Module):
+                    entry = self._table.get(caller)
+                    if entry is not None and entry.root:
+                        return False
+            frame = frame.f_back
+        return True
 
     def _phase_of(self, module: nn.Module) -> str:
         """Inside a root's forward, the root's phase; outside, the module's own."""

@@ -215,6 +215,7 @@ class Recorder(Steps):
         )
         self._reset_step_state()
         self._root_depth = 0
+        self._root_thread = 0
         self._phase = "train"
         self._backward_active = False
         self._owners = Optimizers(self._names.param_ids)

@@ -390,6 +390,49 @@ def test_a_model_not_recorded_inside_a_recorded_forward_stays_unrecorded(tmp_pat
     assert modules == {"Student", "fc", "extra"}
 
 
+def test_a_recorded_root_called_inside_another_takes_the_outer_ones_phase(
+    tmp_path: Path,
+) -> None:
+    """Two recorded models, the teacher (in eval mode) called inside the student's training
+    forward: the teacher's call is inside the student's, so its records take the student's
+    phase, also in a step whose first forward a KeyboardInterrupt ended (the depth it left
+    is found stale; the student's call then running is not)."""
+    torch.manual_seed(0)
+    teacher = nn.Linear(4, 4).eval()
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.interrupt = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            target = teacher(x).detach()
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return (self.fc(x) - target).pow(2)
+
+    student = Student()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    with hooktrace.record([student, teacher], tmp_path / "run") as rec:
+        for i in range(3):
+            if i == 1:
+                student.interrupt = True
+                with contextlib.suppress(KeyboardInterrupt):
+                    student(torch.randn(3, 4))
+                student.interrupt = False
+            student(torch.randn(3, 4)).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        assert rec.error is None
+    records = hooktrace.load(tmp_path / "run").records
+    outputs = records[records["kind"] == "output"]
+    by_step = outputs.groupby("step")["phase"].agg(lambda p: sorted(set(map(str, p))))
+    assert by_step.to_dict() == {0: ["train"], 1: ["train"], 2: ["train"]}
+    step1 = outputs[outputs["step"] == 1]
+    assert sorted(map(str, step1["module"])) == ["Linear", "Linear", "Student", "Student.fc"]
+
+
 def test_hooktraces_warnings_never_raise_into_the_script(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -448,8 +491,10 @@ def test_a_forward_ended_by_an_exception_leaves_no_depth_behind(
     """torch calls hooktrace's post hook where the forward raised an Exception (as
     ``(module, args, None)``): the root's depth is as before the call, and a forward after
     it in the same step is a root's call of its own. After a BaseException torch calls no
-    hook; the next step starts at depth 0. Either way the steps after it are recorded in
-    their phases."""
+    hook: the next root's forward finds no root's call running on its thread's stack, and
+    is a root's call of its own too (it was taken for one inside the forward that had
+    ended, in the phase of that one). Either way the steps after it are recorded in their
+    phases."""
     torch.manual_seed(0)
     model = Interrupted(error)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -482,9 +527,7 @@ def test_a_forward_ended_by_an_exception_leaves_no_depth_behind(
         3: ["eval"],
     }
     step1 = records[(records["step"] == 1) & (records["module"] == "fc")]
-    if error is ValueError:  # (after a BaseException torch calls no hook: the forward after
-        # it in the same step is taken for one inside it, until the step ends)
-        assert list(step1[step1["kind"] == "output"]["phase"]) == ["eval", "eval"]
+    assert list(step1[step1["kind"] == "output"]["phase"]) == ["eval", "eval"]
     step2 = records[(records["step"] == 2) & (records["module"] == "fc")]
     outputs = step2[step2["kind"] == "output"]
     assert list(outputs["phase"]) == ["eval", "train"]  # the eval after step 1, then training
