@@ -1,7 +1,7 @@
 """What recording costs a compiled model, per steady training step, measured side by side.
 
 For each reference model (tests/models.py: SmallCNN and TinyTransformer, the batches of
-bench_record.py) four variants train one step at a time (forward, loss, backward, SGD step):
+bench_record.py) six variants train one step at a time (forward, loss, backward, SGD step):
 
   eager           no compiler, no recording
   eager+rec       hooktrace.record, no compiler (what a user gives up the compiler for)
@@ -11,11 +11,12 @@ bench_record.py) four variants train one step at a time (forward, loss, backward
                   histograms=None, capture_nonfinite=False): the graphs' share of the cost,
                   without the parameters' records, which are taken outside the graph as in
                   an eager run
-  compiled+nonorm compiled+rec without the normalisation layers' outputs (``exclude``: every
-                  BatchNorm, LayerNorm and GroupNorm): their share. A normalisation's output
-                  summarised is made real where plain inductor fuses it into the activation
-                  after it, and inductor then computes its ``rsqrt(var + eps)`` again for
-                  every value instead of once a channel (docs/PERFORMANCE.md)
+  compiled+nonorm compiled+rec without the normalisation layers (``exclude``: every
+                  BatchNorm, LayerNorm and GroupNorm, all their records): their share. A
+                  BatchNorm output summarised is made real where plain inductor fuses it
+                  into the activation after it, and the compiled forward then keeps the
+                  ReLU's bool mask for the backward, which inductor's CPU code stores
+                  slowly (docs/PERFORMANCE.md)
 
 Each variant has its own copy of the model and its own backend function (dynamo keeps a
 graph per backend, so the compiled variants never run each other's graphs). Each window
@@ -168,13 +169,13 @@ def bench(name: str, reps: int, seconds: float, device: torch.device) -> None:
 
     print(f"\n{name} on {device}: median step time over {reps} interleaved repetitions")
     for label in VARIANTS:
-        print(f"  {label:<14} {statistics.median(times[label]) * 1e3:8.2f} ms")
-    print(f"  compiled+rec / compiled   {paired('compiled+rec', 'compiled')}")
-    print(f"  compiled+out / compiled   {paired('compiled+out', 'compiled')}")
+        print(f"  {label:<15} {statistics.median(times[label]) * 1e3:8.2f} ms")
+    print(f"  compiled+rec / compiled    {paired('compiled+rec', 'compiled')}")
+    print(f"  compiled+out / compiled    {paired('compiled+out', 'compiled')}")
     print(f"  compiled+nonorm / compiled {paired('compiled+nonorm', 'compiled')}")
-    print(f"  eager+rec / eager         {paired('eager+rec', 'eager')}")
-    print(f"  compiled+rec / eager+rec  {paired('compiled+rec', 'eager+rec')}")
-    print(f"  compiled / eager          {paired('compiled', 'eager')}")
+    print(f"  eager+rec / eager          {paired('eager+rec', 'eager')}")
+    print(f"  compiled+rec / eager+rec   {paired('compiled+rec', 'eager+rec')}")
+    print(f"  compiled / eager           {paired('compiled', 'eager')}")
     extra = firsts["compiled+rec"] - firsts["compiled"]
     print(
         f"  first step (capture and compile): compiled {firsts['compiled']:.2f} s, "

@@ -6,7 +6,7 @@ made each forward; and ``torch.jit.trace`` runs the model again to check its gra
 no call of the run. Compiled graphs are instrumented where dynamo hands them to their
 backend (:mod:`hooktrace.recorder.graphs`). The recorder patches those places, and the
 question by which torch.compile's wrapper decides to warn that process-wide hooks exist.
-Apart from the hooks because each of these is a change to torch itself, undone in one place
+Each of these, unlike the hooks, changes torch itself; all are undone in one place
 (:meth:`Patches.undo`) however the recording ends.
 """
 
@@ -90,34 +90,38 @@ class Patches:
 
     def hide_hooks_from_compile(self, ours: Collection[int]) -> None:
         """torch.compile's wrapper (``OptimizedModule``) warns at every call where a
-        process-wide module hook exists, and the recorder's are not the script's: while
-        recording, torch's question (``_has_any_global_hook``, which nothing else asks) is
-        answered without the hooks whose handle ids are ``ours``, as an unrecorded run
-        answers it; the script's own hooks make it warn as before. A filter on the warning
-        came behind any the script set itself (``warnings.simplefilter("always")``, a test
-        suite's ``"error"``): the script saw the warning at every step, or raised it."""
+        process-wide module hook exists, and the recorder's are not the script's. While
+        recording, torch's question (``_has_any_global_hook``; in torch 2.13 the wrapper is
+        the only one to ask it) is answered False where the hooks whose handle ids are
+        ``ours`` are the only ones, as an unrecorded run answers it; otherwise as torch (or
+        whatever replaced its function before) answers it, so the script's own hooks make it
+        warn as before. A filter on the warning came behind any filter the script set once
+        the recording ran (``warnings.simplefilter("always")``, a test suite's ``"error"``):
+        the script saw the warning at every call, or had it raised. The filter stays only
+        for a torch without that function, should one warn."""
         from torch.nn.modules import module as torch_module
 
-        if "_has_any_global_hook" not in torch_module.__dict__:  # a torch that does not ask
+        if "_has_any_global_hook" not in torch_module.__dict__:
             self.ignore_warning(COMPILE_HOOKS_WARNING)
             return
         ours = frozenset(ours)
-        forward = (
+        names = (
+            "_global_backward_pre_hooks",
+            "_global_backward_hooks",
             "_global_forward_pre_hooks",
             "_global_forward_hooks",
             "_global_forward_hooks_always_called",
             "_global_forward_hooks_with_kwargs",
         )
-        backward = ("_global_backward_pre_hooks", "_global_backward_hooks")
 
         def wrap(original: Callable[[], Any]) -> Callable[[], Any]:
-            def has_any_global_hook() -> bool:
-                try:
-                    return any(getattr(torch_module, name) for name in backward) or any(
-                        not ours.issuperset(getattr(torch_module, name)) for name in forward
-                    )
-                except Exception:  # another torch's names: its own answer, and its warning
-                    return bool(original())
+            def has_any_global_hook() -> Any:
+                # (a plain loop: dynamo, where it meets this, traces no generator)
+                for name in names:
+                    hooks = getattr(torch_module, name, None)
+                    if not isinstance(hooks, dict) or not ours.issuperset(hooks):
+                        return original()  # another torch's names, or hooks of the script's
+                return False
 
             return has_any_global_hook
 

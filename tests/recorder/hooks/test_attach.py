@@ -160,28 +160,50 @@ def _compile_warnings(compiled: nn.Module) -> list[str]:
 def test_torch_compile_warns_of_the_scripts_process_wide_hooks_not_of_the_recorders(
     tmp_path: Path,
 ) -> None:
-    """torch.compile's wrapper warns at every call while a process-wide module hook exists. A
-    script that sets its own filters once the recording runs (``hooktrace record``'s scripts
-    all do) saw the warning at every call of its model, or raised it (``"error"``): the
-    recorder's hooks are not counted; the script's own still are, as in a run unrecorded."""
+    """torch.compile's wrapper warns at every call while a process-wide module hook exists.
+    Under ``hooktrace record`` every filter a script sets comes after the recording began,
+    and in front of any the recorder would set: a script seeing every warning saw this one
+    at every call of its model (or raised it, with ``"error"``). The recorder's hooks are
+    not counted; the script's own still are, as in a run unrecorded; and once the recording
+    ends, nothing of its hooks is left to count (torch's handle left one behind)."""
     torch._dynamo.reset()
     compiled = torch.compile(Net(), backend="eager")
     asked = module_globals._has_any_global_hook
-    with hooktrace.record(compiled, tmp_path / "run"):
+    try:
+        with hooktrace.record(compiled, tmp_path / "run"):
+            assert _compile_warnings(compiled) == []
+            handle = module_globals.register_module_forward_hook(lambda *_: None)
+            try:
+                said = _compile_warnings(compiled)
+            finally:
+                handle.remove()
+            assert len(said) == 1 and "when there are global hooks" in said[0]
+            assert _compile_warnings(compiled) == []
+        assert module_globals._has_any_global_hook is asked  # torch's own again
         assert _compile_warnings(compiled) == []
         handle = module_globals.register_module_forward_hook(lambda *_: None)
         try:
-            said = _compile_warnings(compiled)
+            assert len(_compile_warnings(compiled)) == 1
         finally:
             handle.remove()
-        assert len(said) == 1 and "when there are global hooks" in said[0]
-        assert _compile_warnings(compiled) == []
-    assert module_globals._has_any_global_hook is asked  # torch's own again
-    handle = module_globals.register_module_forward_hook(lambda *_: None)
-    try:
-        assert len(_compile_warnings(compiled)) == 1
     finally:
-        handle.remove()
+        torch._dynamo.reset()  # graphs compiled while recording: not for the tests after
+
+
+def test_only_torch_compiles_wrapper_asks_whether_process_wide_hooks_exist() -> None:
+    """While recording, ``_has_any_global_hook`` answers without the recorder's hooks
+    (``Patches.hide_hooks_from_compile``): right for torch.compile's warning, wrong for
+    anything in torch that would decide by it whether to run hooks. In the torch installed
+    here the wrapper's warning is the only one to ask."""
+    root = Path(torch.__file__).parent
+    asking = sorted(
+        str(path.relative_to(root))
+        for path in root.rglob("*.py")
+        if "_has_any_global_hook()" in path.read_text(encoding="utf-8", errors="replace")
+    )  # (its definition, and whoever calls it)
+    assert asking in ([], ["_dynamo/eval_frame.py", "nn/modules/module.py"]), asking
+    defined = (root / "nn" / "modules" / "module.py").read_text(encoding="utf-8")
+    assert defined.count("_has_any_global_hook(") == 1  # defined there, called nowhere
 
 
 @pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
