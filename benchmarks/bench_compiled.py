@@ -14,9 +14,8 @@ bench_record.py) six variants train one step at a time (forward, loss, backward,
   compiled+nonorm compiled+rec without the normalisation layers (``exclude``: every
                   BatchNorm, LayerNorm and GroupNorm, all their records): their share. A
                   BatchNorm output summarised is made real where plain inductor fuses it
-                  into the activation after it, and the compiled forward then keeps the
-                  ReLU's bool mask for the backward, which inductor's CPU code stores
-                  slowly (docs/PERFORMANCE.md)
+                  into the activation after it (docs/PERFORMANCE.md: the ReLU's mask the
+                  forward then kept for the backward, before graphs/masks.py)
 
 Each variant has its own copy of the model and its own backend function (dynamo keeps a
 graph per backend, so the compiled variants never run each other's graphs). Each window

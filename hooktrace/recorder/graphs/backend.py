@@ -6,7 +6,9 @@ is wrapped (:func:`wrap_call_user_compiler`): the graph gets its module calls' s
 (:func:`hooktrace.recorder.graphs.plan.instrument`), the script's backend compiles it, and the
 callable dynamo runs is wrapped in one that hands the extra outputs to the recorder and
 returns the graph's own. The backend, its mode and options, the graph count and the guards
-stay the script's: nothing recompiles, nothing breaks the graph.
+stay the script's: nothing recompiles, nothing breaks the graph. Where the backend is
+inductor, its partitioner recomputes in the backward the values summarised, as it does
+unrecorded, rather than keeping them (:mod:`hooktrace.recorder.graphs.masks`).
 
 Where some steps go unrecorded, the graph is compiled twice, with and without its
 statistics, and each step runs the one it needs (no recompile per step). Where some steps
@@ -29,6 +31,7 @@ import torch
 from torch import fx
 
 from hooktrace.recorder.graphs import ops
+from hooktrace.recorder.graphs.masks import masks_recomputed
 from hooktrace.recorder.graphs.plan import Plan, instrument, strip_marks
 
 
@@ -131,7 +134,8 @@ class _Instrumenting:
         if plan is None:  # no module recorded: the graph without its marks
             return self.backend(trial, example_inputs)
         try:
-            compiled = self.backend(trial, example_inputs)
+            with masks_recomputed():
+                compiled = self.backend(trial, example_inputs)
         except Exception as exc:
             if _dynamo_control(exc):  # dynamo's own signal: analyse again, skip the frame
                 raise
@@ -162,7 +166,10 @@ class _Instrumenting:
         where that fails (those steps then run the graph with statistics only)."""
         try:
             trial, plan = self._instrumented(gm, full=True)
-            return (self.backend(trial, example_inputs), plan) if plan is not None else None
+            if plan is None:
+                return None
+            with masks_recomputed():
+                return self.backend(trial, example_inputs), plan
         except Exception as exc:
             if _dynamo_control(exc):
                 raise

@@ -578,6 +578,48 @@ def test_values_are_summarised_in_the_layout_the_compiler_chose(tmp_path: Path) 
         assert compiled.activity(module, step=0).tolist() == eager.activity(module, step=0).tolist()
 
 
+def test_a_compiled_forward_keeps_for_its_backward_what_it_keeps_unrecorded(
+    tmp_path: Path,
+) -> None:
+    """Found by profiling benchmarks/bench_compiled.py: a BatchNorm output summarised is made
+    real, and AOTAutograd's partitioner then kept the ReLU's bool mask for the backward (and
+    the ReLU's output, in the eager layout, copied), where the graph unrecorded recomputes
+    both from what it keeps anyway; the kernel storing the mask ran 9 times as long on the
+    CPU. The recorded forward now keeps what the unrecorded one keeps: the same tensors,
+    of the same shapes, dtypes and strides (``graphs/masks.py``)."""
+    from torch._inductor.utils import run_and_get_code
+
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+    def kept(out: Path | None) -> list[tuple[str, ...]]:
+        """What one training step's compiled forward returns beyond its output: the
+        tensors kept for the backward, as (sizes, strides, dtype) of each buffer made."""
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = ConvStage()
+        run = torch.compile(model)
+        with hooktrace.record(model, out, strict=True) if out else contextlib.nullcontext():
+            _, code = run_and_get_code(lambda: run(x).pow(2).mean().backward())
+        made = dict(_MADE.findall(code[0]))
+        returned = re.search(r"return \((.*)\)", code[0])
+        assert returned is not None
+        names = re.findall(r"\b(buf\d+)\b", returned.group(1))
+        return sorted(made[name] for name in names if made.get(name))
+
+    def activations(buffers: list[str]) -> list[str]:  # of the convolution's output's size
+        return [b for b in buffers if b.startswith("(4, 8, 8, 8)")]
+
+    plain, recorded = kept(None), kept(tmp_path / "run")
+    # unrecorded, the normalisation and the ReLU are made again in the backward from the
+    # convolution's output (made by its own kernel, and kept: not one of these buffers)
+    assert activations(plain) == []
+    assert activations(recorded) == []
+    assert [b for b in plain + recorded if "torch.bool" in b] == []
+
+
+_MADE = re.compile(r"(buf\d+) = empty_strided_cpu\((\([\d, ]*\), \([\d, ]*\), torch\.\w+)\)")
+
+
 def test_full_steps_save_the_tensors_inside_the_graph_as_an_eager_run_does(
     tmp_path: Path,
 ) -> None:

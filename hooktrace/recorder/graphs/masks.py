@@ -1,0 +1,119 @@
+"""What a compiled forward keeps for its backward, where its values are summarised.
+
+A value the recorder summarises in a graph is made real (the operator reads it from memory),
+where plain inductor may fuse it away: a BatchNorm's output into the ReLU after it.
+AOTAutograd's partitioner then finds those values made and keeps for the backward the
+cheapest thing derived from them: the ReLU's bool mask (``relu <= 0``), and the ReLU's output
+copied into the eager layout, where the graph unrecorded recomputes both in the backward
+from what it keeps anyway. On the CPU, inductor's forward kernel stores that mask slowly
+(``VecMask<float,1>::store(bool*)``): the recorded SmallCNN's first BatchNorm kernel took
+12.9 ms a step against 1.4 (docs/PERFORMANCE.md).
+
+:func:`masks_recomputed` tags, in the joint graph, each summarised value made by a pointwise
+operator, and each comparison of a summarised value, to be recomputed in the backward
+(``MUST_RECOMPUTE``, the tag selective activation checkpointing sets), as the partitioner
+chooses for them unrecorded. The values are the same bits either way; only what the forward
+keeps for the backward changes. It applies to the graphs the recorder compiles with their
+statistics, while the script's backend compiles them, and only where that backend is inductor
+(the joint graph pass is inductor's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import fx
+
+_COMPARISONS = tuple(
+    getattr(getattr(torch.ops.aten, name), overload)
+    for name in ("le", "lt", "ge", "gt", "eq", "ne")
+    for overload in ("Scalar", "Tensor")
+)
+"""The masks a backward may keep of a value: ReLU's is ``le(x, 0)``, hardtanh's ``le`` and
+``ge``, a threshold's ``le``."""
+
+_ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+def tag_masks(graph: fx.Graph) -> int:
+    """Tag each value that ``hooktrace::summarize`` reads and a pointwise operator made, and
+    each comparison of such a value, to be recomputed in the backward; returns how many
+    nodes were tagged."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    summarize = torch.ops.hooktrace.summarize.default
+    values: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is summarize:
+            value = node.args[0]
+            while isinstance(value, fx.Node) and value.target in _ALIASES:
+                value = value.args[0]
+            if isinstance(value, fx.Node):
+                values.append(value)
+    tagged = 0
+    for value in values:
+        recompute = [user for user in value.users if user.target in _COMPARISONS]
+        if _pointwise(value):  # made again as the graph unrecorded makes it, not kept
+            recompute.append(value)
+        for node in recompute:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tagged += 1
+    return tagged
+
+
+def _pointwise(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and torch.Tag.pointwise in getattr(target, "tags", ())
+
+
+@contextlib.contextmanager
+def masks_recomputed() -> Iterator[None]:
+    """While inductor compiles a graph in here, its joint graph's summarised values and their
+    masks are recomputed in the backward (:func:`tag_masks`), after any joint pass the script
+    set. Where this torch has no such pass, nothing changes."""
+    the_pass = _pass()
+    if the_pass is None:
+        yield
+        return
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+    chained = (*get_custom_graph_passes(config.joint_custom_post_pass), the_pass)
+    with config.patch(joint_custom_post_pass=chained):
+        yield
+
+
+_made: list[Any] = []
+
+
+def _pass() -> Any:
+    """The joint graph pass (one, made at its first use), or None where this torch's inductor
+    has no joint graph passes to chain."""
+    if _made:
+        return _made[0]
+    try:
+        from torch._inductor import config
+        from torch._inductor.custom_graph_pass import (  # noqa: F401 (the chain needs it)
+            CustomGraphPass,
+            get_custom_graph_passes,
+            get_hash_for_files,
+        )
+    except ImportError:
+        _made.append(None)
+        return None
+    if not hasattr(config, "joint_custom_post_pass"):
+        _made.append(None)
+        return None
+
+    class RecomputeMasks(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            tag_masks(graph)
+
+        def uuid(self) -> bytes:  # inductor's caches key the graphs by it
+            return get_hash_for_files((__file__,))
+
+    _made.append(RecomputeMasks())
+    return _made[0]
