@@ -7,8 +7,10 @@ is wrapped (:func:`wrap_call_user_compiler`): the graph gets its module calls' s
 callable dynamo runs is wrapped in one that hands the extra outputs to the recorder and
 returns the graph's own. The backend, its mode and options, the graph count and the guards
 stay the script's: nothing recompiles, nothing breaks the graph. Where the backend is
-inductor, its partitioner recomputes in the backward the values summarised, as it does
-unrecorded, rather than keeping them (:mod:`hooktrace.recorder.graphs.masks`).
+inductor, its partitioner is told to recompute in the backward the summarised values a
+pointwise operator made on the CPU, and their masks, rather than keep them
+(:mod:`hooktrace.recorder.graphs.masks`; where that compile fails, the graph is compiled
+without it).
 
 Where some steps go unrecorded, the graph is compiled twice, with and without its
 statistics, and each step runs the one it needs (no recompile per step). Where some steps
@@ -31,7 +33,7 @@ import torch
 from torch import fx
 
 from hooktrace.recorder.graphs import ops
-from hooktrace.recorder.graphs.masks import masks_recomputed
+from hooktrace.recorder.graphs.masks import masks_available, masks_recomputed
 from hooktrace.recorder.graphs.plan import Plan, instrument, strip_marks
 
 
@@ -134,8 +136,7 @@ class _Instrumenting:
         if plan is None:  # no module recorded: the graph without its marks
             return self.backend(trial, example_inputs)
         try:
-            with masks_recomputed():
-                compiled = self.backend(trial, example_inputs)
+            compiled, plan = self._compiled(gm, trial, plan, example_inputs, full=False)
         except Exception as exc:
             if _dynamo_control(exc):  # dynamo's own signal: analyse again, skip the frame
                 raise
@@ -144,6 +145,28 @@ class _Instrumenting:
         full = self._full(gm, example_inputs) if self.receiver.saves_full else None
         plain = self._as_it_was(gm, example_inputs) if self.receiver.skips_steps else None
         return _Run(compiled, plan, plain, full)
+
+    def _compiled(
+        self,
+        gm: fx.GraphModule,
+        trial: fx.GraphModule,
+        plan: Plan,
+        example_inputs: list[Any],
+        *,
+        full: bool,
+    ) -> tuple[Any, Plan]:
+        """``trial`` (``gm`` instrumented, by ``plan``) compiled by the script's backend,
+        its summarised values made again in the backward (:mod:`.masks`); where that fails,
+        ``gm`` instrumented again and compiled as the backend alone would: the masks are an
+        economy, not worth the statistics. Returns the compiled graph and its plan."""
+        try:
+            with masks_recomputed():
+                return self.backend(trial, example_inputs), plan
+        except Exception as exc:
+            if _dynamo_control(exc) or not masks_available():
+                raise
+        trial, again = self._instrumented(gm, full=full)
+        return self.backend(trial, example_inputs), again
 
     def _instrumented(self, gm: fx.GraphModule, *, full: bool) -> tuple[fx.GraphModule, Any]:
         """A copy of ``gm``, instrumented, and its plan (None: nothing recorded in it)."""
@@ -168,8 +191,7 @@ class _Instrumenting:
             trial, plan = self._instrumented(gm, full=True)
             if plan is None:
                 return None
-            with masks_recomputed():
-                return self.backend(trial, example_inputs), plan
+            return self._compiled(gm, trial, plan, example_inputs, full=True)
         except Exception as exc:
             if _dynamo_control(exc):
                 raise

@@ -12,10 +12,11 @@ from what it keeps anyway. On the CPU, inductor's forward kernel stores that mas
 :func:`masks_recomputed` tags, in the joint graph, each summarised value made by a pointwise
 operator, and each comparison of a summarised value, to be recomputed in the backward
 (``MUST_RECOMPUTE``, the tag selective activation checkpointing sets), as the partitioner
-chooses for them unrecorded. The values are the same bits either way; only what the forward
-keeps for the backward changes. It applies to the graphs the recorder compiles with their
-statistics, while the script's backend compiles them, and only where that backend is inductor
-(the joint graph pass is inductor's).
+chooses for a BatchNorm and ReLU unrecorded (:func:`tag_masks` says which it leaves: the
+script's own tags, values not float32 or float64 on the CPU, values made from an input the
+graph changes in place). Only what the forward keeps for the backward changes. It applies to
+the graphs the recorder compiles with their statistics, while the script's backend compiles
+them, where that backend is inductor and can chain joint graph passes (torch 2.13).
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ _ALIASES = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 def tag_masks(graph: fx.Graph) -> int:
     """Tag each value that ``hooktrace::summarize`` reads and a pointwise operator made, and
     each comparison of such a value, to be recomputed in the backward; returns how many
-    nodes were tagged."""
+    nodes were tagged. Left as they are: a node the script tagged itself (selective
+    activation checkpointing), a value that is not float32 or float64 on the CPU (in a lower
+    precision, or on a GPU's fused kernels, a value made again need not be the same bits as
+    the one kept), and a value made from an input the graph changes in place (a buffer
+    updated in the forward: made again in the backward, it would read the new contents)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     summarize = torch.ops.hooktrace.summarize.default
@@ -51,17 +56,59 @@ def tag_masks(graph: fx.Graph) -> int:
             value = node.args[0]
             while isinstance(value, fx.Node) and value.target in _ALIASES:
                 value = value.args[0]
-            if isinstance(value, fx.Node):
+            if isinstance(value, fx.Node) and _exact_here(value):
                 values.append(value)
+    changed = _changed_inputs(graph)
     tagged = 0
     for value in values:
+        if changed and _reads_any(value, changed):
+            continue
         recompute = [user for user in value.users if user.target in _COMPARISONS]
         if _pointwise(value):  # made again as the graph unrecorded makes it, not kept
             recompute.append(value)
         for node in recompute:
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-            tagged += 1
+            if node.meta.get("recompute") is None:
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                tagged += 1
     return tagged
+
+
+def _exact_here(node: fx.Node) -> bool:
+    """A float32 or float64 value on the CPU, whose kernels make it again the same bits
+    (inductor's CPU code contracts no multiply-add)."""
+    value = node.meta.get("val")
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device.type == "cpu"
+        and value.dtype in (torch.float32, torch.float64)
+    )
+
+
+def _changed_inputs(graph: fx.Graph) -> set[fx.Node]:
+    """The graph's inputs it changes in place (copied into at the forward's end)."""
+    return {
+        node.args[0]
+        for node in graph.nodes
+        if node.op == "call_function"
+        and node.target is torch.ops.aten.copy_.default
+        and isinstance(node.args[0], fx.Node)
+        and node.args[0].op == "placeholder"
+    }
+
+
+def _reads_any(node: fx.Node, inputs: set[fx.Node]) -> bool:
+    """Whether ``node`` is made, however far back, from one of ``inputs``."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        if current in inputs:
+            return True
+        for source in current.all_input_nodes:
+            if source not in seen:
+                seen.add(source)
+                todo.append(source)
+    return False
 
 
 def _pointwise(node: fx.Node) -> bool:
@@ -73,7 +120,8 @@ def _pointwise(node: fx.Node) -> bool:
 def masks_recomputed() -> Iterator[None]:
     """While inductor compiles a graph in here, its joint graph's summarised values and their
     masks are recomputed in the backward (:func:`tag_masks`), after any joint pass the script
-    set. Where this torch has no such pass, nothing changes."""
+    set. Where this torch's inductor cannot chain joint passes (:func:`masks_available`),
+    nothing changes."""
     the_pass = _pass()
     if the_pass is None:
         yield
@@ -84,6 +132,12 @@ def masks_recomputed() -> Iterator[None]:
     chained = (*get_custom_graph_passes(config.joint_custom_post_pass), the_pass)
     with config.patch(joint_custom_post_pass=chained):
         yield
+
+
+def masks_available() -> bool:
+    """Whether :func:`masks_recomputed` changes anything in this torch (its inductor chains
+    joint graph passes: ``get_custom_graph_passes``, torch 2.13)."""
+    return _pass() is not None
 
 
 _made: list[Any] = []
