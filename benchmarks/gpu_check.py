@@ -251,17 +251,25 @@ def _compiled_trains_as_unrecorded(name: str, device: torch.device, tmp: Path) -
     return problems
 
 
+ATOL = 1e-5
+
+
 def check_compiled_against_eager(name: str, device: torch.device, tmp: Path) -> list[str]:
     compiled_training(name, device, tmp / "eager", compiled=False, dropout=False)
     compiled_training(name, device, tmp / "compiled", dropout=False)
     # atol: a gradient that is zero but for rounding (a convolution's bias before a batch
     # norm, an attention's key bias) is noise of 1e-7 in both runs on the CPU, and more on
     # a GPU (an H200 left 7 of the CNN's 201 records apart at 1e-6)
-    result = hooktrace.diff(tmp / "eager", tmp / "compiled", rtol=1e-3, atol=1e-5)
+    result = hooktrace.diff(tmp / "eager", tmp / "compiled", rtol=1e-3, atol=ATOL)
     # and a gradient's exact zeros are sums that cancel (an attention's key bias), exact in
-    # one run and 1e-10 in the other: a few percent of its zero fraction, nothing else
+    # one run and 1e-10 in the other: a few percent of its zero fraction, nothing else, or
+    # any share of it where the whole gradient is under atol (a convolution's 16 biases
+    # before a batch norm: one of them an exact zero in one run, 1/16 of them)
     table = result.table
-    cancelled = (table["exceeded"] == "zero_fraction") & (table["d_zero_fraction"].abs() < 0.05)
+    noise = table[["norm_a", "norm_b"]].max(axis=1) < ATOL
+    cancelled = (table["exceeded"] == "zero_fraction") & (
+        (table["d_zero_fraction"].abs() < 0.05) | noise
+    )
     apart = table[~cancelled]
     problems = []
     if result.structure.differs or len(apart):

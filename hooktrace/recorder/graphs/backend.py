@@ -7,10 +7,10 @@ is wrapped (:func:`wrap_call_user_compiler`): the graph gets its module calls' s
 callable dynamo runs is wrapped in one that hands the extra outputs to the recorder and
 returns the graph's own. The backend, its mode and options, the graph count and the guards
 stay the script's: nothing recompiles, nothing breaks the graph. Where the backend is
-inductor, its partitioner is told to recompute in the backward the summarised values a
-pointwise operator made on the CPU, and their masks, rather than keep them
-(:mod:`hooktrace.recorder.graphs.masks`; where that compile fails, the graph is compiled
-without it).
+inductor, its joint graph goes through the recorder's pass
+(:mod:`hooktrace.recorder.graphs.joint`): the forward keeps for the backward what it keeps
+unrecorded, and draws its random numbers in the same order (where that compile fails, the
+graph is compiled without it).
 
 Where some steps go unrecorded, the graph is compiled twice, with and without its
 statistics, and each step runs the one it needs (no recompile per step). Where some steps
@@ -33,7 +33,7 @@ import torch
 from torch import fx
 
 from hooktrace.recorder.graphs import ops
-from hooktrace.recorder.graphs.masks import masks_available, masks_recomputed
+from hooktrace.recorder.graphs.joint import joint_pass, joint_pass_available
 from hooktrace.recorder.graphs.plan import Plan, instrument, strip_marks
 
 
@@ -156,14 +156,14 @@ class _Instrumenting:
         full: bool,
     ) -> tuple[Any, Plan]:
         """``trial`` (``gm`` instrumented, by ``plan``) compiled by the script's backend,
-        its summarised values made again in the backward (:mod:`.masks`); where that fails,
-        ``gm`` instrumented again and compiled as the backend alone would: the masks are an
-        economy, not worth the statistics. Returns the compiled graph and its plan."""
+        through the recorder's joint pass (:mod:`.joint`); where that fails, ``gm``
+        instrumented again and compiled as the backend alone would (its random numbers may
+        then be drawn in another order). Returns the compiled graph and its plan."""
         try:
-            with masks_recomputed():
+            with joint_pass():
                 return self.backend(trial, example_inputs), plan
         except Exception as exc:
-            if _dynamo_control(exc) or not masks_available():
+            if _dynamo_control(exc) or not joint_pass_available():
                 raise
         trial, again = self._instrumented(gm, full=full)
         return self.backend(trial, example_inputs), again

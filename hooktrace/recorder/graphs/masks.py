@@ -9,21 +9,16 @@ from what it keeps anyway. On the CPU, inductor's forward kernel stores that mas
 (``VecMask<float,1>::store(bool*)``): the recorded SmallCNN's first BatchNorm kernel took
 12.9 ms a step against 1.4 (docs/PERFORMANCE.md).
 
-:func:`masks_recomputed` tags, in the joint graph, each summarised value made by a pointwise
+:func:`tag_masks` tags, in the joint graph, each summarised value made by a pointwise
 operator, and each comparison of a summarised value, to be recomputed in the backward
 (``MUST_RECOMPUTE``, the tag selective activation checkpointing sets), as the partitioner
-chooses for a BatchNorm and ReLU unrecorded (:func:`tag_masks` says which it leaves: the
+chooses for a BatchNorm and ReLU unrecorded (its docstring says which it leaves: the
 script's own tags, values not float32 or float64 on the CPU, values made from an input the
-graph changes in place). Only what the forward keeps for the backward changes. It applies to
-the graphs the recorder compiles with their statistics, while the script's backend compiles
-them, where that backend is inductor and can chain joint graph passes (torch 2.13).
+graph changes in place). Only what the forward keeps for the backward changes. It runs in
+the recorder's joint graph pass (:mod:`hooktrace.recorder.graphs.joint`).
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import fx
@@ -114,60 +109,3 @@ def _reads_any(node: fx.Node, inputs: set[fx.Node]) -> bool:
 def _pointwise(node: fx.Node) -> bool:
     target = node.target
     return node.op == "call_function" and torch.Tag.pointwise in getattr(target, "tags", ())
-
-
-@contextlib.contextmanager
-def masks_recomputed() -> Iterator[None]:
-    """While inductor compiles a graph in here, its joint graph's summarised values and their
-    masks are recomputed in the backward (:func:`tag_masks`), after any joint pass the script
-    set. Where this torch's inductor cannot chain joint passes (:func:`masks_available`),
-    nothing changes."""
-    the_pass = _pass()
-    if the_pass is None:
-        yield
-        return
-    from torch._inductor import config
-    from torch._inductor.custom_graph_pass import get_custom_graph_passes
-
-    chained = (*get_custom_graph_passes(config.joint_custom_post_pass), the_pass)
-    with config.patch(joint_custom_post_pass=chained):
-        yield
-
-
-def masks_available() -> bool:
-    """Whether :func:`masks_recomputed` changes anything in this torch (its inductor chains
-    joint graph passes: ``get_custom_graph_passes``, torch 2.13)."""
-    return _pass() is not None
-
-
-_made: list[Any] = []
-
-
-def _pass() -> Any:
-    """The joint graph pass (one, made at its first use), or None where this torch's inductor
-    has no joint graph passes to chain."""
-    if _made:
-        return _made[0]
-    try:
-        from torch._inductor import config
-        from torch._inductor.custom_graph_pass import (  # noqa: F401 (the chain needs it)
-            CustomGraphPass,
-            get_custom_graph_passes,
-            get_hash_for_files,
-        )
-    except ImportError:
-        _made.append(None)
-        return None
-    if not hasattr(config, "joint_custom_post_pass"):
-        _made.append(None)
-        return None
-
-    class RecomputeMasks(CustomGraphPass):
-        def __call__(self, graph: fx.Graph) -> None:
-            tag_masks(graph)
-
-        def uuid(self) -> bytes:  # inductor's caches key the graphs by it
-            return get_hash_for_files((__file__,))
-
-    _made.append(RecomputeMasks())
-    return _made[0]

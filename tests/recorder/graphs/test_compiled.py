@@ -23,8 +23,14 @@ from torch import nn
 
 import hooktrace
 from hooktrace.recorder.graphs import ops
-from hooktrace.recorder.graphs.masks import masks_available
-from tests.models import REFERENCE_GRAD_OUTPUTS, REFERENCE_OUTPUTS, ReferenceMLP, reference_input
+from hooktrace.recorder.graphs.joint import joint_pass_available
+from tests.models import (
+    REFERENCE_GRAD_OUTPUTS,
+    REFERENCE_OUTPUTS,
+    ReferenceMLP,
+    TinyTransformer,
+    reference_input,
+)
 
 
 class Block(nn.Module):
@@ -579,7 +585,9 @@ def test_values_are_summarised_in_the_layout_the_compiler_chose(tmp_path: Path) 
         assert compiled.activity(module, step=0).tolist() == eager.activity(module, step=0).tolist()
 
 
-@pytest.mark.skipif(not masks_available(), reason="this torch's inductor chains no joint pass")
+@pytest.mark.skipif(
+    not joint_pass_available(), reason="this torch runs no joint pass of the recorder"
+)
 def test_a_compiled_forward_keeps_for_its_backward_what_it_keeps_unrecorded(
     tmp_path: Path,
 ) -> None:
@@ -617,6 +625,37 @@ def test_a_compiled_forward_keeps_for_its_backward_what_it_keeps_unrecorded(
     assert activations(plain) == []
     assert activations(recorded) == []
     assert [b for b in plain + recorded if "torch.bool" in b] == []
+
+
+class Draw(nn.Module):
+    """Adds a small term picked by ``multinomial``, a draw inductor leaves to torch: it draws
+    at its place in the program, where inductor seeds its own dropouts from one draw of its
+    own."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        picks = torch.multinomial(torch.softmax(x.detach().flatten(0, 1)[:, :8], -1), 1)
+        return x + picks.view(*x.shape[:2], 1).to(x.dtype) * 1e-3
+
+
+def _transformer_that_draws() -> nn.Module:
+    model = TinyTransformer()
+    model.embed = nn.Sequential(model.embed, Draw())
+    return model
+
+
+def test_a_recorded_forward_draws_its_random_numbers_in_the_unrecorded_order(
+    tmp_path: Path,
+) -> None:
+    """Found by gpu_check on an H200 (attention's dropout, a draw of its own there, and the
+    encoder's dropouts): inductor's peak-memory scheduling ran the seeds of the recorded
+    graph's dropouts before the other draw, where the graph unrecorded ran them after it, so
+    every mask differed and the recorded training with them (pytorch/pytorch#192635). The
+    recorded forward now keeps the graph's order of draws (``graphs/draws.py``)."""
+    batches = [torch.randn(16, 64, 32, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    plain = _seeded_training(_transformer_that_draws, batches, None)
+    recorded = _seeded_training(_transformer_that_draws, batches, tmp_path / "run")
+    assert recorded == plain
+    assert hooktrace.load(tmp_path / "run").records["module"].nunique() > 10
 
 
 class CountingScale(nn.Module):

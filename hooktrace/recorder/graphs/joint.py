@@ -1,0 +1,102 @@
+"""The recorder's joint graph pass: what inductor compiles of a recorded graph stays what it
+compiles of the graph unrecorded, but for the statistics.
+
+While inductor compiles a graph the recorder instrumented, AOTAutograd's joint graph (forward
+and backward together, before they are split) goes through one more pass, chained after any
+joint pass the script set:
+
+- :func:`~hooktrace.recorder.graphs.masks.tag_masks`: the forward keeps for the backward what
+  it keeps unrecorded (summarised values and their masks made again in the backward);
+- :func:`~hooktrace.recorder.graphs.draws.keep_draw_order`: a forward that draws random
+  numbers twice or more draws them in the graph's order.
+
+Inductor's caches key the compiled graphs by the pass's source files. A torch whose inductor
+cannot chain joint passes (``get_custom_graph_passes``, torch 2.13) gets the pass only where
+the script set none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import fx
+
+from hooktrace.recorder.graphs.draws import keep_draw_order
+from hooktrace.recorder.graphs.masks import tag_masks
+
+
+@contextlib.contextmanager
+def joint_pass() -> Iterator[None]:
+    """While inductor compiles a graph in here, its joint graph goes through the recorder's
+    pass, after the script's; nothing changes where this torch cannot run it
+    (:func:`joint_pass_available`)."""
+    passes = _passes()
+    if passes is None:
+        yield
+        return
+    from torch._inductor import config
+
+    # the pass may switch the reordering off: the patch puts it back as it was
+    with config.patch(
+        joint_custom_post_pass=passes, reorder_for_peak_memory=config.reorder_for_peak_memory
+    ):
+        yield
+
+
+def joint_pass_available() -> bool:
+    """Whether :func:`joint_pass` runs the recorder's pass in this torch, with the joint pass
+    the script has set now."""
+    return _passes() is not None
+
+
+def _passes() -> Any:
+    """What ``joint_custom_post_pass`` is set to while the recorder compiles: the script's
+    passes and then the recorder's; None where this torch cannot have both."""
+    ours = _pass()
+    if ours is None:
+        return None
+    from torch._inductor import config
+
+    theirs = config.joint_custom_post_pass
+    try:
+        from torch._inductor.custom_graph_pass import get_custom_graph_passes
+    except ImportError:  # one pass only: ours where the script set none
+        return ours if theirs is None else None
+    return (*get_custom_graph_passes(theirs), ours)
+
+
+_made: list[Any] = []
+
+
+def _pass() -> Any:
+    """The joint graph pass (one, made at its first use), or None where this torch's inductor
+    has no joint graph pass, or none its caches can key."""
+    if _made:
+        return _made[0]
+    try:
+        from torch._inductor import config
+        from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+    except ImportError:
+        _made.append(None)
+        return None
+    if not hasattr(config, "joint_custom_post_pass") or not hasattr(
+        config, "reorder_for_peak_memory"
+    ):
+        _made.append(None)
+        return None
+    here = Path(__file__).parent
+    sources = tuple(str(here / name) for name in ("joint.py", "masks.py", "draws.py"))
+
+    class AsUnrecorded(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            tag_masks(graph)
+            keep_draw_order(graph)
+
+        def uuid(self) -> bytes:  # inductor's caches key the graphs by it
+            return get_hash_for_files(sources)
+
+    _made.append(AsUnrecorded())
+    return _made[0]
