@@ -18,6 +18,7 @@ the script set none.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -68,24 +69,18 @@ def _passes() -> Any:
     return (*get_custom_graph_passes(theirs), ours)
 
 
-_made: list[Any] = []
-
-
+@functools.cache
 def _pass() -> Any:
-    """The joint graph pass (one, made at its first use), or None where this torch's inductor
-    has no joint graph pass, or none its caches can key."""
-    if _made:
-        return _made[0]
+    """The joint graph pass, or None where this torch's inductor has no joint graph pass, or
+    none its caches can key."""
     try:
         from torch._inductor import config
         from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
     except ImportError:
-        _made.append(None)
         return None
     if not hasattr(config, "joint_custom_post_pass") or not hasattr(
         config, "reorder_for_peak_memory"
     ):
-        _made.append(None)
         return None
     here = Path(__file__).parent
     sources = tuple(str(here / name) for name in ("joint.py", "masks.py", "draws.py"))
@@ -98,5 +93,4 @@ def _pass() -> Any:
         def uuid(self) -> bytes:  # inductor's caches key the graphs by it
             return get_hash_for_files(sources)
 
-    _made.append(AsUnrecorded())
-    return _made[0]
+    return AsUnrecorded()

@@ -53,10 +53,10 @@ def tag_masks(graph: fx.Graph) -> int:
                 value = value.args[0]
             if isinstance(value, fx.Node) and _exact_here(value):
                 values.append(value)
-    changed = _changed_inputs(graph)
+    changed = _made_from(graph, _changed_inputs(graph))
     tagged = 0
     for value in values:
-        if changed and _reads_any(value, changed):
+        if value in changed:
             continue
         recompute = [user for user in value.users if user.target in _COMPARISONS]
         if _pointwise(value):  # made again as the graph unrecorded makes it, not kept
@@ -91,19 +91,15 @@ def _changed_inputs(graph: fx.Graph) -> set[fx.Node]:
     }
 
 
-def _reads_any(node: fx.Node, inputs: set[fx.Node]) -> bool:
-    """Whether ``node`` is made, however far back, from one of ``inputs``."""
-    seen: set[fx.Node] = set()
-    todo = [node]
-    while todo:
-        current = todo.pop()
-        if current in inputs:
-            return True
-        for source in current.all_input_nodes:
-            if source not in seen:
-                seen.add(source)
-                todo.append(source)
-    return False
+def _made_from(graph: fx.Graph, inputs: set[fx.Node]) -> set[fx.Node]:
+    """The nodes made, however far back, from one of ``inputs`` (and those): one pass in the
+    graph's order, where each node comes after what it reads."""
+    made = set(inputs)
+    if made:
+        for node in graph.nodes:
+            if any(source in made for source in node.all_input_nodes):
+                made.add(node)
+    return made
 
 
 def _pointwise(node: fx.Node) -> bool:
