@@ -15,7 +15,9 @@ attention's dropout instead of after it (``benchmarks/gpu_check.py``).
 :func:`keep_draw_order` switches that reordering off for a forward that draws twice or more:
 its draws then run in the graph's order, which is the order of the graph unrecorded before its
 scheduler. Where the scheduler moves the draws of the graph unrecorded, the recorded one still
-draws in another order.
+draws in another order; so it does where another reordering moves them (the CUDA graphs'
+partitions under ``mode="reduce-overhead"``) or where the script's own ``options`` set
+``reorder_for_peak_memory``, which inductor applies over this.
 """
 
 from __future__ import annotations
@@ -25,28 +27,39 @@ from typing import Any
 import torch
 from torch import fx
 
+from hooktrace.recorder.graphs.masks import made_from
 
-def draws(graph: fx.Graph) -> int:
-    """How many times the graph draws from a generator: each operator tagged
-    ``nondeterministic_seeded`` (inductor's seeds for all its own random operators are one),
-    but an attention whose dropout is 0."""
+
+def count_draws(graph: fx.Graph) -> int:
+    """How many times the forward of a joint graph draws from a generator: each operator
+    tagged ``nondeterministic_seeded`` (inductor's seeds for all its own random operators are
+    one), but an attention whose dropout is 0, and but what the backward computes (made from
+    the gradients coming in, the ``tangents``: an attention's backward, tagged, draws
+    nothing)."""
+    tangents = {
+        node for node in graph.nodes if node.op == "placeholder" and "tangents" in node.name
+    }
+    backward = made_from(graph, tangents)
     return sum(
         1
         for node in graph.nodes
         if node.op == "call_function"
+        and node not in backward
         and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
         and _argument(node, "dropout_p", 1.0) != 0
     )
 
 
 def keep_draw_order(graph: fx.Graph) -> bool:
-    """Where ``graph`` (a joint graph inductor is compiling) draws twice or more, have its
-    forward's scheduler keep the graph's order (``reorder_for_peak_memory`` off for the rest of
-    this compile: the caller's ``config.patch`` restores it); returns whether it did."""
-    if draws(graph) < 2:
-        return False
+    """Where the forward of ``graph`` (a joint graph inductor is compiling) draws twice or
+    more, have the scheduler keep the graph's order: ``reorder_for_peak_memory`` off for the
+    rest of this compile (the forward's, and a backward compiled with it rather than at its
+    first call), which the caller's ``config.patch`` puts back after; returns whether it
+    did."""
     from torch._inductor import config
 
+    if count_draws(graph) < 2 or not getattr(config, "reorder_for_peak_memory", False):
+        return False
     config.reorder_for_peak_memory = False
     return True
 

@@ -1,5 +1,5 @@
-"""The recorder's joint graph pass: what inductor compiles of a recorded graph stays what it
-compiles of the graph unrecorded, but for the statistics.
+"""The recorder's joint graph pass: what inductor compiles of a recorded graph keeps for the
+backward, and the order it draws random numbers in, as for the graph unrecorded.
 
 While inductor compiles a graph the recorder instrumented, AOTAutograd's joint graph (forward
 and backward together, before they are split) goes through one more pass, chained after any
@@ -8,7 +8,8 @@ joint pass the script set:
 - :func:`~hooktrace.recorder.graphs.masks.tag_masks`: the forward keeps for the backward what
   it keeps unrecorded (summarised values and their masks made again in the backward);
 - :func:`~hooktrace.recorder.graphs.draws.keep_draw_order`: a forward that draws random
-  numbers twice or more draws them in the graph's order.
+  numbers twice or more draws them in the graph's order (the order of the graph unrecorded
+  before inductor's scheduler).
 
 Inductor's caches key the compiled graphs by the pass's source files. A torch whose inductor
 cannot chain joint passes (``get_custom_graph_passes``, torch 2.13) gets the pass only where
@@ -40,10 +41,10 @@ def joint_pass() -> Iterator[None]:
         return
     from torch._inductor import config
 
-    # the pass may switch the reordering off: the patch puts it back as it was
-    with config.patch(
-        joint_custom_post_pass=passes, reorder_for_peak_memory=config.reorder_for_peak_memory
-    ):
+    patch: dict[str, Any] = {"joint_custom_post_pass": passes}
+    if hasattr(config, "reorder_for_peak_memory"):  # the pass may switch it off: put it back
+        patch["reorder_for_peak_memory"] = config.reorder_for_peak_memory
+    with config.patch(patch):
         yield
 
 
@@ -78,9 +79,7 @@ def _pass() -> Any:
         from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
     except ImportError:
         return None
-    if not hasattr(config, "joint_custom_post_pass") or not hasattr(
-        config, "reorder_for_peak_memory"
-    ):
+    if not hasattr(config, "joint_custom_post_pass"):
         return None
     here = Path(__file__).parent
     sources = tuple(str(here / name) for name in ("joint.py", "masks.py", "draws.py"))

@@ -53,7 +53,7 @@ def tag_masks(graph: fx.Graph) -> int:
                 value = value.args[0]
             if isinstance(value, fx.Node) and _exact_here(value):
                 values.append(value)
-    changed = _made_from(graph, _changed_inputs(graph))
+    changed = made_from(graph, _changed_inputs(graph))
     tagged = 0
     for value in values:
         if value in changed:
@@ -91,7 +91,7 @@ def _changed_inputs(graph: fx.Graph) -> set[fx.Node]:
     }
 
 
-def _made_from(graph: fx.Graph, inputs: set[fx.Node]) -> set[fx.Node]:
+def made_from(graph: fx.Graph, inputs: set[fx.Node]) -> set[fx.Node]:
     """The nodes made, however far back, from one of ``inputs`` (and those): one pass in the
     graph's order, where each node comes after what it reads."""
     made = set(inputs)

@@ -643,14 +643,16 @@ def _transformer_that_draws() -> nn.Module:
     return model
 
 
-def test_a_recorded_forward_draws_its_random_numbers_in_the_unrecorded_order(
-    tmp_path: Path,
-) -> None:
+@pytest.mark.skipif(
+    not joint_pass_available(), reason="this torch runs no joint pass of the recorder"
+)
+def test_a_recorded_forward_draws_its_random_numbers_in_the_graphs_order(tmp_path: Path) -> None:
     """Found by gpu_check on an H200 (attention's dropout, a draw of its own there, and the
     encoder's dropouts): inductor's peak-memory scheduling ran the seeds of the recorded
     graph's dropouts before the other draw, where the graph unrecorded ran them after it, so
     every mask differed and the recorded training with them (pytorch/pytorch#192635). The
-    recorded forward now keeps the graph's order of draws (``graphs/draws.py``)."""
+    recorded forward now keeps the graph's order of draws (``graphs/draws.py``), which is
+    the order the graph unrecorded draws in here."""
     batches = [torch.randn(16, 64, 32, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
     plain = _seeded_training(_transformer_that_draws, batches, None)
     recorded = _seeded_training(_transformer_that_draws, batches, tmp_path / "run")
