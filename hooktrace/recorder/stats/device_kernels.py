@@ -5,8 +5,10 @@ operations a tensor, a launch each, and the host pays for every launch: on a GPU
 most of what recording a module call costs. Here each is a pass over the values by one
 kernel (``triton_kernels.partials``, ``triton_kernels.bins``), then, for the statistics,
 one program that combines the passes' partial results in float64 (``combine``): two
-launches for the statistics, two for the histogram (its counts' fill, the kernel), whatever
-the tensor's size, nothing waited for.
+launches for the statistics, two for the histogram (its counts' fill, the kernel), nothing
+waited for. A tensor of one block (up to ``BLOCK`` values, as most of a small model's are)
+takes one launch for each: its statistics and their combination in one program
+(``alone``, the same row), its histogram written whole by that block.
 
 The numbers are torch's route's: each value read as float32, the statistics (mean,
 population std, min, max, norm, zeros, NaNs, Infs) as one float64 row, equal to it up to
@@ -121,12 +123,19 @@ def _prove(device: torch.device, dtype: torch.dtype) -> bool:
             expected = torch_route.summarize_on_device(x.float())
             same = torch.allclose(row, expected, rtol=1e-5, atol=1e-6, equal_nan=True)
             finite = x[~torch.isnan(x)]  # (the row's NaN leaves little to compare)
-            same = same and torch.allclose(
-                _summarize(finite), torch_route.summarize_on_device(finite.float()), rtol=1e-5
-            )
+            one_block = x[:BLOCK]  # the one-launch kernels
+            for values in (finite, one_block, one_block[one_block == one_block]):
+                same = same and torch.allclose(
+                    _summarize(values),
+                    torch_route.summarize_on_device(values.float()),
+                    rtol=1e-5,
+                    atol=1e-6,
+                    equal_nan=True,
+                )
             if dtype is not torch.float64:
-                counts = torch_route.histogram_torch(x)
-                same = same and bool(torch.equal(_histogram(x), torch.as_tensor(counts)))
+                for values in (x, one_block):
+                    counts = torch.as_tensor(torch_route.histogram_torch(values))
+                    same = same and bool(torch.equal(_histogram(values), counts))
     except torch.cuda.OutOfMemoryError:
         return False  # not the kernels' fault: a later tensor proves them
     except Exception as exc:  # any failure of Triton's: torch's route from now on
@@ -205,8 +214,19 @@ def _guarded(
 
 
 def _summarize(x: torch.Tensor) -> torch.Tensor:
-    kernels = _triton()
     flat = _flat(x.detach())
+    if flat.numel() > BLOCK:
+        return _in_blocks(flat)
+    row = torch.empty(8, dtype=torch.float64, device=flat.device)
+    with _on(flat.device):
+        _triton().alone[(1,)](flat, row, flat.numel(), BLOCK=BLOCK, **_OPTIONS)
+    return row
+
+
+def _in_blocks(flat: torch.Tensor) -> torch.Tensor:
+    """The statistics of ``flat`` (a contiguous row) by blocks, then their partial results
+    combined: two launches. A tensor of one block takes one (``alone``), the same row."""
+    kernels = _triton()
     n = flat.numel()
     blocks = -(-n // BLOCK)
     partials = torch.empty((blocks, FIELDS), dtype=torch.float32, device=flat.device)
@@ -222,9 +242,13 @@ def _histogram(x: torch.Tensor) -> torch.Tensor:
     flat = _flat(x.detach())
     n = flat.numel()
     blocks = -(-n // BLOCK)
-    counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64, device=flat.device)
+    alone = blocks == 1  # one block writes every count: nothing to fill first, no atomics
+    make = torch.empty if alone else torch.zeros
+    counts = make(HISTOGRAM_BINS, dtype=torch.int64, device=flat.device)
     with _on(flat.device):
-        kernels.bins[(blocks,)](flat, counts, n, BLOCK=BLOCK, BINS=HISTOGRAM_BINS, **_OPTIONS)
+        kernels.bins[(blocks,)](
+            flat, counts, n, BLOCK=BLOCK, BINS=HISTOGRAM_BINS, ALONE=alone, **_OPTIONS
+        )
     return counts[:WIDTH]
 
 

@@ -30,25 +30,63 @@ def float32(x):
         return x.to(tl.float32)
 
 
+@triton.jit
+def block_sums(x, inside):
+    # one block's partial result: count, sum, centred sum of squares, sum of squares, min,
+    # max, zeros, NaNs, Infs
+    count = tl.sum(inside.to(tl.float32), axis=0)
+    total = tl.sum(x, axis=0)
+    centred = tl.where(inside, x - total / count, 0.0)
+    return (
+        count,
+        total,
+        tl.sum(centred * centred, axis=0),
+        tl.sum(x * x, axis=0),
+        tl.min(tl.where(inside, x, float("inf")), axis=0),
+        tl.max(tl.where(inside, x, float("-inf")), axis=0),
+        tl.sum((inside & (x == 0.0)).to(tl.float32), axis=0),
+        tl.sum((x != x).to(tl.float32), axis=0),
+        tl.sum((tl.abs(x) == float("inf")).to(tl.float32), axis=0),
+    )
+
+
 @triton.jit(do_not_specialize=["n"])
 def partials(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     block = tl.program_id(0).to(tl.int64)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
     x = float32(tl.load(x_ptr + offsets, mask=inside, other=0.0))
-    count = tl.sum(inside.to(tl.float32), axis=0)
-    total = tl.sum(x, axis=0)
-    centred = tl.where(inside, x - total / count, 0.0)
+    count, total, centred, squares, low, high, zeros, nans, infs = block_sums(x, inside)
     out = out_ptr + block * 9
     tl.store(out + 0, count)
     tl.store(out + 1, total)
-    tl.store(out + 2, tl.sum(centred * centred, axis=0))
-    tl.store(out + 3, tl.sum(x * x, axis=0))
-    tl.store(out + 4, tl.min(tl.where(inside, x, float("inf")), axis=0))
-    tl.store(out + 5, tl.max(tl.where(inside, x, float("-inf")), axis=0))
-    tl.store(out + 6, tl.sum((inside & (x == 0.0)).to(tl.float32), axis=0))
-    tl.store(out + 7, tl.sum((x != x).to(tl.float32), axis=0))
-    tl.store(out + 8, tl.sum((tl.abs(x) == float("inf")).to(tl.float32), axis=0))
+    tl.store(out + 2, centred)
+    tl.store(out + 3, squares)
+    tl.store(out + 4, low)
+    tl.store(out + 5, high)
+    tl.store(out + 6, zeros)
+    tl.store(out + 7, nans)
+    tl.store(out + 8, infs)
+
+
+@triton.jit(do_not_specialize=["n"])
+def alone(x_ptr, row_ptr, n, BLOCK: tl.constexpr):
+    # a tensor of one block, in one launch: its partial result, and the row ``combine``
+    # makes of one partial result (its mean apart from the block's by exactly 0)
+    offsets = tl.arange(0, BLOCK)
+    inside = offsets < n
+    x = float32(tl.load(x_ptr + offsets, mask=inside, other=0.0))
+    count, total, centred, squares, low, high, zeros, nans, infs = block_sums(x, inside)
+    size = count.to(tl.float64)
+    any_nan = nans > 0
+    tl.store(row_ptr + 0, total.to(tl.float64) / size)
+    tl.store(row_ptr + 1, tl.sqrt(centred.to(tl.float64) / size))
+    tl.store(row_ptr + 2, tl.where(any_nan, float("nan"), low.to(tl.float64)))
+    tl.store(row_ptr + 3, tl.where(any_nan, float("nan"), high.to(tl.float64)))
+    tl.store(row_ptr + 4, tl.sqrt(squares.to(tl.float64)))
+    tl.store(row_ptr + 5, zeros.to(tl.float64))
+    tl.store(row_ptr + 6, nans.to(tl.float64))
+    tl.store(row_ptr + 7, infs.to(tl.float64))
 
 
 @triton.jit(do_not_specialize=["blocks", "n"])
@@ -104,7 +142,8 @@ def combine(part_ptr, blocks, n, row_ptr, PARTS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n"])
-def bins(x_ptr, counts_ptr, n, BLOCK: tl.constexpr, BINS: tl.constexpr):
+def bins(x_ptr, counts_ptr, n, BLOCK: tl.constexpr, BINS: tl.constexpr, ALONE: tl.constexpr):
+    # ALONE: the tensor is this one block, which writes every count (nothing to add to)
     block = tl.program_id(0).to(tl.int64)
     offsets = block * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < n
@@ -122,5 +161,7 @@ def bins(x_ptr, counts_ptr, n, BLOCK: tl.constexpr, BINS: tl.constexpr):
     bin = tl.where(x == float("-inf"), 3, bin)  # NEG_INF
     bin = tl.where(inside, bin, BINS - 1)  # past WIDTH: not returned
     counted = tl.histogram(bin, BINS)
-    # (most of a block's bins are empty: no atomic for them)
-    tl.atomic_add(counts_ptr + tl.arange(0, BINS), counted.to(tl.int64), mask=counted != 0)
+    if ALONE:
+        tl.store(counts_ptr + tl.arange(0, BINS), counted.to(tl.int64))
+    else:  # (most of a block's bins are empty: no atomic for them)
+        tl.atomic_add(counts_ptr + tl.arange(0, BINS), counted.to(tl.int64), mask=counted != 0)

@@ -55,8 +55,11 @@ _CHILD = textwrap.dedent(
             hist = device_kernels.histogram(x).tolist()
             torch_hist = np.asarray(histogram_torch(x)).tolist()
         again = device_kernels.summarize(x).tolist()
+        flat = device_kernels._flat(x)
+        blocks = device_kernels._in_blocks(flat).tolist()  # two launches, whatever its size
         out[name] = dict(usable=usable, row=row, torch_row=torch_row, hist=hist,
-                         torch_hist=torch_hist, again=again)
+                         torch_hist=torch_hist, again=again, blocks=blocks,
+                         one_block=flat.numel() <= device_kernels.BLOCK)
     # blocks of 16 values, partial results read 4 at a time: the combining program's loops
     # run hundreds of times (a tensor of over 2 million values does at the real sizes)
     device_kernels.BLOCK, device_kernels.PARTS = 16, 4
@@ -129,6 +132,17 @@ def test_the_kernels_give_torchs_route_numbers(
         assert result["hist"] == result["torch_hist"]
 
 
+@pytest.mark.parametrize("case", ["fc1", "nan", "inf", "subnormal", "transposed", "float64"])
+def test_a_tensor_of_one_block_takes_one_launch_and_gets_the_same_row(
+    kernels_run: dict[str, dict[str, object]], case: str
+) -> None:
+    """Up to ``BLOCK`` values, ``alone`` makes the row in one launch: bit for bit the row the
+    two launches make (one block's partial result, combined)."""
+    result = kernels_run[case]
+    assert result["one_block"]
+    assert result["row"] == pytest.approx(result["blocks"], rel=0, abs=0, nan_ok=True)
+
+
 @pytest.mark.parametrize("case", ["blocks", "nan", "bfloat16", "transposed"])
 def test_blocks_combined_many_times_give_the_same_numbers(
     kernels_run: dict[str, dict[str, object]], case: str
@@ -177,6 +191,11 @@ def test_the_kernels_compile_for_a_gpu(dtype: str) -> None:
             {"BLOCK": device_kernels.BLOCK},
         ),
         (
+            triton_kernels.alone,
+            {"x_ptr": f"*{dtype}", "row_ptr": "*fp64", "n": "i32", "BLOCK": "constexpr"},
+            {"BLOCK": device_kernels.BLOCK},
+        ),
+        (
             triton_kernels.combine,
             {"part_ptr": "*fp32", "blocks": "i32", "n": "i64", "row_ptr": "*fp64"}
             | {"PARTS": "constexpr"},
@@ -185,14 +204,19 @@ def test_the_kernels_compile_for_a_gpu(dtype: str) -> None:
     ]
     if dtype != "fp64":  # (float64 histograms are torch's)
         signature = {"x_ptr": f"*{dtype}", "counts_ptr": "*i64", "n": "i64"}
-        constants = {"BLOCK": device_kernels.BLOCK, "BINS": device_kernels.HISTOGRAM_BINS}
-        kernels.append(
-            (
-                triton_kernels.bins,
-                signature | {"BLOCK": "constexpr", "BINS": "constexpr"},
-                constants,
+        for alone in (False, True):
+            constants = {
+                "BLOCK": device_kernels.BLOCK,
+                "BINS": device_kernels.HISTOGRAM_BINS,
+                "ALONE": alone,
+            }
+            kernels.append(
+                (
+                    triton_kernels.bins,
+                    signature | {"BLOCK": "constexpr", "BINS": "constexpr", "ALONE": "constexpr"},
+                    constants,
+                )
             )
-        )
     for kernel, signature, constants in kernels:
         compiled = triton.compile(
             ASTSource(fn=kernel, signature=signature, constexprs=constants),
