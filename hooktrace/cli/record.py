@@ -175,12 +175,7 @@ def record(
     from hooktrace.errors import HooktraceError
     from hooktrace.recorder.hooks.select import StepSelection, histogram_kinds, module_matcher
 
-    try:
-        from hooktrace.recorder.recording.launch import run_script
-    except ImportError as exc:
-        raise CommandError(f"hooktrace record needs PyTorch ({exc}): pip install torch") from exc
-
-    try:  # every bad value is reported before the script starts
+    try:  # every bad value is reported before the script starts, and before torch loads
         StepSelection(options.get("steps"), every=options.get("every", 1))
         StepSelection(options.get("full_steps"), every=options.get("full_every") or 1)
         for key in ("modules", "exclude", "full_modules"):
@@ -188,6 +183,11 @@ def record(
         histogram_kinds(options.get("histograms"))
     except HooktraceError as exc:
         raise CommandError(str(exc)) from exc
+
+    try:
+        from hooktrace.recorder.recording.launch import run_script
+    except ImportError as exc:
+        raise CommandError(f"hooktrace record needs PyTorch ({exc}): pip install torch") from exc
 
     if not quiet:
         click.echo(f"hooktrace: recording {script} into {out}", err=True)

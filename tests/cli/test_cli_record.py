@@ -402,6 +402,20 @@ def test_bad_options_fail_before_the_script_starts(
     assert not marker.exists()
 
 
+def test_bad_options_fail_before_torch_is_imported(tmp_path: Path) -> None:
+    """A mistyped option is answered at once, not after the seconds torch takes to load."""
+    script = _script(tmp_path, "")
+    probe = (
+        "import sys; from hooktrace.cli import main\n"
+        "try:\n"
+        f"    main(['record', '--steps', '9-2', {str(script)!r}])\n"
+        "except SystemExit as exc:\n"
+        "    print(exc.code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+
+
 def test_missing_script_and_config_file(tmp_path: Path) -> None:
     result = _record(str(tmp_path / "nope.py"))
     assert result.returncode == 2 and "no such script" in result.stderr
