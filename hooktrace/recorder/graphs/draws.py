@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.operator_schemas import normalize_function
 
 from hooktrace.recorder.graphs.masks import made_from
 
@@ -33,9 +34,9 @@ from hooktrace.recorder.graphs.masks import made_from
 def count_draws(graph: fx.Graph) -> int:
     """How many times the forward of a joint graph draws from a generator: each operator
     tagged ``nondeterministic_seeded`` (inductor's seeds for all its own random operators are
-    one), but an attention whose dropout is 0, and but what the backward computes (made from
-    the gradients coming in, the ``tangents``: an attention's backward, tagged, draws
-    nothing)."""
+    one). Not counted: an attention whose dropout is 0, and what the backward computes (made
+    from the gradients coming in, the ``tangents``: an attention's backward is tagged, and
+    draws nothing)."""
     tangents = {
         node for node in graph.nodes if node.op == "placeholder" and "tangents" in node.name
     }
@@ -46,7 +47,7 @@ def count_draws(graph: fx.Graph) -> int:
         if node.op == "call_function"
         and node not in backward
         and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
-        and _argument(node, "dropout_p", 1.0) != 0
+        and _dropout(node) != 0
     )
 
 
@@ -64,18 +65,11 @@ def keep_draw_order(graph: fx.Graph) -> bool:
     return True
 
 
-def _argument(node: fx.Node, name: str, default: Any) -> Any:
-    """The value ``node`` passes for its operator's argument ``name``, or ``default`` where the
-    operator has none of that name or the call leaves it to its default."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return default
-    for index, argument in enumerate(schema.arguments):
-        if argument.name != name:
-            continue
-        if name in node.kwargs:
-            return node.kwargs[name]
-        if index < len(node.args) and not argument.kwarg_only:
-            return node.args[index]
-        return argument.default_value if argument.has_default_value() else default
-    return default
+def _dropout(node: fx.Node) -> Any:
+    """The ``dropout_p`` the call passes, its operator's default where it passes none; 1 for
+    an operator without one, or a call torch cannot match to its schema."""
+    target = node.target
+    if not callable(target):
+        return 1.0
+    call = normalize_function(target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    return 1.0 if call is None else call.kwargs.get("dropout_p", 1.0)

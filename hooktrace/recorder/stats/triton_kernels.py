@@ -78,15 +78,17 @@ def alone(x_ptr, row_ptr, n, BLOCK: tl.constexpr):
     x = float32(tl.load(x_ptr + offsets, mask=inside, other=0.0))
     count, total, centred, squares, low, high, zeros, nans, infs = block_sums(x, inside)
     size = count.to(tl.float64)
-    any_nan = nans > 0
-    tl.store(row_ptr + 0, total.to(tl.float64) / size)
-    tl.store(row_ptr + 1, tl.sqrt(centred.to(tl.float64) / size))
-    tl.store(row_ptr + 2, tl.where(any_nan, float("nan"), low.to(tl.float64)))
-    tl.store(row_ptr + 3, tl.where(any_nan, float("nan"), high.to(tl.float64)))
-    tl.store(row_ptr + 4, tl.sqrt(squares.to(tl.float64)))
-    tl.store(row_ptr + 5, zeros.to(tl.float64))
-    tl.store(row_ptr + 6, nans.to(tl.float64))
-    tl.store(row_ptr + 7, infs.to(tl.float64))
+    store_row(
+        row_ptr,
+        total.to(tl.float64) / size,
+        centred.to(tl.float64) / size,
+        low.to(tl.float64),
+        high.to(tl.float64),
+        squares.to(tl.float64),
+        zeros.to(tl.float64),
+        nans.to(tl.float64),
+        infs.to(tl.float64),
+    )
 
 
 @triton.jit(do_not_specialize=["blocks", "n"])
@@ -127,18 +129,31 @@ def combine(part_ptr, blocks, n, row_ptr, PARTS: tl.constexpr):
         block_m2 = tl.load(part + 2, mask=inside, other=0.0).to(tl.float64)
         apart = tl.where(inside, block_total / tl.maximum(size, 1.0) - mean, 0.0)
         spread += block_m2 + size * apart * apart
-    nan_count = tl.sum(nans, axis=0)
-    any_nan = nan_count > 0
-    low = tl.min(lo, axis=0).to(tl.float64)
-    high = tl.max(hi, axis=0).to(tl.float64)
+    store_row(
+        row_ptr,
+        mean,
+        tl.sum(spread, axis=0) / count,
+        tl.min(lo, axis=0).to(tl.float64),
+        tl.max(hi, axis=0).to(tl.float64),
+        tl.sum(squares, axis=0),
+        tl.sum(zeros, axis=0),
+        tl.sum(nans, axis=0),
+        tl.sum(infs, axis=0),
+    )
+
+
+@triton.jit
+def store_row(row_ptr, mean, variance, low, high, squares, zeros, nans, infs):
+    # the row, in float64: a NaN makes the extremes NaN (the mean and std are NaN already)
+    any_nan = nans > 0
     tl.store(row_ptr + 0, mean)
-    tl.store(row_ptr + 1, tl.sqrt(tl.sum(spread, axis=0) / count))
+    tl.store(row_ptr + 1, tl.sqrt(variance))
     tl.store(row_ptr + 2, tl.where(any_nan, float("nan"), low))
     tl.store(row_ptr + 3, tl.where(any_nan, float("nan"), high))
-    tl.store(row_ptr + 4, tl.sqrt(tl.sum(squares, axis=0)))
-    tl.store(row_ptr + 5, tl.sum(zeros, axis=0))
-    tl.store(row_ptr + 6, nan_count)
-    tl.store(row_ptr + 7, tl.sum(infs, axis=0))
+    tl.store(row_ptr + 4, tl.sqrt(squares))
+    tl.store(row_ptr + 5, zeros)
+    tl.store(row_ptr + 6, nans)
+    tl.store(row_ptr + 7, infs)
 
 
 @triton.jit(do_not_specialize=["n"])
