@@ -70,7 +70,9 @@ class Reads:
     positions the statistics read and the entries histogrammed, the statistics' rows of
     those, the places, or None where they cannot be, and the statistics' places they were
     taken from); the groups on a device that ran out of memory batched
-    (``params._batched``)."""
+    (``params._batched``); whether this step's values were found as the last step's, bar
+    where they lie (``params.RecordsCache``: the same type, dtype, shape, strides, device
+    and negation bit each)."""
 
     stats: Any = None
     histograms: Any = None
@@ -78,6 +80,7 @@ class Reads:
         tuple[list[int], tuple[int, ...], np.ndarray, np.ndarray | None, np.ndarray] | None
     ) = None
     unbatched: set[int] = field(default_factory=set)
+    unchanged: bool = False
 
 
 class Histograms:

@@ -299,8 +299,10 @@ def test_parameters_read_in_place_are_recorded_as_staged_ones(
     real = staged_kernels.TensorsInPlace.summarize
     real_at = histogram_kernel.histograms_at
 
-    def counting(self: object, tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
-        rows = real(self, tensors)  # type: ignore[arg-type]
+    def counting(
+        self: object, tensors: list[torch.Tensor], unchanged: bool = False
+    ) -> list[np.ndarray | None]:
+        rows = real(self, tensors, unchanged)  # type: ignore[arg-type]
         read.extend(1 for row in rows if row is not None)
         return rows
 
@@ -342,3 +344,37 @@ def test_parameters_read_in_place_are_recorded_as_staged_ones(
     in_place, staged = (records[n][columns].reset_index(drop=True) for n in records)
     assert len(in_place) == 3 * (6 + 3 + 6)
     pd.testing.assert_frame_equal(in_place, staged, check_exact=True)
+
+
+@pytest.mark.parametrize("guard", ["torch's guard", "Python key"])
+def test_a_parameter_given_data_of_the_same_shape_laid_out_otherwise_is_read_as_it_lies(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, guard: str
+) -> None:
+    """A parameter whose ``.data`` becomes a strided slice of the same shape and dtype (its
+    rows apart in memory): the records kept from the step before hold for its shape, not for
+    its strides, and reading 16 values where it starts would take a row of values that are
+    not its own. Each step's record is of the values it holds, by hand: with torch's tensor
+    guard, and with the Python key a torch without it is checked by."""
+    from hooktrace.recorder.records import params
+
+    if guard == "Python key":
+        monkeypatch.setattr(params, "_guard", lambda tensors: None)
+    else:  # this torch has it (2.1 to 2.13 take these arguments)
+        assert params._guard([torch.zeros(2), torch.ones(3, dtype=torch.int64)]) is not None
+    route()
+    model = nn.Sequential(nn.Linear(4, 4, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    wide = torch.arange(32.0).reshape(4, 8)  # its first four columns: 0-3, 8-11, 16-19, 24-27
+    with hooktrace.record(model, run_dir, histograms=None):
+        for step in range(3):
+            if step == 1:
+                model[0].weight.data = wide[:, :4]
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    records = hooktrace.load(run_dir).records
+    weight = records[records["kind"] == "param"].sort_values("step")
+    columns = wide[:, :4]
+    assert weight["max"].tolist()[1:] == [27.0, 27.0]  # not 15: the slice's own values
+    assert weight["mean"].tolist()[1:] == [columns.mean().item()] * 2
+    assert weight["norm"].tolist()[1:] == pytest.approx([columns.norm().item()] * 2, rel=1e-6)
