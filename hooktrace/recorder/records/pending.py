@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from hooktrace.recorder.records.layout import Layout, Layouts, Meta, dtype_name
+from hooktrace.recorder.records.layout import Layout, Layouts, MetaRow, dtype_name
 from hooktrace.recorder.records.staging import Staged, StagedUnits, Staging, StagingPool
 from hooktrace.recorder.stats import numba_kernels
 from hooktrace.recorder.stats.histogram import histogram_staged
@@ -32,7 +32,7 @@ from hooktrace.trace.step_data import StepData
 class PendingStep:
     step: int
     start_time: float
-    meta: list[Meta] = field(default_factory=list)
+    meta: list[MetaRow] = field(default_factory=list)
     stats: list[Stats | Staged | None] = field(default_factory=list)
     activity: list[tuple[int, torch.Tensor | np.ndarray | StagedUnits]] = field(
         default_factory=list
