@@ -23,6 +23,9 @@ from torch.utils.hooks import RemovableHandle
 
 from hooktrace.recorder.records.flatten import flatten
 
+_PRUNE_AT = 64
+"""Gradient hook handles held before the dead ones are dropped, at least."""
+
 Target = tuple[str, int, str, str]
 """Where a gradient is recorded: (module, call, kind, slot)."""
 
@@ -41,6 +44,7 @@ class Calls:
 
     def __init__(self) -> None:
         self.handles: list[Handle] = []
+        self._prune_at = _PRUNE_AT
         self.new_step()
 
     def new_step(self) -> None:
@@ -105,11 +109,14 @@ class Calls:
 
     def prune(self) -> None:
         """The gradient hooks of a graph that is gone need no removing: their handles are
-        dropped at each step's end (a handle keeps no tensor alive). Kept longer, each
-        would be alive at a young collection and counted towards the next full one
-        (``layout.MetaRow``): with 1,024 kept, 400 of them a step on the 200-layer
-        benchmark."""
-        self.handles = [h for h in self.handles if _alive(h)]
+        dropped at a step's end (a handle keeps no tensor alive) once there are 64, or twice
+        as many as were alive the last time. Kept for many steps, each would be alive at a
+        young collection and counted towards the next full one (``layout.MetaRow``): with
+        1,024 kept, 400 of them a step on the 200-layer benchmark; a script that keeps its
+        graphs (``losses.append(loss)``) does not have them all walked every step."""
+        if len(self.handles) >= self._prune_at:
+            self.handles = [h for h in self.handles if _alive(h)]
+            self._prune_at = max(_PRUNE_AT, 2 * len(self.handles))
 
     def remove(self) -> None:
         for hooks, key in self.handles:

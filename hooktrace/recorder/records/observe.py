@@ -59,9 +59,12 @@ new one's is not (``layout.MetaRow``)."""
 
 
 def _kept(shape: tuple[int, ...]) -> tuple[int, ...]:
-    if len(_SHAPES) >= 65536:  # shapes that change every step: start again
-        _SHAPES.clear()
-    return _SHAPES.setdefault(shape, shape)
+    kept = _SHAPES.get(shape)
+    if kept is None:
+        if len(_SHAPES) >= 65536:  # shapes that change every step: start again
+            _SHAPES.clear()
+        kept = _SHAPES.setdefault(shape, shape)
+    return kept
 
 
 _RECENT = 4
@@ -208,8 +211,7 @@ class Observer:
             n_units = counts.units if isinstance(counts, StagedUnits) else counts.shape[0]
             unit_size = tensor.numel() // max(n_units, 1)
             pending.activity.append((row, counts))
-        shape = tuple(tensor.shape)
-        shape = _SHAPES.get(shape) or _kept(shape)
+        shape = _kept(tuple(tensor.shape))
         pending.meta.append((micro_step, phase, module, call, kind, slot, tensor.dtype, shape,
                              n_units, unit_size, note, shard))  # fmt: skip
         pending.stats.append(stats)
@@ -250,8 +252,8 @@ class Observer:
             n_units = counts.shape[0]
             unit_size = math.prod(shape) // max(n_units, 1)
             pending.activity.append((row, counts))
-        pending.meta.append((micro_step, phase, module, call, kind, slot, dtype, shape, n_units,
-                             unit_size, "", shard))  # fmt: skip
+        pending.meta.append((micro_step, phase, module, call, kind, slot, dtype, _kept(shape),
+                             n_units, unit_size, "", shard))  # fmt: skip
         pending.stats.append(stats)
         if value is not None:
             if kind in self.histogram_now:
@@ -297,6 +299,8 @@ class Observer:
         try:
             address = tensor.data_ptr()
         except RuntimeError:  # no storage to read (a functional tensor's)
+            return None
+        if not address:  # no memory of its own (an efficient zero tensor): staged
             return None
         return in_place.summarize_at(address, numel, code, shape, dim)
 

@@ -16,6 +16,7 @@ name is gone, the tensor found at the start is recorded: pruning
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -334,13 +335,33 @@ def _guard(tensors: Sequence[torch.Tensor]) -> Any:
     """torch's check that tensors are as ``tensors`` are now (type, dtype, device, layout,
     sizes, strides, dispatch keys, requires_grad), or None where this torch has none that
     takes them (a private class of dynamo's, its arguments those of torch 2.1 to 2.13)."""
+    if not _guards_tell():
+        return None
     try:
-        from torch._C._dynamo.guards import TensorGuards
-
-        guard = TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+        guard = _tensor_guards(tensors)
         return guard if guard.check(*tensors) else None
     except Exception:
         return None
+
+
+def _tensor_guards(tensors: Sequence[torch.Tensor]) -> Any:
+    from torch._C._dynamo.guards import TensorGuards
+
+    return TensorGuards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+
+
+@functools.cache
+def _guards_tell() -> bool:
+    """Whether this torch's guard tells a tensor from one laid out otherwise (another
+    shape, strides, dtype, or a negated view): asked once a process, so that a torch whose
+    private class means something else takes the Python key instead."""
+    try:
+        base = torch.arange(4.0).reshape(2, 2)
+        guard = _tensor_guards([base])
+        others = [base.t(), torch._neg_view(base), base.reshape(4), base.double()]
+        return bool(guard.check(base)) and not any(guard.check(other) for other in others)
+    except Exception:
+        return False
 
 
 def queue_records(

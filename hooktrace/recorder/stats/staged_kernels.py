@@ -18,6 +18,7 @@ They are loaded from numba's cache with the one-pass kernel, at the first CPU te
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import no_type_check
 
@@ -88,9 +89,10 @@ def summarize_tensors(tensors: list[torch.Tensor]) -> list[np.ndarray | None]:
 class TensorsInPlace:
     """:func:`summarize_tensors` of the same kind of tensors step after step (a model's
     parameters, their gradients), for a caller that checks that each position still holds a
-    small strided CPU tensor of the same dtype and shape (``params.RecordsCache``): where
-    each tensor lies is read every step, and the places are built again when one moved or
-    is no longer read in place (a parameter is updated in place, so most steps find every
+    small strided CPU tensor of the same dtype and shape (``params.RecordsCache``), and says
+    where it found each of the same type, strides and negation bit as well (``unchanged``):
+    where each tensor lies is read every step, and the places are built again when one moved
+    or is no longer read in place (a parameter is updated in place, so most steps find every
     address where it was)."""
 
     def __init__(self) -> None:
@@ -116,10 +118,13 @@ class TensorsInPlace:
             return summarize_tensors(tensors)  # float64 ones are staged then: rare
         built = self._built
         try:
+            addresses = None
             if unchanged and self._checked == len(tensors):
                 found = built[0]
                 addresses = [tensors[i].data_ptr() for i in found]
-            else:
+                if 0 in addresses:  # one with no memory of its own now: checked again
+                    addresses = None
+            if addresses is None:
                 self._checked = -1
                 found = [
                     i
@@ -130,6 +135,9 @@ class TensorsInPlace:
                     and not t.is_neg()
                 ]  # the rest of _address(): the caller's checks (small CPU tensors, strided)
                 addresses = [tensors[i].data_ptr() for i in found]
+                if 0 in addresses:  # no memory of its own to read (an efficient zero tensor)
+                    found = [i for i, a in zip(found, addresses, strict=True) if a]
+                    addresses = [a for a in addresses if a]
                 self._checked = len(tensors)
         except RuntimeError:  # a tensor with no storage to read
             self._checked = -1
@@ -176,7 +184,8 @@ class InPlace:
         self.codes = _IN_PLACE
         self.FLOAT64, self.INT64 = _FLOAT64, _INT64
         self.flushes = _flushes_denormals  # float64 is then not read in place
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # a free-threaded Python's calls (no GIL to hold)
+        self._replacing = threading.Lock()
         # the rows, the counts, and the next place in each (the kernel moves it on): one
         # tuple, replaced whole when they are full
         self._blocks = (np.empty((0, 8)), np.zeros(0, dtype=np.int64), np.zeros(2, np.int64))
@@ -202,10 +211,26 @@ class InPlace:
         else:
             outer, units, inner = _plan(shape, dim)[:3]
         flush = _DENORMAL64 == 0.0
+        if _NO_GIL:  # no GIL to hold: the lock orders two threads' places
+            with self._lock:
+                return self._summarize_at(address, numel, code, outer, units, inner, flush, dim)
+        return self._summarize_at(address, numel, code, outer, units, inner, flush, dim)
+
+    def _summarize_at(
+        self,
+        address: int,
+        numel: int,
+        code: int,
+        outer: int,
+        units: int,
+        inner: int,
+        flush: bool,
+        dim: int | None,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         blocks = self._blocks
         place = _one_in_place(address, numel, code, outer, units, inner, *blocks, flush)
         while place < 0:  # full: new blocks, unless another thread's call made them
-            with self._lock:
+            with self._replacing:
                 if self._blocks is blocks:
                     self._blocks = (np.empty((self._ROWS, 8)),
                                     np.zeros(max(self._COUNTS, units), dtype=np.int64),
@@ -243,6 +268,8 @@ def _address(t: torch.Tensor) -> int:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_NO_GIL = not getattr(sys, "_is_gil_enabled", lambda: True)()
+"""A free-threaded Python runs without the GIL that :func:`_one_in_place` holds."""
 _FLOAT32, _FLOAT64, _INT64 = 0, 1, 2
 _IN_PLACE = {torch.float32: _FLOAT32, torch.float64: _FLOAT64, torch.int64: _INT64}
 """The dtypes read in place, and how the kernel names them. Others (half precision, bool,

@@ -52,6 +52,11 @@ def test_rows_read_in_place_by_several_threads_are_each_their_own() -> None:
     route()
     kernels = numba_kernels.staged()
     assert kernels is not None
+    # the kernel takes each call's place holding the GIL: compiled with nogil, two threads
+    # could take one place (a race this test would very rarely meet)
+    from hooktrace.recorder.stats import staged_kernels
+
+    assert not staged_kernels._one_in_place.targetoptions.get("nogil")
     in_place = kernels.InPlace()
     results: list[tuple[torch.Tensor, np.ndarray, np.ndarray]] = []
     lock = threading.Lock()
@@ -119,3 +124,21 @@ def test_a_records_metadata_leaves_the_collectors_watch_at_its_first_look() -> N
         gc.collect(1)  # the young generations, once
         assert len(step.meta) == 3
     assert not any(gc.is_tracked(meta) for meta in step.meta)
+
+
+def test_a_tensor_with_no_memory_of_its_own_is_recorded_from_a_copy() -> None:
+    """A module may return an efficient zero tensor, which says it lies at address 0: the
+    hook's kernel read there and ended the process (found in review). It is staged, and
+    its record is that of six zeros."""
+    route()
+    observer, step = _observer()
+    zero = torch._efficientzerotensor(2, 3)
+    for tensor in (torch.ones(2, 3), zero):  # the first loads the kernels the second meets
+        observer.observe(step, 0, "m", 0, "output", "0", tensor, phase="train", full=False,
+                         units=True)  # fmt: skip
+    assert len(step.meta) == 2 and len(step.stats) == 2
+    data = step.materialize()
+    columns = data.columns
+    assert (columns["mean"][1], columns["max"][1], columns["zero_fraction"][1]) == (0, 0, 1)
+    (counts,) = [c for row, c in data.activity if row == 1]  # no positive value a unit
+    assert np.asarray(counts).tolist() == [0, 0, 0]

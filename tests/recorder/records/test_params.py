@@ -378,3 +378,26 @@ def test_a_parameter_given_data_of_the_same_shape_laid_out_otherwise_is_read_as_
     assert weight["max"].tolist()[1:] == [27.0, 27.0]  # not 15: the slice's own values
     assert weight["mean"].tolist()[1:] == [columns.mean().item()] * 2
     assert weight["norm"].tolist()[1:] == pytest.approx([columns.norm().item()] * 2, rel=1e-6)
+
+
+def test_a_value_with_no_memory_of_its_own_is_not_read_in_place() -> None:
+    """An efficient zero tensor (and a functionalized one) says it lies at address 0: read
+    there, the process ended with a segmentation fault (found in review). It is left to the
+    staged route, on the first step and on a step that finds the others unchanged."""
+    from hooktrace.recorder.records import params
+
+    route()
+    kernels = numba_kernels.staged()
+    assert kernels is not None
+    assert params._guards_tell()  # this torch's guard tells other layouts apart
+    reads = kernels.TensorsInPlace()
+    plain = torch.arange(6.0)
+    zero = torch._efficientzerotensor(3)
+    assert zero.data_ptr() == 0
+    for unchanged in (False, True, True):
+        rows = reads.summarize([plain, zero], unchanged)
+        assert rows[1] is None and rows[0] is not None and rows[0][3] == 5.0
+    rows = reads.summarize([plain, torch.ones(3)], False)  # found in place again
+    assert rows[1] is not None and rows[1][0] == 1.0
+    rows = reads.summarize([plain, zero], True)  # the same positions, one with no memory
+    assert rows[1] is None
