@@ -231,35 +231,25 @@ class RecordsCache:
     ) -> tuple[ParamRecords, Reads]:
         """The records, and what they keep from step to step (:meth:`ParamRecords.stage`;
         ``Reads.unchanged`` says whether every value was found as it was, bar its address)."""
-        if saved_whole:  # a full step's records differ, and full steps are rare
-            return self._build(entries, values, kind, phase, micro_step, saved_whole), Reads()
-        built = self._built.get(kind)
-        if built is not None:
-            key, records, reads = built
-            if key.holds(entries, values, phase, micro_step):
-                reads.unchanged = True
-                return records, reads
+        if not saved_whole:  # a full step's records differ, and full steps are rare
+            built = self._built.get(kind)
+            if built is not None:
+                key, records, reads = built
+                if key.holds(entries, values, phase, micro_step):
+                    reads.unchanged = True
+                    return records, reads
+        records = param_records(
+            entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
+        )
+        reads = Reads()  # a new one whenever the records are new
+        if saved_whole:
+            return records, reads
         try:
             key = _Key.of(entries, values, phase, micro_step)
         except (RuntimeError, ValueError):  # a value without a shape: not kept
-            return self._build(entries, values, kind, phase, micro_step, saved_whole), Reads()
-        records = self._build(entries, values, kind, phase, micro_step, saved_whole)
-        reads = Reads()  # a new one whenever the records are new
+            return records, reads
         self._built[kind] = (key, records, reads)
         return records, reads
-
-    @staticmethod
-    def _build(
-        entries: Sequence[Entry],
-        values: Sequence[torch.Tensor | None],
-        kind: str,
-        phase: str,
-        micro_step: int,
-        saved_whole: Collection[str],
-    ) -> ParamRecords:
-        return param_records(
-            entries, values, kind=kind, phase=phase, micro_step=micro_step, saved_whole=saved_whole
-        )
 
 
 @dataclass(frozen=True)
