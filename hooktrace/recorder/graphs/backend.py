@@ -68,6 +68,12 @@ class Receiver(Protocol):
     def records_module(self, module_id: int) -> bool:
         """Whether the module with this id is recorded."""
 
+    def records_alike(self, module: Any) -> bool:
+        """Whether ``module`` is not recorded but a module of its type is."""
+
+    def runs_recorded(self, plan: Plan, args: tuple[Any, ...]) -> bool:
+        """Whether this run of a graph is a recorded module's."""
+
     def graph_failed(self, exc: BaseException, what: str) -> None:
         """Instrumenting a graph failed: it is compiled as it was."""
 
@@ -110,7 +116,7 @@ def wrap_call_user_compiler(original: Callable[..., Any]) -> Callable[..., Any]:
         if receiver is None:
             return original(self, gm, example_inputs)
         backend = self.compiler_fn
-        self.compiler_fn = _Instrumenting(backend, receiver)
+        self.compiler_fn = _Instrumenting(backend, receiver, alike=_alike(self, receiver))
         try:
             return original(self, gm, example_inputs)
         finally:
@@ -119,17 +125,38 @@ def wrap_call_user_compiler(original: Callable[..., Any]) -> Callable[..., Any]:
     return call_user_compiler
 
 
-class _Instrumenting:
-    """The script's backend, given the instrumented graph."""
+def _alike(output_graph: Any, receiver: Receiver) -> bool:
+    """Whether the frame dynamo compiles holds a module that is not recorded but of a type
+    a recorded module is (a second model of the same class, an EMA copy): dynamo checks a
+    module's type, not which one it is, and may run the graph compiled for that one for a
+    recorded one (:class:`_Instrumenting`)."""
+    try:
+        frame = output_graph.root_tx.f_locals  # (dynamo's own: where it lacks them, no)
+        return any(receiver.records_alike(value) for value in list(frame.values()))
+    except Exception:
+        return False
 
-    def __init__(self, backend: Callable[..., Any], receiver: Receiver) -> None:
+
+class _Instrumenting:
+    """The script's backend, given the instrumented graph. A graph of a frame that holds a
+    module ``alike`` a recorded one, and none recorded, is instrumented for every module
+    call in it and compiled without statistics too: each run takes the variant its module
+    needs (:meth:`Receiver.runs_recorded`), so a model that is not recorded still pays
+    nothing, and a recorded one that dynamo gives its graph is recorded all the same."""
+
+    def __init__(self, backend: Callable[..., Any], receiver: Receiver, *, alike: bool) -> None:
         self.backend = backend
         self.receiver = receiver
+        self.alike = alike
+        self.recorded: Callable[[int], bool] = receiver.records_module
         self.__name__ = getattr(backend, "__name__", type(backend).__name__)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         try:
             trial, plan = self._instrumented(gm, full=False)
+            if plan is None and self.alike:  # every module call, for the recorded model
+                self.recorded = _every_module
+                trial, plan = self._instrumented(gm, full=False)
         except Exception as exc:
             self.receiver.graph_failed(exc, "reading a compiled graph")
             return self._as_it_was(gm, example_inputs)
@@ -143,8 +170,10 @@ class _Instrumenting:
             self.receiver.graph_failed(exc, "compiling a graph with its statistics")
             return self._as_it_was(gm, example_inputs)
         full = self._full(gm, example_inputs) if self.receiver.saves_full else None
-        plain = self._as_it_was(gm, example_inputs) if self.receiver.skips_steps else None
-        return _Run(compiled, plan, plain, full)
+        alike = self.recorded is _every_module
+        needs_plain = self.receiver.skips_steps or alike
+        plain = self._as_it_was(gm, example_inputs) if needs_plain else None
+        return _Run(compiled, plan, plain, full, alike=alike)
 
     def _compiled(
         self,
@@ -178,7 +207,7 @@ class _Instrumenting:
             trial,
             max_units=self.receiver.max_units,
             new_tap=_new_tap,
-            recorded=self.receiver.records_module,
+            recorded=self.recorded,
             left_out=self.receiver.graph_left_out,
             full=full,
         )
@@ -206,6 +235,10 @@ class _Instrumenting:
 
     def __getattr__(self, name: str) -> Any:  # what dynamo asks of the backend
         return getattr(self.backend, name)
+
+
+def _every_module(module_id: int) -> bool:
+    return True
 
 
 def _dynamo_control(exc: BaseException) -> bool:
@@ -238,9 +271,10 @@ class _Run:
     handed to the recorder. Where steps go unrecorded (``every``, ``steps``), the graph
     compiled without statistics (``plain``) runs in them: they do not pay for statistics;
     where steps save tensors whole, the graph compiled to return its values (``full``: it
-    and its plan) runs in those."""
+    and its plan) runs in those. A graph compiled for a module ``alike`` a recorded one runs
+    ``plain`` but for a recorded module."""
 
-    __slots__ = ("compiled", "full", "plain", "plan", "returns")
+    __slots__ = ("alike", "compiled", "full", "plain", "plan", "returns")
 
     def __init__(
         self,
@@ -248,16 +282,23 @@ class _Run:
         plan: Plan,
         plain: Callable[..., Any] | None,
         full: tuple[Callable[..., Any], Plan] | None = None,
+        *,
+        alike: bool = False,
     ) -> None:
         self.compiled = compiled
         self.plain = plain
         self.plan = plan
         self.full = full
         self.returns = plan.returns
+        self.alike = alike
 
     def __call__(self, *args: Any) -> Any:
         receiver = _receiver[0]
-        if self.plain is not None and (receiver is None or not receiver.recording_graphs):
+        if self.plain is not None and (
+            receiver is None
+            or not receiver.recording_graphs
+            or (self.alike and not receiver.runs_recorded(self.plan, args))
+        ):
             return self.plain(*args)
         compiled, plan = self.compiled, self.plan
         if self.full is not None and receiver is not None and receiver.full_graphs:

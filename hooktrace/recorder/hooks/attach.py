@@ -121,6 +121,15 @@ class ModuleTable:
                 return replica[1]
         return None
 
+    def records_a(self, kind: type) -> bool:
+        """Whether a module of this very type is recorded (a compiled root: the model it
+        compiles)."""
+        return any(
+            type(getattr(entry.module, "_orig_mod", entry.module)) is kind
+            for entry in self._by_id.values()
+            if entry.name is not None or entry.root
+        )
+
     def by_id(self, module_id: int) -> Attached | None:
         """The entry of the module with this id (a compiled graph names its modules by id)."""
         return self._by_id.get(module_id)

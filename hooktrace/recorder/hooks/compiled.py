@@ -88,17 +88,16 @@ class CompiledCalls:
             frames[frame] = self._frame_module(args[index], path)
         entries: list[Attached | None] = []
         for call in plan.calls:
-            frame_module = frames.get(call.frame)
-            module = None
-            if frame_module is not None:
+            if call.frame not in frames:  # a frame that takes no parameter
+                entries.append(self._table.by_id(call.traced_id))
+                continue
+            frame_module, module = frames[call.frame], None
+            if frame_module is not None:  # (None: a model not recorded runs this graph)
                 try:
                     module = frame_module.get_submodule(call.path) if call.path else frame_module
                 except AttributeError:
                     module = None
-                entry = self._table.get(module) if module is not None else None
-            else:
-                entry = self._table.by_id(call.traced_id)
-            entries.append(entry)
+            entries.append(self._table.get(module) if module is not None else None)
         return entries
 
     def _frame_module(self, parameter: Any, path: str) -> torch.nn.Module | None:

@@ -33,6 +33,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hooktrace.errors import ConfigError, RecordingError
 from hooktrace.recorder.graphs import backend as graphs
+from hooktrace.recorder.graphs.plan import Plan
 from hooktrace.recorder.hooks.calls import Calls
 from hooktrace.recorder.hooks.compiled import CompiledCalls
 from hooktrace.recorder.hooks.hooks import attach, call_spec
@@ -376,6 +377,21 @@ class Recorder(Steps):
     def records_module(self, module_id: int) -> bool:
         entry = self._table.by_id(module_id)
         return entry is not None and entry.name is not None
+
+    def records_alike(self, module: Any) -> bool:
+        """Whether ``module`` is not recorded but a module of its type is: dynamo may run a
+        graph compiled for one for the other (it checks a module's type, not which one it
+        is, as it must to run one graph for every block of a model)."""
+        return (
+            isinstance(module, nn.Module)
+            and self._table.get(module) is None
+            and self._table.records_a(type(module))
+        )
+
+    def runs_recorded(self, plan: Plan, args: tuple[Any, ...]) -> bool:
+        """Whether this run of a graph compiled for a module alike (:meth:`records_alike`)
+        is a recorded module's: its anchors name one."""
+        return any(entry is not None for entry in self._compiled.modules(plan, args))
 
     def _compiled_before(self, entry: Any) -> None:
         if self._graph_failures:  # its graphs were not instrumented: that is said already

@@ -9,6 +9,7 @@ before a recording began is not instrumented, and dynamo would reuse it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import re
 from collections import Counter
@@ -911,6 +912,47 @@ def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> N
         compiled(torch.randn(4, 8)).sum().backward()
     assert summaries == []
     assert "blocks.0.fc" in set(hooktrace.load(tmp_path / "run").records["module"])
+
+
+@pytest.mark.parametrize("compiled_for", ["recorded", "other"])
+def test_a_graph_that_serves_two_models_of_one_class_records_the_recorded_one_only(
+    tmp_path: Path, compiled_for: str
+) -> None:
+    """dynamo checks a module's type, not which one it is: the graph it compiled for one
+    model of a class runs for every other (an EMA copy, a reference model). Whichever model
+    it was compiled for, the recorded model's calls are recorded as an eager run records
+    them, and only they: the other model's values went into its records, and where the
+    other compiled it first, none of the recorded model's modules were. The other model
+    still pays nothing where it compiled the graph."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    recorded, other = Blocks(), Blocks()
+    eager = copy.deepcopy(recorded)
+    run, run_other = (torch.compile(m, backend="aot_eager") for m in (recorded, other))
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    summaries: list[int] = []
+
+    def step(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:
+        model(x).sum().backward()
+
+    with pytest.MonkeyPatch.context() as patch, hooktrace.record(recorded, tmp_path / "run"):
+        _count_summaries(patch, summaries)
+        if compiled_for == "other":
+            step(run_other, xs[0])
+            assert summaries == []  # compiled without statistics for it too, and run so
+        for x in xs:
+            step(run, x)
+            step(run_other, x + 1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph served both
+    with hooktrace.record(eager, tmp_path / "eager"):
+        for x in xs:
+            step(eager, x)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "run", rtol=1e-5)
+    assert result.match, result
+    records = hooktrace.load(tmp_path / "run").records
+    assert result.records == len(records) == len(hooktrace.load(tmp_path / "eager").records)
+    assert (records[records["kind"] == "output"].groupby("module").size() == len(xs)).all()
 
 
 def test_statistics_fused_into_the_graph_match_the_eager_run(tmp_path: Path) -> None:
