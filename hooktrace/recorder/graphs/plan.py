@@ -139,16 +139,17 @@ def instrument(
     ``full``: the graph also returns each value summarised, and its taps hand on each
     gradient (a variant for the steps that save tensors whole)."""
     graph = gm.graph
-    marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
-    if not marks:
-        return None
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    output_node = next(n for n in graph.nodes if n.op == "output")
-    returns = len(output_node.args[0])
     training = torch.is_grad_enabled() and any(
         isinstance(v := p.meta.get("example_value"), torch.Tensor) and v.requires_grad
         for p in placeholders
     )
+    _hoist(gm, training=training, new_tap=new_tap, full=full)
+    marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
+    if not marks:
+        return None
+    output_node = next(n for n in graph.nodes if n.op == "output")
+    returns = len(output_node.args[0])
     starts = _starts(graph)
     changed = {n for n in graph.nodes if _mutated(n)}  # before taps take their users
     calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool, str]]]] = {}
@@ -167,7 +168,9 @@ def instrument(
         kind = "input" if mark.target in ops.INPUT_MARKS else "output"
         if kind == "output":
             ends.setdefault(key, position)
-        calls.setdefault(key, (path, module_type, []))[2].append((str(slot), value, local, kind))
+        calls.setdefault(key, (path, module_type, []))[2].append(
+            (str(slot), value, local, kind, mark.meta.get(_TAPPED_INSIDE))
+        )
     if not calls:
         gm.recompile()
         return None
@@ -177,7 +180,7 @@ def instrument(
     placed: list[tuple[tuple[int, int, int], Call]] = []
     for key, (path, module_type, marked) in calls.items():
         outputs = []
-        for slot, node, local, kind in marked:
+        for slot, node, local, kind, tapped_inside in marked:
             shard, tap_on = None, None
             if local:  # a DTensor's local tensor (its to_local()): the gradient tapped on it
                 tap_on = cast(fx.Node, node.args[0])
@@ -204,6 +207,7 @@ def instrument(
                         tap_on=tap_on,
                         kind=kind,
                         at=at,
+                        tapped_inside=tapped_inside,
                     )
                 )
         traced_id = int(key.split("@")[0]) if key else 0
@@ -284,12 +288,14 @@ class _Adding:
         tap_on: fx.Node | None = None,
         kind: str = "output",
         at: fx.Node | None = None,
+        tapped_inside: int | None = None,
     ) -> Output:
         """``node`` summarised (``value`` its example) where it is made, or just before
         ``at`` (the first node of a call whose argument was changed in place after it was
         made); its gradient tapped at ``tap_on`` (the DTensor whose local tensor ``node``
         is) or at ``node`` where it is an output (an argument's gradient is not recorded,
-        as in an eager run)."""
+        as in an eager run); ``tapped_inside``: the tap ``node``'s gradient has already, in
+        the region it was taken out of (:func:`_hoist`)."""
         shape = tuple(d if isinstance(d, int) else -1 for d in value.shape)
         static = -1 not in shape
         if static and channels_first and len(shape) == 3:
@@ -299,7 +305,7 @@ class _Adding:
             self.made[made] = self._summarise(node, value, shape, static, at)
         row, span, tap, dims = self.made[made]
         if tap is None and kind == "output":  # (an argument of a call before: not tapped)
-            tap = self._tap(node, tap_on)
+            tap = tapped_inside if tapped_inside is not None else self._tap(node, tap_on)
             self.made[made] = (row, span, tap, dims)
         return Output(slot, row, span, tap, value.dtype, shape, dims, shard, kind)
 
@@ -392,6 +398,105 @@ class _Adding:
             if self.count_nodes:
                 extra.append(self.graph.call_function(torch.cat, (self.count_nodes,)))
         return extra + self.sizes + self.values
+
+
+_REGIONS = tuple(
+    op
+    for op in (
+        getattr(torch.ops.higher_order, "tag_activation_checkpoint", None),
+        getattr(torch.ops.higher_order, "wrap", None),
+    )
+    if op is not None
+)
+"""Regions dynamo traces as a graph of their own, called from the frame's graph: activation
+checkpointing's (``torch.utils.checkpoint``), and a function it wraps."""
+
+_TAPPED_INSIDE = "hooktrace_tapped_inside"
+"""A hoisted mark's meta: the tap its value's gradient has inside its region (or None)."""
+
+
+def _hoist(gm: fx.GraphModule, *, training: bool, new_tap: Callable[[], int], full: bool) -> None:
+    """Take the marks out of the regions ``gm`` calls (:data:`_REGIONS`) into ``gm`` itself:
+    each value marked in a region leaves it as an extra output, marked in ``gm`` just after
+    the region's call, where it is summarised as any other; its gradient is tapped inside
+    the region, where it flows (a checkpointed region's backward recomputes its forward and
+    runs the tap's backward once). The marks come out in the order they were made, before
+    the marks that follow the region: an eager run's order. A region is copied before it
+    is changed: the graph compiled as it was shares the original."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _REGIONS:
+            continue
+        holder = node.args[0]
+        if not isinstance(holder, fx.Node) or holder.op != "get_attr":
+            continue
+        body = getattr(gm, str(holder.target), None)
+        if not isinstance(body, fx.GraphModule):
+            continue
+        if not _marked(body):
+            continue
+        body = fx.GraphModule(body, _graph_copy(body.graph))
+        setattr(gm, str(holder.target), body)
+        _hoist(body, training=training, new_tap=new_tap, full=full)  # a region in this one
+        marks = [n for n in body.graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
+        output = next(n for n in body.graph.nodes if n.op == "output")
+        first = len(output.args[0])  # the region's own outputs, then the values marked
+        marked = [(mark.target, mark.args, dict(mark.meta)) for mark in marks]
+        for mark in marks:  # (all of them before the taps take their values' users)
+            body.graph.erase_node(mark)
+        places: dict[fx.Node, tuple[int, int | None]] = {}  # by value: its output, its tap
+        hoisted = []
+        for target, args, meta in marked:
+            value = args[0]
+            if not isinstance(value, fx.Node):
+                continue
+            if value not in places:
+                tap = meta.get(_TAPPED_INSIDE)  # a value of a region inside this one
+                example = value.meta.get("example_value")
+                grads = isinstance(example, torch.Tensor) and example.requires_grad
+                if tap is None and training and grads and target not in ops.INPUT_MARKS:
+                    tap = new_tap()
+                    copy = output in value.users or _mutated(value)
+                    with body.graph.inserting_after(value):
+                        tapped = body.graph.call_function(ops.tap, (value, tap, copy, full))
+                    for user in list(value.users):
+                        if user is not tapped:
+                            user.replace_input_with(value, tapped)
+                places[value] = (first + len(places), tap)
+            hoisted.append((target, args, meta, value, *places[value]))
+        output.args = (tuple(output.args[0]) + tuple(places),)  # (read after the taps)
+        body.graph.lint()
+        body.recompile()
+        examples = node.meta.get("example_value")
+        after = node
+        got: dict[int, fx.Node] = {}  # by output: its value in the frame's graph
+        for target, args, meta, value, index, tap in hoisted:
+            if index not in got:
+                with gm.graph.inserting_after(after):
+                    got[index] = gm.graph.call_function(operator.getitem, (node, index))
+                got[index].meta["example_value"] = value.meta.get("example_value")
+                after = got[index]
+            with gm.graph.inserting_after(after):
+                moved = gm.graph.call_function(target, (got[index], *args[1:]))
+            moved.meta.update(meta)
+            moved.meta[_TAPPED_INSIDE] = tap
+            after = moved
+        if isinstance(examples, (tuple, list)):
+            extra = [value.meta.get("example_value") for value in places]
+            node.meta["example_value"] = (*examples, *extra)
+
+
+def _marked(gm: fx.GraphModule) -> bool:
+    """Whether ``gm``, or a region it calls, holds a mark."""
+    return any(n.op == "call_function" and n.target in ops.MARKS for n in gm.graph.nodes) or any(
+        isinstance(child, fx.GraphModule) and _marked(child) for child in gm.children()
+    )
+
+
+def _graph_copy(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph``, its nodes' metadata with them."""
+    copy = fx.Graph(owning_module=graph.owning_module)
+    copy.output(copy.graph_copy(graph, {}))
+    return copy
 
 
 def _starts(graph: fx.Graph) -> dict[str, fx.Node]:

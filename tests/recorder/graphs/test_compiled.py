@@ -247,6 +247,56 @@ def test_blocks_compiled_one_by_one_are_each_recorded_under_their_own_names(
     assert result.records == len(hooktrace.load(tmp_path / "eager").records)
 
 
+class CheckpointedBlocks(Blocks):
+    """:class:`Blocks` whose blocks are recomputed in the backward (activation
+    checkpointing, as large trainers use it with the compiler)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+
+def _train_checkpointed(out: Path | None, compiled: bool) -> Run:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = CheckpointedBlocks()
+    run = torch.compile(model) if compiled else model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    losses = []
+    with hooktrace.record(run, out, strict=True) if out is not None else _nothing():
+        for _ in range(2):
+            loss = run(torch.randn(4, 8, generator=data)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, params, Counter(torch._dynamo.utils.counters["stats"])
+
+
+def test_modules_inside_activation_checkpointing_are_recorded_as_an_eager_run_records_them(
+    tmp_path: Path,
+) -> None:
+    """dynamo traces a checkpointed region as a graph of its own, which the frame's graph
+    calls: its modules' outputs leave it to be summarised, their gradients are tapped
+    inside it, and the recorded run trains bit-identically (inductor). They were missing
+    from the trace, without a word."""
+    plain = _train_checkpointed(None, compiled=True)
+    recorded = _train_checkpointed(tmp_path / "compiled", compiled=True)
+    assert recorded[0] == plain[0]
+    assert all(torch.equal(recorded[1][k], plain[1][k]) for k in plain[1])
+    assert recorded[2]["unique_graphs"] == plain[2]["unique_graphs"]
+    _train_checkpointed(tmp_path / "eager", compiled=False)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+    eager = hooktrace.load(tmp_path / "eager").records
+    assert result.records == len(eager) == len(hooktrace.load(tmp_path / "compiled").records)
+    assert {"blocks.0.fc", "blocks.0.act"} <= set(eager.loc[eager["kind"] == "grad_output", "module"])
+
+
 def test_an_evaluation_under_no_grad_is_recorded_from_its_inference_graph(
     tmp_path: Path,
 ) -> None:
