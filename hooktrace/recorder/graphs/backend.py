@@ -68,6 +68,10 @@ class Receiver(Protocol):
     def records_module(self, module_id: int) -> bool:
         """Whether the module with this id is recorded."""
 
+    def graph_regions_unopened(self, paths: list[str]) -> None:
+        """The modules at ``paths`` run inside a region of a graph that is not opened
+        (``torch.cond``'s branches): not recorded there."""
+
     def records_alike(self, module: Any) -> bool:
         """Whether ``module`` is not recorded but a module of its type is."""
 
@@ -209,6 +213,7 @@ class _Instrumenting:
             new_tap=_new_tap,
             recorded=self.recorded,
             left_out=self.receiver.graph_left_out,
+            unopened=self.receiver.graph_regions_unopened,
             full=full,
         )
         return trial, plan

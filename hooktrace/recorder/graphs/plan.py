@@ -124,6 +124,7 @@ def instrument(
     new_tap: Callable[[], int],
     recorded: Callable[[int], bool],
     left_out: Callable[[str], None] = lambda path: None,
+    unopened: Callable[[list[str]], None] = lambda paths: None,
     full: bool = False,
 ) -> Plan | None:
     """Take the marks out of ``gm`` and add, in their place, the statistics of the values
@@ -136,6 +137,10 @@ def instrument(
     the DTensor's (:func:`ops.gradient_place`); one whose shape is dynamic is left out:
     ``left_out`` is told its module's path.
 
+    The marks in a region the graph calls (activation checkpointing's) are taken out into
+    the graph (:func:`_hoist`); ``unopened`` is told the paths of the modules marked in a
+    region that is not opened (``torch.cond``'s branches, a loop's body): not recorded.
+
     ``full``: the graph also returns each value summarised, and its taps hand on each
     gradient (a variant for the steps that save tensors whole)."""
     graph = gm.graph
@@ -145,6 +150,9 @@ def instrument(
         for p in placeholders
     )
     _hoist(gm, training=training, new_tap=new_tap, full=full)
+    shut = _unopened_regions(gm)
+    if shut:
+        unopened(shut)
     marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
     if not marks:
         return None
@@ -483,6 +491,21 @@ def _hoist(gm: fx.GraphModule, *, training: bool, new_tap: Callable[[], int], fu
         if isinstance(examples, (tuple, list)):
             extra = [value.meta.get("example_value") for value in places]
             node.meta["example_value"] = (*examples, *extra)
+
+
+def _unopened_regions(gm: fx.GraphModule) -> list[str]:
+    """The paths of the modules marked in the regions ``gm`` calls that :func:`_hoist` does
+    not open, once each, in order."""
+    paths: dict[str, None] = {}
+    for child in gm.modules():
+        if child is gm or not isinstance(child, fx.GraphModule):
+            continue
+        for node in child.graph.nodes:
+            if node.op == "call_function" and node.target in ops.MARKS:
+                stack = node.meta.get("nn_module_stack") or {}
+                path, _ = next(reversed(stack.values()), ("", None))
+                paths[_split_path(path)[1] if path else ""] = None
+    return list(paths)
 
 
 def _marked(gm: fx.GraphModule) -> bool:

@@ -187,6 +187,7 @@ class Recorder(Steps):
         self._notes: list[str] = []  # what the trace lacks and why, for the rank's status
         self._dtensor_outputs: list[str] = []  # modules whose DTensor outputs of dynamic
         # shapes inside compiled graphs go unrecorded
+        self._unopened: list[str] = []  # modules inside regions of compiled graphs not opened
         self._paused = 0  # > 0 while torch.jit.trace re-runs the model to check its graph
         self._patches = Patches()
         # hooks may fire in several threads at once (nn.DataParallel's replicas, autograd's
@@ -407,6 +408,8 @@ class Recorder(Steps):
         notes = list(self._notes)
         if self._dtensor_outputs:
             notes.append(_dtensor_note(self._dtensor_outputs))
+        if self._unopened:
+            notes.append(_unopened_note(self._unopened))
         return {"notes": notes} if notes else {}
 
     def _note(self, text: str) -> None:
@@ -426,6 +429,19 @@ class Recorder(Steps):
         self._dtensor_outputs.append(name)
         if len(self._dtensor_outputs) == 1:
             _warn(f"hooktrace: {_dtensor_note(self._dtensor_outputs)}")
+
+    def graph_regions_unopened(self, paths: list[str]) -> None:
+        """Inside a compiled graph, the modules at ``paths`` run in a region the recorder
+        does not open (``torch.cond``'s branches, a loop's body): said once a run, and in the
+        status."""
+        new = [path or "a module" for path in paths]
+        new = [path for path in new if path not in self._unopened]
+        if not new:
+            return
+        first = not self._unopened
+        self._unopened.extend(new)
+        if first:
+            _warn(f"hooktrace: {_unopened_note(self._unopened)}")
 
     def graph_failed(self, exc: BaseException, what: str) -> None:
         """A graph could not be instrumented: it is compiled as the script asked, and its
@@ -547,6 +563,20 @@ def _data_parallel(models: list[nn.Module]) -> dict[str, Any]:
 
 _GRAPH_KINDS = frozenset({"input", "output", "grad_output"})
 """The kinds of record a compiled graph makes (the others are made outside it)."""
+
+
+def _unopened_note(paths: list[str]) -> str:
+    """What is left out where modules run inside regions of compiled graphs the recorder
+    does not open (``paths`` from their compiled frames; the first ten named)."""
+    named = ", ".join(repr(p) for p in paths[:10])
+    more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
+    return (
+        f"inside a compiled graph, {named}{more} "
+        f"{'runs' if len(paths) == 1 else 'run'} in a region of its own that the recorder "
+        "does not open (torch.cond's branches, a loop's body): "
+        f"{'its outputs and their gradients are' if len(paths) == 1 else 'their outputs and gradients are'} "
+        "not recorded there (activation checkpointing's regions are)"
+    )
 
 
 def _dtensor_note(paths: list[str]) -> str:

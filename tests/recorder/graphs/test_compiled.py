@@ -297,6 +297,42 @@ def test_modules_inside_activation_checkpointing_are_recorded_as_an_eager_run_re
     assert {"blocks.0.fc", "blocks.0.act"} <= set(eager.loc[eager["kind"] == "grad_output", "module"])
 
 
+class Branching(nn.Module):
+    """Modules called inside ``torch.cond``'s branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cond(x.sum() > 0, lambda t: self.act(self.fc(t)), lambda t: self.fc(t), (x,))
+        return self.head(y)
+
+
+def test_modules_inside_a_region_that_is_not_opened_are_said_to_be_left_out(
+    tmp_path: Path,
+) -> None:
+    """torch.cond's branches are regions of their own too, which the recorder does not take
+    apart: the modules inside are named, in a warning and in the trace's notes, and the rest
+    of the graph is recorded. They went unrecorded without a word."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(Branching(), backend="aot_eager")
+    with (
+        pytest.warns(RuntimeWarning, match="'fc', 'act' run in a region of its own"),
+        hooktrace.record(compiled, tmp_path / "run", strict=True),
+    ):
+        for _ in range(2):
+            compiled(torch.randn(4, 8)).sum().backward()
+    records = hooktrace.load(tmp_path / "run").records
+    outputs = records[records["kind"].isin(["output", "grad_output"])]
+    assert sorted(set(outputs["module"])) == ["Branching", "head"]
+    (note,) = hooktrace.summary(tmp_path / "run").notes[0]
+    assert "'fc', 'act' run in a region of its own that the recorder does not open" in note
+
+
 def test_an_evaluation_under_no_grad_is_recorded_from_its_inference_graph(
     tmp_path: Path,
 ) -> None:
