@@ -160,7 +160,7 @@ def instrument(
     returns = len(output_node.args[0])
     starts = _starts(graph)
     changed = {n for n in graph.nodes if _mutated(n)}  # before taps take their users
-    calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool, str]]]] = {}
+    calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool, str, int | None]]]] = {}
     begins: dict[str, tuple[int, int]] = {"": (0, 0)}  # by call: (its first mark, depth)
     ends: dict[str, int] = {}  # by call: its first output's mark
     for position, mark in enumerate(marks):

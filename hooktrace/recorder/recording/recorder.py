@@ -570,12 +570,13 @@ def _unopened_note(paths: list[str]) -> str:
     does not open (``paths`` from their compiled frames; the first ten named)."""
     named = ", ".join(repr(p) for p in paths[:10])
     more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
+    runs, their = (
+        ("runs", "its outputs and their") if len(paths) == 1 else ("run", "their outputs and")
+    )
     return (
-        f"inside a compiled graph, {named}{more} "
-        f"{'runs' if len(paths) == 1 else 'run'} in a region of its own that the recorder "
-        "does not open (torch.cond's branches, a loop's body): "
-        f"{'its outputs and their gradients are' if len(paths) == 1 else 'their outputs and gradients are'} "
-        "not recorded there (activation checkpointing's regions are)"
+        f"inside a compiled graph, {named}{more} {runs} in a region of its own that the "
+        f"recorder does not open (torch.cond's branches, a loop's body): {their} gradients "
+        "are not recorded there (activation checkpointing's regions are)"
     )
 
 

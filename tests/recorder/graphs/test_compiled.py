@@ -294,7 +294,9 @@ def test_modules_inside_activation_checkpointing_are_recorded_as_an_eager_run_re
     assert result.match, result
     eager = hooktrace.load(tmp_path / "eager").records
     assert result.records == len(eager) == len(hooktrace.load(tmp_path / "compiled").records)
-    assert {"blocks.0.fc", "blocks.0.act"} <= set(eager.loc[eager["kind"] == "grad_output", "module"])
+    assert {"blocks.0.fc", "blocks.0.act"} <= set(
+        eager.loc[eager["kind"] == "grad_output", "module"]
+    )
 
 
 class Branching(nn.Module):
