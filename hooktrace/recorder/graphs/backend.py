@@ -152,14 +152,14 @@ class _Instrumenting:
         self.backend = backend
         self.receiver = receiver
         self.alike = alike
-        self.recorded: Callable[[int], bool] = receiver.records_module
+        self.every_call = False  # instrumented for every module call: a module alike
         self.__name__ = getattr(backend, "__name__", type(backend).__name__)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         try:
             trial, plan = self._instrumented(gm, full=False)
             if plan is None and self.alike:  # every module call, for the recorded model
-                self.recorded = _every_module
+                self.every_call = True
                 trial, plan = self._instrumented(gm, full=False)
         except Exception as exc:
             self.receiver.graph_failed(exc, "reading a compiled graph")
@@ -174,10 +174,9 @@ class _Instrumenting:
             self.receiver.graph_failed(exc, "compiling a graph with its statistics")
             return self._as_it_was(gm, example_inputs)
         full = self._full(gm, example_inputs) if self.receiver.saves_full else None
-        alike = self.recorded is _every_module
-        needs_plain = self.receiver.skips_steps or alike
+        needs_plain = self.receiver.skips_steps or self.every_call
         plain = self._as_it_was(gm, example_inputs) if needs_plain else None
-        return _Run(compiled, plan, plain, full, alike=alike)
+        return _Run(compiled, plan, plain, full, alike=self.every_call)
 
     def _compiled(
         self,
@@ -211,7 +210,7 @@ class _Instrumenting:
             trial,
             max_units=self.receiver.max_units,
             new_tap=_new_tap,
-            recorded=self.recorded,
+            recorded=_every_module if self.every_call else self.receiver.records_module,
             left_out=self.receiver.graph_left_out,
             unopened=self.receiver.graph_regions_unopened,
             full=full,

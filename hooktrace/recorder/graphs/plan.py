@@ -139,7 +139,8 @@ def instrument(
 
     The marks in a region the graph calls (activation checkpointing's) are taken out into
     the graph (:func:`_hoist`); ``unopened`` is told the paths of the modules marked in a
-    region that is not opened (``torch.cond``'s branches, a loop's body): not recorded.
+    region that is not opened (``torch.cond``'s branches, ``while_loop``'s body): not
+    recorded.
 
     ``full``: the graph also returns each value summarised, and its taps hand on each
     gradient (a variant for the steps that save tensors whole)."""
@@ -150,7 +151,7 @@ def instrument(
         for p in placeholders
     )
     _hoist(gm, training=training, new_tap=new_tap, full=full)
-    shut = _unopened_regions(gm)
+    shut = _unopened_regions(gm, recorded)
     if shut:
         unopened(shut)
     marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
@@ -251,6 +252,9 @@ def strip_marks(gm: fx.GraphModule) -> None:
     for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops.MARKS]:
         gm.graph.erase_node(node)
     gm.recompile()
+    for child in gm.children():  # the regions it calls (activation checkpointing's)
+        if isinstance(child, fx.GraphModule):
+            strip_marks(child)
 
 
 class _Adding:
@@ -416,8 +420,14 @@ _REGIONS = tuple(
     )
     if op is not None
 )
-"""Regions dynamo traces as a graph of their own, called from the frame's graph: activation
-checkpointing's (``torch.utils.checkpoint``), and a function it wraps."""
+"""Regions dynamo traces as a graph of their own, called from the frame's graph, that are
+taken apart: activation checkpointing's (``torch.utils.checkpoint``), and a function dynamo
+wraps whole (``higher_order.wrap``: a call it keeps out of the frame's graph, such as one
+under a ``torch.autograd.graph.saved_tensors_hooks`` context)."""
+
+_HOISTED = (torch.ops.hooktrace.mark, torch.ops.hooktrace.mark.default, *ops.INPUT_MARKS)
+"""The marks taken out of a region: a DTensor's local tensor's (``ops.LOCAL_MARKS``) stays
+in it, not recorded (where its shard lies is read from the DTensor, inside the region)."""
 
 _TAPPED_INSIDE = "hooktrace_tapped_inside"
 """A hoisted mark's meta: the tap its value's gradient has inside its region (or None)."""
@@ -445,13 +455,14 @@ def _hoist(gm: fx.GraphModule, *, training: bool, new_tap: Callable[[], int], fu
         body = fx.GraphModule(body, _graph_copy(body.graph))
         setattr(gm, str(holder.target), body)
         _hoist(body, training=training, new_tap=new_tap, full=full)  # a region in this one
-        marks = [n for n in body.graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
+        marks = [n for n in body.graph.nodes if n.op == "call_function" and n.target in _HOISTED]
         output = next(n for n in body.graph.nodes if n.op == "output")
         first = len(output.args[0])  # the region's own outputs, then the values marked
         marked = [(mark.target, mark.args, dict(mark.meta)) for mark in marks]
         for mark in marks:  # (all of them before the taps take their values' users)
             body.graph.erase_node(mark)
-        places: dict[fx.Node, tuple[int, int | None]] = {}  # by value: its output, its tap
+        # by value: its output's place, its tap, the node that leaves the region
+        places: dict[fx.Node, tuple[int, int | None, fx.Node]] = {}
         hoisted = []
         for target, args, meta in marked:
             value = args[0]
@@ -461,6 +472,7 @@ def _hoist(gm: fx.GraphModule, *, training: bool, new_tap: Callable[[], int], fu
                 tap = meta.get(_TAPPED_INSIDE)  # a value of a region inside this one
                 example = value.meta.get("example_value")
                 grads = isinstance(example, torch.Tensor) and example.requires_grad
+                leaving = value  # what leaves the region: the value as it was made
                 if tap is None and training and grads and target not in ops.INPUT_MARKS:
                     tap = new_tap()
                     copy = output in value.users or _mutated(value)
@@ -469,9 +481,13 @@ def _hoist(gm: fx.GraphModule, *, training: bool, new_tap: Callable[[], int], fu
                     for user in list(value.users):
                         if user is not tapped:
                             user.replace_input_with(value, tapped)
-                places[value] = (first + len(places), tap)
-            hoisted.append((target, args, meta, value, *places[value]))
-        output.args = (tuple(output.args[0]) + tuple(places),)  # (read after the taps)
+                elif _mutated(value):  # changed in place later in the region: a copy now
+                    with body.graph.inserting_after(value):
+                        leaving = body.graph.call_function(ops.kept_copy, (value,))
+                places[value] = (first + len(places), tap, leaving)
+            hoisted.append((target, args, meta, value, *places[value][:2]))
+        leaving_values = [leaving for _, _, leaving in places.values()]
+        output.args = (tuple(output.args[0]) + tuple(leaving_values),)  # (after the taps)
         body.graph.lint()
         body.recompile()
         examples = node.meta.get("example_value")
@@ -493,9 +509,10 @@ def _hoist(gm: fx.GraphModule, *, training: bool, new_tap: Callable[[], int], fu
             node.meta["example_value"] = (*examples, *extra)
 
 
-def _unopened_regions(gm: fx.GraphModule) -> list[str]:
-    """The paths of the modules marked in the regions ``gm`` calls that :func:`_hoist` does
-    not open, once each, in order."""
+def _unopened_regions(gm: fx.GraphModule, recorded: Callable[[int], bool]) -> list[str]:
+    """The paths of the ``recorded`` modules marked in the regions ``gm`` calls that
+    :func:`_hoist` does not open, once each, in order (a region several calls share, a
+    nested compile region's, by its first call's modules)."""
     paths: dict[str, None] = {}
     for child in gm.modules():
         if child is gm or not isinstance(child, fx.GraphModule):
@@ -503,8 +520,9 @@ def _unopened_regions(gm: fx.GraphModule) -> list[str]:
         for node in child.graph.nodes:
             if node.op == "call_function" and node.target in ops.MARKS:
                 stack = node.meta.get("nn_module_stack") or {}
-                path, _ = next(reversed(stack.values()), ("", None))
-                paths[_split_path(path)[1] if path else ""] = None
+                key, (path, _) = next(reversed(stack.items()), ("", ("", None)))
+                if key and recorded(int(key.split("@")[0])):
+                    paths[_split_path(path)[1] if path else ""] = None
     return list(paths)
 
 

@@ -122,8 +122,8 @@ class ModuleTable:
         return None
 
     def records_a(self, kind: type) -> bool:
-        """Whether a module of this very type is recorded (a compiled root: the model it
-        compiles)."""
+        """Whether a module of this very type is recorded, a root or a module inside (of a
+        compiled root, the type of the model it compiles)."""
         return any(
             type(getattr(entry.module, "_orig_mod", entry.module)) is kind
             for entry in self._by_id.values()

@@ -35,7 +35,7 @@ class CompiledCalls:
         self._names = names
         self._table = table
         self._modules: dict[tuple[int, tuple[int, ...]], list[Attached | None]] = {}
-        self._owners: dict[int, tuple[torch.nn.Module, str]] = {}  # by parameter id
+        self._owners: dict[int, tuple[torch.nn.Module, list[str]]] = {}  # by parameter id
         self._taps: dict[int, list[Expected]] = {}
         self.kept: dict[int, torch.Tensor] = {}  # gradients handed on in full, by tap
         self.delivered = 0  # graph runs recorded
@@ -107,18 +107,19 @@ class CompiledCalls:
             for root in self._names.roots.values():
                 inner, _ = unwrap(root)
                 for qualname, param in inner.named_parameters(remove_duplicate=False):
-                    self._owners[id(param)] = (inner, qualname)
+                    self._owners.setdefault(id(param), (inner, []))[1].append(qualname)
             owner = self._owners.get(id(parameter))
         if owner is None:
             return None
-        inner, qualname = owner
-        if qualname != path and not qualname.endswith("." + path):
-            return None
-        prefix = qualname[: len(qualname) - len(path)].rstrip(".")
-        try:
-            return inner.get_submodule(prefix) if prefix else inner
-        except AttributeError:
-            return None
+        inner, qualnames = owner  # several where a parameter is tied (an embedding's)
+        for qualname in qualnames:
+            if qualname == path or qualname.endswith("." + path):
+                prefix = qualname[: len(qualname) - len(path)].rstrip(".")
+                try:
+                    return inner.get_submodule(prefix) if prefix else inner
+                except AttributeError:
+                    return None
+        return None
 
     def expect(self, tap: int, expected: Expected) -> None:
         """A call of a graph reached ``tap``: its gradient is recorded as ``expected`` says."""

@@ -432,8 +432,8 @@ class Recorder(Steps):
 
     def graph_regions_unopened(self, paths: list[str]) -> None:
         """Inside a compiled graph, the modules at ``paths`` run in a region the recorder
-        does not open (``torch.cond``'s branches, a loop's body): said once a run, and in the
-        status."""
+        does not open (``torch.cond``'s branches, ``while_loop``'s body): said once a run,
+        and in the status."""
         new = [path or "a module" for path in paths]
         new = [path for path in new if path not in self._unopened]
         if not new:
@@ -571,12 +571,15 @@ def _unopened_note(paths: list[str]) -> str:
     named = ", ".join(repr(p) for p in paths[:10])
     more = f" and {len(paths) - 10} more" if len(paths) > 10 else ""
     runs, their = (
-        ("runs", "its outputs and their") if len(paths) == 1 else ("run", "their outputs and")
+        ("runs in a region", "its outputs and their")
+        if len(paths) == 1
+        else ("run in regions", "their outputs and")
     )
     return (
-        f"inside a compiled graph, {named}{more} {runs} in a region of its own that the "
-        f"recorder does not open (torch.cond's branches, a loop's body): {their} gradients "
-        "are not recorded there (activation checkpointing's regions are)"
+        f"inside a compiled graph, {named}{more} {runs} that the recorder does not open "
+        "(torch.cond's branches, while_loop's body, a nested compile region, a DTensor's "
+        f"local tensor inside activation checkpointing): {their} gradients are not "
+        "recorded there (activation checkpointing's regions are)"
     )
 
 

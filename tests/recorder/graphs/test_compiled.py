@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import hooktrace
-from hooktrace.recorder.graphs import ops
+from hooktrace.recorder.graphs import backend, ops
 from hooktrace.recorder.graphs.joint import joint_pass_available
 from tests.models import (
     REFERENCE_GRAD_OUTPUTS,
@@ -299,6 +299,166 @@ def test_modules_inside_activation_checkpointing_are_recorded_as_an_eager_run_re
     )
 
 
+class TiedLM(nn.Module):
+    """A language model whose head shares the embedding's weight, as most do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.fc(self.embed(x))))
+
+
+def test_a_model_whose_parameters_are_tied_is_recorded_inside_its_graph(tmp_path: Path) -> None:
+    """The graph's first parameter is the embedding's weight, which the model also holds as
+    its head's: the module that ran is found under either name. Nothing inside the graph
+    was recorded, without a word."""
+    xs = [
+        torch.randint(0, 16, (4, 5), generator=torch.Generator().manual_seed(i)) for i in range(2)
+    ]
+    for name, compiled in (("eager", False), ("compiled", True)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = TiedLM()
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        with hooktrace.record(run, tmp_path / name, strict=True):
+            for x in xs:
+                run(x).pow(2).mean().backward()
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-5)
+    assert result.match, result
+    eager = hooktrace.load(tmp_path / "eager").records
+    assert result.records == len(eager) == len(hooktrace.load(tmp_path / "compiled").records)
+
+
+class InPlaceBlocks(nn.Module):
+    """Checkpointed blocks whose linear layer's output a ReLU then changes in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True)) for _ in range(2)]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+def test_a_value_changed_in_place_later_in_a_checkpointed_region_is_recorded_as_returned(
+    tmp_path: Path,
+) -> None:
+    """Under no_grad no tap copies the value: it leaves the region as a copy made where it
+    was returned. It was recorded after the ReLU had changed it."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    for name, compiled in (("eager", False), ("compiled", True)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = InPlaceBlocks()
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        with hooktrace.record(run, tmp_path / name, strict=True), torch.no_grad():
+            run(x)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-5)
+    assert result.match, result
+    records = hooktrace.load(tmp_path / "compiled").records
+    assert result.records == len(hooktrace.load(tmp_path / "eager").records) == len(records)
+    assert (records["kind"] == "output").sum() == 7  # the root, each block, its two layers
+
+
+def test_steps_not_recorded_run_regions_without_their_marks(tmp_path: Path) -> None:
+    """The graph compiled for steps that are not recorded holds no mark, in the regions it
+    calls either (they were left in, and called at every step)."""
+    plain_graphs: list[torch.fx.GraphModule] = []
+    original = backend._Instrumenting._as_it_was
+
+    def kept(self: Any, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiled = original(self, gm, example_inputs)
+        plain_graphs.append(gm)
+        return compiled
+
+    torch._dynamo.reset()
+    model = CheckpointedBlocks()
+    run = torch.compile(model, backend="aot_eager")
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        hooktrace.record(run, tmp_path / "run", every=2, strict=True),
+    ):
+        patch.setattr(backend._Instrumenting, "_as_it_was", kept)
+        run(torch.randn(4, 8)).sum().backward()
+    assert plain_graphs
+    regions = [m for gm in plain_graphs for m in gm.modules() if m is not gm]
+    assert regions  # the checkpointed blocks' regions
+    marks = [n for gm in plain_graphs for m in gm.modules() for n in m.graph.nodes
+             if n.op == "call_function" and n.target in ops.MARKS]  # fmt: skip
+    assert marks == []
+
+
+_TP_IN_A_REGION = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint as cp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import hooktrace
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1,))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.fc2(torch.relu(self.fc(x)))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block, self.head = Block(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(cp.checkpoint(self.block, x, use_reentrant=False))
+
+
+torch.manual_seed(0)
+model = Model()
+plan = {"fc": ColwiseParallel(use_local_output=False), "fc2": RowwiseParallel()}
+parallelize_module(model.block, mesh, plan)
+run = torch.compile(model, backend="aot_eager")
+with hooktrace.record(run, sys.argv[1]):
+    run(torch.randn(4, 8)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def test_a_tensor_parallel_layer_inside_a_checkpointed_region_is_said_to_be_left_out(
+    tmp_path: Path,
+) -> None:
+    """A DTensor's local tensor is marked inside the region, where its shard's place is
+    read from the DTensor: it stays there, and the note names its module. The records were
+    dropped under a false reason (a dynamic shape)."""
+    from tests.torchrun import torchrun
+
+    (tmp_path / "tp.py").write_text(_TP_IN_A_REGION)
+    done = torchrun(tmp_path, "tp.py", str(tmp_path / "run"), ranks=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dynamic shape" not in done.stderr
+    (note,) = hooktrace.summary(tmp_path / "run").notes[0]
+    assert "'block.fc', 'block.fc2' run in regions that the recorder does not open" in note
+    records = hooktrace.load(tmp_path / "run").records  # the block's own output is plain
+    assert set(records.loc[records["kind"] == "output", "module"]) == {"Model", "block", "head"}
+
+
 class Branching(nn.Module):
     """Modules called inside ``torch.cond``'s branches."""
 
@@ -323,7 +483,7 @@ def test_modules_inside_a_region_that_is_not_opened_are_said_to_be_left_out(
     torch.manual_seed(0)
     compiled = torch.compile(Branching(), backend="aot_eager")
     with (
-        pytest.warns(RuntimeWarning, match="'fc', 'act' run in a region of its own"),
+        pytest.warns(RuntimeWarning, match="'fc', 'act' run in regions that the recorder"),
         hooktrace.record(compiled, tmp_path / "run", strict=True),
     ):
         for _ in range(2):
@@ -332,7 +492,16 @@ def test_modules_inside_a_region_that_is_not_opened_are_said_to_be_left_out(
     outputs = records[records["kind"].isin(["output", "grad_output"])]
     assert sorted(set(outputs["module"])) == ["Branching", "head"]
     (note,) = hooktrace.summary(tmp_path / "run").notes[0]
-    assert "'fc', 'act' run in a region of its own that the recorder does not open" in note
+    assert "'fc', 'act' run in regions that the recorder does not open" in note
+
+    # a model that is not recorded is not named
+    torch._dynamo.reset()
+    bystander = torch.compile(Branching(), backend="aot_eager")
+    recorded = nn.Linear(8, 8)
+    with hooktrace.record(recorded, tmp_path / "other", strict=True):
+        recorded(torch.randn(4, 8)).sum().backward()
+        bystander(torch.randn(4, 8)).sum().backward()
+    assert hooktrace.summary(tmp_path / "other").notes == {}
 
 
 def test_an_evaluation_under_no_grad_is_recorded_from_its_inference_graph(
