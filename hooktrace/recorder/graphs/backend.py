@@ -34,7 +34,7 @@ from torch import fx
 
 from hooktrace.recorder.graphs import ops
 from hooktrace.recorder.graphs.joint import joint_pass, joint_pass_available
-from hooktrace.recorder.graphs.plan import Plan, instrument, strip_marks
+from hooktrace.recorder.graphs.plan import Plan, copy_graph, instrument, strip_marks
 
 
 class Receiver(Protocol):
@@ -202,7 +202,7 @@ class _Instrumenting:
 
     def _instrumented(self, gm: fx.GraphModule, *, full: bool) -> tuple[fx.GraphModule, Any]:
         """A copy of ``gm``, instrumented, and its plan (None: nothing recorded in it)."""
-        trial = fx.GraphModule(gm, _copy(gm.graph))
+        trial = fx.GraphModule(gm, copy_graph(gm.graph))
         for attribute in ("_param_name_to_source", "_source_to_user_stacks"):
             if hasattr(gm, attribute):
                 setattr(trial, attribute, getattr(gm, attribute))
@@ -256,18 +256,6 @@ def _dynamo_control(exc: BaseException) -> bool:
         if isinstance(getattr(dynamo_exc, name, None), type)
     )
     return isinstance(exc, kinds)
-
-
-def _copy(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` whose nodes keep their ``_dynamo_source`` and metadata."""
-    copy = fx.Graph(owning_module=graph.owning_module)
-    mapping: dict[fx.Node, fx.Node] = {}
-    output = copy.graph_copy(graph, mapping)
-    copy.output(output)
-    for old, new in mapping.items():
-        if hasattr(old, "_dynamo_source"):
-            new._dynamo_source = old._dynamo_source
-    return copy
 
 
 class _Run:

@@ -452,7 +452,7 @@ def _hoist(gm: fx.GraphModule, *, training: bool, new_tap: Callable[[], int], fu
             continue
         if not _marked(body):
             continue
-        body = fx.GraphModule(body, _graph_copy(body.graph))
+        body = fx.GraphModule(body, copy_graph(body.graph))
         setattr(gm, str(holder.target), body)
         _hoist(body, training=training, new_tap=new_tap, full=full)  # a region in this one
         marks = [n for n in body.graph.nodes if n.op == "call_function" and n.target in _HOISTED]
@@ -533,10 +533,15 @@ def _marked(gm: fx.GraphModule) -> bool:
     )
 
 
-def _graph_copy(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph``, its nodes' metadata with them."""
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` whose nodes keep their ``_dynamo_source`` and metadata."""
     copy = fx.Graph(owning_module=graph.owning_module)
-    copy.output(copy.graph_copy(graph, {}))
+    mapping: dict[fx.Node, fx.Node] = {}
+    output = copy.graph_copy(graph, mapping)
+    copy.output(output)
+    for old, new in mapping.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
     return copy
 
 

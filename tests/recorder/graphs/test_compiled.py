@@ -66,14 +66,15 @@ def _train(
     *,
     steps: int = 3,
     strict: bool = True,
+    make: Callable[[], nn.Module] = Blocks,
 ) -> Run:
-    """``steps`` SGD steps of a freshly seeded :class:`Blocks`, compiled by
-    ``compile_model`` (None: eager), recorded into ``out`` where given: the losses, the final
-    parameters and dynamo's graph counters."""
+    """``steps`` SGD steps of a freshly seeded model (``make``: :class:`Blocks`), compiled
+    by ``compile_model`` (None: eager), recorded into ``out`` where given: the losses, the
+    final parameters and dynamo's graph counters."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
-    model = Blocks()
+    model = make()
     run = compile_model(model) if compile_model is not None else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(1)
@@ -257,26 +258,6 @@ class CheckpointedBlocks(Blocks):
         return self.head(self.norm(x))
 
 
-def _train_checkpointed(out: Path | None, compiled: bool) -> Run:
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    torch.manual_seed(0)
-    model = CheckpointedBlocks()
-    run = torch.compile(model) if compiled else model
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = torch.Generator().manual_seed(1)
-    losses = []
-    with hooktrace.record(run, out, strict=True) if out is not None else _nothing():
-        for _ in range(2):
-            loss = run(torch.randn(4, 8, generator=data)).pow(2).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return losses, params, Counter(torch._dynamo.utils.counters["stats"])
-
-
 def test_modules_inside_activation_checkpointing_are_recorded_as_an_eager_run_records_them(
     tmp_path: Path,
 ) -> None:
@@ -284,12 +265,12 @@ def test_modules_inside_activation_checkpointing_are_recorded_as_an_eager_run_re
     calls: its modules' outputs leave it to be summarised, their gradients are tapped
     inside it, and the recorded run trains bit-identically (inductor). They were missing
     from the trace, without a word."""
-    plain = _train_checkpointed(None, compiled=True)
-    recorded = _train_checkpointed(tmp_path / "compiled", compiled=True)
+    plain = _train(None, _inductor, steps=2, make=CheckpointedBlocks)
+    recorded = _train(tmp_path / "compiled", _inductor, steps=2, make=CheckpointedBlocks)
     assert recorded[0] == plain[0]
     assert all(torch.equal(recorded[1][k], plain[1][k]) for k in plain[1])
     assert recorded[2]["unique_graphs"] == plain[2]["unique_graphs"]
-    _train_checkpointed(tmp_path / "eager", compiled=False)
+    _train(tmp_path / "eager", None, steps=2, make=CheckpointedBlocks)
     result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
     assert result.match, result
     eager = hooktrace.load(tmp_path / "eager").records
