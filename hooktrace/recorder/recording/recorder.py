@@ -319,8 +319,10 @@ class Recorder(Steps):
     # -- installing hooks --------------------------------------------------------------------
 
     def _install(self) -> None:
-        self._handles.append(register_optimizer_step_pre_hook(self._optimizer_stepping))
-        self._handles.append(register_optimizer_step_post_hook(self._optimizer_stepped))
+        # a compiled optimizer step traces its hooks: these run as they are, outside its graph
+        stepping, stepped = (self._optimizer_stepping, self._optimizer_stepped)
+        self._handles.append(register_optimizer_step_pre_hook(torch.compiler.disable(stepping)))
+        self._handles.append(register_optimizer_step_post_hook(torch.compiler.disable(stepped)))
         process_wide = attach.install(pre=self._pre, post=self._post)
         self._handles.extend(process_wide)
         patch = self._patches.patch

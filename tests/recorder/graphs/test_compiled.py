@@ -25,6 +25,7 @@ from torch import nn
 import hooktrace
 from hooktrace.recorder.graphs import backend, ops
 from hooktrace.recorder.graphs.joint import joint_pass_available
+from hooktrace.recorder.recording.discover import ScriptRecorder
 from tests.models import (
     REFERENCE_GRAD_OUTPUTS,
     REFERENCE_OUTPUTS,
@@ -246,6 +247,71 @@ def test_blocks_compiled_one_by_one_are_each_recorded_under_their_own_names(
     result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
     assert result.match, result
     assert result.records == len(hooktrace.load(tmp_path / "eager").records)
+
+
+def _train_with_a_compiled_step(
+    out: Path | None, how: str, *, script: bool = False, steps: int = 3
+) -> Run:
+    """``steps`` AdamW steps of an eager :class:`Blocks` whose optimizer step is compiled by
+    inductor (``how``: "step", ``torch.compile(opt.step)``; "function", a compiled function
+    that calls it and ``zero_grad``; "eager", neither compiled), recorded into ``out`` where
+    given, by ``hooktrace record``'s recorder, started before the script, where ``script``."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    recorder = ScriptRecorder(str(out)) if script else None
+    torch.manual_seed(0)
+    model = Blocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def step_and_zero() -> None:
+        opt.step()
+        opt.zero_grad()
+
+    step: Callable[[], Any] = {
+        "step": torch.compile(opt.step),
+        "function": torch.compile(step_and_zero),
+        "eager": step_and_zero,
+    }[how]
+    data = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 8, generator=data) for _ in range(steps)]
+    losses: list[float] = []
+    if recorder is None and out is not None:
+        recorder = hooktrace.record(model, out)
+    with recorder if recorder is not None else contextlib.nullcontext():
+        for x in batches:
+            loss = model(x).pow(2).mean()
+            loss.backward()
+            step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    counters = Counter(torch._dynamo.utils.counters["stats"])
+    counters["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return losses, params, counters
+
+
+@pytest.mark.parametrize(
+    ("how", "script"), [("step", False), ("function", False), ("function", True)]
+)
+def test_a_compiled_optimizer_step_compiles_as_it_does_unrecorded(
+    tmp_path: Path, how: str, script: bool
+) -> None:
+    """The optimizer's step hooks run outside its graph: dynamo traced the recorder's
+    step boundary into it, and AdamW's step compiled into 14 graphs with 17 graph breaks."""
+    plain = _train_with_a_compiled_step(None, how)
+    recorded = _train_with_a_compiled_step(tmp_path / "compiled", how, script=script)
+    assert recorded[0] == plain[0]
+    for name, value in plain[1].items():
+        assert torch.equal(recorded[1][name], value), name
+    for counter in ("unique_graphs", "calls_captured"):
+        assert recorded[2][counter] == plain[2][counter] > 0, counter
+    # the hooks are left out of the step's frame, whose own break then goes uncounted
+    assert recorded[2]["graph_breaks"] <= plain[2]["graph_breaks"]
+    _train_with_a_compiled_step(tmp_path / "eager", "eager")
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled")
+    assert result.match, result
+    assert result.records == len(hooktrace.load(tmp_path / "eager").records)
+    assert hooktrace.load(tmp_path / "compiled").steps["step"].tolist() == [0, 1, 2]
 
 
 class CheckpointedBlocks(Blocks):
