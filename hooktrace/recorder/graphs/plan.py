@@ -31,6 +31,8 @@ from typing import Any, cast
 
 import torch
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from hooktrace.recorder.graphs import ops
 from hooktrace.recorder.records import shards
@@ -572,19 +574,40 @@ def _shard_of(node: Any) -> Shard | None:
     return shards.described(spec)
 
 
-def _mutated(node: fx.Node) -> bool:
+def _mutated(node: fx.Node, depth: int = 0) -> bool:
     """Whether a later node changes ``node`` in place (``x += y``, ``x.add_(y)``,
-    ``F.relu(x, inplace=True)``): its tap hands on a copy, which a view may not be."""
+    ``F.relu(x, inplace=True)``), itself or through a view of it (``x[:, :4].relu_()``,
+    ``x.t()[0].mul_(2)``): its tap hands on a copy, which a view may not be."""
     for user in node.users:
-        target: Any = user.target
-        if target in _IN_PLACE or user.kwargs.get("inplace") is True:
+        if _in_place(user):
             return True
-        name = target if isinstance(target, str) else getattr(target, "__name__", "")
-        if name.endswith("_") and not name.endswith("__"):
-            return True
-        if callable(target) and True in user.args[1:] and "inplace" in _parameters(target):
+        if depth < _MOST_VIEWS and _aliases(user, node) and _mutated(user, depth + 1):
             return True
     return False
+
+
+_MOST_VIEWS = 8
+"""Views of views followed from a value, at most, to find it changed in place."""
+
+
+def _in_place(node: fx.Node) -> bool:
+    """Whether ``node`` changes a tensor it takes in place."""
+    target: Any = node.target
+    if target in _IN_PLACE or node.kwargs.get("inplace") is True:
+        return True
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    if name.endswith("_") and not name.endswith("__"):
+        return True
+    return callable(target) and True in node.args[1:] and "inplace" in _parameters(target)
+
+
+def _aliases(view: fx.Node, node: fx.Node) -> bool:
+    """Whether ``view``'s value shares ``node``'s memory, as traced (False where the traced
+    values cannot tell: no example value, or a tensor without storage)."""
+    first, second = (n.meta.get("example_value") for n in (view, node))
+    if type(first) is not FakeTensor or type(second) is not FakeTensor:
+        return False
+    return StorageWeakRef(first.untyped_storage()) == StorageWeakRef(second.untyped_storage())
 
 
 @functools.lru_cache(maxsize=256)
