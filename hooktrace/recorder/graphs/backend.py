@@ -120,7 +120,9 @@ def wrap_call_user_compiler(original: Callable[..., Any]) -> Callable[..., Any]:
         if receiver is None:
             return original(self, gm, example_inputs)
         backend = self.compiler_fn
-        self.compiler_fn = _Instrumenting(backend, receiver, alike=_alike(self, receiver))
+        self.compiler_fn = _Instrumenting(
+            backend, receiver, alike=_alike(self, receiver), code=_frame_code(self)
+        )
         try:
             return original(self, gm, example_inputs)
         finally:
@@ -141,6 +143,13 @@ def _alike(output_graph: Any, receiver: Receiver) -> bool:
         return False
 
 
+def _frame_code(output_graph: Any) -> Any:
+    """The code of the Python frame dynamo compiles (dynamo's own: where it lacks it, None):
+    the frame runs the graph, and its locals hold the modules of a frame that takes no
+    parameter (:class:`~hooktrace.recorder.hooks.compiled.CompiledCalls`)."""
+    return getattr(getattr(output_graph, "root_tx", None), "f_code", None)
+
+
 class _Instrumenting:
     """The script's backend, given the instrumented graph. A graph of a frame that holds a
     module ``alike`` a recorded one, and none recorded, is instrumented for every module
@@ -148,10 +157,13 @@ class _Instrumenting:
     needs (:meth:`Receiver.runs_recorded`), so a model that is not recorded still pays
     nothing, and a recorded one that dynamo gives its graph is recorded all the same."""
 
-    def __init__(self, backend: Callable[..., Any], receiver: Receiver, *, alike: bool) -> None:
+    def __init__(
+        self, backend: Callable[..., Any], receiver: Receiver, *, alike: bool, code: Any = None
+    ) -> None:
         self.backend = backend
         self.receiver = receiver
         self.alike = alike
+        self.code = code
         self.every_call = False  # instrumented for every module call: a module alike
         self.__name__ = getattr(backend, "__name__", type(backend).__name__)
 
@@ -215,6 +227,8 @@ class _Instrumenting:
             unopened=self.receiver.graph_regions_unopened,
             full=full,
         )
+        if plan is not None:
+            plan.code = self.code
         return trial, plan
 
     def _full(self, gm: fx.GraphModule, example_inputs: list[Any]) -> tuple[Any, Plan] | None:

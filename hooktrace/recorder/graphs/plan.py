@@ -15,8 +15,9 @@ whose backward summarises it. An output whose shape is dynamic returns its sizes
 Which module ran is settled when the graph runs, not here: one graph serves every block of a
 ``ModuleList`` compiled block by block. Each frame's modules are found at run time from a
 parameter the graph takes (its *anchor*): the parameter's name in the recorded model, less
-its path from the frame, is the frame's module. A frame with no parameter falls back on the
-ids the graph was traced with. A dynamic dimension's units are not counted.
+its path from the frame, is the frame's module. A frame with no parameter is found in the
+locals of the Python frame running the graph (``L['self']``: its ``self``); where it is not
+found, by the ids the graph was traced with. A dynamic dimension's units are not counted.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ class Plan:
     anchors: dict[str, tuple[int, str]]  # frame -> (placeholder index, parameter path)
     has_counts: bool
     values: int = 0
+    unanchored: tuple[str, ...] = ()  # frames that take no parameter: named by their locals
+    code: Any = None  # the code object of the Python frame dynamo compiled, which holds them
 
     def split(
         self, extras: Sequence[torch.Tensor]
@@ -240,12 +243,15 @@ def instrument(
     output_node.args = (tuple(output_node.args[0]) + tuple(extra),)  # taps' in place now
     graph.lint()
     gm.recompile()
+    frames = {c.frame for c in planned}
+    anchors = _anchors(placeholders, frames)
     return Plan(
         returns=returns,
         calls=planned,
-        anchors=_anchors(placeholders, {c.frame for c in planned}),
+        anchors=anchors,
         has_counts=bool(adding.count_nodes),
         values=len(adding.values),
+        unanchored=tuple(sorted(frames - anchors.keys())),
     )
 
 

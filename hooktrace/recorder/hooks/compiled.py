@@ -4,7 +4,9 @@ A graph instrumented while compiling (:mod:`hooktrace.recorder.graphs`) names it
 by their path from a frame's module. When it runs, the frame's module is found from a
 parameter the graph took (its anchor): one graph serves every block of a ``ModuleList``
 compiled block by block, each block with its own parameters. A frame with no parameter is
-named by the ids the graph was traced with. Both are remembered per graph and anchor.
+found in the locals of the Python frame running the graph (a parameterless block compiled
+on its own: its ``self``), or else named by the ids the graph was traced with. Both are
+remembered per graph and the modules found.
 
 Gradients come back through the graph's taps in the backward, each tap once per call of the
 graph that reached it: a tap's calls are answered last first, as the backward runs them.
@@ -12,6 +14,9 @@ graph that reached it: a tap's calls are answered last first, as the backward ru
 
 from __future__ import annotations
 
+import re
+import sys
+import types
 from typing import Any
 
 import torch
@@ -68,13 +73,14 @@ class CompiledCalls:
     def modules(self, plan: Plan, args: tuple[Any, ...]) -> list[Attached | None]:
         """The table's entry of each module call of ``plan`` in this run (None: a module
         not recorded)."""
+        held = _held(plan) if plan.unanchored else ()
         anchors = tuple(id(args[index]) for index, _ in plan.anchors.values())
-        key = (id(plan), anchors)
+        key = (id(plan), anchors + tuple(id(module) for module in held))
         found = self._modules.get(key)
         if found is None:
             if len(self._modules) >= _KEEP:
                 self._modules.clear()
-            found = self._modules[key] = self._resolve(plan, args)
+            found = self._modules[key] = self._resolve(plan, args, held)
         return found
 
     def renamed(self) -> None:
@@ -82,13 +88,18 @@ class CompiledCalls:
         self._modules.clear()
         self._owners.clear()
 
-    def _resolve(self, plan: Plan, args: tuple[Any, ...]) -> list[Attached | None]:
+    def _resolve(
+        self, plan: Plan, args: tuple[Any, ...], held: tuple[Any, ...]
+    ) -> list[Attached | None]:
         frames: dict[str, torch.nn.Module | None] = {}
         for frame, (index, path) in plan.anchors.items():
             frames[frame] = self._frame_module(args[index], path)
+        for frame, module in zip(plan.unanchored, held, strict=True):
+            if isinstance(module, torch.nn.Module):
+                frames[frame] = unwrap(module)[0]
         entries: list[Attached | None] = []
         for call in plan.calls:
-            if call.frame not in frames:  # a frame that takes no parameter
+            if call.frame not in frames:  # a frame not found running: as it was traced
                 entries.append(self._table.by_id(call.traced_id))
                 continue
             frame_module, module = frames[call.frame], None
@@ -133,3 +144,32 @@ class CompiledCalls:
     def backward_done(self) -> None:
         self._taps.clear()
         self.kept.clear()
+
+
+_LOCAL = re.compile(r"L\['(\w+)'\]")
+"""A frame's source name that is a local variable of the compiled Python frame."""
+
+_MOST_FRAMES = 64
+"""Python frames looked through, at most, from the recorder up to the one running a graph."""
+
+
+def _held(plan: Plan) -> tuple[Any, ...]:
+    """What the frames of ``plan`` that take no parameter hold (``L['self']``: the module
+    compiled on its own), read from the locals of the Python frame running the graph: the
+    nearest caller running ``plan.code``. None for each where it is not found."""
+    code = plan.code
+    frame: types.FrameType | None = sys._getframe(1)
+    for _ in range(_MOST_FRAMES):
+        if frame is None or code is None:
+            break
+        running = frame.f_code
+        if running is code or (
+            running.co_name == code.co_name
+            and running.co_filename == code.co_filename
+            and running.co_firstlineno == code.co_firstlineno
+        ):
+            local = frame.f_locals
+            names = [_LOCAL.fullmatch(name) for name in plan.unanchored]
+            return tuple(local.get(m.group(1)) if m else None for m in names)
+        frame = frame.f_back
+    return (None,) * len(plan.unanchored)

@@ -314,6 +314,56 @@ def test_a_compiled_optimizer_step_compiles_as_it_does_unrecorded(
     assert hooktrace.load(tmp_path / "compiled").steps["step"].tolist() == [0, 1, 2]
 
 
+class Gate(nn.Module):
+    """A block without parameters: what names its graph's module calls at run time is the
+    frame running it, not a parameter it takes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x) * 2.0
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fcs = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.gates = nn.ModuleList([Gate() for _ in range(3)])
+        self.run_gate: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda g, x: g(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for fc, gate in zip(self.fcs, self.gates, strict=True):
+            x = self.run_gate(gate, fc(x))
+        return x
+
+
+@pytest.mark.parametrize("how", ["method", "function"])
+def test_blocks_without_parameters_compiled_one_by_one_are_each_recorded_under_their_own_names(
+    tmp_path: Path, how: str
+) -> None:
+    """One graph serves the three gates, which take no parameter: every gate's ReLU was
+    recorded as the first gate's, its calls 0, 1 and 2."""
+
+    def compile_gates(model: nn.Module) -> nn.Module:
+        if how == "method":  # each gate's Module.compile()
+            for gate in model.gates:  # type: ignore[union-attr]
+                gate.compile(backend="aot_eager")
+        else:  # a compiled function the gate is handed to
+            model.run_gate = torch.compile(lambda g, x: g(x), backend="aot_eager")
+        return model
+
+    plain = _train(None, compile_gates, steps=2, make=Gated)
+    recorded = _train(tmp_path / "compiled", compile_gates, steps=2, make=Gated)
+    assert recorded[0] == plain[0]
+    _train(tmp_path / "eager", None, steps=2, make=Gated)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+    records = hooktrace.load(tmp_path / "compiled").records
+    assert {f"gates.{i}.act" for i in range(3)} <= set(records["module"])
+
+
 class CheckpointedBlocks(Blocks):
     """:class:`Blocks` whose blocks are recomputed in the backward (activation
     checkpointing, as large trainers use it with the compiler)."""
