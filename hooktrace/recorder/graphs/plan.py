@@ -519,19 +519,69 @@ def _hoist(gm: fx.GraphModule, *, training: bool, new_tap: Callable[[], int], fu
 
 def _unopened_regions(gm: fx.GraphModule, recorded: Callable[[int], bool]) -> list[str]:
     """The paths of the ``recorded`` modules marked in the regions ``gm`` calls that
-    :func:`_hoist` does not open, once each, in order (a region several calls share, a
-    nested compile region's, by its first call's modules)."""
+    :func:`_hoist` does not open, once each, in order. A nested compile region's body is
+    traced for the first call of it, and other calls run it for other modules: each of
+    those is named from the parameters it hands the region (``blocks.2`` for ``blocks.1``)."""
     paths: dict[str, None] = {}
-    for child in gm.modules():
+    sites: dict[str, list[fx.Node]] = {}  # by region: the frame's graph's calls of it
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is _INVOKE_SUBGRAPH and node.args:
+            body = node.args[0]
+            if isinstance(body, fx.Node) and body.op == "get_attr":
+                sites.setdefault(str(body.target), []).append(node)
+    for name, child in gm.named_modules():
         if child is gm or not isinstance(child, fx.GraphModule):
             continue
+        found: list[str] = []
         for node in child.graph.nodes:
             if node.op == "call_function" and node.target in ops.MARKS:
                 stack = node.meta.get("nn_module_stack") or {}
                 key, (path, _) = next(reversed(stack.items()), ("", ("", None)))
                 if key and recorded(int(key.split("@")[0])):
-                    paths[_split_path(path)[1] if path else ""] = None
+                    found.append(_split_path(path)[1] if path else "")
+        paths.update(dict.fromkeys(found))
+        calls = sites.get(name, [])
+        for site in calls[1:]:
+            moved = _moved(calls[0], site)
+            if moved is not None:
+                was, now = moved
+                paths.update(
+                    dict.fromkeys(now + p[len(was) :] for p in found if p.startswith(was + "."))
+                )
     return list(paths)
+
+
+_INVOKE_SUBGRAPH = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+"""A nested compile region's call (``torch.compiler.nested_compile_region``)."""
+
+
+def _moved(first: fx.Node, other: fx.Node) -> tuple[str, str] | None:
+    """Where ``other``, a call of the region ``first`` calls too, runs the region's modules:
+    (the module path in ``first``, the one in ``other``) of the first parameter they take
+    from different modules (``("blocks.1", "blocks.2")``); None where none differs."""
+    for one, two in zip(first.args[2:], other.args[2:], strict=False):
+        paths = [
+            _split_source(name)[1] if (name := _source_name(n)) is not None else None
+            for n in (one, two)
+        ]
+        if paths[0] is None or paths[1] is None or paths[0] == paths[1]:
+            continue
+        was, now = paths[0].split("."), paths[1].split(".")
+        while was and now and was[-1] == now[-1]:  # the path inside the module, taken off
+            was.pop()
+            now.pop()
+        if was and now:
+            return ".".join(was), ".".join(now)
+    return None
+
+
+def _source_name(node: Any) -> str | None:
+    """The name of the source dynamo took a placeholder's value from
+    (``"L['self']._modules['fc']._parameters['weight']"``); None for any other node."""
+    name = getattr(getattr(node, "_dynamo_source", None), "name", None)
+    if callable(name):  # a method in older torch, a property in newer
+        name = name()
+    return name if isinstance(name, str) else None
 
 
 def _marked(gm: fx.GraphModule) -> bool:
@@ -638,10 +688,8 @@ def _anchors(placeholders: list[fx.Node], frames: set[str]) -> dict[str, tuple[i
     parameter's path from the module (``"blocks.0.fc.weight"``)."""
     anchors: dict[str, tuple[int, str]] = {}
     for index, node in enumerate(placeholders):
-        name = getattr(getattr(node, "_dynamo_source", None), "name", None)
-        if callable(name):  # a method in older torch, a property in newer
-            name = name()
-        if not isinstance(name, str):
+        name = _source_name(node)
+        if name is None:
             continue
         frame, rest = _split_source(name)
         if frame not in frames or frame in anchors or rest is None:

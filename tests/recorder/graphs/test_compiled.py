@@ -601,6 +601,36 @@ def test_modules_inside_a_region_that_is_not_opened_are_said_to_be_left_out(
     assert hooktrace.summary(tmp_path / "other").notes == {}
 
 
+class RegionBlock(Block):
+    forward = torch.compiler.nested_compile_region(Block.forward)
+
+
+class RegionBlocks(Blocks):
+    """Four blocks, each a nested compile region: one region, whose body dynamo traces once,
+    called for every block but the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([RegionBlock() for _ in range(4)])
+
+
+def test_every_call_of_a_nested_compile_region_is_named_as_left_out(tmp_path: Path) -> None:
+    """The region's body holds the marks of the call it was traced for: the note named that
+    block's modules, not the other blocks that run it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(RegionBlocks(), backend="aot_eager")
+    with pytest.warns(RuntimeWarning), hooktrace.record(compiled, tmp_path / "run"):
+        compiled(torch.randn(4, 8)).sum().backward()
+    (note,) = hooktrace.summary(tmp_path / "run").notes[0]
+    records = hooktrace.load(tmp_path / "run").records
+    recorded = set(records.loc[records["kind"] == "output", "module"])
+    for i in range(4):
+        for inner in ("fc", "act"):
+            path = f"blocks.{i}.{inner}"
+            assert (f"'{path}'" in note) != (path in recorded), (path, note)
+
+
 def test_an_evaluation_under_no_grad_is_recorded_from_its_inference_graph(
     tmp_path: Path,
 ) -> None:
