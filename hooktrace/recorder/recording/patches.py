@@ -16,11 +16,12 @@ import functools
 import sys
 import types
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hooktrace.recorder.hooks.attach import ModuleTable
 
@@ -47,6 +48,8 @@ class Patches:
         self,
         wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
         hooks: list[types.CodeType],
+        *,
+        untraced: Sequence[RemovableHandle] = (),
     ) -> None:
         """Wrap dynamo's hand-over of a captured graph to its backend with ``wrap``
         (:mod:`hooktrace.recorder.graphs.backend`), and have dynamo never compile the
@@ -55,11 +58,14 @@ class Patches:
         dynamo runs eagerly (a module's own call, where dynamo compiles its forward alone),
         they must run eagerly too and record as they do without a compiler: compiled, the
         forward hook would make a graph of its marks alone, and the recorder's own
-        functions would be compiled. Dynamo takes seconds to import: where the script has
-        not imported it yet, ``torch.compile`` is wrapped instead, to do this at its first
-        call (``nn.Module.compile`` calls it too)."""
+        functions would be compiled. The hooks registered by the ``untraced`` handles (the
+        optimizer's step hooks, which a compiled ``opt.step`` would trace: AdamW's step
+        made 14 graphs of them) are disabled for dynamo: it runs them as they are. Dynamo
+        takes seconds to import (and imports ``torch.distributed.tensor``): where the script
+        has not imported it yet, ``torch.compile`` is wrapped instead, to do this at its
+        first call (``nn.Module.compile`` calls it too)."""
         if _OUTPUT_GRAPH in sys.modules:
-            self._wrap_output_graph(wrap, hooks)
+            self._wrap_output_graph(wrap, hooks, untraced)
             return
         wrapped = [False]
 
@@ -67,7 +73,7 @@ class Patches:
             def compile(*args: Any, **kwargs: Any) -> Any:
                 if not wrapped[0] and self._restore:
                     wrapped[0] = True
-                    self._wrap_output_graph(wrap, hooks)
+                    self._wrap_output_graph(wrap, hooks, untraced)
                 return original(*args, **kwargs)
 
             return compile
@@ -78,7 +84,9 @@ class Patches:
         self,
         wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
         hooks: list[types.CodeType],
+        untraced: Sequence[RemovableHandle],
     ) -> None:
+        from torch._dynamo import disable
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.output_graph import OutputGraph
         from torch._dynamo.types import FrameAction, FrameExecStrategy
@@ -86,6 +94,10 @@ class Patches:
         eager = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
         for code in hooks:  # (hooktrace's own code: left so after the recording)
             set_code_exec_strategy(code, eager)
+        for handle in untraced:  # (their handles remove them as they are now)
+            registered = handle.hooks_dict_ref()
+            if registered is not None and handle.id in registered:
+                registered[handle.id] = disable(registered[handle.id])
         self.patch(OutputGraph, "call_user_compiler", wrap)
 
     def hide_hooks_from_compile(self, ours: Collection[int]) -> None:

@@ -319,10 +319,11 @@ class Recorder(Steps):
     # -- installing hooks --------------------------------------------------------------------
 
     def _install(self) -> None:
-        # a compiled optimizer step traces its hooks: these run as they are, outside its graph
-        stepping, stepped = (self._optimizer_stepping, self._optimizer_stepped)
-        self._handles.append(register_optimizer_step_pre_hook(torch.compiler.disable(stepping)))
-        self._handles.append(register_optimizer_step_post_hook(torch.compiler.disable(stepped)))
+        steps = [
+            register_optimizer_step_pre_hook(self._optimizer_stepping),
+            register_optimizer_step_post_hook(self._optimizer_stepped),
+        ]
+        self._handles.extend(steps)
         process_wide = attach.install(pre=self._pre, post=self._post)
         self._handles.extend(process_wide)
         patch = self._patches.patch
@@ -335,7 +336,7 @@ class Recorder(Steps):
             for name in ("_pre", "_post", "_returned", "_exit")
             if name in cls.__dict__
         ]
-        self._patches.instrument_graphs(graphs.wrap_call_user_compiler, hooks)
+        self._patches.instrument_graphs(graphs.wrap_call_user_compiler, hooks, untraced=steps)
         graphs.receive(self)
 
     @property
