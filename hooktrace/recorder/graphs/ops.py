@@ -263,6 +263,23 @@ def _(x: torch.Tensor, slot: str) -> None:
     return None
 
 
+@torch.library.custom_op("hooktrace::mark_watched", mutates_args=())
+def _mark_watched_op(x: torch.Tensor, name: str) -> None:
+    """A mark of a tensor ``hooktrace.watch`` names (``name``): never runs, as ``mark``."""
+
+
+@_mark_watched_op.register_fake
+def _(x: torch.Tensor, name: str) -> None:
+    return None
+
+
+def mark_watched(tensor: torch.Tensor, name: str) -> None:
+    """Mark a tensor that ``hooktrace.watch`` records under ``name``, while dynamo traces
+    the call (a DTensor's local tensor is not marked: it is recorded eagerly only)."""
+    if isinstance(tensor, torch.Tensor) and not shards.dtensor(tensor):
+        torch.ops.hooktrace.mark_watched(tensor, name)
+
+
 _LIBRARY.define("sink(Tensor row, int site) -> ()", tags=_NOT_IN_CUDA_GRAPHS)
 
 
@@ -299,8 +316,17 @@ torch.fx.node.has_side_effect(torch.ops.hooktrace.sink_kept.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_local.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_input.default)
+torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_watched.default)
 INPUT_MARKS = (torch.ops.hooktrace.mark_input, torch.ops.hooktrace.mark_input.default)
 """Marks of a module call's arguments (``inputs=True``)."""
 LOCAL_MARKS = (torch.ops.hooktrace.mark_local, torch.ops.hooktrace.mark_local.default)
 """Marks of a DTensor output's local tensor (the DTensor is the local tensor's argument)."""
-MARKS = (torch.ops.hooktrace.mark, torch.ops.hooktrace.mark.default, *LOCAL_MARKS, *INPUT_MARKS)
+WATCH_MARKS = (torch.ops.hooktrace.mark_watched, torch.ops.hooktrace.mark_watched.default)
+"""Marks of a tensor ``hooktrace.watch`` records (its name the mark's argument)."""
+MARKS = (
+    torch.ops.hooktrace.mark,
+    torch.ops.hooktrace.mark.default,
+    *LOCAL_MARKS,
+    *INPUT_MARKS,
+    *WATCH_MARKS,
+)

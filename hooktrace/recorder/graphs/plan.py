@@ -94,6 +94,7 @@ class Call:
     traced_id: int
     outputs: tuple[Output, ...]
     counts: bool = True
+    watched: str = ""  # a tensor hooktrace.watch records under this name: no module's call
 
 
 @dataclass
@@ -169,13 +170,19 @@ def instrument(
     calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool, str, int | None]]]] = {}
     begins: dict[str, tuple[int, int]] = {"": (0, 0)}  # by call: (its first mark, depth)
     ends: dict[str, int] = {}  # by call: its first output's mark
+    watched: dict[str, str] = {}  # by call: the name a watched tensor is recorded under
     for position, mark in enumerate(marks):
         value, slot = mark.args
         stack = mark.meta.get("nn_module_stack") or {}
         for depth, outer in enumerate(stack, start=1):  # this mark is inside each of them
             begins.setdefault(outer, (position, depth))
-        key, (path, module_type) = next(reversed(stack.items()), ("", ("", None)))
         graph.erase_node(mark)
+        if mark.target in ops.WATCH_MARKS:  # a call of its own, at its place
+            key = f"watched@{position}"
+            watched[key], begins[key], ends[key] = str(slot), (position, len(stack) + 1), position
+            calls[key] = ("", None, [("0", value, False, "tensor", mark.meta.get(_TAPPED_INSIDE))])
+            continue
+        key, (path, module_type) = next(reversed(stack.items()), ("", ("", None)))
         if key and not recorded(int(key.split("@")[0])):
             continue  # (no stack: the frame's own module, known only when the graph runs)
         local = mark.target in ops.LOCAL_MARKS
@@ -224,12 +231,17 @@ def instrument(
                         tapped_inside=tapped_inside,
                     )
                 )
+        begin, depth = begins[key]
+        if key in watched:
+            if outputs:
+                placed.append(((ends[key], 1, depth), Call("", "", 0, tuple(outputs),
+                                                           watched=watched[key])))  # fmt: skip
+            continue
         traced_id = int(key.split("@")[0]) if key else 0
         # no stack: the frame's own module, a module's call compiled on its own
         frame, relative = _split_path(path) if path else (_SELF, "")
         arguments = tuple(o for o in outputs if o.kind == "input")
         returned = tuple(o for o in outputs if o.kind == "output")
-        begin, depth = begins[key]
         if arguments:  # where the call began, before the calls inside it, as hooks see them
             call = Call(frame, relative, traced_id, arguments, counts=not returned)
             placed.append(((begin, 0, depth), call))
@@ -243,7 +255,7 @@ def instrument(
     output_node.args = (tuple(output_node.args[0]) + tuple(extra),)  # taps' in place now
     graph.lint()
     gm.recompile()
-    frames = {c.frame for c in planned}
+    frames = {c.frame for c in planned if not c.watched}
     anchors = _anchors(placeholders, frames)
     return Plan(
         returns=returns,
@@ -324,7 +336,7 @@ class _Adding:
         if made not in self.made:
             self.made[made] = self._summarise(node, value, shape, static, at)
         row, span, tap, dims = self.made[made]
-        if tap is None and kind == "output":  # (an argument of a call before: not tapped)
+        if tap is None and kind != "input":  # (an argument of a call before: not tapped)
             tap = tapped_inside if tapped_inside is not None else self._tap(node, tap_on)
             self.made[made] = (row, span, tap, dims)
         return Output(slot, row, span, tap, value.dtype, shape, dims, shard, kind)
@@ -433,7 +445,12 @@ taken apart: activation checkpointing's (``torch.utils.checkpoint``), and a func
 wraps whole (``higher_order.wrap``: a call it keeps out of the frame's graph, such as one
 under a ``torch.autograd.graph.saved_tensors_hooks`` context)."""
 
-_HOISTED = (torch.ops.hooktrace.mark, torch.ops.hooktrace.mark.default, *ops.INPUT_MARKS)
+_HOISTED = (
+    torch.ops.hooktrace.mark,
+    torch.ops.hooktrace.mark.default,
+    *ops.INPUT_MARKS,
+    *ops.WATCH_MARKS,
+)
 """The marks taken out of a region: a DTensor's local tensor's (``ops.LOCAL_MARKS``) stays
 in it, not recorded (where its shard lies is read from the DTensor, inside the region)."""
 
@@ -534,7 +551,9 @@ def _unopened_regions(gm: fx.GraphModule, recorded: Callable[[int], bool]) -> li
             continue
         found: list[str] = []
         for node in child.graph.nodes:
-            if node.op == "call_function" and node.target in ops.MARKS:
+            if node.op == "call_function" and node.target in ops.WATCH_MARKS:
+                paths[str(node.args[1])] = None  # hooktrace.watch's name
+            elif node.op == "call_function" and node.target in ops.MARKS:
                 stack = node.meta.get("nn_module_stack") or {}
                 key, (path, _) = next(reversed(stack.items()), ("", ("", None)))
                 if key and recorded(int(key.split("@")[0])):

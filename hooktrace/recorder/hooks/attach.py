@@ -63,13 +63,14 @@ class Attached:
     """What the recorder knows of one module it watches.
 
     ``name`` is None for a root whose own records are not wanted (filtered out): its calls
-    still set the phase and open the step's parameter records.
+    still set the phase and open the step's parameter records. ``module`` is None for a
+    tensor that ``hooktrace.watch`` names inside a compiled graph.
     """
 
     __slots__ = ("channels_first", "module", "name", "root")
 
     def __init__(
-        self, module: nn.Module, name: str | None, *, channels_first: bool, root: bool
+        self, module: nn.Module | None, name: str | None, *, channels_first: bool, root: bool
     ) -> None:
         self.module = module
         self.name = name

@@ -99,6 +99,9 @@ class CompiledCalls:
                 frames[frame] = unwrap(module)[0]
         entries: list[Attached | None] = []
         for call in plan.calls:
+            if call.watched:  # hooktrace.watch's name, whoever runs the graph
+                entries.append(Attached(None, call.watched, channels_first=False, root=False))
+                continue
             if call.frame not in frames:  # a frame not found running: as it was traced
                 entries.append(self._table.by_id(call.traced_id))
                 continue

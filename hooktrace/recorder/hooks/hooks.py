@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hooktrace.recorder.graphs import ops
-from hooktrace.recorder.graphs.ops import mark_inputs, mark_outputs
+from hooktrace.recorder.graphs.ops import mark_inputs, mark_outputs, mark_watched
 from hooktrace.recorder.graphs.plan import Plan
 from hooktrace.recorder.hooks import attach
 from hooktrace.recorder.hooks.attach import Attached, ModuleTable, is_compiling
@@ -209,9 +209,10 @@ class Hooks:
         outside = self._root_depth > 0  # inside a root's call, whose hooks record the root
         entered = None
         if not outside:  # a compiled function that calls the model: its root runs in here
-            entered = next((e for e in entries if e is not None and e.root), None)
+            roots = (e.module for e in entries if e is not None and e.root)
+            entered = next((m for m in roots if m is not None), None)
             if entered is not None:
-                self._enter_root(entered.module, ())
+                self._enter_root(entered, ())
         try:
             self._graph_records(plan, entries, stats, counts, sizes, values, roots=not outside)
         finally:
@@ -254,8 +255,9 @@ class Hooks:
                                     stats[out.row], units, out.dtype, shape, phase=phase,
                                     shard=out.shard, value=values[out.row] if values else None,
                                     full=full)  # fmt: skip
-                if training and out.tap is not None and out.kind == "output":
-                    target = (name, call, "grad_output", out.slot)
+                if training and out.tap is not None and out.kind != "input":
+                    grad = "grad_tensor" if out.kind == "tensor" else "grad_output"
+                    target = (name, call, grad, out.slot)
                     taps.setdefault(out.tap, ([], out.dtype, shape))[0].append(target)
         for tap, expected in taps.items():
             self._compiled.expect(tap, expected)
@@ -445,6 +447,9 @@ class Hooks:
             self._captures.backward_done()
 
     def watch(self, tensor: torch.Tensor, name: str) -> None:
+        if is_compiling():  # dynamo traces this: the tensor is marked in its graph
+            mark_watched(tensor, name)
+            return
         if not self._recording or _in_backward() or _in_transform():
             return
         with self._lock:

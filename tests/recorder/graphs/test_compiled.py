@@ -364,6 +364,39 @@ def test_blocks_without_parameters_compiled_one_by_one_are_each_recorded_under_t
     assert {f"gates.{i}.act" for i in range(3)} <= set(records["module"])
 
 
+class Watching(Blocks):
+    """Blocks that name a tensor of their forward with ``hooktrace.watch``, the README's way
+    to record a value no module returns; once under activation checkpointing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = hooktrace.watch(self.blocks[0](x) * 2.0, "doubled")
+        x = torch.utils.checkpoint.checkpoint(self._checkpointed, x, use_reentrant=False)
+        return self.head(self.norm(self.blocks[2](x)))
+
+    def _checkpointed(self, x: torch.Tensor) -> torch.Tensor:
+        return hooktrace.watch(self.blocks[1](x).tanh(), "squashed")
+
+
+def test_a_watched_tensor_is_marked_in_the_graph_as_a_module_output_is(tmp_path: Path) -> None:
+    """Dynamo traced hooktrace.watch's recording into the graph: 14 graphs and 23 graph
+    breaks where the model compiled into one. Now its tensor is marked, summarised and its
+    gradient tapped in the graph, and recorded as an eager run records it."""
+    plain = _train(None, _inductor, make=Watching)
+    recorded = _train(tmp_path / "compiled", _inductor, make=Watching)
+    assert recorded[0] == plain[0]
+    for name, value in plain[1].items():
+        assert torch.equal(recorded[1][name], value), name
+    assert recorded[2]["unique_graphs"] == plain[2]["unique_graphs"] == 1
+    _train(tmp_path / "eager", None, make=Watching)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+    assert result.records == len(hooktrace.load(tmp_path / "eager").records)
+    records = hooktrace.load(tmp_path / "compiled").records
+    kinds = records.groupby("module")["kind"].agg(set)
+    for name in ("doubled", "squashed"):
+        assert kinds[name] == {"tensor", "grad_tensor"}, kinds
+
+
 class CheckpointedBlocks(Blocks):
     """:class:`Blocks` whose blocks are recomputed in the backward (activation
     checkpointing, as large trainers use it with the compiler)."""
@@ -599,6 +632,23 @@ def test_modules_inside_a_region_that_is_not_opened_are_said_to_be_left_out(
         recorded(torch.randn(4, 8)).sum().backward()
         bystander(torch.randn(4, 8)).sum().backward()
     assert hooktrace.summary(tmp_path / "other").notes == {}
+
+
+class WatchingInABranch(Branching):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        watched = lambda t: hooktrace.watch(self.fc(t) * 2.0, "inside")  # noqa: E731
+        return self.head(torch.cond(x.sum() > 0, watched, lambda t: self.fc(t), (x,)))
+
+
+def test_a_watched_tensor_inside_a_region_that_is_not_opened_is_named_by_its_name(
+    tmp_path: Path,
+) -> None:
+    torch._dynamo.reset()
+    compiled = torch.compile(WatchingInABranch(), backend="aot_eager")
+    with pytest.warns(RuntimeWarning), hooktrace.record(compiled, tmp_path / "run"):
+        compiled(torch.randn(4, 8)).sum().backward()
+    (note,) = hooktrace.summary(tmp_path / "run").notes[0]
+    assert note.startswith("inside a compiled graph, 'inside', 'fc' run in regions"), note
 
 
 class RegionBlock(Block):
