@@ -170,7 +170,8 @@ class _Instrumenting:
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         try:
             trial, plan = self._instrumented(gm, full=False)
-            if plan is None and self.alike:  # every module call, for the recorded model
+            modules = plan is not None and not all(call.watched for call in plan.calls)
+            if self.alike and not modules:  # every module call, for the recorded model
                 self.every_call = True
                 trial, plan = self._instrumented(gm, full=False)
         except Exception as exc:

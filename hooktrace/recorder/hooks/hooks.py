@@ -245,7 +245,7 @@ class Hooks:
             name = entry.name
             # an entry of a call's arguments comes first: the call is counted by its outputs'
             call = calls.count(phase, name) if module_call.counts else calls.peek(phase, name)
-            full = self._full_step and name in self._names.full_modules
+            full = self._full_step and self._names.wants_full(name)  # (a watched tensor's too)
             for out in module_call.outputs:
                 span, shape = out.counts, out.shape_of(sizes)
                 units = (

@@ -394,9 +394,11 @@ class Recorder(Steps):
 
     def runs_recorded(self, plan: Plan, args: tuple[Any, ...]) -> bool:
         """Whether this run of a graph compiled for a module alike (:meth:`records_alike`)
-        is a recorded module's: its anchors name one."""
+        is a recorded module's: its anchors name one (a watched tensor's name is no
+        module's)."""
         with self._lock:  # (graphs may run in several threads)
-            return any(entry is not None for entry in self._compiled.modules(plan, args))
+            entries = self._compiled.modules(plan, args)
+            return any(entry is not None and entry.module is not None for entry in entries)
 
     def _compiled_before(self, entry: Any) -> None:
         if self._graph_failures:  # its graphs were not instrumented: that is said already

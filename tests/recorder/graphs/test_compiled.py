@@ -634,6 +634,29 @@ def test_modules_inside_a_region_that_is_not_opened_are_said_to_be_left_out(
     assert hooktrace.summary(tmp_path / "other").notes == {}
 
 
+def test_a_watched_tensor_is_saved_whole_on_a_full_step_as_an_eager_run_saves_it(
+    tmp_path: Path,
+) -> None:
+    """A full step saved a watched tensor's gradient but not the tensor: the graph's records
+    asked whether a module of that name is saved whole, which no watched name is."""
+    for out, compile_model in (("compiled", _aot_eager), ("eager", None)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Watching()
+        run = compile_model(model) if compile_model is not None else model
+        with hooktrace.record(run, tmp_path / out, full_steps=[0]):
+            run(torch.randn(4, 8)).pow(2).mean().backward()
+    compiled, eager = (hooktrace.load(tmp_path / out) for out in ("compiled", "eager"))
+    for name in ("doubled", "squashed"):
+        for kind in ("tensor", "grad_tensor"):
+            expected = eager.tensor(name, kind, step=0)
+            np.testing.assert_allclose(compiled.tensor(name, kind, step=0), expected, rtol=1e-5)
+
+
+def _aot_eager(model: nn.Module) -> nn.Module:
+    return torch.compile(model, backend="aot_eager")  # type: ignore[return-value]
+
+
 class WatchingInABranch(Branching):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         watched = lambda t: hooktrace.watch(self.fc(t) * 2.0, "inside")  # noqa: E731
@@ -1364,20 +1387,25 @@ def test_a_compiled_model_that_is_not_recorded_pays_nothing(tmp_path: Path) -> N
     assert "blocks.0.fc" in set(hooktrace.load(tmp_path / "run").records["module"])
 
 
-@pytest.mark.parametrize("compiled_for", ["recorded", "other"])
+@pytest.mark.parametrize(
+    ("compiled_for", "make"),
+    [("recorded", Blocks), ("other", Blocks), ("other", Watching)],
+    ids=["recorded", "other", "other-watching"],
+)
 def test_a_graph_that_serves_two_models_of_one_class_records_the_recorded_one_only(
-    tmp_path: Path, compiled_for: str
+    tmp_path: Path, compiled_for: str, make: Callable[[], nn.Module]
 ) -> None:
     """dynamo checks a module's type, not which one it is: the graph it compiled for one
     model of a class runs for every other (an EMA copy, a reference model). Whichever model
     it was compiled for, the recorded model's calls are recorded as an eager run records
     them, and only they: the other model's values went into its records, and where the
-    other compiled it first, none of the recorded model's modules were. The other model
+    other compiled it first, none of the recorded model's modules were (nor, where the
+    graph held a watched tensor, which no module's call is: ``make``). The other model
     still pays nothing where it compiled the graph."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
-    recorded, other = Blocks(), Blocks()
+    recorded, other = make(), make()
     eager = copy.deepcopy(recorded)
     run, run_other = (torch.compile(m, backend="aot_eager") for m in (recorded, other))
     xs = [torch.randn(4, 8) for _ in range(3)]
