@@ -540,12 +540,16 @@ def _unopened_regions(gm: fx.GraphModule, recorded: Callable[[int], bool]) -> li
     traced for the first call of it, and other calls run it for other modules: each of
     those is named from the parameters it hands the region (``blocks.2`` for ``blocks.1``)."""
     paths: dict[str, None] = {}
-    sites: dict[str, list[fx.Node]] = {}  # by region: the frame's graph's calls of it
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is _INVOKE_SUBGRAPH and node.args:
-            body = node.args[0]
-            if isinstance(body, fx.Node) and body.op == "get_attr":
-                sites.setdefault(str(body.target), []).append(node)
+    sites: dict[str, list[fx.Node]] = {}  # by region: its calls (from any graph, region)
+    for owner, caller in gm.named_modules():
+        if not isinstance(caller, fx.GraphModule):
+            continue
+        for node in caller.graph.nodes:
+            if node.op == "call_function" and node.target is _INVOKE_SUBGRAPH and node.args:
+                body = node.args[0]
+                if isinstance(body, fx.Node) and body.op == "get_attr":
+                    region = f"{owner}.{body.target}" if owner else str(body.target)
+                    sites.setdefault(region, []).append(node)
     for name, child in gm.named_modules():
         if child is gm or not isinstance(child, fx.GraphModule):
             continue
@@ -560,8 +564,9 @@ def _unopened_regions(gm: fx.GraphModule, recorded: Callable[[int], bool]) -> li
                     found.append(_split_path(path)[1] if path else "")
         paths.update(dict.fromkeys(found))
         calls = sites.get(name, [])
+        sources = _sources(gm) if len(calls) > 1 else {}
         for site in calls[1:]:
-            moved = _moved(calls[0], site)
+            moved = _moved(calls[0], site, sources)
             if moved is not None:
                 was, now = moved
                 paths.update(
@@ -574,13 +579,16 @@ _INVOKE_SUBGRAPH = getattr(torch.ops.higher_order, "invoke_subgraph", None)
 """A nested compile region's call (``torch.compiler.nested_compile_region``)."""
 
 
-def _moved(first: fx.Node, other: fx.Node) -> tuple[str, str] | None:
+def _moved(first: fx.Node, other: fx.Node, sources: dict[fx.Node, str]) -> tuple[str, str] | None:
     """Where ``other``, a call of the region ``first`` calls too, runs the region's modules:
     (the module path in ``first``, the one in ``other``) of the first parameter they take
-    from different modules (``("blocks.1", "blocks.2")``); None where none differs."""
+    from different modules (``("blocks.1", "blocks.2")``); None where none differs.
+    ``sources``: the source names of placeholders of the frame's graph and its regions."""
     for one, two in zip(first.args[2:], other.args[2:], strict=False):
         paths = [
-            _split_source(name)[1] if (name := _source_name(n)) is not None else None
+            _split_source(name)[1]
+            if isinstance(n, fx.Node) and (name := sources.get(n)) is not None
+            else None
             for n in (one, two)
         ]
         if paths[0] is None or paths[1] is None or paths[0] == paths[1]:
@@ -592,6 +600,34 @@ def _moved(first: fx.Node, other: fx.Node) -> tuple[str, str] | None:
         if was and now:
             return ".".join(was), ".".join(now)
     return None
+
+
+def _sources(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """The source name of each placeholder of ``gm`` that dynamo took from the frame, and of
+    each placeholder of the regions it calls (in a region, the name of what its caller
+    hands it: a block's parameter inside activation checkpointing's region)."""
+    sources: dict[fx.Node, str] = {}
+
+    def read(graph: fx.GraphModule) -> None:
+        for node in graph.graph.nodes:
+            name = _source_name(node) if node.op == "placeholder" else None
+            if name is not None:
+                sources.setdefault(node, name)
+            body = node.args[0] if node.op == "call_function" and node.args else None
+            if not (isinstance(body, fx.Node) and body.op == "get_attr"):
+                continue
+            region = getattr(graph, str(body.target), None)
+            if not isinstance(region, fx.GraphModule):
+                continue
+            handed = [a for a in node.args[1:] if isinstance(a, fx.Node)]
+            held = [n for n in region.graph.nodes if n.op == "placeholder"]
+            for argument, placeholder in zip(handed, held, strict=False):
+                if argument in sources:
+                    sources.setdefault(placeholder, sources[argument])
+            read(region)
+
+    read(gm)
+    return sources
 
 
 def _source_name(node: Any) -> str | None:

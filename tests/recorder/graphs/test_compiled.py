@@ -687,12 +687,29 @@ class RegionBlocks(Blocks):
         self.blocks = nn.ModuleList([RegionBlock() for _ in range(4)])
 
 
-def test_every_call_of_a_nested_compile_region_is_named_as_left_out(tmp_path: Path) -> None:
+class CheckpointedRegionBlocks(RegionBlocks):
+    """The four blocks run inside activation checkpointing's region."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.utils.checkpoint.checkpoint(self._blocks, x, use_reentrant=False)
+        return self.head(self.norm(x))
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("make", [RegionBlocks, CheckpointedRegionBlocks])
+def test_every_call_of_a_nested_compile_region_is_named_as_left_out(
+    tmp_path: Path, make: Callable[[], nn.Module]
+) -> None:
     """The region's body holds the marks of the call it was traced for: the note named that
-    block's modules, not the other blocks that run it."""
+    block's modules, not the other blocks that run it (inside a checkpointed region too,
+    where the parameters each call hands the region are the region's arguments)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    compiled = torch.compile(RegionBlocks(), backend="aot_eager")
+    compiled = torch.compile(make(), backend="aot_eager")
     with pytest.warns(RuntimeWarning), hooktrace.record(compiled, tmp_path / "run"):
         compiled(torch.randn(4, 8)).sum().backward()
     (note,) = hooktrace.summary(tmp_path / "run").notes[0]
