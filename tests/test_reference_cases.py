@@ -71,6 +71,27 @@ def test_case_2_watched_intermediate_tensor(run_dir: Path) -> None:
     np.testing.assert_array_equal(w.grad, [4, 6, 8, 10])  # training saw the usual gradients
 
 
+def test_a_watched_leaf_records_each_backwards_gradient_once(run_dir: Path) -> None:
+    """A parameter watched at every forward keeps its gradient hooks from one backward to the
+    next: the second micro-step recorded two gradients, the third three, and so on."""
+    w = nn.Parameter(torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    xs = [torch.tensor([[1.0, 2.0]]), torch.tensor([[3.0, 5.0]])]
+    with hooktrace.record(nn.Identity(), run_dir, full_every=1) as rec:
+        for _ in range(2):
+            for x in xs:  # two micro-steps: d(sum(x @ w.T))/dw = each row x
+                (x @ hooktrace.watch(w, "w").t()).sum().backward()
+            rec.step()
+    records = hooktrace.load(run_dir).records
+    grads = records[(records["module"] == "w") & (records["kind"] == "grad_tensor")]
+    assert grads[["step", "micro_step"]].values.tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+    trace = hooktrace.load(run_dir)
+    for step in range(2):
+        for micro_step, x in enumerate(xs):
+            expected = [x[0].tolist()] * 2
+            got = trace.tensor("w", "grad_tensor", step=step, micro_step=micro_step)
+            np.testing.assert_array_equal(got, expected)
+
+
 def test_watch_outside_a_recording_is_a_no_op() -> None:
     t = torch.ones(3, requires_grad=True)
     assert hooktrace.watch(t * 2, "t") is not t

@@ -87,7 +87,12 @@ class Calls:
                 targets.append(target)
                 return
         targets = [target]
-        hooks, key = _register_hook(tensor, hook_for(targets))
+        hook = hook_for(targets)
+        if tensor.grad_fn is None:  # a leaf (a watched parameter) keeps its hooks from one
+            hook = _Once(hook)  # backward to the next: this call's is for the next only
+        hooks, key = _register_hook(tensor, hook)
+        if isinstance(hook, _Once):
+            hook.registered = (hooks, key)
         self.handles.append((weakref.ref(hooks), key))
         self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, key, targets)
 
@@ -144,6 +149,23 @@ def _register_hook(
     RemovableHandle.next_id = key + 1
     hooks[key] = hook
     return hooks, key
+
+
+class _Once:
+    """A gradient hook that removes itself when it first runs."""
+
+    __slots__ = ("hook", "registered")
+
+    def __init__(self, hook: Callable[[torch.Tensor], None]) -> None:
+        self.hook = hook
+        self.registered: tuple[dict[int, Any], int] | None = None  # the tensor's hooks, its key
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if self.registered is not None:
+            hooks, key = self.registered
+            hooks.pop(key, None)
+        self.hook(grad)
+
 
 
 def _last(hooks: Mapping[int, Any] | None) -> int | None:
