@@ -273,10 +273,24 @@ def _(x: torch.Tensor, name: str) -> None:
     return None
 
 
+@torch.library.custom_op("hooktrace::mark_watched_local", mutates_args=())
+def _mark_watched_local_op(x: torch.Tensor, name: str) -> None:
+    """A mark of a watched DTensor's local tensor (``x``): never runs, as ``mark``."""
+
+
+@_mark_watched_local_op.register_fake
+def _(x: torch.Tensor, name: str) -> None:
+    return None
+
+
 def mark_watched(tensor: torch.Tensor, name: str) -> None:
     """Mark a tensor that ``hooktrace.watch`` records under ``name``, while dynamo traces
-    the call (a DTensor's local tensor is not marked: it is recorded eagerly only)."""
-    if isinstance(tensor, torch.Tensor) and not shards.dtensor(tensor):
+    the call (a DTensor by its local tensor, as a module's DTensor output is)."""
+    if not isinstance(tensor, torch.Tensor):
+        return
+    if shards.dtensor(tensor):
+        torch.ops.hooktrace.mark_watched_local(cast(Any, tensor).to_local(), name)
+    else:
         torch.ops.hooktrace.mark_watched(tensor, name)
 
 
@@ -317,16 +331,29 @@ torch.fx.node.has_side_effect(torch.ops.hooktrace.mark.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_local.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_input.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_watched.default)
+torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_watched_local.default)
 INPUT_MARKS = (torch.ops.hooktrace.mark_input, torch.ops.hooktrace.mark_input.default)
 """Marks of a module call's arguments (``inputs=True``)."""
-LOCAL_MARKS = (torch.ops.hooktrace.mark_local, torch.ops.hooktrace.mark_local.default)
-"""Marks of a DTensor output's local tensor (the DTensor is the local tensor's argument)."""
-WATCH_MARKS = (torch.ops.hooktrace.mark_watched, torch.ops.hooktrace.mark_watched.default)
+LOCAL_MARKS = (
+    torch.ops.hooktrace.mark_local,
+    torch.ops.hooktrace.mark_local.default,
+    torch.ops.hooktrace.mark_watched_local,
+    torch.ops.hooktrace.mark_watched_local.default,
+)
+"""Marks of a DTensor's local tensor (the DTensor is the local tensor's argument): a module
+output's, or a watched one's."""
+WATCH_MARKS = (
+    torch.ops.hooktrace.mark_watched,
+    torch.ops.hooktrace.mark_watched.default,
+    torch.ops.hooktrace.mark_watched_local,
+    torch.ops.hooktrace.mark_watched_local.default,
+)
 """Marks of a tensor ``hooktrace.watch`` records (its name the mark's argument)."""
 MARKS = (
     torch.ops.hooktrace.mark,
     torch.ops.hooktrace.mark.default,
     *LOCAL_MARKS,
     *INPUT_MARKS,
-    *WATCH_MARKS,
+    torch.ops.hooktrace.mark_watched,
+    torch.ops.hooktrace.mark_watched.default,
 )

@@ -180,7 +180,8 @@ def instrument(
         if mark.target in ops.WATCH_MARKS:  # a call of its own, at its place
             key = f"watched@{position}"
             watched[key], begins[key], ends[key] = str(slot), (position, len(stack) + 1), position
-            calls[key] = ("", None, [("0", value, False, "tensor", mark.meta.get(_TAPPED_INSIDE))])
+            local = mark.target in ops.LOCAL_MARKS  # a watched DTensor's local tensor
+            calls[key] = ("", None, [("0", value, local, "tensor", mark.meta.get(_TAPPED_INSIDE))])
             continue
         key, (path, module_type) = next(reversed(stack.items()), ("", ("", None)))
         if key and not recorded(int(key.split("@")[0])):
@@ -207,7 +208,7 @@ def instrument(
                 tap_on = cast(fx.Node, node.args[0])
                 shard = _shard_of(tap_on)
                 if shard is None:  # a dynamic shape: where its shard lies is not known here
-                    left_out(_split_path(path)[1] if path else "")
+                    left_out(watched.get(key) or (_split_path(path)[1] if path else ""))
                     continue
             value = node.meta.get("example_value")
             if isinstance(value, torch.Tensor) and not value.is_complex():
@@ -449,7 +450,8 @@ _HOISTED = (
     torch.ops.hooktrace.mark,
     torch.ops.hooktrace.mark.default,
     *ops.INPUT_MARKS,
-    *ops.WATCH_MARKS,
+    torch.ops.hooktrace.mark_watched,
+    torch.ops.hooktrace.mark_watched.default,
 )
 """The marks taken out of a region: a DTensor's local tensor's (``ops.LOCAL_MARKS``) stays
 in it, not recorded (where its shard lies is read from the DTensor, inside the region)."""

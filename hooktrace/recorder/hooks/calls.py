@@ -167,7 +167,6 @@ class _Once:
         self.hook(grad)
 
 
-
 def _last(hooks: Mapping[int, Any] | None) -> int | None:
     """The id of the hook registered last among ``hooks`` (a tensor's ``_backward_hooks``)."""
     return next(reversed(hooks)) if hooks else None

@@ -589,6 +589,62 @@ def test_a_tensor_parallel_layer_inside_a_checkpointed_region_is_said_to_be_left
     assert set(records.loc[records["kind"] == "output", "module"]) == {"Model", "block", "head"}
 
 
+_TP_WATCHED = """
+import sys
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import hooktrace
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (1,))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(hooktrace.watch(torch.relu(self.fc(x)), "hidden"))  # a DTensor
+
+
+for out, compiled in (sys.argv[1], True), (sys.argv[2], False):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Model()
+    parallelize_module(model, mesh, {"fc": ColwiseParallel(use_local_output=False),
+                                     "fc2": RowwiseParallel()})
+    run = torch.compile(model, backend="aot_eager") if compiled else model
+    with hooktrace.record(run, out):
+        for _ in range(2):
+            run(torch.randn(4, 8)).sum().backward()
+dist.destroy_process_group()
+"""
+
+
+def test_a_watched_dtensor_inside_a_compiled_graph_is_recorded_by_its_local_shard(
+    tmp_path: Path,
+) -> None:
+    """A watched DTensor was not marked in the graph, and went unrecorded without a word;
+    now by its local tensor, placed as an eager run places it."""
+    from tests.torchrun import torchrun
+
+    (tmp_path / "tp.py").write_text(_TP_WATCHED)
+    done = torchrun(tmp_path, "tp.py", str(tmp_path / "compiled"), str(tmp_path / "eager"),
+                    ranks=1)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-5)
+    assert result.match, result
+    assert result.records == len(hooktrace.load(tmp_path / "eager").records)
+    records = hooktrace.load(tmp_path / "compiled").records
+    watched = records[records["module"] == "hidden"]
+    assert sorted(watched["kind"]) == ["grad_tensor"] * 2 + ["tensor"] * 2
+
+
 class Branching(nn.Module):
     """Modules called inside ``torch.cond``'s branches."""
 
