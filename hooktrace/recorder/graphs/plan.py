@@ -552,6 +552,8 @@ def _unopened_regions(gm: fx.GraphModule, recorded: Callable[[int], bool]) -> li
                 if isinstance(body, fx.Node) and body.op == "get_attr":
                     region = f"{owner}.{body.target}" if owner else str(body.target)
                     sites.setdefault(region, []).append(node)
+    shared = any(len(calls) > 1 for calls in sites.values())
+    sources = _sources(gm) if shared else {}  # (read once: a region's calls are named by them)
     for name, child in gm.named_modules():
         if child is gm or not isinstance(child, fx.GraphModule):
             continue
@@ -566,7 +568,6 @@ def _unopened_regions(gm: fx.GraphModule, recorded: Callable[[int], bool]) -> li
                     found.append(_split_path(path)[1] if path else "")
         paths.update(dict.fromkeys(found))
         calls = sites.get(name, [])
-        sources = _sources(gm) if len(calls) > 1 else {}
         for site in calls[1:]:
             moved = _moved(calls[0], site, sources)
             if moved is not None:

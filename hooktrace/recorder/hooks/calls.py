@@ -87,12 +87,9 @@ class Calls:
                 targets.append(target)
                 return
         targets = [target]
-        hook = hook_for(targets)
+        hooks, key = _register_hook(tensor, hook_for(targets))
         if tensor.grad_fn is None:  # a leaf (a watched parameter) keeps its hooks from one
-            hook = _Once(hook)  # backward to the next: this call's is for the next only
-        hooks, key = _register_hook(tensor, hook)
-        if isinstance(hook, _Once):
-            hook.registered = (hooks, key)
+            hooks[key] = _Once(hooks[key], hooks, key)  # backward to the next: this one's once
         self.handles.append((weakref.ref(hooks), key))
         self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, key, targets)
 
@@ -152,18 +149,16 @@ def _register_hook(
 
 
 class _Once:
-    """A gradient hook that removes itself when it first runs."""
+    """A gradient hook that removes itself (``key`` in the tensor's ``hooks``) when it first
+    runs."""
 
-    __slots__ = ("hook", "registered")
+    __slots__ = ("hook", "hooks", "key")
 
-    def __init__(self, hook: Callable[[torch.Tensor], None]) -> None:
-        self.hook = hook
-        self.registered: tuple[dict[int, Any], int] | None = None  # the tensor's hooks, its key
+    def __init__(self, hook: Callable[[torch.Tensor], Any], hooks: dict[int, Any], key: int):
+        self.hook, self.hooks, self.key = hook, hooks, key
 
     def __call__(self, grad: torch.Tensor) -> None:
-        if self.registered is not None:
-            hooks, key = self.registered
-            hooks.pop(key, None)
+        self.hooks.pop(self.key, None)
         self.hook(grad)
 
 

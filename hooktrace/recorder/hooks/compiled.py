@@ -14,6 +14,7 @@ graph that reached it: a tap's calls are answered last first, as the backward ru
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import types
@@ -156,6 +157,14 @@ _MOST_FRAMES = 64
 """Python frames looked through, at most, from the recorder up to the one running a graph."""
 
 
+@functools.lru_cache(maxsize=256)
+def _local_name(source: str) -> str:
+    """The local variable a frame's source name is (``L['self']``: ``self``); "" for any
+    other source."""
+    match = _LOCAL.fullmatch(source)
+    return match.group(1) if match else ""
+
+
 def _held(plan: Plan) -> tuple[Any, ...]:
     """What the frames of ``plan`` that take no parameter hold (``L['self']``: the module
     compiled on its own), read from the locals of the Python frame running the graph: the
@@ -172,7 +181,6 @@ def _held(plan: Plan) -> tuple[Any, ...]:
             and running.co_firstlineno == code.co_firstlineno
         ):
             local = frame.f_locals
-            names = [_LOCAL.fullmatch(name) for name in plan.unanchored]
-            return tuple(local.get(m.group(1)) if m else None for m in names)
+            return tuple(local.get(_local_name(source)) for source in plan.unanchored)
         frame = frame.f_back
     return (None,) * len(plan.unanchored)
