@@ -50,6 +50,7 @@ __all__ = [
     "Attached",
     "ModuleTable",
     "call_kwargs",
+    "elsewhere",
     "exporting",
     "in_backward",
     "in_transform",
@@ -206,6 +207,15 @@ def exporting() -> bool:
     ``torch.compile`` trace: the marks were then left out and no module inside a compiled
     graph was recorded.)"""
     return bool(getattr(torch.compiler, "_is_exporting_flag", False))
+
+
+def elsewhere() -> bool:
+    """:func:`traced` or :func:`in_transform`, asked at once (every recorded module call asks)."""
+    return (
+        torch._C._get_tracing_state() is not None
+        or _symbolic_trace._is_fx_tracing_flag
+        or (_peek_interpreter_stack is not None and _peek_interpreter_stack() is not None)
+    )
 
 
 def in_transform() -> bool:

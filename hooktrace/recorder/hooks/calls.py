@@ -87,9 +87,23 @@ class Calls:
                 targets.append(target)
                 return
         targets = [target]
-        hooks, key = _register_hook(tensor, hook_for(targets))
-        if tensor.grad_fn is None:  # a leaf (a watched parameter) keeps its hooks from one
-            hooks[key] = _Once(hooks[key], hooks, key)  # backward to the next: this one's once
+        hook = hook_for(targets)
+        # tensor.register_hook(hook), as torch does it for a tensor that requires a gradient
+        # (the callers check), without the handle object torch makes for each; keys come
+        # from torch's own counter, so that they never meet the script's hooks'. A
+        # subclass's __torch_function__ does not see it, as none sees the recorder's other
+        # calls (hooks._unseen)
+        hooks = tensor._backward_hooks
+        grad_fn = tensor.grad_fn
+        if hooks is None:
+            hooks = tensor._backward_hooks = OrderedDict()
+            if grad_fn is not None:
+                grad_fn._register_hook_dict(tensor)
+        key = RemovableHandle.next_id
+        RemovableHandle.next_id = key + 1
+        # a leaf (a watched parameter) keeps its hooks from one backward to the next: a
+        # leaf's hook runs once
+        hooks[key] = hook if grad_fn is not None else _Once(hook, hooks, key)
         self.handles.append((weakref.ref(hooks), key))
         self._hooked[id(tensor)] = (weakref.ref(tensor), tensor._version, key, targets)
 
@@ -126,26 +140,6 @@ class Calls:
             if alive is not None:
                 alive.pop(key, None)
         self.handles.clear()
-
-
-def _register_hook(
-    tensor: torch.Tensor, hook: Callable[[torch.Tensor], None]
-) -> tuple[dict[int, Any], int]:
-    """``tensor.register_hook(hook)`` as torch does it for a tensor that requires a gradient
-    (the callers check), without the handle object torch makes for each (this runs for
-    every output recorded in training); returns ``tensor._backward_hooks`` and the hook's
-    key. Keys come from torch's own counter, so that they never meet the script's hooks'.
-    A subclass's ``__torch_function__`` does not see it, as none sees the recorder's other
-    calls (``hooks._unseen``)."""
-    hooks: dict[int, Any] | None = tensor._backward_hooks
-    if hooks is None:
-        hooks = tensor._backward_hooks = OrderedDict()
-        if tensor.grad_fn is not None:
-            tensor.grad_fn._register_hook_dict(tensor)
-    key = RemovableHandle.next_id
-    RemovableHandle.next_id = key + 1
-    hooks[key] = hook
-    return hooks, key
 
 
 class _Once:

@@ -46,6 +46,8 @@ from hooktrace.recorder.records.params import queue_records, trainable
 from hooktrace.recorder.records.pending import PendingStep
 from hooktrace.recorder.records.staging import Staged
 
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+
 
 class Hooks:
     """The recorder's hook handlers."""
@@ -121,42 +123,48 @@ class Hooks:
                     mark_inputs((), kwargs)  # inspection, which finds them there)
                 mark_outputs(output)
             return
+        entry = self._table.get(module)
         if output is attach.RAISED:
-            self._exit(module, args, None)
-            return
-        try:
-            self._returned(module, args, kwargs, output)
-        finally:
-            self._exit(module, args, output)
+            self._exit(entry, module, args, None)
+        elif entry is None or entry.name is None:  # not recorded, or a root only
+            self._exit(entry, module, args, output)
+        else:
+            try:
+                self._returned(entry, module, args, kwargs, output)
+            finally:
+                self._exit(entry, module, args, output)
 
     def _returned(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+        self,
+        entry: Attached,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
     ) -> None:
-        entry = self._table.get(module)
-        if entry is None or entry.name is None or not self._recording:
+        """A recorded module (``entry`` names it) returned ``output``."""
+        if not self._recording or self._paused or attach.elsewhere():
             return
-        if self._paused or attach.traced() or _in_transform():
-            return
+        name = entry.name
+        assert name is not None  # (_post's check)
         with self._lock:
             if not entry.root:
                 self._compiled.inside_eagerly = True
             try:
                 if type(output) is torch.Tensor:
-                    self._on_forward(entry.name, module, args, kwargs, output, entry.channels_first)
+                    self._on_forward(name, module, args, kwargs, output, entry.channels_first)
                 else:  # a container, or a tensor subclass: see _unseen()
                     with _unseen():
-                        self._on_forward(
-                            entry.name, module, args, kwargs, output, entry.channels_first
-                        )
+                        self._on_forward(name, module, args, kwargs, output, entry.channels_first)
             except Exception as exc:
-                self._fault(exc, f"the forward of {entry.name!r}")
+                self._fault(exc, f"the forward of {name!r}")
 
-    def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        """Runs last in ``_post``, also when the forward raised: the root's records carry the
-        root's phase, and an exception leaves no depth behind."""
-        if is_compiling():
-            return
-        entry = self._table.get(module)
+    def _exit(
+        self, entry: Attached | None, module: nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
+        """Runs last in ``_post`` for every module (``entry``: its entry in the table, if
+        any), also when the forward raised: the root's records carry the root's phase, and
+        an exception leaves no depth behind."""
         if entry is None or not entry.root or self._paused or attach.traced():
             return
         if not _in_backward() and not _in_transform():
@@ -176,9 +184,15 @@ class Hooks:
                 with self._lock:
                     module = targets[0][0]
                     try:
+                        if not self._backward_active:
+                            self._backward_active = True
+                            _queue_callback(self._backward_done)
                         stats = None
                         for module, call, kind, slot in targets:
-                            stats = self._on_grad(module, call, kind, slot, grad)
+                            full = self._full_step and self._names.wants_full(module)
+                            stats = self._observer.observe(self._pending, self.micro_step, module,
+                                                           call, kind, slot, grad, phase="train",
+                                                           full=full, units=False)  # fmt: skip
                         if self._captures.armed:
                             self._after_gradient(targets, grad, stats)
                     except Exception as exc:
@@ -395,8 +409,13 @@ class Hooks:
         if _in_backward():
             calls.recomputed(name, output, self._grad_hook)
             return
-        phase = self._phase_of(module)
-        call = calls.count(phase, name)
+        if self._root_depth:  # (_phase_of and calls.count, inline: every module call's)
+            phase = self._phase
+        else:
+            phase = "train" if torch.is_grad_enabled() and module.training else "eval"
+        counts, key = calls.counts, (phase, name)
+        call = counts.get(key, 0)
+        counts[key] = call + 1
         full = self._full_step and name in self._names.full_modules
         specs = calls.output_specs
         spec = specs.pop((name, call), None) if specs else None
@@ -428,14 +447,6 @@ class Hooks:
                 captures.after_forward(name, module, args, kwargs, tensors, where, self._queued)
             except Exception as exc:  # a capture's failure is its own: the recording goes on
                 captures.failure(exc, f"the forward of {name!r}", where)
-
-    def _on_grad(self, module: str, call: int, kind: str, slot: str, grad: torch.Tensor) -> Any:
-        if not self._backward_active:
-            self._backward_active = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        full = self._full_step and self._names.wants_full(module)
-        return self._observer.observe(self._pending, self.micro_step, module, call, kind, slot,
-                                      grad, phase="train", full=full, units=False)  # fmt: skip
 
     def _backward_done(self) -> None:
         """Queued on the autograd engine: runs once when a backward pass completes."""

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from hooktrace.recorder.hooks import attach
+from hooktrace.recorder.hooks.attach import Attached
 from hooktrace.recorder.hooks.names import unwrap, user_class
 from hooktrace.recorder.recording.recorder import Recorder
 
@@ -83,10 +84,12 @@ class ScriptRecorder(Recorder):
                 self._fault(exc, f"finding the model {type(module).__name__}")
         super()._pre(module, args, kwargs)
 
-    def _exit(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if attach.is_compiling() or attach.in_backward() or self._paused or attach.traced():
+    def _exit(
+        self, entry: Attached | None, module: nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
+        if attach.in_backward() or self._paused or attach.traced():  # (_post: not compiling)
             return
-        super()._exit(module, args, output)
+        super()._exit(entry, module, args, output)
         self._depth = max(0, self._depth - 1)
 
     def _discover_root(self, module: nn.Module) -> None:

@@ -205,13 +205,25 @@ class Observer:
                     return None
                 summed = self._summarise(pending, tensor, units)
             stats, counts = summed
-            self._remember(tensor, stats, counts)
+            # remembered for lookup(): the latest few tensors, forgotten all at once when
+            # there are more (one met again after that is summarised again: the same
+            # record, at the cost of its summary)
+            try:
+                version = tensor._version
+            except RuntimeError:  # an inference tensor keeps no version counter
+                pass
+            else:
+                remembered = self.recent  # (one C call each: hooks may fire in threads)
+                if len(remembered) >= _RECENT:
+                    remembered.clear()
+                remembered[id(tensor)] = (weakref.ref(tensor), version, stats, counts)
         n_units = unit_size = 0
         if counts is not None and units:
             n_units = counts.units if isinstance(counts, StagedUnits) else counts.shape[0]
             unit_size = tensor.numel() // max(n_units, 1)
             pending.activity.append((row, counts))
-        shape = _kept(tuple(tensor.shape))
+        shape = tuple(tensor.shape)
+        shape = _SHAPES.get(shape) or _kept(shape)
         pending.meta.append((micro_step, phase, module, call, kind, slot, tensor.dtype, shape,
                              n_units, unit_size, note, shard))  # fmt: skip
         pending.stats.append(stats)
@@ -290,19 +302,21 @@ class Observer:
         if not 0 < numel <= STAGED_MAX_VALUES or (code == in_place.FLOAT64 and in_place.flushes()):
             return None
         shape = tensor.shape
-        dim = None
+        outer = count = inner = 0  # the units counted: none
         if units and code != in_place.INT64 and shape:  # floating point, with units
             ndim = len(shape)
             dim = 1 if ndim >= 4 or (ndim == 3 and shape in self.channel_shapes) else ndim - 1
-            if not 0 < shape[dim] <= self.max_units:
-                dim = None
+            if 0 < shape[dim] <= self.max_units:
+                count = shape[dim]
+                inner = 1 if dim == ndim - 1 else math.prod(shape[dim + 1 :])
+                outer = numel // (count * inner)
         try:
             address = tensor.data_ptr()
         except RuntimeError:  # no storage to read (a functional tensor's)
             return None
         if not address:  # no memory of its own (an efficient zero tensor): staged
             return None
-        return in_place.summarize_at(address, numel, code, shape, dim)
+        return in_place.read(address, numel, code, outer, count, inner)
 
     def _summarise(
         self, pending: PendingStep, tensor: torch.Tensor, units: bool
@@ -331,19 +345,6 @@ class Observer:
         return staged, StagedUnits(
             staged.position, tuple(tensor.shape), dim
         ) if dim is not None else None
-
-    def _remember(self, tensor: torch.Tensor, stats: Any, counts: Any) -> None:
-        """Keep what ``tensor`` was summarised to, for :meth:`lookup`: the latest few tensors,
-        forgotten all at once when there are more (a tensor met again after that is
-        summarised again: the same record, at the cost of its summary)."""
-        try:
-            version = tensor._version
-        except RuntimeError:  # an inference tensor keeps no version counter: not remembered
-            return
-        recent = self.recent  # (one C call each: hooks may fire in several threads)
-        if len(recent) >= _RECENT:
-            recent.clear()
-        recent[id(tensor)] = (weakref.ref(tensor), version, stats, counts)
 
     def lookup(self, tensor: torch.Tensor) -> tuple[Any, Any] | None:
         """Statistics already queued for this very tensor (a container's output is its last

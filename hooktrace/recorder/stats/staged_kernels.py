@@ -198,37 +198,23 @@ class InPlace:
         address = _address(tensor)
         if not address:
             return None
-        return self.summarize_at(address, tensor.numel(), _IN_PLACE[tensor.dtype],
-                                 tensor.shape, dim)  # fmt: skip
+        outer, units, inner = (0, 0, 0) if dim is None else _plan(tuple(tensor.shape), dim)[:3]
+        return self.read(address, tensor.numel(), _IN_PLACE[tensor.dtype], outer, units, inner)
 
-    def summarize_at(
-        self, address: int, numel: int, code: int, shape: tuple[int, ...], dim: int | None
+    def read(
+        self, address: int, numel: int, code: int, outer: int, units: int, inner: int
     ) -> tuple[np.ndarray, np.ndarray | None]:
         """:meth:`summarize` of a tensor that :func:`_address` found at ``address``, with
-        ``numel`` values of the dtype ``_IN_PLACE`` names ``code``, of ``shape``."""
-        if dim is None:
-            outer = units = inner = 0
-        else:
-            outer, units, inner = _plan(shape, dim)[:3]
+        ``numel`` values of the dtype ``_IN_PLACE`` names ``code``, counted per unit as
+        (``outer``, ``units``, ``inner``) values (``units`` 0: not counted). The hooks call
+        this once a tensor: one frame around the kernel."""
         flush = _DENORMAL64 == 0.0
+        blocks = self._blocks
         if _NO_GIL:  # no GIL to hold: the lock orders two threads' places
             with self._lock:
-                return self._summarize_at(address, numel, code, outer, units, inner, flush, dim)
-        return self._summarize_at(address, numel, code, outer, units, inner, flush, dim)
-
-    def _summarize_at(
-        self,
-        address: int,
-        numel: int,
-        code: int,
-        outer: int,
-        units: int,
-        inner: int,
-        flush: bool,
-        dim: int | None,
-    ) -> tuple[np.ndarray, np.ndarray | None]:
-        blocks = self._blocks
-        place = _one_in_place(address, numel, code, outer, units, inner, *blocks, flush)
+                place = _one_in_place(address, numel, code, outer, units, inner, *blocks, flush)
+        else:
+            place = _one_in_place(address, numel, code, outer, units, inner, *blocks, flush)
         while place < 0:  # full: new blocks, unless another thread's call made them
             with self._replacing:
                 if self._blocks is blocks:
@@ -236,10 +222,11 @@ class InPlace:
                                     np.zeros(max(self._COUNTS, units), dtype=np.int64),
                                     np.zeros(2, dtype=np.int64))  # fmt: skip
                 blocks = self._blocks
-            place = _one_in_place(address, numel, code, outer, units, inner, *blocks, flush)
+            with self._lock:
+                place = _one_in_place(address, numel, code, outer, units, inner, *blocks, flush)
         rows, counts, _ = blocks
         i, at = place >> 32, place & 0xFFFFFFFF
-        return rows[i], counts[at : at + units] if dim is not None else None
+        return rows[i], counts[at : at + units] if units else None
 
 
 def _address(t: torch.Tensor) -> int:

@@ -337,7 +337,7 @@ def _broken(*args: object, **kwargs: object) -> None:
     raise ValueError("a planted internal bug.")
 
 
-@pytest.mark.parametrize("where", ["observe", "_on_grad"])
+@pytest.mark.parametrize("where", ["observe", "_after_gradient"])
 def test_the_fault_warning_points_at_the_users_line(run_dir: Path, where: str) -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     with hooktrace.record(model, run_dir) as rec, warnings.catch_warnings(record=True) as caught:

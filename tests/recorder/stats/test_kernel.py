@@ -550,7 +550,7 @@ def test_small_outputs_read_in_place_are_recorded_as_staged_ones(
 
     route()
     read: list[int] = []
-    real = staged_kernels.InPlace.summarize_at  # the hooks' route, and summarize()'s
+    real = staged_kernels.InPlace.read  # the hooks' route, and summarize()'s
 
     def counting(self: object, *args: Any) -> object:
         summed = real(self, *args)  # type: ignore[arg-type]
@@ -560,7 +560,7 @@ def test_small_outputs_read_in_place_are_recorded_as_staged_ones(
     traces = {}
     for name in ("in_place", "staged"):
         if name == "in_place":
-            monkeypatch.setattr(staged_kernels.InPlace, "summarize_at", counting)
+            monkeypatch.setattr(staged_kernels.InPlace, "read", counting)
         else:
             monkeypatch.setattr(numba_kernels, "staged", lambda: None)
         torch.manual_seed(0)
