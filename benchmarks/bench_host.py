@@ -22,6 +22,9 @@ repetitions. The variants:
   outputs only   histograms=None, capture_nonfinite=False, params=False
   no collector   the defaults with Python's cyclic garbage collector off while they run
                  (what the recorder's allocations make it do is the difference)
+  python floor   (on the CPU) not a recording: the least Python that reads what ``outputs
+                 only`` reads (:func:`python_floor`); ``outputs only`` beyond it is the
+                 recorder's bookkeeping
   torch's route  (on a GPU) the defaults, a tensor's statistics and histogram by torch's
                  operations instead of the Triton kernels
   one by one     (on a GPU) the defaults, parameters and gradients each by its own route
@@ -100,6 +103,47 @@ def no_collector(model: nn.Module, out: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def python_floor(model: nn.Module, out: Path) -> Iterator[None]:
+    """Not a recording, and nothing written: one process-wide forward hook that reads each
+    module's output where it lies with the kernel the recorder reads small CPU tensors with
+    (statistics and per-unit counts, ``staged_kernels.InPlace.read``), keeps a record tuple,
+    and hooks the output's gradient, read the same way. No call counts, phases, locks, look
+    at compiling, tracing or transforms, no containers, subclasses or other devices: what
+    ``outputs only`` costs beyond this is the recorder's bookkeeping in Python, and this the
+    least a hook written in Python pays for reading the same tensors (the CPU only)."""
+    from hooktrace.recorder.stats import numba_kernels
+
+    kernels = numba_kernels.staged_loading()
+    if kernels is None:
+        raise SystemExit("bench_host: python floor needs the numba kernels (pip install numba)")
+    in_place = kernels.InPlace()
+    read, codes = in_place.read, in_place.codes
+    names = {id(m): name for name, m in model.named_modules() if name}
+    records: list[tuple[Any, ...]] = []
+
+    def observe(tensor: torch.Tensor, name: str, kind: str, units: bool) -> None:
+        shape, numel = tensor.shape, tensor.numel()
+        count = shape[-1] if units else 0
+        outer = numel // count if units else 0
+        stats = read(tensor.data_ptr(), numel, codes[tensor.dtype], outer, count, 1 if units else 0)
+        records.append((name, kind, tuple(shape), stats))
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        name = names.get(id(module))
+        if name is None or type(output) is not torch.Tensor:
+            return
+        observe(output, name, "output", True)
+        if output.requires_grad:
+            output.register_hook(lambda grad: observe(grad, name, "grad_output", False))
+
+    handle = register_module_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
 def torch_route(model: nn.Module, out: Path) -> Iterator[None]:
     """The defaults with a device's statistics and histograms taken by torch's operations,
     a launch each, instead of the Triton kernels (``device_kernels``): on a GPU only."""
@@ -133,6 +177,8 @@ VARIANTS: dict[str, Variant] = {
 }
 ON_A_DEVICE: dict[str, Variant] = {"torch's route": torch_route, "one by one": one_by_one}
 """Variants measured on a GPU only."""
+ON_THE_CPU: dict[str, Variant] = {"python floor": python_floor}
+"""Variants measured on the CPU only."""
 
 
 def make_model(layers: int) -> nn.Module:
@@ -182,7 +228,7 @@ def measure(device: torch.device, reps: int, steps: int, layers: int) -> dict[st
     """Seconds per step of each variant, one figure a repetition."""
     torch.set_num_threads(1)
     model = make_model(layers).to(device)
-    variants = {**VARIANTS, **(ON_A_DEVICE if device.type == "cuda" else {})}
+    variants = {**VARIANTS, **(ON_A_DEVICE if device.type == "cuda" else ON_THE_CPU)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         time_steps(VARIANTS["defaults"], model, Path(tmp), 2)  # kernels loaded, compiled
@@ -219,8 +265,11 @@ def report(times: dict[str, list[float]], device: torch.device, steps: int, laye
         "parameters, their gradients": ("no capture", "outputs only"),
         "outputs, output gradients": ("outputs only", "plain"),
         "Python's collector": ("defaults", "no collector"),
+        "outputs only beyond the floor": ("outputs only", "python floor"),
     }
     for what, (this, less) in shares.items():
+        if less not in per_call:
+            continue
         diff = statistics.median(
             [a - b for a, b in zip(per_call[this], per_call[less], strict=True)]
         )

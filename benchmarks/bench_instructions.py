@@ -94,11 +94,11 @@ def hooks_only(model: Any, out: Path) -> contextlib.AbstractContextManager[Any]:
 
 
 def variants() -> dict[str, Callable[[Any, Path], contextlib.AbstractContextManager[Any]]]:
-    """bench_host.py's variants, and :func:`hooks_only`."""
+    """bench_host.py's variants on the CPU, and :func:`hooks_only`."""
     sys.path.insert(0, str(HERE))
-    from bench_host import VARIANTS
+    from bench_host import ON_THE_CPU, VARIANTS
 
-    return {**VARIANTS, "hooks only": hooks_only}
+    return {**VARIANTS, **ON_THE_CPU, "hooks only": hooks_only}
 
 
 def child(variant: str, steps: int, layers: int, shim: str) -> None:
