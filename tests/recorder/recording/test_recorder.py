@@ -337,17 +337,33 @@ def _broken(*args: object, **kwargs: object) -> None:
     raise ValueError("a planted internal bug.")
 
 
-@pytest.mark.parametrize("where", ["observe", "_after_gradient"])
-def test_the_fault_warning_points_at_the_users_line(run_dir: Path, where: str) -> None:
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("capture", [True, False])
+def test_the_fault_warning_points_at_the_users_line(
+    run_dir: Path, where: str, capture: bool
+) -> None:
+    """A fault in a module's forward hook, or in a gradient's hook (whether or not the
+    non-finite capture looks at the gradient too)."""
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
-    with hooktrace.record(model, run_dir) as rec, warnings.catch_warnings(record=True) as caught:
+    with (
+        hooktrace.record(model, run_dir, capture_nonfinite=capture) as rec,
+        warnings.catch_warnings(record=True) as caught,
+    ):
         warnings.simplefilter("always")
-        setattr(rec._observer if where == "observe" else rec, where, _broken)
+        observe = rec._observer.observe
+        kind = "output" if where == "forward" else "grad_output"
+
+        def broken_at(*args: object, **kwargs: object) -> object:
+            if args[4] == kind:  # (pending, micro_step, module, call, kind, ...)
+                _broken()
+            return observe(*args, **kwargs)
+
+        rec._observer.observe = broken_at  # type: ignore[method-assign]
         loss = model(torch.randn(2, 3)).sum()
         loss.backward()
     [warning] = [w for w in caught if "hooktrace failed" in str(w.message)]
     assert warning.filename == __file__  # not a line inside hooktrace or torch
-    line = "loss = model(" if where == "observe" else "loss.backward()"
+    line = "loss = model(" if where == "forward" else "loss.backward()"
     assert line in Path(__file__).read_text().splitlines()[warning.lineno - 1]
     assert "ValueError: a planted internal bug. Recording stopped;" in str(warning.message)
 
