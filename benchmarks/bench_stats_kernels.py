@@ -31,7 +31,14 @@ torch.compile (inductor, dynamic shapes) that compute the same sums, extremes, z
 and per-unit positive counts, accumulating in float64 and in float32, and what compiling
 them cost (the route docs/PERFORMANCE.md weighed first).
 
+With ``--graph-ops`` (only them): what the operators a compiled graph calls cost a call
+(hooktrace.recorder.graphs.ops), interleaved, for a classifier's logits and the two models'
+activations: the forward's ``hooktrace::summarize`` against the hooks' function it calls,
+and a gradient's ``hooktrace::sink_summary`` against the two operators it replaced, a
+summarising one whose row a ``hooktrace::sink`` then hands on (the sink a no-op here).
+
 Run: python benchmarks/bench_stats_kernels.py [--reps 9] [--inductor] [--histograms (only them)]
+     [--graph-ops (only them)]
 """
 
 from __future__ import annotations
@@ -237,6 +244,44 @@ def compare_histograms(reps: int) -> None:
         print(line + f" {timed[0] * 1e3 / values:9.2f}" + ratios)
 
 
+GRAPH_SHAPES = [((32, 10), 1), ((16, 64, 128), 2), ((32, 16, 32, 32), 1)]
+"""Values a compiled graph summarises: SmallCNN's logits, a TinyTransformer activation, and
+SmallCNN's first convolution's output."""
+
+
+def graph_operators(reps: int) -> None:
+    from hooktrace.recorder.graphs import ops
+
+    ops.set_sink(lambda site, row: None)
+    try:
+        print("  operators a compiled graph calls, us a call (interleaved):")
+        print(
+            f"  {'shape':<18} {'summarize op':>13} {'its function':>13} "
+            f"{'summarize+sink':>15} {'sink_summary':>13}"
+        )
+        for shape, dim in GRAPH_SHAPES:
+            x = torch.randn(shape)
+            inner = max(1, 20_000 // x.numel())
+            timed = interleaved_us(
+                [
+                    (lambda x=x, dim=dim: torch.ops.hooktrace.summarize(x, dim), inner),
+                    (lambda x=x, dim=dim: ops._summarize_op(x, dim), inner),
+                    (
+                        lambda x=x: torch.ops.hooktrace.sink(
+                            torch.ops.hooktrace.summarize(x, -1)[0], 0
+                        ),
+                        inner,
+                    ),
+                    (lambda x=x: torch.ops.hooktrace.sink_summary(x, 0, False), inner),
+                ],
+                reps,
+            )
+            print(f"  {shape!s:<18}" + "".join(f" {us:>13.1f}" for us in timed[:2]) +
+                  f" {timed[2]:>15.1f} {timed[3]:>13.1f}")  # fmt: skip
+    finally:
+        ops.set_sink(None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--reps", type=int, default=9)
@@ -244,7 +289,16 @@ def main() -> None:
     parser.add_argument(
         "--histograms", action="store_true", help="only the histograms against the statistics"
     )
+    parser.add_argument(
+        "--graph-ops", action="store_true", help="only the operators a compiled graph calls"
+    )
     args = parser.parse_args()
+    if args.graph_ops:
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; {route().description}"
+        )
+        graph_operators(args.reps)
+        return
     if args.histograms:
         print(
             f"torch {torch.__version__}, {torch.get_num_threads()} threads; {route().description}"

@@ -18,12 +18,14 @@ the module; :mod:`hooktrace.recorder.graphs.plan` reads them and takes them out 
 before any backend sees it.
 
 A gradient cannot leave a backward graph as an output. :func:`tap` is the identity in the
-forward; its backward summarises the gradient that reaches it and hands the row to
-``hooktrace::sink``, an operator with a side effect (so no compiler drops it), which calls
-the recorder (:func:`set_sink`). The row is copied there: a compiled backward reuses its
-buffers. In a graph compiled for the steps that save tensors whole, each value summarised
-leaves the graph as a copy (:func:`kept_copy`) and each tap hands on its gradient with its
-row (``hooktrace::sink_kept``).
+forward; its backward hands the gradient that reaches it to ``hooktrace::sink_summary``, an
+operator with a side effect (so no compiler drops it), which summarises it by the hooks'
+route and calls the recorder with the row (:func:`set_sink`): one operator a gradient, 14
+us for a small one where a summarising operator and a sink took 31 (``/tmp``-free check:
+``benchmarks/bench_stats_kernels.py``). In a graph compiled for the steps that save tensors
+whole, each value summarised leaves the graph as a copy (:func:`kept_copy`) and each tap
+hands on its gradient too. With :data:`FUSED`, the row is the graph's (``hooktrace::sink``,
+``hooktrace::sink_kept``), copied there: a compiled backward reuses its buffers.
 """
 
 from __future__ import annotations
@@ -112,6 +114,16 @@ _LIBRARY.define(
 
 
 def _summarize_op(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    row, counts = _summarised(x, dim)
+    if counts is None:
+        units = max(x.shape[dim], 0) if dim >= 0 else 0
+        return row, torch.zeros(units, dtype=torch.int64, device=x.device)
+    return row, counts
+
+
+def _summarised(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The statistics row of ``x`` (float64, on its device) and its counts along ``dim``
+    (int64; None where ``dim`` < 0 or the route counted none)."""
     stats, counts = summarize_with_activity(x, dim if dim >= 0 else None)
     if stats is None:  # no values to summarise
         row = torch.full((STATS_WIDTH,), float("nan"), dtype=torch.float64, device=x.device)
@@ -121,8 +133,7 @@ def _summarize_op(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor
     else:
         row = stats.to(torch.float64)
     if counts is None:
-        units = max(x.shape[dim], 0) if dim >= 0 else 0
-        return row, torch.zeros(units, dtype=torch.int64, device=x.device)
+        return row, None
     if isinstance(counts, np.ndarray):
         return row, torch.from_numpy(counts.astype(np.int64, copy=False))
     return row, counts.to(torch.int64)
@@ -157,7 +168,10 @@ class _Tap(torch.autograd.Function):
                 shard = shards.described(cast(Any, grad)._spec)
             _GRADIENT_PLACES[ctx.site] = (shard, tuple(int(d) for d in local.shape))
             value = cast(Any, grad).to_local()
-        row = summary(value) if FUSED else summarize(value, -1)[0]
+        if not FUSED:  # summarised and handed on by one operator: one call a gradient
+            torch.ops.hooktrace.sink_summary(value.detach(), ctx.site, ctx.keep)
+            return grad, None, None, None
+        row = summary(value)
         if ctx.keep:  # one operator for both: a compiler may order two apart
             torch.ops.hooktrace.sink_kept(row, value, ctx.site)
         else:
@@ -324,9 +338,31 @@ def _sink_kept_op(row: torch.Tensor, value: torch.Tensor, site: int) -> None:
 _LIBRARY.impl("sink_kept", _sink_kept_op, "CompositeExplicitAutograd")
 _register_fake("hooktrace::sink_kept", lambda row, value, site: None, lib=_LIBRARY)
 
+_LIBRARY.define(
+    "sink_summary(Tensor grad, int site, bool keep) -> ()", tags=_ANY_LAYOUT + _NOT_IN_CUDA_GRAPHS
+)
+
+
+def _sink_summary_op(grad: torch.Tensor, site: int, keep: bool) -> None:
+    """A tap's gradient summarised by the hooks' route and handed to the sink (the gradient
+    itself first, where ``keep``), in one operator: the row is made here, so nothing the
+    compiled backward reuses is handed on, and a graph that outlives its recording
+    summarises nothing."""
+    sink = _sink[0]
+    if sink is None:
+        return
+    if keep and _keep[0] is not None:
+        _keep[0](site, grad.clone())
+    sink(site, _summarised(grad, -1)[0])
+
+
+_LIBRARY.impl("sink_summary", _sink_summary_op, "CompositeExplicitAutograd")
+_register_fake("hooktrace::sink_summary", lambda grad, site, keep: None, lib=_LIBRARY)
+
 
 torch.fx.node.has_side_effect(torch.ops.hooktrace.sink.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.sink_kept.default)
+torch.fx.node.has_side_effect(torch.ops.hooktrace.sink_summary.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_local.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_input.default)

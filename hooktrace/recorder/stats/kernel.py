@@ -42,7 +42,6 @@ from numba import types
 from numba.extending import intrinsic
 
 from hooktrace.recorder.stats import omp
-from hooktrace.recorder.stats.host import as_numpy
 
 _BLOCK = 512
 """Values summed in float32 before the sum is added to the float64 total. Each vector lane
@@ -80,12 +79,14 @@ def one_pass(
     None where ``x`` holds a NaN or an infinity.
     """
     outer, units, inner, fold, columns = _plan(x.shape, dim)
-    values = as_numpy(x).ravel()  # not x.numpy(): that would pin x's storage (host.py)
-    threads = omp.threads() if values.size >= _THREADS_FROM else 1
+    # the kernels read x where it lies, by address (x stays alive meanwhile): no numpy view
+    # to make (host.as_numpy, some microseconds a call), nor to pin x's storage (numpy())
+    at, n = x.data_ptr(), x.numel()
+    threads = omp.threads() if n >= _THREADS_FROM else 1
     if threads > 1:
-        sums = omp.run(_one_pass_threads, threads, values, outer, units, inner, fold, columns)
+        sums = omp.run(_one_pass_threads, threads, at, n, outer, units, inner, fold, columns)
     else:
-        sums = _one_pass(values, outer, units, inner, fold, columns)
+        sums = _one_pass(at, n, outer, units, inner, fold, columns)
     finite, total, squares, lo, hi, zeros, counts = sums
     if not finite:
         return None
@@ -130,8 +131,9 @@ def warm_up() -> str | None:
     and start numba's threads. None if large tensors may be read on torch's threads, else
     why they are read on one (:func:`hooktrace.recorder.stats.omp.join`)."""
     one = np.zeros(1, dtype=np.float32)
-    _one_pass(one, 1, 1, 1, 1, False)
-    return omp.join(lambda: _one_pass_threads(one, 1, 1, 1, 1, False))
+    at = one.ctypes.data
+    _one_pass(at, 1, 1, 1, 1, 1, False)
+    return omp.join(lambda: _one_pass_threads(at, 1, 1, 1, 1, 1, False))
 
 
 @intrinsic
@@ -234,7 +236,9 @@ def _chunk_length(items, least):
 
 @_jit
 @no_type_check
-def _one_pass(values, outer, units, inner, fold, columns):
+def _one_pass(at, n, outer, units, inner, fold, columns):
+    """:func:`_chunked` of the ``n`` float32 values at address ``at``."""
+    values = numba.carray(_pointer_at(at, np.float32), n)
     return _chunked(values, outer, units, inner, fold, columns)
 
 
@@ -242,7 +246,9 @@ def _one_pass(values, outer, units, inner, fold, columns):
     nogil=True, cache=True, parallel=True, fastmath={"reassoc", "contract"}, boundscheck=False
 )
 @no_type_check
-def _one_pass_threads(values, outer, units, inner, fold, columns):
+def _one_pass_threads(at, n, outer, units, inner, fold, columns):
+    """:func:`_one_pass`, its chunks on several threads."""
+    values = numba.carray(_pointer_at(at, np.float32), n)
     return _chunked(values, outer, units, inner, fold, columns)
 
 

@@ -1644,7 +1644,11 @@ def test_the_operators_that_reach_the_recorder_stay_out_of_cuda_graphs(tmp_path:
         for node in gm.graph.nodes
         if node.op == "call_function" and "hooktrace" in str(node.target)
     ]
-    assert {str(node.target).split(".")[1] for node in ours} >= {"summarize", "copy", "sink"}
+    assert {str(node.target).split(".")[1] for node in ours} >= {
+        "summarize",
+        "copy",
+        "sink_summary",
+    }
     assert all(is_cudagraph_unsafe_fx_node(node) for node in ours)
-    for op in ("summarize", "copy", "sink", "sink_kept"):
+    for op in ("summarize", "copy", "sink", "sink_kept", "sink_summary"):
         assert torch.Tag.cudagraph_unsafe in getattr(torch.ops.hooktrace, op).default.tags
