@@ -20,11 +20,11 @@ before any backend sees it.
 A gradient cannot leave a backward graph as an output. :func:`tap` is the identity in the
 forward; its backward hands the gradient that reaches it to ``hooktrace::sink_summary``, an
 operator with a side effect (so no compiler drops it), which summarises it by the hooks'
-route and calls the recorder with the row (:func:`set_sink`): one operator a gradient, 14
-us for a small one where a summarising operator and a sink took 31 (``/tmp``-free check:
-``benchmarks/bench_stats_kernels.py``). In a graph compiled for the steps that save tensors
-whole, each value summarised leaves the graph as a copy (:func:`kept_copy`) and each tap
-hands on its gradient too. With :data:`FUSED`, the row is the graph's (``hooktrace::sink``,
+route and calls the recorder with the row (:func:`set_sink`): one operator a gradient,
+half the time a small one took as a summarising operator and a sink
+(``benchmarks/bench_stats_kernels.py --graph-ops``). In a graph compiled for the steps
+that save tensors whole, each value summarised leaves the graph as a copy
+(:func:`kept_copy`) and each tap hands on its gradient too. With :data:`FUSED`, the row is the graph's (``hooktrace::sink``,
 ``hooktrace::sink_kept``), copied there: a compiled backward reuses its buffers.
 """
 
