@@ -247,54 +247,21 @@ def _mark(value: Any, slot: str, depth: int, *, inputs: bool) -> None:
                 _mark(item, f"{slot}.{key}" if slot else key, depth + 1, inputs=inputs)
 
 
-@torch.library.custom_op("hooktrace::mark", mutates_args=())
-def _mark_op(x: torch.Tensor, slot: str) -> None:
-    """Never runs where the recorder instruments the graph (the marks are taken out)."""
+_MARK_OPERATORS = {
+    "mark": "a module call's output",
+    "mark_input": "a module call's argument",
+    "mark_local": "a DTensor output's local tensor",
+    "mark_watched": "a tensor ``hooktrace.watch`` names (the string is its name)",
+    "mark_watched_local": "a watched DTensor's local tensor",
+}
+"""The marks, each ``(Tensor x, str slot) -> ()``: a tensor of what the value names, with its
+slot. They never run where the recorder instruments the graph (the plan takes them out)."""
 
-
-@_mark_op.register_fake
-def _(x: torch.Tensor, slot: str) -> None:
-    return None
-
-
-@torch.library.custom_op("hooktrace::mark_input", mutates_args=())
-def _mark_input_op(x: torch.Tensor, slot: str) -> None:
-    """A mark of a module call's argument: never runs, as ``mark``."""
-
-
-@_mark_input_op.register_fake
-def _(x: torch.Tensor, slot: str) -> None:
-    return None
-
-
-@torch.library.custom_op("hooktrace::mark_local", mutates_args=())
-def _mark_local_op(x: torch.Tensor, slot: str) -> None:
-    """A mark of a DTensor output's local tensor (``x``): never runs, as ``mark``."""
-
-
-@_mark_local_op.register_fake
-def _(x: torch.Tensor, slot: str) -> None:
-    return None
-
-
-@torch.library.custom_op("hooktrace::mark_watched", mutates_args=())
-def _mark_watched_op(x: torch.Tensor, name: str) -> None:
-    """A mark of a tensor ``hooktrace.watch`` names (``name``): never runs, as ``mark``."""
-
-
-@_mark_watched_op.register_fake
-def _(x: torch.Tensor, name: str) -> None:
-    return None
-
-
-@torch.library.custom_op("hooktrace::mark_watched_local", mutates_args=())
-def _mark_watched_local_op(x: torch.Tensor, name: str) -> None:
-    """A mark of a watched DTensor's local tensor (``x``): never runs, as ``mark``."""
-
-
-@_mark_watched_local_op.register_fake
-def _(x: torch.Tensor, name: str) -> None:
-    return None
+for _name in _MARK_OPERATORS:
+    _LIBRARY.define(f"{_name}(Tensor x, str slot) -> ()")
+    _LIBRARY.impl(_name, lambda x, slot: None, "CompositeExplicitAutograd")
+    _register_fake(f"hooktrace::{_name}", lambda x, slot: None, lib=_LIBRARY)
+    torch.fx.node.has_side_effect(getattr(torch.ops.hooktrace, _name).default)
 
 
 def mark_watched(tensor: torch.Tensor, name: str) -> None:
@@ -363,11 +330,6 @@ _register_fake("hooktrace::sink_summary", lambda grad, site, keep: None, lib=_LI
 torch.fx.node.has_side_effect(torch.ops.hooktrace.sink.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.sink_kept.default)
 torch.fx.node.has_side_effect(torch.ops.hooktrace.sink_summary.default)
-torch.fx.node.has_side_effect(torch.ops.hooktrace.mark.default)
-torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_local.default)
-torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_input.default)
-torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_watched.default)
-torch.fx.node.has_side_effect(torch.ops.hooktrace.mark_watched_local.default)
 INPUT_MARKS = (torch.ops.hooktrace.mark_input, torch.ops.hooktrace.mark_input.default)
 """Marks of a module call's arguments (``inputs=True``)."""
 LOCAL_MARKS = (
