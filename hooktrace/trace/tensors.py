@@ -13,21 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import h5py
-import ml_dtypes
 import numpy as np
 
 from hooktrace.errors import TraceError
 from hooktrace.trace import schema
 from hooktrace.trace.paths import one_line, regular
 
-# torch dtypes numpy lacks: stored as unsigned integers of the same width (docs/FORMAT.md)
-_NUMPY_DTYPES = {
-    "bfloat16": ml_dtypes.bfloat16,
-    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-    "float8_e5m2": ml_dtypes.float8_e5m2,
-    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
-    "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
-}
+_ML_DTYPES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+"""torch dtypes numpy lacks: stored as unsigned integers of the same width (docs/FORMAT.md),
+read as ml_dtypes' types of the same names. ml_dtypes is imported by the first tensor read
+that needs it: its import takes 0.8 s, which every recording and analyzer command would pay."""
+
+
+def _ml_dtype(name: str) -> Any:
+    import ml_dtypes
+
+    return getattr(ml_dtypes, name)
 
 
 def decode_dataset(dataset: Any, where: str) -> np.ndarray:
@@ -50,8 +51,8 @@ def decode_dataset(dataset: Any, where: str) -> np.ndarray:
     dtype = dataset.attrs.get("dtype", data.dtype.name)
     if isinstance(dtype, bytes):
         dtype = dtype.decode("utf-8", "replace")
-    target = _NUMPY_DTYPES.get(str(dtype))
-    if target is not None:
+    if str(dtype) in _ML_DTYPES:
+        target = _ml_dtype(str(dtype))
         if data.dtype.itemsize != np.dtype(target).itemsize:
             raise TraceError(
                 f"{where} is stored as {data.dtype}, which cannot hold {dtype}: the trace was altered"
