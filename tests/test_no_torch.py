@@ -1,4 +1,5 @@
-"""The analyzer never imports torch: it works where importing torch fails."""
+"""The analyzer never imports torch: it works where importing torch fails. Nor ml_dtypes, until
+a tensor read needs it."""
 
 from __future__ import annotations
 
