@@ -247,21 +247,32 @@ def _mark(value: Any, slot: str, depth: int, *, inputs: bool) -> None:
                 _mark(item, f"{slot}.{key}" if slot else key, depth + 1, inputs=inputs)
 
 
-_MARK_OPERATORS = {
-    "mark": "a module call's output",
-    "mark_input": "a module call's argument",
-    "mark_local": "a DTensor output's local tensor",
-    "mark_watched": "a tensor ``hooktrace.watch`` names (the string is its name)",
-    "mark_watched_local": "a watched DTensor's local tensor",
-}
-"""The marks, each ``(Tensor x, str slot) -> ()``: a tensor of what the value names, with its
-slot. They never run where the recorder instruments the graph (the plan takes them out)."""
+_PT2_COMPLIANT = tuple(t for t in [getattr(torch.Tag, "pt2_compliant_tag", None)] if t is not None)
+"""The tag of an operator dynamo may trace with ``only_allow_pt2_compliant_ops`` set: the
+marks are traced by dynamo itself, from the hooks (the other operators are added to graphs
+after it)."""
 
-for _name in _MARK_OPERATORS:
-    _LIBRARY.define(f"{_name}(Tensor x, str slot) -> ()")
-    _LIBRARY.impl(_name, lambda x, slot: None, "CompositeExplicitAutograd")
-    _register_fake(f"hooktrace::{_name}", lambda x, slot: None, lib=_LIBRARY)
-    torch.fx.node.has_side_effect(getattr(torch.ops.hooktrace, _name).default)
+_MARK_OPERATORS = {
+    "mark": "slot",  # a module call's output
+    "mark_input": "slot",  # a module call's argument
+    "mark_local": "slot",  # a DTensor output's local tensor
+    "mark_watched": "name",  # a tensor ``hooktrace.watch`` names
+    "mark_watched_local": "name",  # a watched DTensor's local tensor
+}
+"""The marks, each ``(Tensor x, str slot_or_name) -> ()``, by the name of their string. They
+never run where the recorder instruments the graph (the plan takes them out)."""
+
+
+def _define_mark(name: str, argument: str) -> None:
+    _LIBRARY.define(f"{name}(Tensor x, str {argument}) -> ()", tags=_PT2_COMPLIANT)
+    _LIBRARY.impl(name, lambda x, text: None, "CompositeExplicitAutograd")
+    _register_fake(f"hooktrace::{name}", lambda x, text: None, lib=_LIBRARY)
+    torch.fx.node.has_side_effect(getattr(torch.ops.hooktrace, name).default)
+
+
+for _mark_name, _argument in _MARK_OPERATORS.items():
+    _define_mark(_mark_name, _argument)
+del _mark_name, _argument
 
 
 def mark_watched(tensor: torch.Tensor, name: str) -> None:

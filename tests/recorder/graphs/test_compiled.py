@@ -215,6 +215,27 @@ def test_max_autotune_records_the_same(tmp_path: Path) -> None:
     assert names == {"Blocks", *blocks, "norm", "head"}
 
 
+def test_a_compile_that_allows_only_pt2_compliant_operators_traces_the_marks(
+    tmp_path: Path,
+) -> None:
+    """Dynamo traces the recorder's marks itself, from the hooks: under its
+    ``only_allow_pt2_compliant_ops`` an operator without that tag is refused, a graph break
+    at every recorded call, an error with ``fullgraph=True`` (found in review: the marks,
+    declared on hooktrace's library, had lost the tag ``custom_op`` gave them)."""
+
+    def compile_model(model: nn.Module) -> nn.Module:
+        return torch.compile(model, backend="aot_eager", fullgraph=True)  # type: ignore[return-value]
+
+    with torch._dynamo.config.patch(only_allow_pt2_compliant_ops=True):
+        plain = _train(None, compile_model, steps=2)
+        recorded = _train(tmp_path / "compiled", compile_model, steps=2)
+    assert recorded[0] == plain[0]
+    assert recorded[2]["unique_graphs"] == plain[2]["unique_graphs"] == 1
+    names = set(hooktrace.load(tmp_path / "compiled").query(kinds=["output"])["module"])
+    blocks = {f"blocks.{i}{part}" for i in range(3) for part in ("", ".fc", ".act")}
+    assert names == {"Blocks", *blocks, "norm", "head"}
+
+
 def _assert_trains_as_plain_and_matches_eager(
     tmp_path: Path, compile_model: Callable[[nn.Module], nn.Module]
 ) -> None:
