@@ -92,14 +92,19 @@ _LIBRARY = torch.library.Library("hooktrace", "DEF")
 plainly as it allows: 3 us a call, against 22 for a ``torch.library.custom_op`` (whose
 Python wrapper checks its arguments at each call)."""
 
-_ANY_LAYOUT = tuple(t for t in [getattr(torch.Tag, "flexible_layout", None)] if t is not None)
+
+def _tag(name: str) -> tuple[torch.Tag, ...]:
+    """torch's tag ``name``, where this torch has it (none otherwise)."""
+    tag = getattr(torch.Tag, name, None)
+    return (tag,) if tag is not None else ()
+
+
+_ANY_LAYOUT = _tag("flexible_layout")
 """Tags of an operator that reads its input in whatever strides the compiler chose: inductor
 otherwise hands it the strides of an eager run, copying (a channels-last convolution's output
 into its eager layout, and the model's fused kernels after it with it)."""
 
-_NOT_IN_CUDA_GRAPHS = tuple(
-    t for t in [getattr(torch.Tag, "cudagraph_unsafe", None)] if t is not None
-)
+_NOT_IN_CUDA_GRAPHS = _tag("cudagraph_unsafe")
 """Tags of the operators that call the recorder or hand it tensors it keeps past the step:
 a CUDA graph's replay runs kernels, not Python (a tap's gradient would never reach the
 recorder), and overwrites its outputs at the next replay (rows the writer has not copied
@@ -247,7 +252,7 @@ def _mark(value: Any, slot: str, depth: int, *, inputs: bool) -> None:
                 _mark(item, f"{slot}.{key}" if slot else key, depth + 1, inputs=inputs)
 
 
-_PT2_COMPLIANT = tuple(t for t in [getattr(torch.Tag, "pt2_compliant_tag", None)] if t is not None)
+_PT2_COMPLIANT = _tag("pt2_compliant_tag")
 """The tag of an operator dynamo may trace with ``only_allow_pt2_compliant_ops`` set: the
 marks are traced by dynamo itself, from the hooks (the other operators are added to graphs
 after it)."""
