@@ -270,8 +270,11 @@ def diff_figure(
             markeredgecolor="#00b4ff",
             markeredgewidth=2,
         )
-        title += f"\nfirst divergence (circled): step {first.step}, {first.kind} of {first.module}"
-    ax.set_title(_plain(title), loc="left")
+        where = f"first divergence (circled): step {first.step}, {first.kind} of {first.module}"
+        title = f"{_plain(title)}\n{_plain(where)}"  # two lines: each part escaped on its own
+    else:
+        title = _plain(title)
+    ax.set_title(title, loc="left")
     return figure
 
 
