@@ -152,19 +152,39 @@ def test_readme_shows_a_command_for_every_sample() -> None:
 def test_readme_output_is_real(
     readme: Path, command: str, quoted: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The README's quoted lines appear, in order, in what the command prints today (on
-    stdout, or on stderr for the commands that write a file and say so there)."""
+    """What the README quotes is what the command prints today (on stdout, or on stderr for
+    the commands that write a file and say so there), line for line, times included (they
+    are the committed traces'): a "..." line marks each place where lines were left out,
+    and nothing else is left out (blank lines aside)."""
     code, stdout, stderr = run_cli(command, monkeypatch, tmp_path)
     assert code in (0, 1), stderr
-    stdout = stdout or stderr
-    actual = [line.rstrip() for line in normalise(stdout).splitlines()]
-    position = 0
+    actual = [line.rstrip() for line in (stdout or stderr).splitlines() if line.strip()]
+    runs: list[list[str]] = [[]]  # the quoted lines between the "..." marks
     for line in quoted:
-        if line.strip() in ("...", ""):
+        if line.strip() == "...":
+            runs.append([])
+        elif line.strip():
+            runs[-1].append(line.rstrip())
+    position = 0
+    for i, run in enumerate(runs):
+        if not run:
             continue
-        line = normalise(line).rstrip()
-        assert line in actual[position:], f"`hooktrace {command}` no longer prints:\n{line}"
-        position = actual.index(line, position) + 1
+        found = next(
+            (
+                at
+                for at in range(position, len(actual) - len(run) + 1)
+                if actual[at : at + len(run)] == run
+            ),
+            None,
+        )
+        assert found is not None, f"`hooktrace {command}` no longer prints:\n" + "\n".join(run)
+        assert i > 0 or found == 0, f"`hooktrace {command}`: lines left out above, no '...'"
+        position = found + len(run)
+    last = runs[-1]
+    assert not last or position == len(actual), (
+        f"`hooktrace {command}` prints more than the README quotes, and no '...' says so:\n"
+        + "\n".join(actual[position:])
+    )
 
 
 def test_the_tour_in_the_readme_runs_as_shown(monkeypatch: pytest.MonkeyPatch) -> None:
