@@ -91,11 +91,19 @@ LIMITS = """\
   damaged part, not other numbers (a test searches for such a bit and flips it). Before that,
   a flipped bit was caught only when its page no longer decompressed or decoded. The footer
   (schema, row-group statistics) has no checksum: a flip there is caught when it no longer
-  parses; one that parses could make a filtered read skip a row group.
+  parses; one that parses could make a filtered read skip a row group, or (in the
+  statistics of `segment` or `tensor_key`, which `diff` takes instead of decoding a column
+  of one value) make `diff` compare a row group's full tensors by their statistics. What is answered
+  through DuckDB does not verify page checksums: `trace.sql`, `summary`'s counts, the
+  reductions of `anomalies` and the plan of `diff` read such a flipped bit as other numbers
+  (DuckDB fails only on what it cannot decode, and the analyzer then reads through
+  hooktrace's reader, which leaves the part out). `hooktrace check` reads every page
+  against its checksum.
 - HDF5 segments checksum their metadata, and every full tensor carries a CRC-32 of its bytes
   that the reader and `hooktrace check` verify (fletcher32 per chunk before 2026-11-21);
   segments written before 2026-11-20 carry neither.
-- The fuzzer damages one file at a time, 40 examples per run (derandomized);
+- The fuzzer damages one file at a time, 40 examples per run (derandomized): half of them
+  Parquet parts, half the other files (two tests, run side by side);
   `HOOKTRACE_FUZZ_EXAMPLES=2000` searches further.
 """
 

@@ -232,8 +232,9 @@ def test_the_documented_findings() -> None:
 
 
 def test_make_samples_makes_the_same_numbers(tmp_path: Path) -> None:
-    """Regenerating writes the committed records again (within float32 rounding, so that a
-    CPU with other vector kernels passes too; on the machine that made them they are equal)."""
+    """Regenerating writes the committed records again, their numbers within float32
+    rounding: the committed traces predate the one-pass kernel, whose float64 sums differ
+    from theirs in the 8th digit, and another CPU's vector kernels round otherwise too."""
     made = subprocess.run(
         [sys.executable, str(SAMPLES / "make_samples.py"), "--out", str(tmp_path)],
         capture_output=True,

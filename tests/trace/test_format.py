@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import duckdb
 import h5py
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
@@ -17,7 +19,7 @@ from repo import FIXTURES, ROOT, SAMPLES
 from torch import nn
 
 import hooktrace
-from hooktrace.trace import schema
+from hooktrace.trace import histograms, schema
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +116,49 @@ def test_documented_columns_match_the_schema() -> None:
         assert f"| `{name}`" in text or f"`{name}`," in text or f", `{name}`" in text, name
     for kind in schema.KINDS:
         assert f"`{kind}`" in text, kind
+
+
+def _documented_types(text: str) -> list[dict[str, str]]:
+    """Each table of ``text``: its rows' column names (a row may name several) and the first
+    words of their type cell (``int32 (partition)`` -> ``int32``)."""
+    tables: list[dict[str, str]] = [{}]
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            if tables[-1]:
+                tables.append({})
+            continue
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`"):
+            for name in re.findall(r"`([^`]+)`", cells[0]):
+                tables[-1][name] = re.split(r"[,(]", cells[1])[0].strip()
+    return tables
+
+
+def _type_word(kind: pa.DataType) -> str:
+    """An Arrow type as FORMAT.md writes it."""
+    if pa.types.is_dictionary(kind):
+        return f"dictionary {_type_word(kind.value_type)}"
+    if pa.types.is_list(kind):
+        return f"list of {_type_word(kind.value_type)}"
+    return {"double": "float64", "float": "float32"}.get(str(kind), str(kind))
+
+
+@pytest.mark.parametrize(
+    "table",
+    [schema.RECORD_SCHEMA, schema.STEP_SCHEMA, schema.MODULE_SCHEMA, histograms.HISTOGRAM_SCHEMA],
+    ids=["records", "steps", "modules", "histograms"],
+)
+def test_documented_column_types_match_the_schema(table: pa.Schema) -> None:
+    """Each column's type in FORMAT.md's table of it (the table naming most of its columns)
+    is the type the files hold (found stale in review: dictionary strings said ``string``)."""
+    tables = _documented_types((ROOT / "docs" / "FORMAT.md").read_text())
+    documented = max(tables, key=lambda found: len(set(found) & set(table.names)))
+    wrong = {
+        field.name: (documented.get(field.name), _type_word(field.type))
+        for field in table
+        if documented.get(field.name) != _type_word(field.type)
+    }
+    assert not wrong, f"FORMAT.md says (documented, written): {wrong}"
 
 
 FORMAT_1_0 = FIXTURES / "healthy_1_0"
