@@ -127,6 +127,8 @@ def record(models: Models, out: str | os.PathLike[str], **options: Any) -> Recor
     """
     from hooktrace.recorder.recording.recorder import Recorder
 
+    if models is None:
+        raise ConfigError("record() takes an nn.Module, a dict of them by name, or a list of them")
     return Recorder(models, out, **options)
 
 
@@ -134,8 +136,20 @@ def watch(tensor: torch.Tensor, name: str) -> torch.Tensor:
     """Record ``tensor`` (kind ``tensor``) and its gradient (``grad_tensor``) under ``name``.
 
     Call it from inside ``forward()``. Outside a recording it does nothing. Returns
-    ``tensor`` unchanged, so it can wrap an expression.
+    ``tensor`` unchanged, so it can wrap an expression. Raises :class:`ConfigError` where
+    ``tensor`` is not a tensor or ``name`` not a non-empty string, recording or not.
     """
+    torch_module = sys.modules.get("torch")  # (imported already, where a tensor exists)
+    if torch_module is None or not isinstance(tensor, torch_module.Tensor):
+        raise ConfigError(
+            f"hooktrace.watch(tensor, name) takes a torch.Tensor, not {type(tensor).__name__}: "
+            "pass the tensor to record first"
+        )
+    if not isinstance(name, str) or not name:
+        raise ConfigError(
+            f"hooktrace.watch(tensor, name) takes a non-empty string as the name, not {name!r}: "
+            "the name the trace records it under"
+        )
     recorder_module = sys.modules.get("hooktrace.recorder.recording.recorder")
     if recorder_module is not None:
         active = recorder_module.active_recorder()

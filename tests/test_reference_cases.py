@@ -100,6 +100,35 @@ def test_watch_outside_a_recording_is_a_no_op() -> None:
     assert not u._backward_hooks  # no gradient hook was registered
 
 
+@pytest.mark.parametrize(
+    ("tensor", "name", "said"),
+    [
+        (torch.ones(2), 5, "takes a non-empty string as the name, not 5"),
+        (torch.ones(2), "", "takes a non-empty string as the name, not ''"),
+        ("not a tensor", "x", "takes a torch.Tensor, not str"),
+    ],
+)
+def test_watch_refuses_what_it_cannot_record_and_the_trace_keeps_its_steps(
+    run_dir: Path, tensor: object, name: object, said: str
+) -> None:
+    """A bad argument is the caller's error, said at once, recording or not (found in review:
+    a name that was not a string failed the writer, and the steps recorded before it were
+    lost; a value that was not a tensor stopped the recording)."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(hooktrace.ConfigError, match=said):
+        hooktrace.watch(tensor, name)  # type: ignore[arg-type]
+    with hooktrace.record(model, run_dir) as rec:
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            rec.step()
+        with pytest.raises(hooktrace.ConfigError, match=said):
+            hooktrace.watch(tensor, name)  # type: ignore[arg-type]
+        model(torch.ones(1, 2)).sum().backward()
+        rec.step()
+    trace = hooktrace.load(run_dir)
+    assert trace.status == "complete" and sorted(trace.steps["step"]) == [0, 1, 2]
+
+
 def test_case_3_conv_shapes_and_channel_units(run_dir: Path) -> None:
     conv = nn.Conv2d(1, 3, kernel_size=3)
     with hooktrace.record(conv, run_dir) as rec:

@@ -224,21 +224,36 @@ class Names:
 
 
 def name_roots(models: Models) -> dict[str, nn.Module]:
-    """Root names: a lone model is named by its class; several are named by key or class."""
+    """Root names: a lone model is named by its class; several are named by key or class.
+    Raises :class:`ConfigError` for anything else (before a model is looked into)."""
     if isinstance(models, nn.Module):
         return {user_class(unwrap(models)[0]).__name__: models}
     if isinstance(models, Mapping):
         roots = dict(models)
+        if not all(isinstance(name, str) and name for name in roots):
+            raise ConfigError(
+                f"record() names the models of a dict by its keys, which must be non-empty "
+                f"strings (got {sorted(map(repr, roots))})"
+            )
+    elif isinstance(models, (str, bytes)) or not isinstance(models, Iterable):
+        roots = {"": models}  # refused below, by its type
     else:
         roots = {}
         for model in models:
+            if not isinstance(model, nn.Module):
+                roots = {"": model}
+                break
             base = user_class(unwrap(model)[0]).__name__
             name, n = base, 1
             while name in roots:
                 name, n = f"{base}#{n}", n + 1
             roots[name] = model
-    if not roots or not all(isinstance(m, nn.Module) for m in roots.values()):
-        raise ConfigError("record() takes an nn.Module, a dict of them by name, or a list of them")
+    wrong = next((m for m in roots.values() if not isinstance(m, nn.Module)), None)
+    if not roots or wrong is not None:
+        got = f", not {type(wrong).__name__}" if wrong is not None else ", not an empty one"
+        raise ConfigError(
+            f"record() takes an nn.Module, a dict of them by name, or a list of them{got}"
+        )
     return roots
 
 

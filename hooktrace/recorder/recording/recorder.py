@@ -123,6 +123,9 @@ class Recorder(Steps):
             raise RecordingError(
                 f"a recording into {_ACTIVE.out} is already active: close it before starting another"
             )
+        if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
+            raise ConfigError(f"record() writes into a directory: give its path, not {out!r}")
+        named = name_roots(models) if models is not None else {}  # before anything is made
         self.out = Path(out)
         self.strict = strict
         self.inputs = inputs
@@ -164,11 +167,10 @@ class Recorder(Steps):
             "capture_limit": capture_limit, "capture_max_mb": capture_max_mb,
             "histograms": sorted(self._sampling.histogram_kinds), "histogram_every": histogram_every,
         }  # fmt: skip
-        roots = list(name_roots(models)) if models is not None else []
         self._writer = TraceWriter(
             self.out,
             rank=self.rank,
-            manifest=rundir.manifest(config=config, roots=roots, command=command)
+            manifest=rundir.manifest(config=config, roots=list(named), command=command)
             if self.rank == 0
             else None,
             compression=compression,
@@ -227,7 +229,7 @@ class Recorder(Steps):
         try:
             if models is not None:
                 lone = isinstance(models, nn.Module)
-                for name, model in name_roots(models).items():
+                for name, model in named.items():
                     self._add_root(name, model, prefixed=not lone)
             self._install()
         except BaseException:
@@ -294,6 +296,10 @@ class Recorder(Steps):
         _warn(f"hooktrace: {problem}; training was not affected")
 
     def __enter__(self) -> Recorder:
+        if self._closed:  # its hooks are gone: a with block would record nothing, silently
+            raise RecordingError(
+                f"the recording into {self.out} has ended: start another with hooktrace.record()"
+            )
         return self
 
     def __exit__(

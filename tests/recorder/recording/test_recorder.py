@@ -446,6 +446,56 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
     assert _hooks_left(model) == []
 
 
+@pytest.mark.parametrize(
+    ("models", "said"),
+    [
+        (lambda x: x, "not function"),
+        ("model", "not str"),
+        ([nn.Linear(2, 2), "model"], "not str"),
+        ({1: nn.Linear(2, 2)}, "keys, which must be non-empty strings"),
+        ({"a": 5}, "not int"),
+        ([], "not an empty one"),
+        (None, "takes an nn.Module"),
+    ],
+    ids=["function", "string", "list-with-string", "int-key", "dict-of-int", "empty", "none"],
+)
+def test_what_is_not_a_model_is_refused_before_anything_is_written(
+    tmp_path: Path, models: object, said: str
+) -> None:
+    """Found in review: each was a TypeError or an AttributeError from inside the recorder,
+    or (None) a recording of nothing."""
+    with pytest.raises(ConfigError, match=said):
+        hooktrace.record(models, tmp_path / "run")  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("out", [None, "", 5])
+def test_an_output_that_is_not_a_path_is_refused(out: object) -> None:
+    """Found in review: None was a TypeError of pathlib's, and "" recorded into the current
+    directory."""
+    with pytest.raises(ConfigError, match="give its path"):
+        hooktrace.record(nn.Linear(2, 2), out)  # type: ignore[arg-type]
+
+
+def test_a_generator_of_models_is_taken_once(run_dir: Path) -> None:
+    """Its models are named once and recorded (the recorder asked a generator twice)."""
+    models = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    with hooktrace.record((m for m in models), run_dir) as rec:
+        models[1](models[0](torch.ones(1, 2))).sum().backward()
+        rec.step()
+    assert set(hooktrace.load(run_dir).records["module"]) == {"Linear", "Linear#1"}
+
+
+def test_a_recording_that_has_ended_cannot_be_entered_again(run_dir: Path) -> None:
+    """Its hooks are gone: a second with block would record nothing (found in review)."""
+    model = nn.Linear(2, 2)
+    recording = hooktrace.record(model, run_dir)
+    recording.close()
+    with pytest.raises(RecordingError, match="has ended: start another"), recording:
+        pass
+    assert _hooks_left(model) == []
+
+
 def test_only_one_recording_at_a_time(tmp_path: Path) -> None:
     model = nn.Linear(2, 2)
     with (
