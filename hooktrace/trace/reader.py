@@ -723,8 +723,9 @@ class Trace:
 
 
 def _known(columns: Sequence[str]) -> list[str]:
-    """Record columns, each once; a TraceError names any that records do not have."""
-    wanted = list(dict.fromkeys(columns))
+    """Record columns, each once (a lone name is one column, not its letters); a TraceError
+    names any that records do not have."""
+    wanted = list(dict.fromkeys([columns] if isinstance(columns, str) else columns))
     unknown = set(wanted) - set(schema.RECORD_SCHEMA.names) - {"rank"}
     if unknown:
         raise TraceError(

@@ -117,6 +117,17 @@ def test_a_step_window_opens_only_the_parts_holding_it(
     assert trace.query(steps=(100, 200), columns=["step"]).empty
 
 
+def test_a_lone_column_name_is_one_column(run: Path) -> None:
+    """``columns="mean"`` asks for the mean, not for four columns named by its letters
+    (found in review: "unknown record column(s) ['a', 'e', 'm', 'n']")."""
+    trace = hooktrace.load(run)
+    one = trace.query(steps=[3], columns="mean")  # type: ignore[arg-type]
+    assert one.equals(trace.query(steps=[3], columns=["mean"]))
+    assert "mean" in one.columns and not one.empty
+    with pytest.raises(hooktrace.TraceError, match=r"unknown record column\(s\) \['means'\]"):
+        trace.query(columns="means")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     ("where", "shown"),
     [("step = 3", "step = 3"), ("module = 'fc1' AND kind = 'param'", "module = 'fc1'")],
