@@ -35,11 +35,15 @@ def summary(run: Path, as_json: bool) -> None:
 
 
 def _steps_line(s: Summary, span: str) -> str:
-    if not s.steps and s.written_steps:  # written, and none readable: damaged parts
+    if not s.steps and s.written_steps and s.damaged_parts:  # none readable: damaged parts
         return (
             f"steps     none readable of {s.written_steps} written ({s.micro_steps} "
             "micro-steps): their records are in damaged parts"
         )
+    if not s.steps and s.written_steps:  # all readable, and holding nothing
+        from hooktrace.trace.check import nothing_recorded
+
+        return "steps     " + nothing_recorded({"config": s.config}, s.written_steps)
     return (
         f"steps     {s.steps} {'trained' if s.micro_steps else 'recorded'} (steps {span}), "
         f"{s.micro_steps} micro-steps, {s.skipped_steps} skipped" + _evaluation_only(s)

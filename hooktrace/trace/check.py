@@ -19,6 +19,7 @@ import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import pyarrow as pa
@@ -81,7 +82,25 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
     check_segments(trace.path, seen, report.problems)
     check_captures(trace.path, trace.manifest["ranks"], report.problems, report.notes)
     _check_tables(seen, table, modules, report)
+    written = int(table["step"].nunique()) if not table.empty else 0
+    if written and not seen.records and not trace.skipped:
+        report.notes.append(nothing_recorded(trace.manifest, written))
     return report
+
+
+def nothing_recorded(manifest: dict[str, Any], written: int) -> str:
+    """Why a trace whose ``written`` steps are all readable holds no record (what
+    ``summary`` and ``check`` say, where a trace without records would read as damaged)."""
+    config = manifest.get("config") or {}
+    chosen = "; ".join(
+        f"{option} {config[option]}" for option in ("modules", "exclude") if config.get(option)
+    )
+    if chosen:
+        return (
+            f"{written} step(s) written hold no record: the recording's {chosen} left no "
+            "module of its models (names as in [n for n, _ in model.named_modules()])"
+        )
+    return f"{written} step(s) written hold no record: no module of the recorded models was called"
 
 
 def _note_not_summarised(seen: Seen, report: CheckReport) -> None:

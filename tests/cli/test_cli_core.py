@@ -227,6 +227,28 @@ def invoke(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_a_filter_that_left_no_module_is_said_so_not_called_damage(tmp_path: Path) -> None:
+    """A recording whose ``modules`` matched nothing holds steps and no record: summary and
+    check say so, naming the filter (found in review: summary said the records were in
+    damaged parts, and check said nothing)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    with hooktrace.record(model, run, modules=["nope"]):
+        for _ in range(3):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    said = (
+        "3 step(s) written hold no record: the recording's modules ['nope'] left no module of "
+        "its models (names as in [n for n, _ in model.named_modules()])"
+    )
+    summary = CliRunner().invoke(cli, ["summary", str(run)])
+    assert summary.exit_code == 0 and f"\nsteps     {said}\n" in summary.stdout, summary.output
+    check = CliRunner().invoke(cli, ["check", str(run)])
+    assert check.exit_code == 0 and f"  note: {said}\n" in check.stdout, check.output
+
+
 def test_a_damaged_records_part_is_named_and_the_answer_exits_as_check_does(
     tmp_path: Path,
 ) -> None:

@@ -61,6 +61,10 @@ class Summary:
     """The modules with the most records, for a first look."""
     not_summarised: pd.DataFrame = field(repr=False, default_factory=pd.DataFrame)
     """Records of tensors hooktrace could not summarise: module, kind, reason, records."""
+    damaged_parts: int = 0
+    """Parts of the trace the reader left out (each named in a warning)."""
+    config: dict[str, Any] = field(default_factory=dict)
+    """The recording's options, as its manifest holds them."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("largest", "not_summarised")}
@@ -130,6 +134,8 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         },
         largest=counts.head(10).reset_index(drop=True),
         not_summarised=skipped,
+        damaged_parts=len(trace.skipped),
+        config=dict(manifest.get("config") or {}),
     )
 
 
