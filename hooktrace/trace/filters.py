@@ -17,6 +17,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from hooktrace.errors import TraceError
+
 
 def in_order(frame: pd.DataFrame, columns: list[str]) -> bool:
     """Whether the rows are sorted by ``columns`` already (as a part written in (step, seq)
@@ -50,10 +52,19 @@ def step_pair(spec: object) -> tuple[int, int] | None:
 def steps_given(
     steps: Iterable[int] | tuple[int, int] | None,
 ) -> list[int] | tuple[int, int] | None:
-    """``steps`` as a list, unless a (first, last) range or None: a generator is read once."""
+    """``steps`` as a list, unless a (first, last) range or None: a generator is read once.
+    Raises TraceError for what names no steps (a string such as ``"0-10"``, a lone int)."""
     if steps is None or (isinstance(steps, tuple) and len(steps) == 2):
         return steps
-    return [int(s) for s in steps]
+    try:
+        if isinstance(steps, str | bytes):
+            raise TypeError
+        return [int(s) for s in steps]
+    except (TypeError, ValueError):
+        raise TraceError(
+            f"steps takes step numbers, such as [3, 5], or an inclusive (first, last) pair, "
+            f"such as (0, 10); not {steps!r}"
+        ) from None
 
 
 def row_filter(

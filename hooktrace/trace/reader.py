@@ -197,8 +197,13 @@ class Trace:
         """
         import duckdb
 
+        if not isinstance(query, str) or not query.strip():
+            raise TraceError(
+                f"trace.sql() takes a query as a string, not {query!r}: for example "
+                "trace.sql('SELECT count(*) FROM records')"
+            )
         try:
-            return self._duckdb().execute(query, parameters).df()
+            answer = self._duckdb().execute(query, parameters)
         except duckdb.Error as exc:
             raise TraceError(
                 f"the query over {printable(self.path)} failed: {one_line(exc)} (tables: "
@@ -206,6 +211,10 @@ class Trace:
                 "rank_records, rank_histograms, rank_histogram_spans; columns as in "
                 "docs/FORMAT.md)"
             ) from exc
+        if answer is None or answer.description is None:  # no statement (a comment), or none
+            # that answers with a table
+            raise TraceError(f"trace.sql({query!r}) returns no table: ask with a SELECT")
+        return answer.df()
 
     def _duckdb(self) -> Any:
         """The DuckDB connection, its views over the parts readable now."""

@@ -3,6 +3,7 @@ only the parts holding the steps asked for."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -126,6 +127,27 @@ def test_a_lone_column_name_is_one_column(run: Path) -> None:
     assert "mean" in one.columns and not one.empty
     with pytest.raises(hooktrace.TraceError, match=r"unknown record column\(s\) \['means'\]"):
         trace.query(columns="means")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("query", "said"),
+    [
+        ("", "takes a query as a string, not ''"),
+        (None, "takes a query as a string, not None"),
+        ("-- a comment", "returns no table: ask with a SELECT"),
+    ],
+)
+def test_a_query_that_asks_nothing_is_told_so(run: Path, query: object, said: str) -> None:
+    """Found in review: an AttributeError of DuckDB's result, or a TypeError of DuckDB's."""
+    with pytest.raises(hooktrace.TraceError, match=re.escape(said)):
+        hooktrace.load(run).sql(query)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("steps", ["0-1", 5, [1, "x"]])
+def test_steps_that_name_no_steps_are_told_how_to_name_them(run: Path, steps: object) -> None:
+    """Found in review: ``steps="0-1"`` was a ValueError of int()'s."""
+    with pytest.raises(hooktrace.TraceError, match=r"such as \[3, 5\], or an inclusive"):
+        hooktrace.load(run).query(steps=steps)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
