@@ -82,6 +82,17 @@ def _leave_in_child() -> None:
 os.register_at_fork(after_in_child=_leave_in_child)
 
 
+def _check_options(*, flags: dict[str, object], sizes: dict[str, object]) -> None:
+    """Refuse an option of the wrong kind at once: a string where a flag goes reads as true
+    (``inputs="no"`` recorded the inputs), and a negative size as nothing at all."""
+    for name, value in flags.items():
+        if not isinstance(value, bool | int) or value not in (0, 1):
+            raise ConfigError(f"{name} is True or False (got {value!r})")
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ConfigError(f"{name} must be a number, 0 or more (got {value!r})")
+
+
 class Recorder(Steps):
     """Records the named modules of one or more models into a run directory.
 
@@ -126,6 +137,12 @@ class Recorder(Steps):
         if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
             raise ConfigError(f"record() writes into a directory: give its path, not {out!r}")
         named = name_roots(models) if models is not None else {}  # before anything is made
+        _check_options(
+            flags={"inputs": inputs, "params": params, "strict": strict, "overwrite": overwrite,
+                   "capture_nonfinite": capture_nonfinite},
+            sizes={"max_tensor_mb": max_tensor_mb, "max_units": max_units, "buffer_mb": buffer_mb,
+                   "capture_limit": capture_limit, "capture_max_mb": capture_max_mb},
+        )  # fmt: skip
         self.out = Path(out)
         self.strict = strict
         self.inputs = inputs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import re
 import shutil
 import sys
 import threading
@@ -444,6 +445,26 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="is a file"):
         hooktrace.record(model, tmp_path / "file")
     assert _hooks_left(model) == []
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        ({"inputs": "no"}, "inputs is True or False (got 'no')"),
+        ({"strict": "yes"}, "strict is True or False (got 'yes')"),
+        ({"max_tensor_mb": -1}, "max_tensor_mb must be a number, 0 or more (got -1)"),
+        ({"buffer_mb": "8"}, "buffer_mb must be a number, 0 or more (got '8')"),
+        ({"capture_max_mb": float("nan")}, "capture_max_mb must be a number, 0 or more"),
+    ],
+)
+def test_an_option_of_the_wrong_kind_is_refused(
+    tmp_path: Path, option: dict[str, object], said: str
+) -> None:
+    """Found in review: ``inputs="no"`` recorded the inputs (a string reads as true), and
+    ``max_tensor_mb=-1`` dropped every full tensor, both without a word."""
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        hooktrace.record(nn.Linear(2, 2), tmp_path / "run", **option)  # type: ignore[arg-type]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(
