@@ -160,6 +160,21 @@ def render(data: dict[str, Any], *, passed: bool | None, seconds: float | None) 
     return "\n".join(lines)
 
 
+def merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures of several processes (pytest-xdist's workers) as one: each case's tallies
+    added up, the groups in the page's order."""
+    groups: dict[str, Any] = {}
+    for report in reports:
+        for group, content in report.items():
+            into = groups.setdefault(group, {**content, "cases": {}})
+            for name, tally in content["cases"].items():
+                total = into["cases"].setdefault(name, {"tried": 0, "survived": 0, "lost": 0})
+                for key in total:
+                    total[key] += tally[key]
+    order = list(DETAILS) + [g for g in groups if g not in DETAILS]  # the page's order
+    return {group: groups[group] for group in order if group in groups}
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -177,10 +192,11 @@ def main() -> int:
             figures = Path(scratch) / "figures.json"
             code, seconds = run_suite(figures, args.pytest_args)
             passed = code == 0
-            if not figures.exists():
+            reported = sorted(Path(scratch).glob("figures.json*"))  # .gw0, ... under -n
+            if not reported:
                 print("the suite reported no figures", file=sys.stderr)
                 return code or 1
-            data = json.loads(figures.read_text())
+            data = merged([json.loads(path.read_text()) for path in reported])
     else:
         data = json.loads(args.source.read_text())
     args.output.write_text(render(data, passed=passed, seconds=seconds))

@@ -111,4 +111,8 @@ def figures() -> Figures:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     target = os.environ.get(REPORT_ENV)
     if target and FIGURES.tallies:
-        Path(target).write_text(json.dumps(FIGURES.to_json(), indent=2) + "\n")
+        # under pytest-xdist each worker counts its own cases: a file each, which the report
+        # adds up (one file for all, the last worker's figures were the page's)
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        path = Path(f"{target}.{worker}" if worker else target)
+        path.write_text(json.dumps(FIGURES.to_json(), indent=2) + "\n")
