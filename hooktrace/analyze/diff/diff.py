@@ -118,8 +118,15 @@ def diff(
     Raises :class:`NothingToCompare` when the runs share no step, ``ConfigError`` on bad options
     and ``TraceError`` when a run cannot be read.
     """
-    if not (rtol >= 0 and atol >= 0):
-        raise ConfigError(f"rtol and atol must be 0 or more (got rtol={rtol}, atol={atol})")
+    tolerances = (rtol, atol)
+    if any(isinstance(t, bool) or not isinstance(t, int | float) for t in tolerances) or not (
+        rtol >= 0 and atol >= 0
+    ):
+        raise ConfigError(
+            f"rtol and atol are numbers, 0 or more (got rtol={rtol!r}, atol={atol!r})"
+        )
+    if rank is not None and against_rank is None:  # (it would be left unused)
+        raise ConfigError("rank goes with against_rank: give both, or ranks=[...] to filter")
     if rows not in ("differing", "all"):
         raise ConfigError(f"rows must be 'differing' or 'all' (got {rows!r})")
     if max_rows is not None and max_rows < 0:

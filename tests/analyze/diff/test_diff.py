@@ -276,6 +276,10 @@ def test_errors(base: Path, tmp_path: Path) -> None:
         hooktrace.diff(base, base, kinds=["outputs"])
     with pytest.raises(ConfigError, match="rtol"):
         hooktrace.diff(base, base, rtol=-1)
+    with pytest.raises(ConfigError, match="rtol and atol are numbers"):  # was a TypeError
+        hooktrace.diff(base, base, rtol="x")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="rank goes with against_rank"):  # was ignored
+        hooktrace.diff(base, base, rank=3)
     with pytest.raises(ConfigError, match="bad module pattern"):
         hooktrace.diff(base, base, modules="(")
     with pytest.raises(ConfigError, match="second run"):
