@@ -46,7 +46,7 @@ from typing import Protocol
 import numpy as np
 import pandas as pd
 
-from hooktrace.errors import TensorNotRecorded
+from hooktrace.errors import TensorNotRecorded, TraceError
 
 
 class Traced(Protocol):
@@ -132,6 +132,9 @@ def timeline(
     that micro-step's events (parameters belong to micro-step 0, gradients of parameters to
     the last). Raises :class:`TensorNotRecorded` naming the steps that exist.
     """
+    for name, value in (("step", step), ("rank", rank)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TraceError(f"timeline() takes the {name} as a number (got {value!r})")
     rows = trace.query(columns=_READ, steps=[int(step)], ranks=[int(rank)])
     if rows.empty:
         raise TensorNotRecorded(_no_step(trace, int(step), int(rank)))

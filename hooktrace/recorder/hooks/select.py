@@ -110,9 +110,8 @@ def parse_steps(spec: StepSpec) -> list[tuple[int, float]]:
             )
     for lo, hi in ranges:
         if lo < 0 or hi < lo:
-            raise ConfigError(
-                f"bad step range {lo}-{hi}: steps count from 0 and a range goes upwards"
-            )
+            shown = f"step {lo}" if lo == hi else f"step range ({lo}, {hi})"
+            raise ConfigError(f"bad {shown}: steps count from 0 and a range goes upwards")
     return ranges
 
 

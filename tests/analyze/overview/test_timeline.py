@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from models import REFERENCE_OUTPUTS, default_loss, make_batch, make_model
+from repo import SAMPLES
 from torch import nn
 
 import hooktrace
@@ -325,3 +326,11 @@ def test_the_timeline_needs_no_torch(run_dir: Path) -> None:
     expected = hooktrace.load(run_dir).timeline(0)
     assert result.stdout.splitlines()[0] == f"{len(expected)} 1"
     assert "forward, micro-step 0 (train)" in result.stdout
+
+
+@pytest.mark.parametrize(("step", "rank"), [("x", 0), ("3", 0), (3, "0"), (True, 0)])
+def test_a_step_or_rank_that_is_not_a_number_is_told_so(step: object, rank: object) -> None:
+    """Found in review: ``timeline("x")`` was a ValueError of int()'s."""
+    trace = hooktrace.load(SAMPLES / "healthy")
+    with pytest.raises(hooktrace.TraceError, match=r"takes the (step|rank) as a number"):
+        trace.timeline(step, rank=rank)  # type: ignore[arg-type]

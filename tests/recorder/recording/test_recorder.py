@@ -424,6 +424,10 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
         hooktrace.record(model, tmp_path / "a", every=0)
     with pytest.raises(ConfigError, match="step range"):
         hooktrace.record(model, tmp_path / "a", steps="5-2")
+    with pytest.raises(ConfigError, match="bad step -1: steps count from 0"):  # was "-1--1"
+        hooktrace.record(model, tmp_path / "a", steps=[-1, 2])
+    with pytest.raises(ConfigError, match=r"bad step range \(5, 2\): steps count from 0"):
+        hooktrace.record(model, tmp_path / "a", steps=[(5, 2)])
     with pytest.raises(ConfigError, match=r"give \[5\] for step 5 alone, or range\(5\)"):
         hooktrace.record(model, tmp_path / "a", steps=5)  # was a TypeError from a loop
     with pytest.raises(ConfigError, match="bad steps 3"):
