@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -228,13 +229,17 @@ def invoke(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_filter_that_left_no_module_is_said_so_not_called_damage(tmp_path: Path) -> None:
-    """A recording whose ``modules`` matched nothing holds steps and no record: summary and
-    check say so, naming the filter (found in review: summary said the records were in
-    damaged parts, and check said nothing)."""
+    """A recording whose ``modules`` matched nothing is told so at once, and its trace holds
+    steps and no record: summary and check say so, naming the filter (found in review: the
+    recording said nothing, summary said the records were in damaged parts, check nothing)."""
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     run = tmp_path / "run"
-    with hooktrace.record(model, run, modules=["nope"]):
+    told = "modules=['nope'] selects no module of Sequential (names such as '0', '1')"
+    with (
+        pytest.warns(RuntimeWarning, match=re.escape(told)),
+        hooktrace.record(model, run, modules=["nope"]),
+    ):
         for _ in range(3):
             model(torch.ones(1, 2)).sum().backward()
             opt.step()

@@ -93,6 +93,18 @@ def _check_options(*, flags: dict[str, object], sizes: dict[str, object]) -> Non
             raise ConfigError(f"{name} must be a number, 0 or more (got {value!r})")
 
 
+def _nothing_selected(named: dict[str, nn.Module], config: dict[str, Any]) -> str:
+    """What a recording whose module filter selected none of its models' modules is told
+    at once (its trace would hold steps and no record)."""
+    chosen = "; ".join(f"{o}={config[o]}" for o in ("modules", "exclude") if config[o] is not None)
+    names = [q for model in named.values() for q, _ in unwrap(model)[0].named_modules() if q]
+    like = f" (names such as {', '.join(map(repr, names[:3]))})" if names else ""
+    return (
+        f"hooktrace: {chosen} selects no module of {', '.join(named)}{like}: the trace will "
+        "hold steps and no record"
+    )
+
+
 class Recorder(Steps):
     """Records the named modules of one or more models into a run directory.
 
@@ -248,6 +260,8 @@ class Recorder(Steps):
                 lone = isinstance(models, nn.Module)
                 for name, model in named.items():
                     self._add_root(name, model, prefixed=not lone)
+                if not self._names.modules and (modules is not None or exclude is not None):
+                    _warn(_nothing_selected(named, config))
             self._install()
         except BaseException:
             self.close(status=schema.STATUS_FAILED, error="hooks could not be installed")
