@@ -100,8 +100,8 @@ def _nothing_selected(named: dict[str, nn.Module], config: dict[str, Any]) -> st
     names = [q for model in named.values() for q, _ in unwrap(model)[0].named_modules() if q]
     like = f" (names such as {', '.join(map(repr, names[:3]))})" if names else ""
     return (
-        f"hooktrace: {chosen} selects no module of {', '.join(named)}{like}: the trace will "
-        "hold steps and no record"
+        f"hooktrace: {chosen} selects no module of {', '.join(named)}{like}: unless one it "
+        "selects is added to the model later, the trace will hold steps and no record"
     )
 
 
