@@ -137,13 +137,14 @@ def watch(tensor: torch.Tensor, name: str) -> torch.Tensor:
 
     Call it from inside ``forward()``. Outside a recording it does nothing. Returns
     ``tensor`` unchanged, so it can wrap an expression. Raises :class:`ConfigError` where
-    ``tensor`` is not a tensor or ``name`` not a non-empty string, recording or not.
+    ``tensor`` is not a tensor or ``name`` not a non-empty string, recording or not (in a
+    forward that ``torch.compile`` traces, the compiler raises it as an error of its own).
     """
     torch_module = sys.modules.get("torch")  # (imported already, where a tensor exists)
     if torch_module is None or not isinstance(tensor, torch_module.Tensor):
         raise ConfigError(
             f"hooktrace.watch(tensor, name) takes a torch.Tensor, not {type(tensor).__name__}: "
-            "pass the tensor to record first"
+            "give it the tensor itself"
         )
     if not isinstance(name, str) or not name:
         raise ConfigError(

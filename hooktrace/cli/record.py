@@ -173,9 +173,15 @@ def record(
     options = _recorder_options(settings)
 
     from hooktrace.errors import HooktraceError
-    from hooktrace.recorder.hooks.select import StepSelection, histogram_kinds, module_matcher
+    from hooktrace.recorder.hooks.select import (
+        StepSelection,
+        check_options,
+        histogram_kinds,
+        module_matcher,
+    )
 
     try:  # every bad value is reported before the script starts, and before torch loads
+        check_options(options)
         StepSelection(options.get("steps"), every=options.get("every", 1))
         StepSelection(options.get("full_steps"), every=options.get("full_every") or 1)
         for key in ("modules", "exclude", "full_modules"):

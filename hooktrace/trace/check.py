@@ -84,23 +84,28 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
     _check_tables(seen, table, modules, report)
     written = int(table["step"].nunique()) if not table.empty else 0
     if written and not seen.records and not trace.skipped:
-        report.notes.append(nothing_recorded(trace.manifest, written))
+        selected = int(modules["module"].nunique()) if not modules.empty else 0
+        report.notes.append(nothing_recorded(trace.manifest, written, selected))
     return report
 
 
-def nothing_recorded(manifest: dict[str, Any], written: int) -> str:
-    """Why a trace whose ``written`` steps are all readable holds no record (what
-    ``summary`` and ``check`` say, where a trace without records would read as damaged)."""
+def nothing_recorded(manifest: dict[str, Any], written: int, modules: int) -> str:
+    """Why a trace whose ``written`` steps are all readable holds no record, given the
+    number of ``modules`` it selected (its modules table): what ``summary`` and ``check``
+    say, where a trace without records would read as damaged."""
     config = manifest.get("config") or {}
     chosen = "; ".join(
-        f"{option} {config[option]}" for option in ("modules", "exclude") if config.get(option)
+        f"{o} {config[o]!r}" for o in ("modules", "exclude") if config.get(o) is not None
     )
-    if chosen:
+    if not modules and chosen:
         return (
             f"{written} step(s) written hold no record: the recording's {chosen} left no "
             "module of its models (names as in [n for n, _ in model.named_modules()])"
         )
-    return f"{written} step(s) written hold no record: no module of the recorded models was called"
+    return (
+        f"{written} step(s) written hold no record: none of the {modules} module(s) it "
+        "selected was called"
+    )
 
 
 def _note_not_summarised(seen: Seen, report: CheckReport) -> None:

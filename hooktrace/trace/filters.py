@@ -54,17 +54,18 @@ def steps_given(
 ) -> list[int] | tuple[int, int] | None:
     """``steps`` as a list, unless a (first, last) range or None: a generator is read once.
     Raises TraceError for what names no steps (a string such as ``"0-10"``, a lone int)."""
-    if steps is None or (isinstance(steps, tuple) and len(steps) == 2):
-        return steps
+    if steps is None:
+        return None
     try:
         if isinstance(steps, str | bytes):
             raise TypeError
-        return [int(s) for s in steps]
+        chosen = [int(s) for s in steps]
     except (TypeError, ValueError):
         raise TraceError(
             f"steps takes step numbers, such as [3, 5], or an inclusive (first, last) pair, "
             f"such as (0, 10); not {steps!r}"
         ) from None
+    return steps if isinstance(steps, tuple) and len(steps) == 2 else chosen  # a range as given
 
 
 def row_filter(

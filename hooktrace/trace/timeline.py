@@ -38,6 +38,7 @@ furthest from 1.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,8 +134,8 @@ def timeline(
     the last). Raises :class:`TensorNotRecorded` naming the steps that exist.
     """
     for name, value in (("step", step), ("rank", rank)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise TraceError(f"timeline() takes the {name} as a number (got {value!r})")
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != int(value):
+            raise TraceError(f"timeline() takes the {name} as a whole number (got {value!r})")
     rows = trace.query(columns=_READ, steps=[int(step)], ranks=[int(rank)])
     if rows.empty:
         raise TensorNotRecorded(_no_step(trace, int(step), int(rank)))

@@ -254,6 +254,31 @@ def test_a_filter_that_left_no_module_is_said_so_not_called_damage(tmp_path: Pat
     assert check.exit_code == 0 and f"  note: {said}\n" in check.stdout, check.output
 
 
+def test_a_selected_module_never_called_is_not_blamed_on_the_filter(tmp_path: Path) -> None:
+    """The filter selected a module that the forward never called: summary and check say
+    so (found in review: they said the filter left no module)."""
+
+    class WithUnused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.unused = nn.Linear(2, 2), nn.ReLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)
+
+    model = WithUnused()
+    run = tmp_path / "run"
+    with hooktrace.record(model, run, modules="unused", params=False) as rec:
+        for _ in range(2):
+            model(torch.ones(1, 2)).sum().backward()
+            rec.step()
+    said = "2 step(s) written hold no record: none of the 1 module(s) it selected was called"
+    summary = CliRunner().invoke(cli, ["summary", str(run)])
+    assert f"\nsteps     {said}\n" in summary.stdout, summary.output
+    check = CliRunner().invoke(cli, ["check", str(run)])
+    assert f"  note: {said}\n" in check.stdout, check.output
+
+
 def test_a_damaged_records_part_is_named_and_the_answer_exits_as_check_does(
     tmp_path: Path,
 ) -> None:

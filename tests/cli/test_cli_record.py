@@ -416,6 +416,30 @@ def test_bad_options_fail_before_torch_is_imported(tmp_path: Path) -> None:
     assert done.stdout.split() == ["2", "False"], done.stderr
 
 
+def test_a_flag_or_size_of_the_wrong_kind_in_the_config_fails_before_torch(
+    tmp_path: Path,
+) -> None:
+    """A TOML ``inputs = "no"`` would read as true, and ``max_tensor_mb = -1`` drop every
+    full tensor (found in review): refused before the script starts or torch loads."""
+    script = _script(tmp_path, "")
+    for line, said in [
+        ('inputs = "no"', "inputs is True or False (true or false in TOML; got 'no')"),
+        ("max_tensor_mb = -1", "max_tensor_mb must be a number, 0 or more (got -1)"),
+    ]:
+        config = tmp_path / "hooktrace.toml"
+        config.write_text(line + "\n")
+        probe = (
+            "import sys; from hooktrace.cli import main\n"
+            "try:\n"
+            f"    main(['record', '--config', {str(config)!r}, {str(script)!r}])\n"
+            "except SystemExit as exc:\n"
+            "    print(exc.code, 'torch' in sys.modules)\n"
+        )
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        assert done.stdout.split() == ["2", "False"], done.stderr
+        assert said in done.stderr
+
+
 def test_missing_script_and_config_file(tmp_path: Path) -> None:
     result = _record(str(tmp_path / "nope.py"))
     assert result.returncode == 2 and "no such script" in result.stderr

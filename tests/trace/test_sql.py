@@ -143,7 +143,7 @@ def test_a_query_that_asks_nothing_is_told_so(run: Path, query: object, said: st
         hooktrace.load(run).sql(query)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("steps", ["0-1", 5, [1, "x"]])
+@pytest.mark.parametrize("steps", ["0-1", 5, [1, "x"], (0, "x")])
 def test_steps_that_name_no_steps_are_told_how_to_name_them(run: Path, steps: object) -> None:
     """Found in review: ``steps="0-1"`` was a ValueError of int()'s."""
     with pytest.raises(hooktrace.TraceError, match=r"such as \[3, 5\], or an inclusive"):

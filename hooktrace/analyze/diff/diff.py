@@ -16,6 +16,7 @@ as the CLI does.
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -119,7 +120,7 @@ def diff(
     and ``TraceError`` when a run cannot be read.
     """
     tolerances = (rtol, atol)
-    if any(isinstance(t, bool) or not isinstance(t, int | float) for t in tolerances) or not (
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Real) for t in tolerances) or not (
         rtol >= 0 and atol >= 0
     ):
         raise ConfigError(

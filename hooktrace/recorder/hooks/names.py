@@ -85,6 +85,10 @@ class Names:
         self._table.add_root(hooked)
         return self._add_modules(root_name, hooked, prefixed=prefixed)
 
+    def every_name(self) -> list[str]:
+        """Every module's name as the filters saw it, selected or not, roots first."""
+        return [_qualified(r, q, self._prefixed[r]) for r, q in self._where.values()]
+
     def _add_modules(
         self, root_name: str, root: nn.Module, *, prefixed: bool
     ) -> dict[str, nn.Module]:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numbers
 import re
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
+
+import numpy as np
 
 from hooktrace.errors import ConfigError
 from hooktrace.trace import schema
@@ -14,6 +16,31 @@ ModuleFilter = str | Iterable[str] | Callable[[str], bool] | None
 
 StepSpec = str | Iterable[int | range | tuple[int, int]] | None
 """``"0-10,20,100-"``, or ints, ranges and inclusive ``(first, last)`` pairs."""
+
+FLAGS = ("inputs", "params", "strict", "overwrite", "capture_nonfinite")
+"""The options that are True or False."""
+
+SIZES = ("max_tensor_mb", "max_units", "buffer_mb", "capture_limit", "capture_max_mb")
+"""The options that are a number, 0 or more."""
+
+
+def check_options(options: Mapping[str, object]) -> None:
+    """Refuse a flag or a size (:data:`FLAGS`, :data:`SIZES`) of the wrong kind at once: a
+    string where a flag goes reads as true (``inputs="no"`` recorded the inputs), and a
+    negative size as nothing at all. numpy's numbers and booleans are numbers and flags."""
+    for name in FLAGS:
+        value = options.get(name, False)
+        flag = isinstance(value, numbers.Integral | np.bool_)
+        if not flag or value not in (0, 1):
+            raise ConfigError(f"{name} is True or False (true or false in TOML; got {value!r})")
+    for name in SIZES:
+        value = options.get(name, 0)
+        if (
+            not isinstance(value, numbers.Real)
+            or isinstance(value, bool | np.bool_)
+            or not float(value) >= 0  # (NaN too)
+        ):
+            raise ConfigError(f"{name} must be a number, 0 or more (got {value!r})")
 
 
 def module_matcher(spec: ModuleFilter, *, default: bool) -> Callable[[str], bool]:

@@ -38,7 +38,13 @@ from hooktrace.recorder.hooks.calls import Calls
 from hooktrace.recorder.hooks.compiled import CompiledCalls
 from hooktrace.recorder.hooks.hooks import attach, call_spec
 from hooktrace.recorder.hooks.names import Models, Names, name_roots, unwrap
-from hooktrace.recorder.hooks.select import ModuleFilter, Sampling, StepSpec, module_matcher
+from hooktrace.recorder.hooks.select import (
+    ModuleFilter,
+    Sampling,
+    StepSpec,
+    check_options,
+    module_matcher,
+)
 from hooktrace.recorder.hooks.steps import Optimizers, Steps
 from hooktrace.recorder.nonfinite import capture
 from hooktrace.recorder.recording import rundir
@@ -82,25 +88,16 @@ def _leave_in_child() -> None:
 os.register_at_fork(after_in_child=_leave_in_child)
 
 
-def _check_options(*, flags: dict[str, object], sizes: dict[str, object]) -> None:
-    """Refuse an option of the wrong kind at once: a string where a flag goes reads as true
-    (``inputs="no"`` recorded the inputs), and a negative size as nothing at all."""
-    for name, value in flags.items():
-        if not isinstance(value, bool | int) or value not in (0, 1):
-            raise ConfigError(f"{name} is True or False (got {value!r})")
-    for name, value in sizes.items():
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-            raise ConfigError(f"{name} must be a number, 0 or more (got {value!r})")
-
-
-def _nothing_selected(named: dict[str, nn.Module], config: dict[str, Any]) -> str:
-    """What a recording whose module filter selected none of its models' modules is told
-    at once (its trace would hold steps and no record)."""
-    chosen = "; ".join(f"{o}={config[o]}" for o in ("modules", "exclude") if config[o] is not None)
-    names = [q for model in named.values() for q, _ in unwrap(model)[0].named_modules() if q]
-    like = f" (names such as {', '.join(map(repr, names[:3]))})" if names else ""
+def _nothing_selected(roots: list[str], names: list[str], config: dict[str, Any]) -> str:
+    """What a recording whose module filter selected none of its models' modules (of
+    ``names``, roots included) is told at once: its trace would hold steps and no record."""
+    chosen = "; ".join(
+        f"{o}={config[o]!r}" for o in ("modules", "exclude") if config[o] is not None
+    )
+    inside = [name for name in names if name not in roots][:3]
+    like = f" (names such as {', '.join(map(repr, inside))})" if inside else ""
     return (
-        f"hooktrace: {chosen} selects no module of {', '.join(named)}{like}: unless one it "
+        f"hooktrace: {chosen} selects no module of {', '.join(roots)}{like}: unless one it "
         "selects is added to the model later, the trace will hold steps and no record"
     )
 
@@ -149,12 +146,12 @@ class Recorder(Steps):
         if not isinstance(out, (str, os.PathLike)) or not os.fspath(out):
             raise ConfigError(f"record() writes into a directory: give its path, not {out!r}")
         named = name_roots(models) if models is not None else {}  # before anything is made
-        _check_options(
-            flags={"inputs": inputs, "params": params, "strict": strict, "overwrite": overwrite,
-                   "capture_nonfinite": capture_nonfinite},
-            sizes={"max_tensor_mb": max_tensor_mb, "max_units": max_units, "buffer_mb": buffer_mb,
-                   "capture_limit": capture_limit, "capture_max_mb": capture_max_mb},
-        )  # fmt: skip
+        check_options({
+            "inputs": inputs, "params": params, "strict": strict, "overwrite": overwrite,
+            "capture_nonfinite": capture_nonfinite, "max_tensor_mb": max_tensor_mb,
+            "max_units": max_units, "buffer_mb": buffer_mb, "capture_limit": capture_limit,
+            "capture_max_mb": capture_max_mb,
+        })  # fmt: skip
         self.out = Path(out)
         self.strict = strict
         self.inputs = inputs
@@ -233,8 +230,6 @@ class Recorder(Steps):
             max_tensor_bytes=self.max_tensor_bytes,
             histograms=Histograms(_warn),
         )
-        if capture_limit < 0 or capture_max_mb < 0:
-            raise ConfigError("capture_limit and capture_max_mb must be 0 or more")
         self._captures = capture.Captures(
             self.out,
             self.rank,
@@ -261,7 +256,7 @@ class Recorder(Steps):
                 for name, model in named.items():
                     self._add_root(name, model, prefixed=not lone)
                 if not self._names.modules and (modules is not None or exclude is not None):
-                    _warn(_nothing_selected(named, config))
+                    _warn(_nothing_selected(list(named), self._names.every_name(), config))
             self._install()
         except BaseException:
             self.close(status=schema.STATUS_FAILED, error="hooks could not be installed")

@@ -280,6 +280,7 @@ def test_errors(base: Path, tmp_path: Path) -> None:
         hooktrace.diff(base, base, rtol="x")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="rank goes with against_rank"):  # was ignored
         hooktrace.diff(base, base, rank=3)
+    assert hooktrace.diff(base, base, rtol=np.float32(1e-3), atol=np.int64(0)).match  # numpy's
     with pytest.raises(ConfigError, match="bad module pattern"):
         hooktrace.diff(base, base, modules="(")
     with pytest.raises(ConfigError, match="second run"):
