@@ -43,7 +43,7 @@ _KEYS = {
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.argument("script", type=click.Path(path_type=Path))
+@click.argument("script", type=click.Path())  # as typed: the script's sys.argv[0]
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 @click.option(
     "--out",
@@ -148,7 +148,7 @@ _KEYS = {
     help="Say nothing on stderr before and after the run (the script's own output stays).",
 )
 def record(
-    script: Path, args: tuple[str, ...], config_file: Path | None, quiet: bool, **given: Any
+    script: str, args: tuple[str, ...], config_file: Path | None, quiet: bool, **given: Any
 ) -> None:
     """Run SCRIPT with ARGS as `python SCRIPT ARGS` would, recording every model it trains.
 
@@ -164,12 +164,12 @@ def record(
     if args[:1] == ("--",):  # `hooktrace record train.py -- --lr 0.1`: the separator is ours
         args = args[1:]
     settings = _settings(config_file, given)
-    if not script.exists():
+    if not Path(script).exists():
         raise CommandError(f"{script}: no such script; give the path of a Python training script")
-    if not script.is_file():
+    if not Path(script).is_file():
         raise CommandError(f"{script} is not a file; give the path of a Python training script")
     out = settings.pop("out", None)
-    out = Path(out) if out else _default_out(script)
+    out = Path(out) if out else _default_out(Path(script))
     options = _recorder_options(settings)
 
     from hooktrace.errors import HooktraceError
@@ -195,8 +195,10 @@ def record(
     except ImportError as exc:
         raise CommandError(f"hooktrace record needs PyTorch ({exc}): pip install torch") from exc
 
-    if not quiet:
-        click.echo(f"hooktrace: recording {script} into {out}", err=True)
+    def started() -> None:  # once the output is found usable: an error there is one line
+        if not quiet:
+            click.echo(f"hooktrace: recording {script} into {out}", err=True)
+
     command = (
         ["hooktrace", *sys.argv[1:]]
         if sys.argv and sys.argv[0]
@@ -204,7 +206,9 @@ def record(
     )
     recording_pid = os.getpid()
     try:
-        code = run_script(script, list(args), out=out, options=options, command=command)
+        code = run_script(
+            script, list(args), out=out, options=options, command=command, started=started
+        )
     except HooktraceError as exc:  # setting up failed, or --strict: finishing the trace did
         raise CommandError(str(exc)) from exc
     if not quiet and os.getpid() == recording_pid:  # not a child the script forked

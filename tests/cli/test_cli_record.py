@@ -218,6 +218,38 @@ def test_the_script_runs_as_main_with_its_own_argv_path_and_file(tmp_path: Path)
     assert "NAME __main__ 42" in result.stdout
 
 
+def test_a_symlinked_script_given_by_a_relative_path_sees_what_python_shows_it(
+    tmp_path: Path,
+) -> None:
+    """``__file__``, ``sys.argv[0]``, ``sys.path[0]``, the files beside ``__file__`` and the
+    traceback's path are as `python ./link/train.py` makes them (found in review: hooktrace
+    resolved the symlink, so the script read the data beside its target, and normalised
+    the path it was given)."""
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.mkdir()
+    (real / "lr.txt").write_text("0.07")
+    (link / "lr.txt").write_text("0.05")
+    _script(
+        real,
+        """
+        from pathlib import Path
+        print("FILE", __file__, "ARGV0", sys.argv[0], "PATH0", sys.path[0])
+        print("LR", (Path(__file__).parent / "lr.txt").read_text())
+        raise ValueError("the end")
+        """,
+    )
+    (link / "train.py").symlink_to(real / "train.py")
+    plain = subprocess.run(
+        [sys.executable, "./link/train.py"], capture_output=True, text=True, cwd=tmp_path
+    )
+    recorded = _record("-q", "-o", str(tmp_path / "run"), "./link/train.py", cwd=tmp_path)
+    assert f"FILE {tmp_path}/./link/train.py ARGV0 ./link/train.py PATH0 {real}" in plain.stdout
+    assert "LR 0.05" in plain.stdout
+    assert (recorded.returncode, recorded.stdout) == (plain.returncode, plain.stdout)
+    assert recorded.stderr.splitlines()[-3:] == plain.stderr.splitlines()[-3:]
+
+
 def test_a_script_that_raises_keeps_its_traceback_and_exit_code(tmp_path: Path) -> None:
     body = """
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -389,6 +421,9 @@ def test_signals_finalize_the_trace_then_end_the_process_as_usual(
         (["--modules", "("], "bad module pattern"),
         (["--compression", "zip"], "--compression"),
         (["--config", "missing.toml"], "cannot read --config"),
+        (["--max-tensor-mb", "inf"], "max_tensor_mb must be a finite number"),  # was internal
+        (["-o", "a_file/run"], "cannot create"),  # each was two lines: "recording ... into"
+        (["-o", "a_trace"], "already holds a trace"),
     ],
 )
 def test_bad_options_fail_before_the_script_starts(
@@ -396,7 +431,11 @@ def test_bad_options_fail_before_the_script_starts(
 ) -> None:
     marker = tmp_path / "started"
     script = _script(tmp_path, f"open({str(marker)!r}, 'w').write('x')")
-    result = _record(*args, "-o", str(tmp_path / "run"), str(script), cwd=tmp_path)
+    (tmp_path / "a_file").write_text("x")
+    hooktrace.record(torch.nn.Linear(2, 2), tmp_path / "a_trace").close()
+    if "-o" not in args:
+        args = [*args, "-o", str(tmp_path / "run")]
+    result = _record(*args, str(script), cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not marker.exists()
@@ -424,7 +463,8 @@ def test_a_flag_or_size_of_the_wrong_kind_in_the_config_fails_before_torch(
     script = _script(tmp_path, "")
     for line, said in [
         ('inputs = "no"', "inputs is True or False (true or false in TOML; got 'no')"),
-        ("max_tensor_mb = -1", "max_tensor_mb must be a number, 0 or more (got -1)"),
+        ("histograms = 3", "histograms takes record kinds"),  # was an internal error
+        ("max_tensor_mb = -1", "max_tensor_mb must be a finite number, 0 or more (got -1)"),
     ]:
         config = tmp_path / "hooktrace.toml"
         config.write_text(line + "\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from collections.abc import Callable, Collection, Iterable, Mapping
@@ -38,9 +39,9 @@ def check_options(options: Mapping[str, object]) -> None:
         if (
             not isinstance(value, numbers.Real)
             or isinstance(value, bool | np.bool_)
-            or not float(value) >= 0  # (NaN too)
+            or not 0 <= float(value) < math.inf  # (NaN too)
         ):
-            raise ConfigError(f"{name} must be a number, 0 or more (got {value!r})")
+            raise ConfigError(f"{name} must be a finite number, 0 or more (got {value!r})")
 
 
 def module_matcher(spec: ModuleFilter, *, default: bool) -> Callable[[str], bool]:
@@ -163,6 +164,11 @@ def histogram_kinds(kinds: Collection[str] | str | None) -> frozenset[str]:
         return frozenset()
     if isinstance(kinds, str):
         kinds = [] if kinds.strip() in ("", "none") else kinds.split(",")
+    if not isinstance(kinds, Iterable) or not all(isinstance(k, str) for k in kinds):
+        raise ConfigError(
+            f"histograms takes record kinds, such as ['param', 'grad_param'] or "
+            f"'param,grad_param', or none (got {kinds!r})"
+        )
     chosen = frozenset(k.strip() for k in kinds if k.strip())
     unknown = chosen - set(schema.KINDS)
     if unknown:

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
@@ -28,16 +29,27 @@ class Terminated(BaseException):
 
 
 def run_script(
-    script: Path, args: list[str], *, out: Path, options: dict[str, Any], command: list[str]
+    script: str,
+    args: list[str],
+    *,
+    out: Path,
+    options: dict[str, Any],
+    command: list[str],
+    started: Callable[[], object] = lambda: None,
 ) -> int:
-    """Record ``script`` into ``out``; returns the exit code the script would have had.
+    """Record ``script`` (its path as the user gave it) into ``out``; returns the exit code
+    the script would have had. ``started`` is called once the recording has begun.
 
     Exits the process by the signal itself when the script was ended by SIGINT or SIGTERM.
     """
-    script = script.resolve()
     recorder = ScriptRecorder(str(out), command=command, **options)
-    sys.argv = [str(script), *args]
-    sys.path[0] = str(script.parent)
+    started()
+    # as `python SCRIPT` sets them: argv[0] as given, __file__ absolute but neither normalised
+    # nor resolved (a symlinked script reads the files beside the link), and the import path
+    # the directory of the file the link points to
+    path = script if os.path.isabs(script) else os.path.join(os.getcwd(), script)
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.realpath(path))
     previous_term = signal.getsignal(signal.SIGTERM)
 
     recording_pid = os.getpid()
@@ -54,7 +66,7 @@ def run_script(
     if previous_term in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        _run_as_main(script)
+        _run_as_main(path)
     except SystemExit as exc:
         code = _exit_code(exc.code)
         if code == 0:
@@ -70,12 +82,12 @@ def run_script(
         return 128 + signal.SIGTERM  # not reached
     except KeyboardInterrupt as exc:
         recorder.close(status=schema.STATUS_INCOMPLETE, error="interrupted by SIGINT")
-        _print_script_traceback(exc, script)
+        _print_script_traceback(exc, path)
         _die_by(signal.SIGINT, signal.SIG_DFL)
         return 130  # not reached
     except BaseException as exc:
         recorder.close(status=schema.STATUS_FAILED, error=f"{type(exc).__name__}: {exc}")
-        _print_script_traceback(exc, script)
+        _print_script_traceback(exc, path)
         return 1
     finally:
         if signal.getsignal(signal.SIGTERM) is on_sigterm:
@@ -84,7 +96,7 @@ def run_script(
     return 0
 
 
-def _run_as_main(script: Path) -> None:
+def _run_as_main(script: str) -> None:
     """Run ``script`` as ``python script`` does: in a new module ``__main__`` that stays in
     ``sys.modules``. The interpreter's teardown then empties it first, one name at a time, as it
     does a script's: a file the script never closed is flushed before it is freed. (A script
@@ -93,15 +105,15 @@ def _run_as_main(script: Path) -> None:
     last writes.)"""
     module = type(sys)("__main__")
     module.__dict__.update(
-        __file__=str(script),
+        __file__=script,
         __cached__=None,
         __builtins__=builtins,
-        __loader__=importlib.machinery.SourceFileLoader("__main__", str(script)),
+        __loader__=importlib.machinery.SourceFileLoader("__main__", script),
         __spec__=None,
         __package__=None,
     )
-    with io.open_code(str(script)) as source:
-        code = compile(source.read(), str(script), "exec")
+    with io.open_code(script) as source:
+        code = compile(source.read(), script, "exec")
     sys.modules["__main__"] = module
     exec(code, module.__dict__)
 
@@ -114,12 +126,12 @@ def _exit_code(code: object) -> int:
     return 1
 
 
-def _print_script_traceback(exc: BaseException, script: Path) -> None:
+def _print_script_traceback(exc: BaseException, script: str) -> None:
     """The traceback Python would print, from the script's first frame on."""
     tb: TracebackType | None = exc.__traceback__
-    while tb is not None and Path(tb.tb_frame.f_code.co_filename) != script:
+    while tb is not None and tb.tb_frame.f_code.co_filename != script:
         tb = tb.tb_next
-    compiled = isinstance(exc, SyntaxError) and exc.filename == str(script)
+    compiled = isinstance(exc, SyntaxError) and exc.filename == script
     if tb is None and not compiled:  # not the script's own error: all of it
         tb = exc.__traceback__
     # a script that does not compile never ran: Python shows where, and no frame

@@ -456,9 +456,9 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
     [
         ({"inputs": "no"}, "inputs is True or False (true or false in TOML; got 'no')"),
         ({"strict": "yes"}, "strict is True or False (true or false in TOML; got 'yes')"),
-        ({"max_tensor_mb": -1}, "max_tensor_mb must be a number, 0 or more (got -1)"),
-        ({"buffer_mb": "8"}, "buffer_mb must be a number, 0 or more (got '8')"),
-        ({"capture_max_mb": float("nan")}, "capture_max_mb must be a number, 0 or more"),
+        ({"max_tensor_mb": -1}, "max_tensor_mb must be a finite number, 0 or more (got -1)"),
+        ({"buffer_mb": "8"}, "buffer_mb must be a finite number, 0 or more (got '8')"),
+        ({"capture_max_mb": float("nan")}, "capture_max_mb must be a finite number, 0 or more"),
     ],
 )
 def test_an_option_of_the_wrong_kind_is_refused(
