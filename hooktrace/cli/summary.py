@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,7 @@ def render(s: Summary) -> str:
         f"python {s.versions['python']}",
     ]
     if s.command:
-        lines.append(f"command   {' '.join(s.command)}")
+        lines.append(f"command   {shlex.join(s.command)}")  # as a shell would take it again
     lines += [
         f"ranks     {', '.join(map(str, s.ranks)) or 'none'}"
         + (f" (data-parallel {s.data_parallel})" if s.data_parallel is not None else ""),

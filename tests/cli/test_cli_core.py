@@ -338,3 +338,14 @@ def test_a_damaged_histograms_part_is_not_called_missing(tmp_path: Path) -> None
     replay = invoke("replay", str(run), "--step", "3")
     assert replay.returncode == 1
     assert replay.stderr.count("left out histograms/rank=0/part-000000.parquet") == 1
+
+
+def test_summary_quotes_the_command_as_a_shell_would_take_it(tmp_path: Path) -> None:
+    """A path with a space reads as one argument (found in review: it read as two)."""
+    model = nn.Linear(2, 2)
+    run = tmp_path / "run"
+    with hooktrace.record(model, run, command=["python", "my train.py", "--lr", "0.1"]) as rec:
+        model(torch.ones(1, 2)).sum().backward()
+        rec.step()
+    summary = CliRunner().invoke(cli, ["summary", str(run)])
+    assert "\ncommand   python 'my train.py' --lr 0.1\n" in summary.stdout, summary.output
