@@ -44,7 +44,7 @@ def _steps_line(s: Summary, span: str) -> str:
     if not s.steps and s.written_steps:  # all readable, and holding nothing
         from hooktrace.trace.check import nothing_recorded
 
-        return "steps     " + nothing_recorded({"config": s.config}, s.written_steps, s.modules)
+        return "steps     " + nothing_recorded(s.config, s.written_steps, s.modules)
     return (
         f"steps     {s.steps} {'trained' if s.micro_steps else 'recorded'} (steps {span}), "
         f"{s.micro_steps} micro-steps, {s.skipped_steps} skipped" + _evaluation_only(s)

@@ -85,15 +85,16 @@ def check(run: str | os.PathLike[str] | Trace) -> CheckReport:
     written = int(table["step"].nunique()) if not table.empty else 0
     if written and not seen.records and not trace.skipped:
         selected = int(modules["module"].nunique()) if not modules.empty else 0
-        report.notes.append(nothing_recorded(trace.manifest, written, selected))
+        config = trace.manifest.get("config") or {}
+        report.notes.append(nothing_recorded(config, written, selected))
     return report
 
 
-def nothing_recorded(manifest: dict[str, Any], written: int, modules: int) -> str:
+def nothing_recorded(config: dict[str, Any], written: int, modules: int) -> str:
     """Why a trace whose ``written`` steps are all readable holds no record, given the
-    number of ``modules`` it selected (its modules table): what ``summary`` and ``check``
-    say, where a trace without records would read as damaged."""
-    config = manifest.get("config") or {}
+    recording's options (its manifest's ``config``) and the number of ``modules`` it selected
+    (its modules table): what ``summary`` and ``check`` say, where a trace without records
+    would read as damaged."""
     chosen = "; ".join(
         f"{o} {config[o]!r}" for o in ("modules", "exclude") if config.get(o) is not None
     )

@@ -444,15 +444,21 @@ def test_bad_options_fail_before_the_script_starts(
 def test_bad_options_fail_before_torch_is_imported(tmp_path: Path) -> None:
     """A mistyped option is answered at once, not after the seconds torch takes to load."""
     script = _script(tmp_path, "")
+    done = _exit_and_torch("--steps", "9-2", str(script))
+    assert done.stdout.split() == ["2", "False"], done.stderr
+
+
+def _exit_and_torch(*args: str) -> subprocess.CompletedProcess[str]:
+    """``hooktrace record ARGS`` in a fresh interpreter, which prints its exit code and
+    whether torch was imported by then."""
     probe = (
         "import sys; from hooktrace.cli import main\n"
         "try:\n"
-        f"    main(['record', '--steps', '9-2', {str(script)!r}])\n"
+        f"    main(['record', *{list(args)!r}])\n"
         "except SystemExit as exc:\n"
         "    print(exc.code, 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert done.stdout.split() == ["2", "False"], done.stderr
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
 
 
 def test_a_flag_or_size_of_the_wrong_kind_in_the_config_fails_before_torch(
@@ -468,14 +474,7 @@ def test_a_flag_or_size_of_the_wrong_kind_in_the_config_fails_before_torch(
     ]:
         config = tmp_path / "hooktrace.toml"
         config.write_text(line + "\n")
-        probe = (
-            "import sys; from hooktrace.cli import main\n"
-            "try:\n"
-            f"    main(['record', '--config', {str(config)!r}, {str(script)!r}])\n"
-            "except SystemExit as exc:\n"
-            "    print(exc.code, 'torch' in sys.modules)\n"
-        )
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        done = _exit_and_torch("--config", str(config), str(script))
         assert done.stdout.split() == ["2", "False"], done.stderr
         assert said in done.stderr
 

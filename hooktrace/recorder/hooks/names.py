@@ -240,25 +240,29 @@ def name_roots(models: Models) -> dict[str, nn.Module]:
                 f"strings (got {sorted(map(repr, roots))})"
             )
     elif isinstance(models, (str, bytes)) or not isinstance(models, Iterable):
-        roots = {"": models}  # refused below, by its type
+        raise _not_models(f"not {type(models).__name__}")
     else:
         roots = {}
         for model in models:
             if not isinstance(model, nn.Module):
-                roots = {"": model}
-                break
+                raise _not_models(f"not {type(model).__name__}")
             base = user_class(unwrap(model)[0]).__name__
             name, n = base, 1
             while name in roots:
                 name, n = f"{base}#{n}", n + 1
             roots[name] = model
     wrong = next((m for m in roots.values() if not isinstance(m, nn.Module)), None)
-    if not roots or wrong is not None:
-        got = f", not {type(wrong).__name__}" if wrong is not None else ", not an empty one"
-        raise ConfigError(
-            f"record() takes an nn.Module, a dict of them by name, or a list of them{got}"
-        )
+    if wrong is not None:
+        raise _not_models(f"not {type(wrong).__name__}")
+    if not roots:
+        raise _not_models("not an empty one")
     return roots
+
+
+def _not_models(got: str) -> ConfigError:
+    return ConfigError(
+        f"record() takes an nn.Module, a dict of them by name, or a list of them, {got}"
+    )
 
 
 def user_class(module: nn.Module) -> type:
