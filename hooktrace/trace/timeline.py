@@ -134,7 +134,11 @@ def timeline(
     the last). Raises :class:`TensorNotRecorded` naming the steps that exist.
     """
     for name, value in (("step", step), ("rank", rank)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != int(value):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, numbers.Real)
+            or not float(value).is_integer()
+        ):
             raise TraceError(f"timeline() takes the {name} as a whole number (got {value!r})")
     rows = trace.query(columns=_READ, steps=[int(step)], ranks=[int(rank)])
     if rows.empty:

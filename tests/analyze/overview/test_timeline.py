@@ -328,7 +328,9 @@ def test_the_timeline_needs_no_torch(run_dir: Path) -> None:
     assert "forward, micro-step 0 (train)" in result.stdout
 
 
-@pytest.mark.parametrize(("step", "rank"), [("x", 0), ("3", 0), (3, "0"), (True, 0), (2.5, 0)])
+@pytest.mark.parametrize(
+    ("step", "rank"), [("x", 0), ("3", 0), (3, "0"), (True, 0), (2.5, 0), (float("inf"), 0)]
+)
 def test_a_step_or_rank_that_is_not_a_number_is_told_so(step: object, rank: object) -> None:
     """Found in review: ``timeline("x")`` was a ValueError of int()'s."""
     trace = hooktrace.load(SAMPLES / "healthy")
