@@ -424,6 +424,8 @@ def test_signals_finalize_the_trace_then_end_the_process_as_usual(
         (["--max-tensor-mb", "inf"], "max_tensor_mb must be a finite number"),  # was internal
         (["-o", "a_file/run"], "cannot create"),  # each was two lines: "recording ... into"
         (["-o", "a_trace"], "already holds a trace"),
+        (["-o", "."], "holds other files (a_file, a_trace, train.py) and no trace"),  # was
+        # written in among the user's files
     ],
 )
 def test_bad_options_fail_before_the_script_starts(

@@ -23,13 +23,24 @@ from hooktrace.trace.captures import CAPTURES_DIR
 from hooktrace.trace.histograms import HISTOGRAMS_DIR
 
 _RANK_DIRS = (schema.RECORDS_DIR, schema.STEPS_DIR, schema.MODULES_DIR, schema.TENSORS_DIR)
+_TRACE_ENTRIES = frozenset(
+    (*_RANK_DIRS, CAPTURES_DIR, HISTOGRAMS_DIR, schema.STATUS_DIR, schema.MANIFEST)
+)
 
 
 def prepare_out(out: Path, *, rank: int, overwrite: bool) -> None:
-    """Make ``out`` ready for this rank's trace; refuse a file, or a trace already there
-    unless ``overwrite``."""
+    """Make ``out`` ready for this rank's trace; refuse a file, a directory of other files
+    (a trace would be written in among them), or a trace already there unless
+    ``overwrite``."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out} is a file: give a directory for the trace")
+    others = _other_files(out)
+    if others:
+        listed = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise ConfigError(
+            f"{out} holds other files ({listed}) and no trace: give a new or empty directory "
+            "for the trace"
+        )
     if (out / schema.MANIFEST).exists() and rank == 0 and not overwrite:
         raise ConfigError(
             f"{out} already holds a trace: choose another output directory, delete it, or "
@@ -43,6 +54,17 @@ def prepare_out(out: Path, *, rank: int, overwrite: bool) -> None:
         raise ConfigError(
             f"cannot create {out}: {exc.strerror}; choose a writable directory"
         ) from exc
+
+
+def _other_files(out: Path) -> list[str]:
+    """The names in ``out`` that no recording writes, sorted, where it holds none that one
+    does: a directory of the user's own. Hidden names (``.gitkeep``) do not count, nor does
+    a directory holding any part of a trace (another rank's, being written now)."""
+    try:
+        names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    except OSError:  # missing, or unreadable: mkdir below says what is wrong
+        return []
+    return [] if _TRACE_ENTRIES.intersection(names) else names
 
 
 def clear_trace(out: Path, *, rank: int, world_size: int) -> None:

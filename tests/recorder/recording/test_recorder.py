@@ -448,6 +448,24 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         hooktrace.record(model, tmp_path / "file")
+    with pytest.raises(ConfigError, match=r"holds other files \(b, file\) and no trace"):
+        hooktrace.record(model, tmp_path)  # was written in among them, overwrite or not
+    with pytest.raises(ConfigError, match="holds other files"):
+        hooktrace.record(model, tmp_path, overwrite=True)
+    (tmp_path / "c" / "d").mkdir(parents=True)
+    (tmp_path / "c" / ".gitkeep").write_text("")
+    for name in ("notes.txt", "x", "y"):
+        (tmp_path / "c" / name).write_text("x")
+    with pytest.raises(ConfigError, match=r"holds other files \(d, notes.txt, x, \.\.\.\)"):
+        hooktrace.record(model, tmp_path / "c")
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / ".gitkeep").write_text("")
+    with hooktrace.record(model, tmp_path / "e"):  # hidden names are not the user's files
+        pass
+    (tmp_path / "b" / "notes.txt").write_text("x")
+    with hooktrace.record(model, tmp_path / "b", overwrite=True):  # a trace, notes beside it
+        pass
+    assert (tmp_path / "b" / "notes.txt").exists()
     assert _hooks_left(model) == []
 
 
