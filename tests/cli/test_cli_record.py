@@ -583,6 +583,18 @@ def test_torchrun_two_ranks_write_one_run(tmp_path: Path) -> None:
         .unstack()
     )
     assert (outputs[0] != outputs[1]).any()
+    # again, without --overwrite: every rank refuses (rank 1 wrote over its earlier parts,
+    # then waited for rank 0 until torchrun killed it, and the trace read "incomplete")
+    again = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "hooktrace", "record", "-o", str(run), str(script)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert again.returncode != 0
+    refused = [line for line in again.stderr.splitlines() if "already holds a trace" in line]
+    assert len(refused) == 2, again.stderr[-3000:]
+    kept = hooktrace.load(run)
+    assert kept.status == "complete" and len(kept.records) == len(records)
 
 
 def test_a_compiled_model_is_recorded_inside(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ before the first hook, and what a rank may remove under torchrun is a question o
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -41,7 +42,7 @@ def prepare_out(out: Path, *, rank: int, overwrite: bool) -> None:
             f"{out} holds other files ({listed}) and no trace: give a new or empty directory "
             "for the trace"
         )
-    if (out / schema.MANIFEST).exists() and rank == 0 and not overwrite:
+    if not overwrite and _earlier_trace(out, rank):
         raise ConfigError(
             f"{out} already holds a trace: choose another output directory, delete it, or "
             "overwrite it (hooktrace record --overwrite; overwrite=True in Python)"
@@ -54,6 +55,40 @@ def prepare_out(out: Path, *, rank: int, overwrite: bool) -> None:
         raise ConfigError(
             f"cannot create {out}: {exc.strerror}; choose a writable directory"
         ) from exc
+
+
+def _earlier_trace(out: Path, rank: int) -> bool:
+    """Whether ``out`` holds a trace an earlier run wrote, as this rank sees it. Rank 0 writes
+    the manifest, so any manifest is an earlier one; another rank may find this run's, just
+    written by rank 0, and goes by what only an earlier run can have left: its own status,
+    or a manifest older than this process (a run of fewer ranks). Each rank refuses by
+    itself: rank 0 alone refusing left the others to write over the earlier trace's parts."""
+    manifest = out / schema.MANIFEST
+    if rank == 0:
+        return manifest.exists()
+    if (out / schema.STATUS_DIR / f"rank={rank}.json").exists():
+        return True
+    try:
+        written = json.loads(manifest.read_text())["start_time"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # none yet, or rank 0 is writing it
+    started = _process_start()
+    return started is not None and isinstance(written, (int, float)) and written < started
+
+
+def _process_start() -> float | None:
+    """When this process started (seconds since the epoch), where the system says."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rpartition(")")[2].split()
+        ticks = int(fields[19])  # starttime: field 22, in clock ticks after boot
+        boot = next(
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _other_files(out: Path) -> list[str]:

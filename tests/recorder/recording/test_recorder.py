@@ -9,6 +9,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import hooktrace
 from hooktrace.errors import ConfigError, RecordingError
+from hooktrace.recorder.recording import rundir
 from hooktrace.recorder.records.layout import Meta
 
 KEY = ["rank", "step", "micro_step", "phase", "module", "call", "kind", "slot"]
@@ -467,6 +469,28 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
         pass
     assert (tmp_path / "b" / "notes.txt").exists()
     assert _hooks_left(model) == []
+
+
+def test_every_rank_refuses_a_trace_an_earlier_run_left(tmp_path: Path) -> None:
+    """Rank 0 refuses any manifest; another rank may find the one rank 0 of its own run has
+    just written, and refuses only what an earlier run left: its own status, or a manifest
+    older than its process."""
+    out = tmp_path / "run"
+    (out / "status").mkdir(parents=True)
+    manifest = out / "manifest.json"
+    manifest.write_text(json.dumps({"start_time": time.time()}))  # this run's rank 0's
+    rundir.prepare_out(out, rank=1, overwrite=False)
+    with pytest.raises(ConfigError, match="already holds a trace"):
+        rundir.prepare_out(out, rank=0, overwrite=False)
+    manifest.write_text(json.dumps({"start_time": time.time() - 3600}))  # a run of one rank
+    with pytest.raises(ConfigError, match="already holds a trace"):
+        rundir.prepare_out(out, rank=1, overwrite=False)
+    manifest.write_text(json.dumps({"start_time": time.time()}))
+    (out / "status" / "rank=1.json").write_text("{}")  # rank 1 of an earlier run of two
+    with pytest.raises(ConfigError, match="already holds a trace"):
+        rundir.prepare_out(out, rank=1, overwrite=False)
+    rundir.prepare_out(out, rank=1, overwrite=True)
+    assert not (out / "status" / "rank=1.json").exists() and manifest.exists()
 
 
 @pytest.mark.parametrize(
