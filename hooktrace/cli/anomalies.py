@@ -14,6 +14,7 @@ from hooktrace.cli.common import (
     library_errors,
     output_options,
     per_rank_option,
+    require_steps,
     run_argument,
 )
 
@@ -131,6 +132,7 @@ def anomalies(
     """
     from hooktrace.analyze.checks.anomalies import anomalies as find
 
+    require_steps(run, steps)
     result = find(
         run,
         steps=steps,

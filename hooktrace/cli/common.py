@@ -91,6 +91,33 @@ def library_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def require_steps(run: Path, steps: str | None) -> None:
+    """Refuse ``--steps`` that selects none of ``run``'s recorded steps, naming those it holds:
+    an answer about no steps read as a clean one ("no anomalies", exit 0: a CI guard with
+    --fail passed on a mistyped range). Damaged parts are left for the command to report."""
+    if steps is None:
+        return
+    from hooktrace.analyze.findings import step_filter
+    from hooktrace.trace.reader import load
+
+    chosen = step_filter(steps)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", TraceWarning)
+        recorded = load(run).steps
+    if recorded.empty or chosen is None:
+        return
+    numbers = recorded["step"]
+    if isinstance(chosen, tuple):
+        selected = bool(((numbers >= chosen[0]) & (numbers <= chosen[1])).any())
+    else:
+        selected = bool(numbers.isin(chosen).any())
+    if not selected:
+        raise CommandError(
+            f"--steps {steps} selects no recorded step: {run} holds steps "
+            f"{numbers.min()}–{numbers.max()}"
+        )
+
+
 def _damaged(caught: list[warnings.WarningMessage]) -> bool:
     """Whether the reader left a damaged part of a trace out (its only warnings)."""
     return any(issubclass(w.category, TraceWarning) for w in caught)

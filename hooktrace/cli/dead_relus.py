@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING
 import click
 
 from hooktrace.cli.anomalies import fail_option, steps_option
-from hooktrace.cli.common import emit_frame, library_errors, listed, output_options, run_argument
+from hooktrace.cli.common import (
+    emit_frame,
+    library_errors,
+    listed,
+    output_options,
+    require_steps,
+    run_argument,
+)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -90,6 +97,8 @@ def dead_relus(
       hooktrace dead-relus runs/cnn --fail --layer-threshold 0.5
     """
     from hooktrace.analyze.checks.dead_units import dead_relus as find
+
+    require_steps(run, steps)
 
     result = find(
         run,

@@ -7,7 +7,13 @@ from pathlib import Path
 import click
 
 from hooktrace.cli.anomalies import steps_option
-from hooktrace.cli.common import library_errors, listed, per_rank_option, run_argument
+from hooktrace.cli.common import (
+    library_errors,
+    listed,
+    per_rank_option,
+    require_steps,
+    run_argument,
+)
 from hooktrace.cli.progress import ProgressBar
 
 # hooktrace.analyze.export.tensorboard.STATS, repeated so that `hooktrace --help` needs no pandas
@@ -86,6 +92,7 @@ def tensorboard_command(
     """
     from hooktrace.analyze.export.tensorboard import export_tensorboard
 
+    require_steps(run, steps)
     with ProgressBar("exporting", quiet=quiet) as progress:
         result = export_tensorboard(
             run,

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from hooktrace.cli.anomalies import steps_option
-from hooktrace.cli.common import CommandError, library_errors, run_argument
+from hooktrace.cli.common import CommandError, library_errors, require_steps, run_argument
 from hooktrace.cli.progress import ProgressBar
 
 # hooktrace.analyze.plots.plots.WHAT, repeated so that `hooktrace --help` needs no pandas
@@ -98,6 +98,7 @@ def plot(
         raise CommandError(f"--kinds chooses the records of --what histograms, not of {what}")
     if against is not None and what != "diff":
         raise CommandError(f"--against draws the diff picture, not {what}: leave out --what")
+    require_steps(run, steps)
     with ProgressBar(f"drawing {what}", quiet=quiet) as progress:
         draw(
             run,

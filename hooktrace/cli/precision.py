@@ -14,6 +14,7 @@ from hooktrace.cli.common import (
     library_errors,
     output_options,
     per_rank_option,
+    require_steps,
     run_argument,
 )
 
@@ -71,6 +72,7 @@ def precision(
     if unknown or chosen == []:
         what = f"unknown kind(s) {', '.join(unknown)}" if unknown else "no kind named"
         raise CommandError(f"--kinds {kinds!r}: {what}; choose from {', '.join(schema.KINDS)}")
+    require_steps(run, steps)
     table = measure(trace, steps=steps, modules=modules, kinds=chosen, per_rank=per_rank)
     emit_frame(table, fmt, output, table_text=render(run, table))
 

@@ -165,6 +165,11 @@ def record(
         args = args[1:]
     settings = _settings(config_file, given)
     if not Path(script).exists():
+        if script.startswith("-"):  # an option click did not know, taken for the script
+            raise CommandError(
+                f"no such option: {script} (hooktrace record --help lists them; the script's "
+                "own options go after the script)"
+            )
         raise CommandError(f"{script}: no such script; give the path of a Python training script")
     if not Path(script).is_file():
         raise CommandError(f"{script} is not a file; give the path of a Python training script")
@@ -185,6 +190,9 @@ def record(
         StepSelection(options.get("steps"), every=options.get("every", 1))
         StepSelection(options.get("full_steps"), every=options.get("full_every") or 1)
         for key in ("modules", "exclude", "full_modules"):
+            typed = settings.get(key)
+            for pattern in [typed] if isinstance(typed, str) else list(typed or ()):
+                module_matcher(pattern, default=True)  # a bad one named as it was typed
             module_matcher(options.get(key), default=True)
         histogram_kinds(options.get("histograms"))
     except HooktraceError as exc:
@@ -331,9 +339,14 @@ def _report(out: Path) -> None:
             others = len(steps) - trained
             counted += f" and {others} of evaluation only" if others > 1 else " and an evaluation"
         records = int(steps["records"].sum()) if len(steps) else 0
+        why = ""
+        if not records and status == "complete":
+            why = f" ({_why_empty(trace)})"
+        elif not records and status == "incomplete":  # (a failed script showed its own error)
+            error = trace.manifest["ranks"].get(str(rank), {}).get("error")
+            why = f": {error}" if error else ""
         click.echo(
-            f"hooktrace: {who}{status}: {counted}, {_many(records, 'record')} in {out}"
-            + ("" if records or status != "complete" else f" ({_why_empty(trace)})"),
+            f"hooktrace: {who}{status}: {counted}, {_many(records, 'record')} in {out}{why}",
             err=True,
         )
         routes = {

@@ -76,6 +76,33 @@ def test_anomalies_fail_exit_codes(runs: dict[str, Path]) -> None:
     assert before.exit_code == 0 and before.output.startswith("no anomalies")
 
 
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["anomalies", "--fail"],
+        ["dead-relus", "--fail"],
+        ["precision"],
+        ["plot", "--output", "{tmp}/p.png"],
+        ["export", "tensorboard", "{run}", "{tmp}/tb"],
+    ],
+)
+def test_steps_that_select_no_recorded_step_are_an_error(
+    runs: dict[str, Path], tmp_path: Path, command: list[str]
+) -> None:
+    """A mistyped range was answered about no steps: "no anomalies", exit 0, which a CI guard
+    with --fail took for a healthy run (diff and hist said so already)."""
+    run = runs["healthy"]
+    args = [a.format(tmp=tmp_path, run=run) for a in command]
+    if "{run}" not in command:
+        args.insert(1, str(run))
+    result = invoke(*args, "--steps", "500-600")
+    assert result.exit_code == 2, result.output
+    assert result.output == (
+        f"hooktrace: error: --steps 500-600 selects no recorded step: {run} holds steps 0–29\n"
+    )
+    assert not (tmp_path / "p.png").exists() and not (tmp_path / "tb").exists()
+
+
 def test_anomalies_formats(runs: dict[str, Path], tmp_path: Path) -> None:
     expected = hooktrace.anomalies(runs["nan"]).findings
     csv = pd.read_csv(io.StringIO(invoke("anomalies", runs["nan"], "--format", "csv").output))

@@ -302,6 +302,32 @@ def test_the_closing_report_says_why_a_run_holds_no_record(tmp_path: Path) -> No
     assert "records   0\n" in summary.stdout  # no colon with nothing after it
 
 
+def test_the_closing_report_says_where_a_model_called_only_when_compiled_is(
+    tmp_path: Path,
+) -> None:
+    """A model called only inside a compiled function is not found by its calls: the run
+    said "incomplete: 0 steps, 0 records" and no more (the reason was in summary alone)."""
+    body = """
+    @torch.compile(backend="eager")
+    def loss_of(x, y):
+        return criterion(model(x), y)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(2):
+        loss_of(*batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    run = tmp_path / "run"
+    result = _record("-o", str(run), str(_script(tmp_path, body)))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"hooktrace: incomplete: 0 steps, 0 records in {run}: an optimizer stepped 2 time(s), "
+        "but no recorded model holds its parameters: nothing was recorded (hooktrace record "
+        "finds a model by its calls outside compiled code: one called only inside a "
+        "torch.compile'd function is recorded by hooktrace.record(model, out) in the script)"
+    )
+
+
 def test_check_counts_steps_in_words_that_read(tmp_path: Path) -> None:
     """One step is "1 step", and a rank that failed before its first step says so."""
     body = """
@@ -418,7 +444,10 @@ def test_signals_finalize_the_trace_then_end_the_process_as_usual(
     [
         (["--every", "0"], "--every"),
         (["--steps", "9-2"], "bad step range"),
-        (["--modules", "("], "bad module pattern"),
+        (["--modules", "fc", "--modules", "("], "bad module pattern '(': missing )"),  # was
+        # named as the pattern the options were joined into, '(?:()'
+        (["--bogus"], "no such option: --bogus (hooktrace record --help"),  # was "no such
+        # script"
         (["--compression", "zip"], "--compression"),
         (["--config", "missing.toml"], "cannot read --config"),
         (["--max-tensor-mb", "inf"], "max_tensor_mb must be a finite number"),  # was internal

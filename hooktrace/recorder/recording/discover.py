@@ -32,6 +32,12 @@ from hooktrace.recorder.recording.recorder import Recorder
 class ScriptRecorder(Recorder):
     """A recorder with no models given: it finds them, and their steps, as the script runs."""
 
+    _unrecorded_hint = (
+        " (hooktrace record finds a model by its calls outside compiled code: one called only "
+        "inside a torch.compile'd function is recorded by hooktrace.record(model, out) in the "
+        "script)"
+    )
+
     def __init__(self, out: str, **options: Any) -> None:
         self._depth = 0
         self._primary: str | None = None

@@ -280,6 +280,9 @@ class Recorder(Steps):
             self._outside_forwards()
             self._end_step(skipped=skipped)
 
+    _unrecorded_hint = ""
+    """Said after "nothing was recorded": where the models may be that the recording missed."""
+
     def close(self, *, status: str = schema.STATUS_COMPLETE, error: str | None = None) -> None:
         """Flush what was recorded, remove every hook and finish the trace. Idempotent."""
         global _ACTIVE
@@ -304,7 +307,7 @@ class Recorder(Steps):
                 status = schema.STATUS_INCOMPLETE
                 error = error or (
                     f"an optimizer stepped {self._unrecorded} time(s), but no recorded model "
-                    "holds its parameters: nothing was recorded"
+                    f"holds its parameters: nothing was recorded{self._unrecorded_hint}"
                 )
             extra = {
                 **(_route_taken() or {}),
