@@ -439,6 +439,76 @@ def test_signals_finalize_the_trace_then_end_the_process_as_usual(
     assert len(trace.steps) > 0
 
 
+BLOCKED = """
+import datetime
+import torch.distributed as dist
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(3):
+    x, y = batch(i)
+    criterion(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=300))
+print("BLOCKED", flush=True)
+store.get("never set")  # waits in C++, as a rendezvous or a collective with a dead peer does
+"""
+
+
+def test_sigterm_inside_a_call_that_does_not_return_still_ends_the_process(
+    tmp_path: Path,
+) -> None:
+    """Unrecorded, SIGTERM ends a process blocked in C++ at once; recorded, the handler that
+    finishes the trace waited for the main thread to come back to Python, which it never did:
+    torchrun's SIGKILL came 30 s later, and the trace was left unfinished."""
+    script = _script(tmp_path, BLOCKED)
+    outcomes = []
+    for recorded in (False, True):
+        command = [sys.executable, str(script)]
+        if recorded:
+            command = [sys.executable, "-m", "hooktrace", "record", "-q", "-o",
+                       str(tmp_path / "run"), str(script)]  # fmt: skip
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "BLOCKED"
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=120)  # (unfixed: blocked for the store's 300 s)
+        outcomes.append(proc.returncode)
+    assert outcomes == [-signal.SIGTERM, -signal.SIGTERM]
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.status == "incomplete"
+    assert trace.manifest["ranks"]["0"]["error"] == "terminated by SIGTERM"
+    assert list(trace.steps["step"]) == [0, 1, 2]
+
+
+FORKS = """
+import multiprocessing, time
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(4):
+    if i == 2:  # a worker forked mid-run, and ended as DataLoader ends its workers
+        worker = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+        worker.start()
+        time.sleep(0.5)
+        worker.terminate()
+        worker.join()
+        print("worker", worker.exitcode, flush=True)
+        time.sleep(2)  # longer than the watch waits for the main thread
+    x, y = batch(i)
+    criterion(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+print("done")
+"""
+
+
+def test_a_forked_worker_ended_by_sigterm_leaves_the_recording_alone(tmp_path: Path) -> None:
+    """A forked child's SIGTERM must not reach the recording process's own watch."""
+    result = _record("-q", "-o", str(tmp_path / "run"), str(_script(tmp_path, FORKS)))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["worker", str(-signal.SIGTERM), "done"]
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.status == "complete" and list(trace.steps["step"]) == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

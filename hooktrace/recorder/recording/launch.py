@@ -8,11 +8,15 @@ SIGTERM finalize the trace, then end the process as they would have without hook
 from __future__ import annotations
 
 import builtins
+import contextlib
+import ctypes
 import importlib.machinery
 import io
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -54,17 +58,28 @@ def run_script(
 
     recording_pid = os.getpid()
 
+    finishing = threading.Lock()  # the main thread's or the watch's, whichever comes first
+
+    def finish_terminated() -> None:
+        with finishing:
+            recorder.close(status=schema.STATUS_INCOMPLETE, error="terminated by SIGTERM")
+
+    watch: _SigtermWatch | None = None
+
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         if os.getpid() != recording_pid:
             # a process forked from the script (a DataLoader or pool worker) inherited this
             # handler: it dies of the signal, as it would have unrecorded
             _die_by(signal.SIGTERM, signal.SIG_DFL)
             return
+        if watch is not None:
+            watch.handling.set()
         # only raise: finishing the trace here could wait on a lock the interrupted code holds
         raise Terminated()
 
     if previous_term in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, on_sigterm)
+        watch = _SigtermWatch.start(finish_terminated)
     try:
         _run_as_main(path)
     except SystemExit as exc:
@@ -77,7 +92,7 @@ def run_script(
             print(exc.code, file=sys.stderr)  # sys.exit("message") prints the message
         return code
     except Terminated:
-        recorder.close(status=schema.STATUS_INCOMPLETE, error="terminated by SIGTERM")
+        finish_terminated()
         _die_by(signal.SIGTERM, signal.SIG_DFL)
         return 128 + signal.SIGTERM  # not reached
     except KeyboardInterrupt as exc:
@@ -90,10 +105,128 @@ def run_script(
         _print_script_traceback(exc, path)
         return 1
     finally:
+        if watch is not None:
+            watch.stop()
         if signal.getsignal(signal.SIGTERM) is on_sigterm:
             signal.signal(signal.SIGTERM, previous_term or signal.SIG_DFL)
     recorder.close()
     return 0
+
+
+class _SigtermWatch:
+    """SIGTERM while the script is inside a call that does not come back to Python.
+
+    Unrecorded, SIGTERM ends the process at once, wherever its main thread is. Recorded, it
+    raises :class:`Terminated` from a Python handler, which runs only once the main thread is
+    back in the interpreter: a script blocked in a rendezvous, or in a collective waiting for
+    a dead peer, ignored the SIGTERM torchrun sends until its SIGKILL came 30 s later, and the
+    trace was never finished. Python's own signal handler writes the signal's number to the
+    wakeup fd at once, whichever thread it interrupts: this watch's thread reads it, and where
+    the main thread has not begun to handle it within :data:`GRACE_S`, finishes the trace
+    itself (at most :data:`FINISH_S`) and ends the process by the signal.
+
+    The wakeup fd is one per process: a script (or a library, asyncio's signal handlers)
+    that sets its own takes it over, and SIGTERM then waits for the main thread as before; one
+    set before the recording is left alone, and no watch starts. A forked child forgets the
+    watch (:func:`_forget_in_child`): its signals are its own."""
+
+    GRACE_S = 1.0
+    FINISH_S = 10.0
+
+    def __init__(self, finish: Callable[[], object]) -> None:
+        self.handling = threading.Event()  # set by the main thread's handler as it starts
+        self._finish = finish
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # (as set_wakeup_fd requires)
+        self._thread = threading.Thread(target=self._watch, name="hooktrace-sigterm", daemon=True)
+
+    @classmethod
+    def start(cls, finish: Callable[[], object]) -> _SigtermWatch | None:
+        """A watch calling ``finish`` before the process dies of a SIGTERM its main thread did
+        not handle, or None where the wakeup fd is taken (or this is not the main thread)."""
+        global _watching, _forgets_in_children
+        watch = cls(finish)
+        try:
+            earlier: int | None = signal.set_wakeup_fd(watch._write, warn_on_full_buffer=False)
+        except ValueError:
+            earlier = None
+        if earlier != -1:
+            if earlier is not None:
+                signal.set_wakeup_fd(earlier)
+            watch._close()
+            return None
+        if not _forgets_in_children:
+            os.register_at_fork(after_in_child=_forget_in_child)
+            _forgets_in_children = True
+        _watching = watch
+        watch._thread.start()
+        return watch
+
+    def stop(self) -> None:
+        """Give the wakeup fd back (unless the script has set its own since) and end the thread."""
+        global _watching
+        _watching = None
+        current = signal.set_wakeup_fd(-1)
+        if current != self._write:  # the script's own, set since: it stays
+            signal.set_wakeup_fd(current)
+        os.close(self._write)  # the thread reads the end of the pipe, and ends
+        self._thread.join(timeout=self.GRACE_S + self.FINISH_S)
+        if not self._thread.is_alive():
+            os.close(self._read)
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                signals = os.read(self._read, 64)
+            except OSError:
+                return
+            if not signals:  # stopped
+                return
+            if int(signal.SIGTERM) not in signals:
+                continue
+            if self.handling.wait(self.GRACE_S):  # the main thread took it
+                self.handling.clear()
+                continue
+            finishing = threading.Thread(target=self._finish, daemon=True)
+            finishing.start()
+            finishing.join(self.FINISH_S)
+            _die_from_thread(signal.SIGTERM)
+
+    def _close(self) -> None:
+        os.close(self._read)
+        os.close(self._write)
+
+
+_watching: _SigtermWatch | None = None
+_forgets_in_children = False
+
+
+def _forget_in_child() -> None:
+    """In a child forked while a watch ran: no watch (its thread is not there), and its
+    signals are not written into the parent's pipe, where the parent's watch would take a
+    SIGTERM meant for a DataLoader worker for its own."""
+    global _watching
+    watch, _watching = _watching, None
+    if watch is None:
+        return
+    with contextlib.suppress(ValueError):
+        current = signal.set_wakeup_fd(-1)
+        if current != watch._write:  # the script's own, set since: it stays
+            signal.set_wakeup_fd(current)
+    watch._close()
+
+
+def _die_from_thread(signum: signal.Signals) -> None:
+    """End the process by ``signum`` from a thread other than the main one, as the signal
+    would have unrecorded: ``signal.signal`` refuses such a thread, and the C library's
+    ``signal`` puts the default back for the whole process."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal(int(signum), None)  # SIG_DFL
+    os.kill(os.getpid(), signum)
+    time.sleep(1.0)  # it is delivered at once; should it not be:
+    os._exit(128 + int(signum))
 
 
 def _run_as_main(script: str) -> None:
