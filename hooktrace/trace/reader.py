@@ -510,7 +510,10 @@ class Trace:
         micro_step: int | None = None,
         phase: str | None = None,
     ) -> pd.Series:
-        """The single record that matches; raises TensorNotRecorded, saying what exists."""
+        """The single record that matches, as ``rank`` wrote it; raises TensorNotRecorded,
+        saying what exists. Of a sharded tensor (FSDP2, tensor parallel), the rank's own
+        shard: its ``logical_shape``, ``placements`` and ``shard_offset`` say where it lies in
+        the whole, and :meth:`query` merges the ranks' shards into logical records."""
         rows = self.query(steps=[step], modules=[module], kinds=[kind], ranks=[rank])
         match = rows[(rows["slot"].astype(str) == slot) & (rows["call"] == call)]
         if micro_step is not None:
@@ -536,7 +539,9 @@ class Trace:
         micro_step: int | None = None,
         phase: str | None = None,
     ) -> np.ndarray:
-        """A saved full tensor, dtype kept exactly (bfloat16 as ``ml_dtypes.bfloat16``)."""
+        """A saved full tensor, dtype kept exactly (bfloat16 as ``ml_dtypes.bfloat16``), as
+        ``rank`` saved it: of a sharded tensor, that rank's shard (:meth:`record` says where
+        it lies)."""
         row = self.record(
             module,
             kind,
@@ -716,6 +721,8 @@ class Trace:
         self._leave_out(part, why)
 
     def _what_exists(self, module: str, kind: str, rank: int) -> str:
+        if rank not in self.ranks:
+            return f"the trace has no rank {rank} (ranks: {', '.join(map(str, self.ranks))})"
         rows = self.query(
             columns=["step", "module", "kind", "slot"], modules=[module], ranks=[rank]
         )

@@ -207,3 +207,15 @@ def test_a_trace_from_before_shards_reads_them_as_whole_tensors(older: Path) -> 
         "SELECT count(*) AS n, count(DISTINCT logical_shape || placements) AS kinds FROM records"
     )
     assert counted["n"].iloc[0] == trace.record_count and counted["kinds"].iloc[0] == 1
+
+
+def test_a_ranks_record_is_its_own_shard_and_a_missing_rank_is_named() -> None:
+    """Trace.record (and tensor) of a sharded run answer one rank's shard, which says where it
+    lies; a rank the run lacks was said to be a missing module ("modules include: ")."""
+    trace = hooktrace.load(SAMPLES / "distributed" / "fsdp2")
+    shard = trace.record("fc1", "param", step=0, slot="weight", rank=1)
+    assert (shard["logical_shape"], shard["shard_offset"]) == ("32,16", "16,0")
+    whole = trace.query(steps=[0], modules=["fc1"], kinds=["param"])
+    assert whole.set_index("slot").loc["weight", "shape"] == "32,16"  # the ranks' shards merged
+    with pytest.raises(hooktrace.TensorNotRecorded, match=r"no rank 2 \(ranks: 0, 1\)"):
+        trace.tensor("fc1", "param", step=0, slot="weight", rank=2)
