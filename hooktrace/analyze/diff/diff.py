@@ -15,6 +15,7 @@ as the CLI does.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 import os
@@ -258,8 +259,11 @@ def diff(
             "writes them all)"
         )
     table = pd.concat([empty, *kept], ignore_index=True).astype(TABLE_DTYPES)
+    first = acc.first
+    if first is not None and logical:  # its rank is the lowest of those pooled into it
+        first = dataclasses.replace(first, pooled=True)
     return DiffResult(
-        run_a=trace_a.path, run_b=trace_b.path, rtol=rtol, atol=atol, first=acc.first,
+        run_a=trace_a.path, run_b=trace_b.path, rtol=rtol, atol=atol, first=first,
         table=table, structure=acc.structure(plan_a.counts.index, plan_b.counts.index, common),
         modules=acc.module_table(), steps_a=span_a, steps_b=span_b, steps=len(common),
         first_step=common[0], last_step=common[-1], records=acc.records, differing=acc.differing,

@@ -38,6 +38,9 @@ class Divergence:
     status: str
     values: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     errors: dict[str, float] = field(default_factory=dict)
+    pooled: bool = False
+    """A logical record of a run of several ranks (``rank`` the lowest pooled into it): which
+    rank's part differs is for a comparison ``per_rank`` to say."""
 
     @property
     def pass_name(self) -> str:
@@ -49,7 +52,7 @@ class Divergence:
         return (
             f"step {self.step}, {self.pass_name} pass: {self.kind} of {self.module!r} "
             f"(slot {self.slot}, call {self.call}, micro-step {self.micro_step}, {self.phase}, "
-            f"rank {self.rank}, seq {self.seq}){what}"
+            f"{'the ranks pooled' if self.pooled else f'rank {self.rank}'}, seq {self.seq}){what}"
         )
 
 
