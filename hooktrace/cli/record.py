@@ -165,6 +165,11 @@ def record(
         args = args[1:]
     settings = _settings(config_file, given)
     if not Path(script).exists():
+        if Path(script).name in ("torchrun", "python", "python3"):  # a launcher, not a script
+            raise CommandError(
+                f"{script}: no such script; hooktrace record runs a Python script, and a launcher "
+                "runs hooktrace: torchrun --nproc-per-node N -m hooktrace record [OPTIONS] SCRIPT"
+            )
         if script.startswith("-"):  # an option click did not know, taken for the script
             raise CommandError(
                 f"no such option: {script} (hooktrace record --help lists them; the script's "

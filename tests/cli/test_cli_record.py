@@ -518,6 +518,7 @@ def test_a_forked_worker_ended_by_sigterm_leaves_the_recording_alone(tmp_path: P
         # named as the pattern the options were joined into, '(?:()'
         (["--bogus"], "no such option: --bogus (hooktrace record --help"),  # was "no such
         # script"
+        (["torchrun"], "a launcher runs hooktrace: torchrun --nproc-per-node N -m hooktrace"),
         (["--compression", "zip"], "--compression"),
         (["--config", "missing.toml"], "cannot read --config"),
         (["--max-tensor-mb", "inf"], "max_tensor_mb must be a finite number"),  # was internal
@@ -625,6 +626,20 @@ def test_examples_train_bit_identically_under_hooktrace_record(
         assert torch.equal(a[key], b[key]), key
     trace = hooktrace.load(tmp_path / "run")
     assert trace.status == "complete" and len(trace.steps) >= 20
+
+
+def test_a_script_that_needs_torchrun_is_told_how_to_run_under_it(tmp_path: Path) -> None:
+    script = _script(
+        tmp_path, "import torch.distributed as dist\ndist.init_process_group('gloo')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    result = _record("-q", "-o", str(tmp_path / "run"), str(script), env=env)
+    assert result.returncode == 1  # the script's own exit, its traceback shown
+    assert "ValueError: Error initializing torch.distributed" in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "hooktrace: the script starts torch.distributed from the environment torchrun sets: "
+        f"run it as torchrun --nproc-per-node N -m hooktrace record [OPTIONS] {script}"
+    )
 
 
 def test_torchrun_two_ranks_write_one_run(tmp_path: Path) -> None:

@@ -103,6 +103,13 @@ def run_script(
     except BaseException as exc:
         recorder.close(status=schema.STATUS_FAILED, error=f"{type(exc).__name__}: {exc}")
         _print_script_traceback(exc, path)
+        if isinstance(exc, ValueError) and "env:// rendezvous" in str(exc):
+            print(
+                "hooktrace: the script starts torch.distributed from the environment torchrun "
+                "sets: run it as torchrun --nproc-per-node N -m hooktrace record [OPTIONS] "
+                f"{script}",
+                file=sys.stderr,
+            )
         return 1
     finally:
         if watch is not None:
