@@ -328,6 +328,7 @@ def _why_empty(trace: Any) -> str:
 
 def _report(out: Path) -> None:
     try:
+        from hooktrace.analyze.overview.summary import ended_in_training
         from hooktrace.trace.reader import load
 
         trace = load(out)
@@ -341,8 +342,15 @@ def _report(out: Path) -> None:
         trained = int((steps["micro_steps"] > 0).sum())  # the steps the script's log counts
         counted = _many(trained or len(steps), "step")
         if trained and trained < len(steps):
-            others = len(steps) - trained
-            counted += f" and {others} of evaluation only" if others > 1 else " and an evaluation"
+            untrained = sorted(int(n) for n in steps.loc[steps["micro_steps"] == 0, "step"])
+            ended = ended_in_training(trace, untrained, status)
+            others = len(untrained) - (ended is not None)
+            if others:
+                counted += (
+                    f" and {others} of evaluation only" if others > 1 else " and an evaluation"
+                )
+            if ended is not None:
+                counted += f" (step {ended} ended before its backward)"
         records = int(steps["records"].sum()) if len(steps) else 0
         why = ""
         if not records and status == "complete":

@@ -125,13 +125,18 @@ def _histograms(s: Summary) -> str:
 
 
 def _evaluation_only(s: Summary) -> str:
+    ended = (
+        f"; step {s.ended_in_training} ended before its backward"
+        if s.ended_in_training is not None
+        else ""
+    )
     if not s.evaluation_only:
-        return ""
+        return ended
     listed = ", ".join(map(str, s.evaluation_only[:5])) + (
         ", ..." if len(s.evaluation_only) > 5 else ""
     )
     plural = "s" if len(s.evaluation_only) > 1 else ""
-    return f"; evaluation only: step{plural} {listed}"
+    return f"; evaluation only: step{plural} {listed}{ended}"
 
 
 def _human(n: int) -> str:

@@ -328,6 +328,42 @@ def test_the_closing_report_says_where_a_model_called_only_when_compiled_is(
     )
 
 
+def test_a_step_the_script_ended_in_before_its_backward_is_not_an_evaluation(
+    tmp_path: Path,
+) -> None:
+    """A training forward that raised before its backward was counted as "an evaluation";
+    an evaluation after the last step is one still."""
+    body = """
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(4):
+        x, y = batch(i)
+        if i == 3:
+            with torch.no_grad():
+                model.eval(); model(x); model.train()  # an evaluation, in step 3 too
+            out = model(x)
+            raise RuntimeError("the loader broke")
+        criterion(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    run = tmp_path / "run"
+    result = _record("-o", str(run), str(_script(tmp_path, body)))
+    assert result.returncode == 1
+    records = len(hooktrace.load(run).records)
+    assert result.stderr.splitlines()[-2] == (
+        f"hooktrace: failed: 3 steps (step 3 ended before its backward), {records} records in {run}"
+    )
+    found = summary(hooktrace.load(run))
+    assert (found.steps, found.evaluation_only, found.ended_in_training) == (3, [], 3)
+    evaluated = tmp_path / "evaluated.py"
+    ends = body.replace('raise RuntimeError("the loader broke")', "break")  # ends complete
+    evaluated.write_text(PRELUDE + textwrap.dedent(ends))
+    result = _record("-o", str(tmp_path / "run2"), str(evaluated))
+    assert "complete: 3 steps and an evaluation" in result.stderr, result.stderr
+    found = summary(hooktrace.load(tmp_path / "run2"))
+    assert (found.evaluation_only, found.ended_in_training) == ([3], None)
+
+
 def test_check_counts_steps_in_words_that_read(tmp_path: Path) -> None:
     """One step is "1 step", and a rank that failed before its first step says so."""
     body = """

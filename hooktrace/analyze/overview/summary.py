@@ -35,6 +35,9 @@ class Summary:
     first_step: int | None
     last_step: int | None
     evaluation_only: list[int]
+    ended_in_training: int | None
+    """The run's last step, where its training forward ran and the run ended (an exception,
+    a signal) before its backward: neither trained nor an evaluation."""
     """Steps recorded that never trained in a run that did: an evaluation after the last
     optimizer step, or before the first."""
     micro_steps: int
@@ -88,6 +91,9 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
     start, end = manifest.get("start_time"), manifest.get("end_time")
     errors = [s.get("error") for s in manifest["ranks"].values() if s.get("error")]
     counted, evaluation_only = steps_that_trained(steps_table, recorded)
+    unfinished = ended_in_training(trace, evaluation_only, trace.status)
+    if unfinished is not None:
+        evaluation_only = evaluation_only[:-1]
     # most records first, ties by name: the same order on every machine and pandas version
     counts = counts.sort_values(["records", "module"], ascending=[False, True], kind="stable")
     return Summary(
@@ -107,6 +113,7 @@ def summary(run: str | os.PathLike[str] | Trace) -> Summary:
         first_step=min(counted) if counted else None,
         last_step=max(counted) if counted else None,
         evaluation_only=evaluation_only,
+        ended_in_training=unfinished,
         # each rank writes its own row for a step: a step counts once, whatever the ranks
         micro_steps=int(steps_table.groupby("step")["micro_steps"].max().sum()),
         written_steps=int(steps_table["step"].nunique()) if not steps_table.empty else 0,
@@ -269,6 +276,20 @@ def steps_that_trained(steps_table: pd.DataFrame, steps: pd.Series) -> tuple[lis
         return recorded, []
     trained_set = set(trained)
     return trained, [s for s in recorded if s not in trained_set]
+
+
+def ended_in_training(trace: Trace, untrained: list[int], status: str) -> int | None:
+    """The last of the ``untrained`` steps (no backward pass ran in them), where it is the
+    run's last step, the run did not complete, and its forward ran in training: the step an
+    exception or a signal ended before its backward, not an evaluation. Reads that step's
+    records' phases alone."""
+    if not untrained or status == schema.STATUS_COMPLETE or trace.steps.empty:
+        return None
+    last = untrained[-1]
+    if last != int(trace.steps["step"].max()):
+        return None
+    phases = trace.query(steps=[last], columns=["phase"], logical=False)["phase"]
+    return last if (phases.astype(str) == "train").any() else None
 
 
 def not_summarised(rows: pd.DataFrame) -> pd.DataFrame:
