@@ -117,8 +117,9 @@ def dead_relus(
 
 def render(run: Path, result: DeadUnits, *, list_units: bool) -> str:
     layers = result.layers
-    if layers.empty:
-        return "\n".join([f"no ReLU layers to analyse in {run}", *result.notes]) + "\n"
+    if layers.empty:  # no ReLU-family module, or none whose activity the steps read hold
+        what = "layers" if any("no ReLU-family" in note for note in result.notes) else "activity"
+        return "\n".join([f"no ReLU {what} to analyse in {run}", *result.notes]) + "\n"
     dead = int(layers["dead"].sum())
     lines = [
         f"{len(result.flagged)} of {len(layers)} ReLU layers flagged in {run}; {dead} dead units "

@@ -153,6 +153,18 @@ def test_dead_relus_fail_and_formats(runs: dict[str, Path]) -> None:
 # --- bad input: one line, exit 2 -------------------------------------------------------------
 
 
+def test_dead_relus_says_whether_layers_or_their_activity_are_missing(
+    runs: dict[str, Path],
+) -> None:
+    """ReLU layers with no activity in the phase read were reported as "no ReLU layers"."""
+    evaluated = invoke("dead-relus", runs["healthy"], "--phase", "eval")
+    assert evaluated.exit_code == 0, evaluated.output
+    assert evaluated.output == (
+        f"no ReLU activity to analyse in {runs['healthy']}\n"
+        "no per-unit activity was recorded for the ReLU outputs in the steps read\n"
+    )
+
+
 @pytest.mark.parametrize("command", ["anomalies", "dead-relus"])
 @pytest.mark.parametrize(
     ("args", "message"),
