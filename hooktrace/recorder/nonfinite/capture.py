@@ -18,7 +18,9 @@ nothing (the statistics it queued already say so on the CPU: see ``nonfinite``).
 A capture holds the call's inputs (with the call spec replay needs), its outputs, for a
 backward origin the gradients at its outputs (both as the copy made them again: the recorder
 holds no activation through a step), and the parameters and buffers of the module and every
-module inside it. Right after saving it, the call is run again on a copy of the
+module inside it (of a model compiled whole, ``torch.compile(model)``, the model's own: its
+class, its state named as the model names it, never the wrapper's, so that replay takes the
+model or the wrapper). Right after saving it, the call is run again on a copy of the
 module, under a dispatch mode that names the first aten operation to make a non-finite value
 (:mod:`hooktrace.recorder.nonfinite.first_nonfinite`), with the RNG forked and the process-wide module
 hooks set aside, so the user's run goes on exactly as it would have. The answer is stored in
@@ -51,7 +53,13 @@ from hooktrace.recorder.nonfinite.first_nonfinite import (
     run_backward,
     run_forward,
 )
-from hooktrace.recorder.nonfinite.rerun import Call, RootCall, no_module_hooks, replica
+from hooktrace.recorder.nonfinite.rerun import (
+    Call,
+    RootCall,
+    no_module_hooks,
+    replica,
+    users_module,
+)
 from hooktrace.recorder.records.flatten import flatten_call
 from hooktrace.trace import schema
 from hooktrace.trace.captures import CAPTURES_DIR
@@ -170,7 +178,8 @@ class Captures:
         a module's inputs from. Only the model's inputs are held, never its activations."""
         if self._stale:  # the last micro-step's forward: its backward is over
             self._forget_forwards()
-        self._roots.append(RootCall.now(module, args, kwargs, self._buffers(module)))
+        buffers = self._buffers(users_module(module))  # named as the model names them
+        self._roots.append(RootCall.now(module, args, kwargs, buffers))
         self._nth = {}
 
     def note_call(self, key: tuple[str, int], module: nn.Module) -> None:
@@ -207,15 +216,16 @@ class Captures:
             return
         self._captured_pass = True
         trigger = forward_trigger(outputs, "output", in_nan or in_inf)
+        model = users_module(module)  # a model compiled whole: the model, not the wrapper
         tensors = {
             "inputs": inputs,
             "outputs": outputs,
-            "state": state(module),
+            "state": state(model),
         }
-        spec = self._call_spec(module, args, kwargs)
+        spec = self._call_spec(model, args, kwargs)
         finding = _on_replica(module, args, kwargs, grad=False, run=run_forward)
         where = {**where, "autocast": autocast_now()}
-        self._capture("forward", name, module, where, trigger, spec, tensors, finding)
+        self._capture("forward", name, model, where, trigger, spec, tensors, finding)
 
     # -- the backward ----------------------------------------------------------------------
 
@@ -311,16 +321,17 @@ class Captures:
             (f for f in findings if f[4].reproduces), findings[0]
         )
         changed = root_call.buffers_changed()
+        model = users_module(module)  # a model compiled whole: the model, not the wrapper
         meta = {**where, "call": key[1], "recomputed": True, "buffers_changed": changed,
                 "autocast": [[d, str(t)[6:]] for d, t in root_call.autocast]}  # fmt: skip
         tensors = {
             "inputs": call.inputs(),
             "grad_outputs": list(call.grad_outputs.items()),
-            "state": state(module),
+            "state": state(model),
         }
-        spec = self._call_spec(module, call.args, call.kwargs)
+        spec = self._call_spec(model, call.args, call.kwargs)
         self._captured_pass = True
-        self._capture("backward", key[0], module, meta, trigger, spec, tensors, finding)
+        self._capture("backward", key[0], model, meta, trigger, spec, tensors, finding)
         return True
 
     def _rerun_backward(self, root_call: RootCall, module: nn.Module, call: Call) -> Finding:

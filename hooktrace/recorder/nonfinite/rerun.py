@@ -1,5 +1,7 @@
 """Running a user's model again, unseen: for a non-finite capture's re-runs.
 
+- :func:`users_module`: the user's own module inside torch.compile's wrapper, which a model
+  compiled whole is hooked and named by: the module a capture holds;
 - :func:`replica`: a deep copy of a module, without the hooks a user hung on it;
 - :func:`no_module_hooks`: the process-wide module hooks set aside while a copy runs;
 - :class:`RootCall`: what ran one training forward of a root (its inputs, by reference, the
@@ -153,6 +155,18 @@ class RootCall:
             if pairs:
                 torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
         return model, calls
+
+
+def users_module(module: nn.Module) -> nn.Module:
+    """The module torch.compile's wrapper (``OptimizedModule``) holds, the user's own, where
+    ``module`` is one; else ``module``. The recorder names a model compiled whole by its
+    wrapper; a capture holds the model (its class, its parameters and buffers named as
+    ``model.named_parameters()`` names them, without ``_orig_mod.``), as replay takes it."""
+    while type(module).__name__ == "OptimizedModule" and isinstance(
+        getattr(module, "_orig_mod", None), nn.Module
+    ):
+        module = module._orig_mod  # type: ignore[assignment]
+    return module
 
 
 def replica(module: nn.Module) -> nn.Module:

@@ -6,6 +6,11 @@ found; this runs it again, in the caller's process, on a copy of the module the 
 captured inputs, under the same watch (:mod:`hooktrace.recorder.nonfinite.first_nonfinite`). A forward
 capture re-runs the forward; a backward capture re-runs the forward with grad on, then the
 backward from the captured output gradients.
+
+The module given may be the model or its torch.compile wrapper: the copy is of the model,
+and runs eagerly. A capture of a model compiled whole holds the model (its class, its state
+named as the model names it); one an earlier hooktrace wrote (format 1.4 all the same)
+holds torch.compile's wrapper instead, and is read as the model's (:func:`_of_the_model`).
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ def replay_capture(
     _check_type(target, info)
     device = device_of(target)
     tensors = trace.capture_tensors(int(capture), rank=int(rank))
-    _load_state(target, tensors["state"], module_name)
+    _load_state(target, _of_the_model(info, tensors["state"]), module_name)
     spec = json.loads(info["call_spec"])
     backward = info.get("pass") == "backward"
     inputs = {
@@ -128,6 +133,19 @@ def replay_capture(
     )
 
 
+_WRAPPER = "torch._dynamo.eval_frame.OptimizedModule"
+_WRAPPED = "_orig_mod."
+
+
+def _of_the_model(info: dict[str, Any], state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A capture's state named as the model names it. An older capture of a model compiled
+    whole (written before the recorder looked through torch.compile's wrapper) named it
+    inside the wrapper, each name ``_orig_mod.`` first."""
+    if info.get("module_type") != _WRAPPER:
+        return state
+    return {name.removeprefix(_WRAPPED): tensor for name, tensor in state.items()}
+
+
 def _autocast(info: dict[str, Any]) -> ExitStack:
     """The autocast the call ran under (a capture says: [device, dtype] pairs)."""
     stack = ExitStack()
@@ -142,6 +160,8 @@ def _torch(array: np.ndarray) -> torch.Tensor:
 
 def _check_type(target: nn.Module, info: dict[str, Any]) -> None:
     recorded = str(info.get("module_type", ""))
+    if recorded == _WRAPPER:
+        return  # an older capture of a compiled model, which does not say which model
     mine = f"{type(target).__module__}.{type(target).__qualname__}"
     if recorded.rpartition(".")[2] != mine.rpartition(".")[2]:
         raise ConfigError(

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import re
+import shutil
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -1636,6 +1638,99 @@ def test_a_nan_made_inside_a_graph_names_its_module_and_its_operation(tmp_path: 
     captures = hooktrace.load(tmp_path / "run").nonfinite_captures()
     assert captures["op"].iloc[0] == "aten::log"
     assert captures["code"].iloc[0].strip() == "return torch.log(x)  # NaN where x < 0"
+
+
+class _Root(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sqrt(x.clamp(min=0.0))  # planted: sqrt's gradient at 0 is Inf
+
+
+class _Faulty(nn.Module):
+    """fc's first two units are 0: their square root is too, its gradient Inf (a NaN in the
+    backward, the forward finite); a ``shift`` of -1 makes log's input negative (a NaN in
+    the forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.root = _Root()
+        self.log = _Log()
+        self.head = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.fc.weight[:2] = 0.0
+            self.fc.bias[:2] = 0.0
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        return self.head(self.log(self.root(self.fc(x)) + shift))
+
+
+@pytest.fixture(scope="module")
+def compiled_captures(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A model compiled whole by inductor (one compile), recorded: its forward makes the
+    first NaN at step 0 (capture 0), its backward at step 1 (capture 1). The parameters are
+    put back after each step, so that the next step's NaN is an origin again."""
+    out = tmp_path_factory.mktemp("captures") / "run"
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Faulty()
+    compiled = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    finite = copy.deepcopy(model.state_dict())
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with hooktrace.record(compiled, out):
+        for shift in (-1.0, 1.0):
+            compiled(x, torch.tensor(shift)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            model.load_state_dict(finite)
+    return out
+
+
+def test_a_capture_of_a_compiled_model_holds_the_model_and_replays_from_either(
+    compiled_captures: Path,
+) -> None:
+    """The recorder hooks torch.compile's wrapper; a capture holds the model inside it, its
+    class and its state named as the model names it, so that ``replay_module`` runs it
+    again from the model or from the model compiled, as ``hooktrace replay --nonfinite``
+    prints the call. A review found both refused: the capture held the wrapper (its class,
+    its state named ``_orig_mod.fc.weight``)."""
+    trace = hooktrace.load(compiled_captures)
+    captures = trace.nonfinite_captures()
+    assert captures[["step", "pass", "module"]].values.tolist() == [
+        [0, "forward", "_Faulty"],
+        [1, "backward", "_Faulty"],
+    ]
+    names = {name for name, _ in _Faulty().named_parameters()}
+    for capture in (0, 1):
+        assert trace.capture_info(capture)["module_type"].endswith("test_compiled._Faulty")
+        assert set(trace.capture_tensors(capture)["state"]) == names
+    for given in (_Faulty(), torch.compile(_Faulty())):  # (replay runs an eager copy)
+        replay = hooktrace.replay_module(compiled_captures, "_Faulty", module=given, capture=0)
+        assert replay.finding.op == "aten::log" and replay.finding.reproduces and replay.same
+
+
+def test_a_capture_of_a_compiled_model_written_before_is_replayed_all_the_same(
+    compiled_captures: Path, tmp_path: Path
+) -> None:
+    """Format 1.4's captures of a compiled model, before the fix, held the wrapper: its
+    class, and the model's state named inside it. ``replay_module`` reads them as the
+    model's."""
+    import h5py
+
+    old = tmp_path / "run"
+    shutil.copytree(compiled_captures, old)
+    with h5py.File(old / "captures" / "rank=0" / "capture-000.h5", "r+") as f:
+        meta = json.loads(f.attrs["capture"])
+        f.attrs["capture"] = json.dumps(
+            {**meta, "module_type": "torch._dynamo.eval_frame.OptimizedModule"}
+        )
+        for dataset in f["state"].values():
+            dataset.attrs["name"] = "_orig_mod." + dataset.attrs["name"]
+    assert set(hooktrace.load(old).capture_tensors(0)["state"]) == {
+        "_orig_mod." + name for name, _ in _Faulty().named_parameters()
+    }
+    replay = hooktrace.replay_module(old, "_Faulty", module=_Faulty(), capture=0)
+    assert replay.finding.op == "aten::log" and replay.finding.reproduces and replay.same
 
 
 def test_the_operators_that_reach_the_recorder_stay_out_of_cuda_graphs(tmp_path: Path) -> None:
