@@ -223,7 +223,7 @@ class Captures:
             "state": state(model),
         }
         spec = self._call_spec(model, args, kwargs)
-        finding = _on_replica(module, args, kwargs, grad=False, run=run_forward)
+        finding = _on_replica(model, args, kwargs, grad=False, run=run_forward)
         where = {**where, "autocast": autocast_now()}
         self._capture("forward", name, model, where, trigger, spec, tensors, finding)
 
@@ -312,7 +312,9 @@ class Captures:
         innermost = [item for item in found if item[0] == depth]
         findings = []
         for _, key, call, trigger in innermost:
-            module = self._locate(key[0])[0]  # type: ignore[index]
+            # a model compiled whole: the model, not the wrapper (the replica of the call
+            # runs eagerly, the state and class saved are the model's)
+            module = users_module(self._locate(key[0])[0])  # type: ignore[index]
             finding = self._rerun_backward(root_call, module, call)
             findings.append((key, module, call, trigger, finding))
             if finding.reproduces:
@@ -321,17 +323,16 @@ class Captures:
             (f for f in findings if f[4].reproduces), findings[0]
         )
         changed = root_call.buffers_changed()
-        model = users_module(module)  # a model compiled whole: the model, not the wrapper
         meta = {**where, "call": key[1], "recomputed": True, "buffers_changed": changed,
                 "autocast": [[d, str(t)[6:]] for d, t in root_call.autocast]}  # fmt: skip
         tensors = {
             "inputs": call.inputs(),
             "grad_outputs": list(call.grad_outputs.items()),
-            "state": state(model),
+            "state": state(module),
         }
-        spec = self._call_spec(model, call.args, call.kwargs)
+        spec = self._call_spec(module, call.args, call.kwargs)
         self._captured_pass = True
-        self._capture("backward", key[0], model, meta, trigger, spec, tensors, finding)
+        self._capture("backward", key[0], module, meta, trigger, spec, tensors, finding)
         return True
 
     def _rerun_backward(self, root_call: RootCall, module: nn.Module, call: Call) -> Finding:

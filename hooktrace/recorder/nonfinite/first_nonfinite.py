@@ -1,21 +1,24 @@
 """Run a captured call again and name the first aten operation that made a NaN or Inf.
 
 :func:`run_forward` and :func:`run_backward` run a module (a copy: the caller's is never
-touched) under :class:`_Watch`, a dispatch mode that checks the outputs of every aten
-operation. The first operation whose outputs hold a NaN none of its inputs held, or an Inf
-where every input was finite, is the one named: its aten name (``aten::log``,
-``aten::div.Tensor``), the statistics of its inputs (the zeros, negatives or huge values that
-explain it), and the line of the model's code that called it. In the forward that line is
-the innermost frame of the Python stack outside torch and hooktrace; in the backward, the
-same frame of the stack that autograd's anomaly mode kept when the forward made the node.
+touched) eagerly, torch.compile set aside (:func:`eagerly`), under :class:`_Watch`, a
+dispatch mode that checks the outputs of every aten operation. The first operation whose
+outputs hold a NaN none of its inputs held, or an Inf where every input was finite, is the
+one named: its aten name (``aten::log``, ``aten::div.Tensor``), the statistics of its
+inputs (the zeros, negatives or huge values that explain it), and the line of the model's
+code that called it. In the forward that line is the innermost frame of the Python stack
+outside torch and hooktrace; in the backward, the same frame of the stack that autograd's
+anomaly mode kept when the forward made the node.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import traceback
 from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +64,7 @@ def run_forward(module: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, A
     are, and the RNG of every device forked (the caller's RNG is left as it was)."""
     watch = _Watch()
     try:
-        with _forked_rng(args, kwargs), own_saved_tensors(), watch:
+        with eagerly(), _forked_rng(args, kwargs), own_saved_tensors(), watch:
             output = module(*args, **kwargs)
     except Exception as exc:
         return Finding("failed", message=f"the forward raised {type(exc).__name__}: {exc}")
@@ -80,7 +83,7 @@ def run_backward(
     gradient of an input or a parameter comes out non-finite."""
     watch = _Watch()
     try:
-        with _forked_rng(args, kwargs), own_saved_tensors():
+        with eagerly(), _forked_rng(args, kwargs), own_saved_tensors():
             with torch.enable_grad(), torch.autograd.set_detect_anomaly(True, check_nan=False):
                 output = module(*args, **kwargs)
             pairs = [
@@ -126,7 +129,7 @@ class _Watch(TorchDispatchMode):
         if self.found is not None or func._schema.name in _UNINITIALISED:
             return func(*args, **kwargs)
         self.operations += 1
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        inputs = _read(func, args, kwargs)
         had_nan, had_inf = nonfinite_flags(inputs)
         mutates = func._schema.is_mutable
         before = [describe(t) for t in inputs] if mutates else None
@@ -173,6 +176,15 @@ class _Watch(TorchDispatchMode):
             "changed earlier, another thread)"
         )
         return Finding("not reproduced", message=message, operations=self.operations)
+
+
+def _read(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors an operation reads: its arguments, but for the ``out=`` buffers it only
+    writes (whose old values, often uninitialised memory, are no input of it)."""
+    written = {a.name for a in func._schema.arguments if a.is_out}
+    if written:  # (out= arguments are keyword-only: in kwargs here)
+        kwargs = {name: value for name, value in kwargs.items() if name not in written}
+    return [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 _UNINITIALISED = frozenset(
@@ -285,6 +297,21 @@ def _user_frame_of(formatted: list[str]) -> tuple[str, int, str, str] | None:
             code = match.group("code").strip()
             return _shown(file), int(match.group("line")), match.group("function").strip(), code
     return None
+
+
+def eagerly() -> AbstractContextManager[Any]:
+    """torch.compile set aside while a copy runs: a compiled module or function inside it
+    runs as its Python code, and dynamo compiles nothing for the copy. Compiled, its fused
+    kernels would hide the operations the watch names, a compiled backward would show only
+    its extern kernels (``aten::mm.out``, with their uninitialised ``out=`` buffers), and
+    the graphs compiled for the copy (without the module hooks, with the re-run's own)
+    would go into the user's cache, where the user's model could run them next. (torch
+    before 2.6 has no stance: there, only a model compiled whole runs eagerly, by
+    :func:`~hooktrace.recorder.nonfinite.rerun.users_module`.)"""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is None:
+        return contextlib.nullcontext()
+    return set_stance("force_eager")
 
 
 def own_saved_tensors() -> Any:

@@ -26,7 +26,7 @@ import torch.nn.modules.module as module_hooks
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from hooktrace.recorder.nonfinite.first_nonfinite import own_saved_tensors
+from hooktrace.recorder.nonfinite.first_nonfinite import eagerly, own_saved_tensors
 from hooktrace.recorder.records.flatten import flatten, flatten_call
 
 
@@ -104,8 +104,9 @@ class RootCall:
         """Run the forward again on a replica (the parameters are as it ran them until the
         optimizer steps), then its backward from ``grads``, the gradients the forward's
         outputs received (by slot). Returns the replica, its parameters' gradients those of
-        this backward alone, and its module calls by qualified name, call after call."""
-        model = replica(self.module)
+        this backward alone, and its module calls by qualified name, call after call: of a
+        model compiled whole, the model's, run eagerly."""
+        model = replica(users_module(self.module))
         for parameter in model.parameters():
             parameter.grad = None  # the copy's own: not what earlier backwards accumulated
         calls: dict[str, list[Call]] = {}
@@ -142,7 +143,7 @@ class RootCall:
         args, kwargs = tree_map_only(
             torch.Tensor, lambda t: t.detach().clone(), (self.args, dict(self.kwargs))
         )
-        with no_module_hooks(), ExitStack() as stack:
+        with no_module_hooks(), eagerly(), ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=range(len(self.cuda_rng))))
             torch.set_rng_state(self.cpu_rng)
             if self.cuda_rng:

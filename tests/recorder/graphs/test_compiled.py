@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import math
 import re
@@ -1665,12 +1666,16 @@ class _Faulty(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def compiled_captures(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A model compiled whole by inductor (one compile), recorded: its forward makes the
-    first NaN at step 0 (capture 0), its backward at step 1 (capture 1). The parameters are
-    put back after each step, so that the next step's NaN is an origin again."""
+def compiled_captures(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Counter[str]]:
+    """A model compiled whole by inductor (one compile), recorded: its backward makes the
+    first NaN at step 0 (capture 0), its forward at step 1 (capture 1). The parameters are
+    put back after each step, so that the next step's NaN is an origin again. The run, and
+    dynamo's graph counters (graph breaks among them) at its end. (The backward first: a
+    forward capture's re-run under the watch's dispatch mode, where dynamo compiles
+    nothing, once kept a later backward capture's re-run from being compiled.)"""
     out = tmp_path_factory.mktemp("captures") / "run"
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
     model = _Faulty()
     compiled = torch.compile(model)
@@ -1678,39 +1683,41 @@ def compiled_captures(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finite = copy.deepcopy(model.state_dict())
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     with hooktrace.record(compiled, out):
-        for shift in (-1.0, 1.0):
+        for shift in (1.0, -1.0):
             compiled(x, torch.tensor(shift)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
             model.load_state_dict(finite)
-    return out
+    counters = torch._dynamo.utils.counters
+    return out, Counter(counters["stats"]) + Counter({"graph_breaks": len(counters["graph_break"])})
 
 
 def test_a_capture_of_a_compiled_model_holds_the_model_and_replays_from_either(
-    compiled_captures: Path,
+    compiled_captures: tuple[Path, Counter[str]],
 ) -> None:
     """The recorder hooks torch.compile's wrapper; a capture holds the model inside it, its
     class and its state named as the model names it, so that ``replay_module`` runs it
     again from the model or from the model compiled, as ``hooktrace replay --nonfinite``
     prints the call. A review found both refused: the capture held the wrapper (its class,
     its state named ``_orig_mod.fc.weight``)."""
-    trace = hooktrace.load(compiled_captures)
+    run, _ = compiled_captures
+    trace = hooktrace.load(run)
     captures = trace.nonfinite_captures()
     assert captures[["step", "pass", "module"]].values.tolist() == [
-        [0, "forward", "_Faulty"],
-        [1, "backward", "_Faulty"],
+        [0, "backward", "_Faulty"],
+        [1, "forward", "_Faulty"],
     ]
     names = {name for name, _ in _Faulty().named_parameters()}
     for capture in (0, 1):
         assert trace.capture_info(capture)["module_type"].endswith("test_compiled._Faulty")
         assert set(trace.capture_tensors(capture)["state"]) == names
     for given in (_Faulty(), torch.compile(_Faulty())):  # (replay runs an eager copy)
-        replay = hooktrace.replay_module(compiled_captures, "_Faulty", module=given, capture=0)
+        replay = hooktrace.replay_module(run, "_Faulty", module=given, capture=1)
         assert replay.finding.op == "aten::log" and replay.finding.reproduces and replay.same
 
 
 def test_a_capture_of_a_compiled_model_written_before_is_replayed_all_the_same(
-    compiled_captures: Path, tmp_path: Path
+    compiled_captures: tuple[Path, Counter[str]], tmp_path: Path
 ) -> None:
     """Format 1.4's captures of a compiled model, before the fix, held the wrapper: its
     class, and the model's state named inside it. ``replay_module`` reads them as the
@@ -1718,19 +1725,85 @@ def test_a_capture_of_a_compiled_model_written_before_is_replayed_all_the_same(
     import h5py
 
     old = tmp_path / "run"
-    shutil.copytree(compiled_captures, old)
-    with h5py.File(old / "captures" / "rank=0" / "capture-000.h5", "r+") as f:
+    shutil.copytree(compiled_captures[0], old)
+    with h5py.File(old / "captures" / "rank=0" / "capture-001.h5", "r+") as f:
         meta = json.loads(f.attrs["capture"])
         f.attrs["capture"] = json.dumps(
             {**meta, "module_type": "torch._dynamo.eval_frame.OptimizedModule"}
         )
         for dataset in f["state"].values():
             dataset.attrs["name"] = "_orig_mod." + dataset.attrs["name"]
-    assert set(hooktrace.load(old).capture_tensors(0)["state"]) == {
+    assert set(hooktrace.load(old).capture_tensors(1)["state"]) == {
         "_orig_mod." + name for name, _ in _Faulty().named_parameters()
     }
-    replay = hooktrace.replay_module(old, "_Faulty", module=_Faulty(), capture=0)
+    replay = hooktrace.replay_module(old, "_Faulty", module=_Faulty(), capture=1)
     assert replay.finding.op == "aten::log" and replay.finding.reproduces and replay.same
+
+
+def test_a_backward_nan_in_a_compiled_model_is_named_as_an_eager_run_names_it(
+    compiled_captures: tuple[Path, Counter[str]],
+) -> None:
+    """The capture runs the step again on a copy of the model, eagerly, torch.compile set
+    aside: the operation and the line are the ones an eager run names (sqrt's backward
+    divides by its output, 0), and nothing is compiled for the copy. A review found the copy
+    of torch.compile's wrapper run compiled: the watch saw only the compiled backward's
+    extern kernels and named ``aten::mm.out in CompiledFunctionBackward`` at the model's
+    forward, with its uninitialised ``out=`` buffer among the operation's inputs, and
+    dynamo compiled the copy into the user's cache (six graphs more, four graph breaks at
+    the re-run's hooks), which the model then ran."""
+    run, dynamo = compiled_captures
+    trace = hooktrace.load(run)
+    row = trace.nonfinite_captures().iloc[0]
+    assert (row["pass"], row["op"], row["node"]) == (
+        "backward",
+        "aten::div.Tensor",
+        "SqrtBackward0",
+    )
+    assert row["line"] == inspect.getsourcelines(_Root.forward)[1] + 1 and row["reproduces"]
+    gradient, divisor = trace.capture_info(0)["analysis"]["op_inputs"]  # (grad, 2 * sqrt(x))
+    assert gradient["shape"] == divisor["shape"] == [8, 4]
+    assert divisor["zeros"] >= 16 and divisor["negatives"] == 0  # fc's 2 units of 0, at least
+    replay = hooktrace.replay_module(run, "_Faulty", module=torch.compile(_Faulty()), capture=0)
+    assert replay.finding.reproduces and replay.same
+    assert (dynamo["unique_graphs"], dynamo["graph_breaks"]) == (1, 0)
+
+
+@torch.compile(backend="aot_eager")
+def _compiled_root(x: torch.Tensor) -> torch.Tensor:
+    return torch.sqrt(x.clamp(min=0.0))  # planted: compiled inside an eager model
+
+
+class _CallsCompiled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+        with torch.no_grad():
+            self.fc.weight[:2] = 0.0
+            self.fc.bias[:2] = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_compiled_root(self.fc(x)))
+
+
+def test_a_capture_runs_what_the_model_compiled_inside_it_eagerly(tmp_path: Path) -> None:
+    """A function compiled inside an eager model's forward runs as its Python code in the
+    capture's re-runs too: its backward's own node and line are named, not the compiled
+    graph's backward (``CompiledFunctionBackward``, at the line that called it)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _CallsCompiled()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with hooktrace.record(model, tmp_path / "run"):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+    row = hooktrace.load(tmp_path / "run").nonfinite_captures().iloc[0]
+    assert (row["pass"], row["op"], row["node"]) == (
+        "backward",
+        "aten::div.Tensor",
+        "SqrtBackward0",
+    )
+    assert row["line"] == inspect.getsourcelines(_compiled_root)[1] + 2 and row["reproduces"]
 
 
 def test_the_operators_that_reach_the_recorder_stay_out_of_cuda_graphs(tmp_path: Path) -> None:

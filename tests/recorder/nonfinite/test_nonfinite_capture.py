@@ -514,6 +514,26 @@ def test_a_module_that_changes_its_input_in_place_is_captured_around_it(tmp_path
     assert row["line"] == planted.line_of("planted: in place, by zero", Path(__file__))
 
 
+class _MultiplyInto(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.into = torch.full((8, 6), float("nan"))  # a buffer's old contents: anything
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mul(x, 1e38, out=self.into)  # planted: Inf, into a buffer
+
+
+def test_an_out_buffer_is_no_input_of_the_operation_that_writes_it() -> None:
+    """An ``out=`` buffer is written, not read: what it held (uninitialised memory, as
+    often as not) neither hides the Inf the operation makes nor stands among its inputs."""
+    from hooktrace.recorder.nonfinite.first_nonfinite import run_forward
+
+    finding = run_forward(_MultiplyInto(), (torch.full((8, 6), 10.0),), {})
+    assert (finding.status, finding.op, finding.reproduces) == ("found", "aten::mul.out", True)
+    assert finding.line == planted.line_of("planted: Inf, into a buffer", Path(__file__))
+    assert [i["shape"] for i in finding.op_inputs] == [[8, 6]] and finding.op_inputs[0]["nan"] == 0
+
+
 def test_hooktrace_frames_are_told_apart_from_the_users() -> None:
     """The frames a captured operation's source line skips are all of hooktrace's, wherever
     the module that names them sits in the package (found when it moved a floor down)."""
