@@ -59,8 +59,15 @@ class Receiver(Protocol):
     def full_graphs(self) -> bool:
         """The step running needs the values inside graphs."""
 
-    def graph_ran(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
-        """An instrumented graph ran: ``extras`` are its statistics and counts."""
+    def graph_ran(
+        self,
+        plan: Plan,
+        args: tuple[Any, ...],
+        extras: Sequence[torch.Tensor],
+        returned: Sequence[Any] = (),
+    ) -> None:
+        """An instrumented graph ran: ``extras`` are its statistics and counts, ``returned``
+        its own outputs."""
 
     def graph_gradient(self, site: int, row: torch.Tensor) -> None:
         """A tap's gradient summary arrived (in the backward)."""
@@ -313,5 +320,5 @@ class _Run:
         outputs = compiled(*args)
         receiver = _receiver[0]
         if receiver is not None:
-            receiver.graph_ran(plan, args, outputs[self.returns :])
+            receiver.graph_ran(plan, args, outputs[self.returns :], outputs[: self.returns])
         return outputs[: self.returns]

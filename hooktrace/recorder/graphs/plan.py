@@ -10,7 +10,10 @@ come in the order the hooks ran, which is the order an eager run records in; the
 out of the graph here. Each value marked is summarised in the graph
 (:mod:`hooktrace.recorder.graphs.ops`): its statistics become one row of an extra output of
 the graph, its per-unit activity a span of a second one, and its gradient is caught by a tap
-whose backward summarises it. An output whose shape is dynamic returns its sizes too.
+whose backward summarises it. An output whose shape is dynamic returns its sizes too. What
+the graph itself returns leaves it through a tap where the graph reads it too: the gradient
+that use adds arises inside the graph, where the hooks of a compiled root, which run outside
+it, could not see it (``Plan.returned_taps``).
 
 Which module ran is settled when the graph runs, not here: one graph serves every block of a
 ``ModuleList`` compiled block by block. Each frame's modules are found at run time from a
@@ -111,6 +114,8 @@ class Plan:
     has_counts: bool
     values: int = 0
     unanchored: tuple[str, ...] = ()  # frames that take no parameter: named by their locals
+    # the graph's own outputs that leave it through a tap: (their place among them, the tap)
+    returned_taps: tuple[tuple[int, int], ...] = ()
     code: Any = None  # the code object of the Python frame dynamo compiled, which holds them
 
     def split(
@@ -252,6 +257,7 @@ def instrument(
     if not planned:  # marks of values with nothing to summarise (complex, not tensors)
         gm.recompile()
         return None
+    returned_taps = adding.tap_returned(returns, changed)
     extra = adding.finish()
     output_node.args = (tuple(output_node.args[0]) + tuple(extra),)  # taps' in place now
     graph.lint()
@@ -265,6 +271,7 @@ def instrument(
         has_counts=bool(adding.count_nodes),
         values=len(adding.values),
         unanchored=tuple(sorted(frames - anchors.keys())),
+        returned_taps=returned_taps,
     )
 
 
@@ -424,6 +431,46 @@ class _Adding:
                 user.replace_input_with(target, tapped)
         return tap
 
+    def tap_returned(self, returns: int, changed: set[fx.Node]) -> tuple[tuple[int, int], ...]:
+        """The graph's own outputs (``returns`` of them) that leave it through a tap, as
+        (their place, the tap). A module whose hooks run outside the graph (a compiled
+        root, a block compiled on its own) records the gradient of what it returns from its
+        tap: a hook on the tensor the graph returns sees only the gradient from outside the
+        graph, where an eager run's sees what the graph's own uses add too (``return logits,
+        F.cross_entropy(logits, y)``). A value the graph returns and reads, that no module
+        returned, is tapped here; one that is a view, or changed in place (``changed``: the
+        values changed later, as the graph was traced), is not: a hook on the tensor records
+        it as before."""
+        if not self.training:
+            return ()
+        sites = []
+        for index in range(returns):
+            # (read again each time: a tap added takes its value's places)
+            node = cast(Sequence[Any], self.output_node.args[0])[index]
+            if not isinstance(node, fx.Node):
+                continue
+            if node.op == "call_function" and node.target is ops.tap:
+                if node.args[0] not in changed:  # (else its gradient is not the tap's)
+                    sites.append((index, cast(int, node.args[1])))
+                continue
+            value = node.meta.get("example_value")
+            if (
+                isinstance(value, torch.Tensor)
+                and value.requires_grad
+                and not value._is_view()
+                and node.op != "placeholder"
+                and node not in changed
+                and any(_reads(user) for user in node.users if user is not self.output_node)
+            ):
+                tap = self.new_tap()
+                with self.graph.inserting_after(node):
+                    tapped = self.graph.call_function(ops.tap, (node, tap, True, self.full))
+                for user in list(node.users):
+                    if user is not tapped and _reads(user):
+                        user.replace_input_with(node, tapped)  # (the output's too)
+                sites.append((index, tap))
+        return tuple(sites)
+
     def finish(self) -> list[fx.Node]:
         """The extra outputs: the statistics, the counts (if any), the sizes, the values."""
         with self.graph.inserting_before(self.output_node):
@@ -431,6 +478,16 @@ class _Adding:
             if self.count_nodes:
                 extra.append(self.graph.call_function(torch.cat, (self.count_nodes,)))
         return extra + self.sizes + self.values
+
+
+_NOT_READING = {ops.summarize, ops.summary, ops.kept_copy, activity, torch.ops.aten.sym_size.int}
+"""What the recorder adds to a graph that takes a value without using it in the model's
+computation: its statistics, its copy, its sizes."""
+
+
+def _reads(user: fx.Node) -> bool:
+    """Whether ``user`` takes a value into the model's computation (not the recorder's)."""
+    return not (user.op == "call_function" and user.target in _NOT_READING)
 
 
 _REGIONS = tuple(

@@ -10,6 +10,12 @@ remembered per graph and the modules found.
 
 Gradients come back through the graph's taps in the backward, each tap once per call of the
 graph that reached it: a tap's calls are answered last first, as the backward runs them.
+
+A module whose hooks run outside the graph (a compiled root: dynamo runs its hooks, then
+compiles its forward; a block compiled on its own) records the gradient of what it returns
+from the tap the tensor left the graph through, where it did: the graph's own uses of the
+value (``return logits, F.cross_entropy(logits, y)``) add to its gradient there, never in a
+hook on the tensor the graph returns.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import functools
 import re
 import sys
 import types
+import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -47,12 +55,50 @@ class CompiledCalls:
         self.delivered = 0  # graph runs recorded
         self._delivered_before = 0  # ... when the current root call began
         self.inside_eagerly = False  # a module inside the root's call recorded by its hooks
+        # in a root's call, by id: a tensor a graph returned through a tap, as it was
+        # returned (its version), and where the tap's gradient is recorded
+        self.tapped: dict[int, tuple[weakref.ref[torch.Tensor], int, list[Target]]] = {}
         self._warned = False
 
     def entering(self) -> None:
         """A root's call begins."""
         self._delivered_before = self.delivered
         self.inside_eagerly = False
+        self.tapped.clear()
+
+    def left(self) -> None:
+        """A root's call ended: what its graphs returned is no longer returned by a module
+        inside it."""
+        self.tapped.clear()
+
+    def returned(
+        self,
+        sites: Sequence[tuple[int, int]],
+        outputs: Sequence[Any],
+        taps: dict[int, Expected],
+    ) -> None:
+        """A graph run in a root's call returned ``outputs``, those at ``sites`` through a
+        tap: where the hooks of a module that returns one of them record its gradient
+        (:meth:`through_tap`). ``taps``: the run's taps expected so far, by site; a tap no
+        module inside it recorded is expected here, with no target yet."""
+        for index, tap in sites:
+            tensor = outputs[index] if index < len(outputs) else None
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            expected = taps.get(tap)
+            if expected is None:
+                expected = taps[tap] = ([], tensor.dtype, tuple(tensor.shape))
+                self.expect(tap, expected)
+            self.tapped[id(tensor)] = (weakref.ref(tensor), tensor._version, expected[0])
+
+    def through_tap(self, tensor: torch.Tensor, target: Target) -> bool:
+        """Whether ``tensor`` left a graph of this root's call through a tap, unchanged since:
+        its gradient is then recorded as ``target`` too, from the tap."""
+        found = self.tapped.get(id(tensor))
+        if found is None or found[0]() is not tensor or found[1] != tensor._version:
+            return False
+        found[2].append(target)
+        return True
 
     def unseen(self, root: torch.nn.Module) -> bool:
         """Whether the root's call that ends now ran compiled graphs that were compiled

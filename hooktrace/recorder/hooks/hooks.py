@@ -170,6 +170,8 @@ class Hooks:
         if not _in_backward() and not _in_transform():
             with self._lock:
                 self._root_depth = max(0, self._root_depth - 1)
+                if self._root_depth == 0:
+                    self._compiled.left()
                 if self._root_depth == 0 and self._recording and self._compiled.unseen(module):
                     self._compiled_before(entry)
 
@@ -179,7 +181,7 @@ class Hooks:
 
         def hook(grad: torch.Tensor | None) -> None:
             # None: an output of a compiled graph that nothing outside it used (its loss was
-            # computed inside), where eager would not call the hook at all
+            # computed inside: its gradient then taken inside the graph, Plan.returned_taps)
             if grad is not None and self._recording and not _in_transform():
                 with self._lock:
                     module = targets[0][0]
@@ -202,18 +204,31 @@ class Hooks:
 
     # -- compiled graphs (hooktrace.recorder.graphs.backend.Receiver) ------------------------
 
-    def graph_ran(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
+    def graph_ran(
+        self,
+        plan: Plan,
+        args: tuple[Any, ...],
+        extras: Sequence[torch.Tensor],
+        returned: Sequence[Any] = (),
+    ) -> None:
         """An instrumented graph ran: its module calls' outputs are recorded from the
-        statistics it computed (``extras``: a row each, and their per-unit counts)."""
+        statistics it computed (``extras``: a row each, and their per-unit counts);
+        ``returned``: its own outputs."""
         if not self._recording or self._paused or _in_transform():
             return
         with self._lock:
             try:
-                self._on_graph(plan, args, extras)
+                self._on_graph(plan, args, extras, returned)
             except Exception as exc:
                 self._fault(exc, "the statistics of a compiled graph")
 
-    def _on_graph(self, plan: Plan, args: tuple[Any, ...], extras: Sequence[torch.Tensor]) -> None:
+    def _on_graph(
+        self,
+        plan: Plan,
+        args: tuple[Any, ...],
+        extras: Sequence[torch.Tensor],
+        returned: Sequence[Any] = (),
+    ) -> None:
         compiled = self._compiled
         entries = compiled.modules(plan, args)
         compiled.delivered += 1
@@ -228,7 +243,8 @@ class Hooks:
             if entered is not None:
                 self._enter_root(entered, ())
         try:
-            self._graph_records(plan, entries, stats, counts, sizes, values, roots=not outside)
+            self._graph_records(plan, entries, stats, counts, sizes, values, roots=not outside,
+                                returned=returned)  # fmt: skip
         finally:
             if entered is not None:
                 self._root_depth = max(0, self._root_depth - 1)
@@ -243,10 +259,13 @@ class Hooks:
         values: Sequence[torch.Tensor],
         *,
         roots: bool,
+        returned: Sequence[Any] = (),
     ) -> None:
         """Queue the records of a graph's module calls (``roots``: its roots' calls too);
         ``values``: where the step needs them (tensors saved whole, histograms of outputs),
-        the values summarised, by row."""
+        the values summarised, by row; ``returned``: the graph's own outputs, those that
+        left it through a tap (``plan.returned_taps``) handed to the hooks that run outside
+        it (``roots`` False: a root's call around it) to record their gradients from it."""
         phase = (
             self._phase if self._root_depth else ("train" if torch.is_grad_enabled() else "eval")
         )
@@ -275,6 +294,8 @@ class Hooks:
                     taps.setdefault(out.tap, ([], out.dtype, shape))[0].append(target)
         for tap, expected in taps.items():
             self._compiled.expect(tap, expected)
+        if training and not roots and plan.returned_taps and returned:
+            self._compiled.returned(plan.returned_taps, returned, taps)
 
     def graph_kept(self, site: int, value: torch.Tensor) -> None:
         """A compiled backward handed on the gradient at one of its taps in full (a step
@@ -290,7 +311,7 @@ class Hooks:
         with self._lock:
             value = self._compiled.kept.pop(site, None) if self._compiled.kept else None
             expected = self._compiled.arrived(site)
-            if expected is None:
+            if expected is None or not expected[0]:  # (none: a value returned, unclaimed)
                 return
             targets, dtype, shape = expected
             shard, place = None, ops.gradient_place(site)
@@ -435,7 +456,11 @@ class Hooks:
             if phase == "train" and tensor.requires_grad:
                 hooked = True
                 calls.grad_hooked.add((name, call))
-                calls.hook_grad(tensor, (name, call, "grad_output", slot), self._grad_hook)
+                target = (name, call, "grad_output", slot)
+                # a compiled graph's output that left it through a tap: the tap sees what
+                # the graph's own uses add to the gradient, a hook on the tensor does not
+                if not (self._compiled.tapped and self._compiled.through_tap(tensor, target)):
+                    calls.hook_grad(tensor, target, self._grad_hook)
         if not armed:
             return
         if hooked:

@@ -960,6 +960,96 @@ def test_a_graph_break_leaves_two_graphs_each_recorded(tmp_path: Path) -> None:
     ]  # fmt: skip
 
 
+class ScaledLoss(nn.Module):
+    """Returns a value no module returns, and a loss the forward computes from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.fc(x) * 2
+        return logits, logits.pow(2).mean()
+
+
+class AuxBlock(nn.Module):
+    """Returns its output and a loss of its own computed from it (a mixture of experts'
+    balancing loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.fc(x)
+        return h, h.pow(2).mean()
+
+
+class AuxBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([AuxBlock() for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        aux = x.new_zeros(())
+        for block in self.blocks:
+            x, loss = block(x)
+            aux = aux + loss
+        return x, aux
+
+
+def _blocks_compiled(model: nn.Module) -> nn.Module:
+    for block in model.blocks:  # type: ignore[union-attr]
+        block.compile()
+    return model
+
+
+@pytest.mark.parametrize(
+    ("make", "compile_model"),
+    [(ScaledLoss, _inductor), (AuxBlocks, _blocks_compiled)],
+    ids=["root", "blocks-compiled-one-by-one"],
+)
+def test_an_output_the_graph_reads_too_has_the_gradient_an_eager_run_records(
+    tmp_path: Path, make: Callable[[], nn.Module], compile_model: Callable[[nn.Module], nn.Module]
+) -> None:
+    """A module whose hooks run outside its graph (a compiled root, a block compiled on its
+    own) returns a value the graph also reads (the loss it computes from it): the value's
+    gradient from that use arises inside the graph, where a tap takes it; a hook on the
+    tensor the graph returns saw the rest only (none for the root: its record was missing;
+    half for each block: its statistics wrong)."""
+
+    def train(out: Path | None, compiled: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = make()
+        run = compile_model(model) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with hooktrace.record(run, out, strict=True) if out else _nothing():
+            for x in torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(1)):
+                value, loss = run(x)
+                total = loss + value.sum() * 0.01  # a gradient from outside the graph too
+                total.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(total.item())
+        return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    plain = train(None, compiled=True)
+    recorded = train(tmp_path / "compiled", compiled=True)
+    train(tmp_path / "eager", compiled=False)
+    assert recorded[0] == plain[0]
+    for name, value in plain[1].items():
+        assert torch.equal(recorded[1][name], value), name
+    columns = ["step", "micro_step", "phase", "module", "call", "kind", "slot"]
+    compiled = hooktrace.load(tmp_path / "compiled").records
+    eager = hooktrace.load(tmp_path / "eager").records
+    assert sorted(compiled[columns].values.tolist()) == sorted(eager[columns].values.tolist())
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+    assert result.records == len(eager)
+
+
 def _count_summaries(patch: pytest.MonkeyPatch, summaries: list[int]) -> None:
     """Append to ``summaries`` each time the graphs' CPU operator summarises a value."""
     original = ops.summarize_with_activity

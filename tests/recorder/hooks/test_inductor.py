@@ -1,8 +1,10 @@
 """A model compiled with torch.compile's default backend (inductor), as the best-known GPT
 training scripts compile theirs: its forward returns ``(logits, loss)``, so the logits leave
-the compiled graph with no gradient (the loss was computed inside it), and the graph's
-backward hands their hook ``None``. That once stopped the recording at step 0 with an empty
-trace. Compiled once per run below; the model is tiny."""
+the compiled graph with no gradient from outside it (the loss was computed inside it). The
+graph's backward handed a hook on them ``None``, which once stopped the recording at step 0
+with an empty trace; and the gradient the loss gives them, which an eager run records as the
+root's, was not recorded at all, until it was taken inside the graph. Compiled once per run
+below, and run eagerly once to compare; the model is tiny."""
 
 from __future__ import annotations
 
@@ -32,13 +34,16 @@ class GPTLike(nn.Module):
         return logits, loss
 
 
-def _train(out: Path | None) -> tuple[list[float], dict[str, torch.Tensor], int | None]:
-    """Three AdamW steps of a freshly seeded, inductor-compiled model, recorded into ``out``
-    where given: the losses, the final parameters and the recording's error (None: none)."""
+def _train(
+    out: Path | None, *, compiled: bool = True
+) -> tuple[list[float], dict[str, torch.Tensor], int | None]:
+    """Three AdamW steps of a freshly seeded, inductor-compiled model (eager where not
+    ``compiled``), recorded into ``out`` where given: the losses, the final parameters and
+    the recording's error (None: none)."""
     torch._dynamo.reset()  # each run compiles its own graphs: the recorded one instrumented
     torch.manual_seed(0)
     model = GPTLike()
-    compiled = torch.compile(model)  # inductor, the default
+    run = torch.compile(model) if compiled else model  # inductor, the default
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.Generator().manual_seed(1)
     batches = [
@@ -49,7 +54,7 @@ def _train(out: Path | None) -> tuple[list[float], dict[str, torch.Tensor], int 
     def steps() -> list[float]:
         losses = []
         for idx, targets in batches:
-            _, loss = compiled(idx, targets)
+            _, loss = run(idx, targets)
             assert loss is not None
             loss.backward()
             opt.step()
@@ -59,7 +64,7 @@ def _train(out: Path | None) -> tuple[list[float], dict[str, torch.Tensor], int 
 
     if out is None:
         return steps(), {k: v.detach().clone() for k, v in model.state_dict().items()}, None
-    with hooktrace.record(compiled, out) as rec:
+    with hooktrace.record(run, out) as rec:
         losses = steps()
         error = rec.error
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, error
@@ -70,7 +75,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out = tmp_path_factory.mktemp("inductor") / "run"
     plain = _train(None)
     recorded = _train(out)
-    return {"plain": plain, "recorded": recorded, "out": out}
+    _train(out.with_name("eager"), compiled=False)
+    return {"plain": plain, "recorded": recorded, "out": out, "eager": out.with_name("eager")}
 
 
 def test_a_model_compiled_by_inductor_is_recorded_every_step(runs: dict[str, object]) -> None:
@@ -83,9 +89,9 @@ def test_a_model_compiled_by_inductor_is_recorded_every_step(runs: dict[str, obj
     step = records[records["step"] == 1]
     root = step[step["module"] == "GPTLike"]
     assert list(root.loc[root["kind"] == "output", "slot"]) == ["0", "1"]  # logits, loss
-    # the loss's gradient is 1; the logits', computed inside the graph, never leaves it
+    # the loss's gradient is 1, then the logits', which the loss gives them inside the graph
     grads = root[root["kind"] == "grad_output"]
-    assert list(grads["slot"]) == ["1"]
+    assert list(grads["slot"]) == ["1", "0"]
     assert grads["mean"].iloc[0] == 1.0
     # the modules inside the graph, recorded from the statistics compiled into it
     inside = step[step["module"] != "GPTLike"]
@@ -104,3 +110,21 @@ def test_recording_an_inductor_compiled_model_leaves_its_training_bit_identical(
     assert recorded_losses == losses
     for name, value in params.items():
         assert torch.equal(recorded_params[name], value), name
+
+
+def test_the_roots_output_that_its_loss_reads_has_the_gradient_an_eager_run_records(
+    runs: dict[str, object],
+) -> None:
+    """The logits' gradient reaches them inside the graph, from the loss: taken there, at the
+    tap on the head's output they are, it is recorded as the root's too, as an eager run
+    records it (a hook on the logits the graph returns sees no gradient)."""
+    compiled = hooktrace.load(runs["out"]).records  # type: ignore[arg-type]
+    eager = hooktrace.load(runs["eager"]).records  # type: ignore[arg-type]
+    columns = ["step", "micro_step", "phase", "module", "call", "kind", "slot"]
+    grads = [r[r["kind"] == "grad_output"] for r in (compiled, eager)]
+    assert grads[0][columns].values.tolist() == grads[1][columns].values.tolist()
+    root = grads[0][(grads[0]["module"] == "GPTLike") & (grads[0]["slot"] == "0")]
+    assert list(root["step"]) == [0, 1, 2]
+    result = hooktrace.diff(runs["eager"], runs["out"], rtol=1e-4)  # type: ignore[arg-type]
+    assert result.match, result
+    assert result.records == len(eager)
