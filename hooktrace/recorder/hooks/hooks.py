@@ -202,6 +202,31 @@ class Hooks:
 
         return hook
 
+    def _capture_hook(self, targets: list[Target]) -> Callable[[torch.Tensor], None]:
+        """The gradient hook of an output whose gradient is recorded from a compiled graph's
+        tap (``CompiledCalls.through_tap``): the gradient reaching the tensor from outside
+        the graph, for the non-finite capture alone. It is what a re-run of the call takes at
+        its outputs, the graph's own uses of the value being run again with it."""
+
+        def hook(grad: torch.Tensor | None) -> None:
+            if grad is None or not self._recording or _in_transform() or not self._captures.armed:
+                return
+            with self._lock:
+                try:
+                    if not self._backward_active:
+                        self._backward_active = True
+                        _queue_callback(self._backward_done)
+                    bad = (
+                        finite.check(grad) if grad.is_cpu or self._captures.device_checks else False
+                    )
+                    where = self._where_now("train", targets[0][1]) if bad else {}
+                    self._captures.after_gradient(targets, grad, bad, where)
+                except Exception as exc:  # a capture's failure is its own
+                    where = self._where_now("train", targets[0][1])
+                    self._captures.failure(exc, f"the backward of {targets[0][0]!r}", where)
+
+        return hook
+
     # -- compiled graphs (hooktrace.recorder.graphs.backend.Receiver) ------------------------
 
     def graph_ran(
@@ -461,6 +486,8 @@ class Hooks:
                 # the graph's own uses add to the gradient, a hook on the tensor does not
                 if not (self._compiled.tapped and self._compiled.through_tap(tensor, target)):
                     calls.hook_grad(tensor, target, self._grad_hook)
+                elif armed:  # recorded from the tap; a capture takes what reaches the tensor
+                    calls.hook_grad(tensor, target, self._capture_hook)
         if not armed:
             return
         if hooked:
