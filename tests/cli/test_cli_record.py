@@ -516,6 +516,37 @@ def test_sigterm_inside_a_call_that_does_not_return_still_ends_the_process(
     assert list(trace.steps["step"]) == [0, 1, 2]
 
 
+OWN_HANDLER = """
+import os, signal, time
+def on_term(signum, frame):
+    print("got SIGTERM", flush=True)
+    time.sleep(2)  # saving a checkpoint: longer than the watch waits for hooktrace's handler
+    print("saved", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for i in range(4):
+    if i == 2:
+        os.kill(os.getpid(), signal.SIGTERM)
+    x, y = batch(i)
+    criterion(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_a_script_that_handles_sigterm_itself_ends_as_its_handler_says(tmp_path: Path) -> None:
+    """The watch acted on a SIGTERM the script's own handler was taking care of: it ended the
+    process by the signal in the middle of the handler's checkpoint (found by a review)."""
+    script = _script(tmp_path, OWN_HANDLER)
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    result = _record("-q", "-o", str(tmp_path / "run"), str(script))
+    assert (plain.returncode, plain.stdout) == (0, "got SIGTERM\nsaved\n")
+    assert (result.returncode, result.stdout) == (0, "got SIGTERM\nsaved\n"), result.stderr
+    trace = hooktrace.load(tmp_path / "run")
+    assert trace.status == "complete" and list(trace.steps["step"]) == [0, 1]
+
+
 FORKS = """
 import multiprocessing, time
 opt = torch.optim.SGD(model.parameters(), lr=0.1)

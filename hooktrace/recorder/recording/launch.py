@@ -79,7 +79,9 @@ def run_script(
 
     if previous_term in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, on_sigterm)
-        watch = _SigtermWatch.start(finish_terminated)
+        watch = _SigtermWatch.start(
+            finish_terminated, ours=lambda: signal.getsignal(signal.SIGTERM) is on_sigterm
+        )
     try:
         _run_as_main(path)
     except SystemExit as exc:
@@ -132,27 +134,37 @@ class _SigtermWatch:
     the main thread has not begun to handle it within :data:`GRACE_S`, finishes the trace
     itself (at most :data:`FINISH_S`) and ends the process by the signal.
 
-    The wakeup fd is one per process: a script (or a library, asyncio's signal handlers)
-    that sets its own takes it over, and SIGTERM then waits for the main thread as before; one
-    set before the recording is left alone, and no watch starts. A forked child forgets the
-    watch (:func:`_forget_in_child`): its signals are its own."""
+    A SIGTERM handler the script sets is the script's: the watch acts only while SIGTERM's
+    handler is hooktrace's. The wakeup fd is one per process: a script (or a library,
+    asyncio's signal handlers) that sets its own takes it over, and SIGTERM then waits for
+    the main thread as before; one set before the recording is left alone, and no watch
+    starts. A script that sets one gets hooktrace's back where it would have got -1 (trio
+    warns of it). A forked child forgets the watch (:func:`_forget_in_child`): its signals
+    are its own."""
 
     GRACE_S = 1.0
     FINISH_S = 10.0
 
-    def __init__(self, finish: Callable[[], object]) -> None:
+    def __init__(self, finish: Callable[[], object], ours: Callable[[], bool]) -> None:
         self.handling = threading.Event()  # set by the main thread's handler as it starts
         self._finish = finish
+        self._ours = ours  # whether SIGTERM's handler is still hooktrace's
         self._read, self._write = os.pipe()
         os.set_blocking(self._write, False)  # (as set_wakeup_fd requires)
         self._thread = threading.Thread(target=self._watch, name="hooktrace-sigterm", daemon=True)
 
     @classmethod
-    def start(cls, finish: Callable[[], object]) -> _SigtermWatch | None:
+    def start(
+        cls, finish: Callable[[], object], *, ours: Callable[[], bool]
+    ) -> _SigtermWatch | None:
         """A watch calling ``finish`` before the process dies of a SIGTERM its main thread did
-        not handle, or None where the wakeup fd is taken (or this is not the main thread)."""
+        not handle while ``ours()`` (hooktrace's handler, not one the script set since), or
+        None where the wakeup fd is taken, this is not the main thread, or the system forks
+        no processes (Windows)."""
         global _watching, _forgets_in_children
-        watch = cls(finish)
+        if not hasattr(os, "register_at_fork"):
+            return None
+        watch = cls(finish, ours)
         try:
             earlier: int | None = signal.set_wakeup_fd(watch._write, warn_on_full_buffer=False)
         except ValueError:
@@ -189,8 +201,8 @@ class _SigtermWatch:
                 return
             if not signals:  # stopped
                 return
-            if int(signal.SIGTERM) not in signals:
-                continue
+            if int(signal.SIGTERM) not in signals or not self._ours():
+                continue  # (a handler the script set is the script's: it ends as it will)
             if self.handling.wait(self.GRACE_S):  # the main thread took it
                 self.handling.clear()
                 continue
