@@ -73,7 +73,17 @@ def _earlier_trace(out: Path, rank: int) -> bool:
     except (OSError, ValueError, KeyError, TypeError):
         return False  # none yet, or rank 0 is writing it
     started = _process_start()
-    return started is not None and isinstance(written, (int, float)) and written < started
+    return (
+        started is not None
+        and isinstance(written, (int, float))
+        and written < started - _CLOCKS_APART_S
+    )
+
+
+_CLOCKS_APART_S = 300.0
+"""How much older than this process rank 0's manifest must be to be an earlier run's: rank 0
+may run on another machine, with another clock, and this process may have started after it
+wrote its manifest (a slow container's start)."""
 
 
 def _process_start() -> float | None:
@@ -92,14 +102,31 @@ def _process_start() -> float | None:
 
 
 def _other_files(out: Path) -> list[str]:
-    """The names in ``out`` that no recording writes, sorted, where it holds none that one
-    does: a directory of the user's own. Hidden names (``.gitkeep``) do not count, nor does
-    a directory holding any part of a trace (another rank's, being written now)."""
+    """The names in ``out`` that no recording writes, sorted, where it holds no trace: a
+    directory of the user's own. Hidden names (``.gitkeep``) do not count. A trace is there
+    where a manifest is, or a rank's part of one (another rank's, being written now); a
+    folder of a trace's name is one of its parts only if it holds nothing but ranks' parts
+    (a project's ``modules/`` package is the user's)."""
     try:
-        names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+        entries = [p for p in out.iterdir() if not p.name.startswith(".")]
     except OSError:  # missing, or unreadable: mkdir below says what is wrong
         return []
-    return [] if _TRACE_ENTRIES.intersection(names) else names
+    kept: set[str] = set()  # the trace's parts among them
+    trace = False
+    for entry in entries:
+        if entry.name == schema.MANIFEST:
+            kept.add(entry.name)
+            trace = True
+        elif entry.name in _TRACE_ENTRIES and entry.is_dir():
+            try:
+                ranks = [c.name.startswith("rank=") for c in entry.iterdir()]
+            except OSError:
+                continue
+            if all(ranks):  # (empty: being made, its rank's part next)
+                kept.add(entry.name)
+                trace = trace or bool(ranks)
+    others = sorted(e.name for e in entries if e.name not in kept)
+    return [] if trace else others
 
 
 def clear_trace(out: Path, *, rank: int, world_size: int) -> None:

@@ -464,6 +464,13 @@ def test_bad_options_and_outputs_are_refused(tmp_path: Path) -> None:
     (tmp_path / "e" / ".gitkeep").write_text("")
     with hooktrace.record(model, tmp_path / "e"):  # hidden names are not the user's files
         pass
+    (tmp_path / "f" / "modules").mkdir(parents=True)  # a project's package of that name
+    (tmp_path / "f" / "modules" / "__init__.py").write_text("")
+    with pytest.raises(ConfigError, match=r"holds other files \(modules\)"):
+        hooktrace.record(model, tmp_path / "f")  # was taken for a part of a trace
+    (tmp_path / "g" / "records").mkdir(parents=True)  # another rank's, being made
+    with hooktrace.record(model, tmp_path / "g"):
+        pass
     (tmp_path / "b" / "notes.txt").write_text("x")
     with hooktrace.record(model, tmp_path / "b", overwrite=True):  # a trace, notes beside it
         pass
@@ -482,6 +489,8 @@ def test_every_rank_refuses_a_trace_an_earlier_run_left(tmp_path: Path) -> None:
     rundir.prepare_out(out, rank=1, overwrite=False)
     with pytest.raises(ConfigError, match="already holds a trace"):
         rundir.prepare_out(out, rank=0, overwrite=False)
+    manifest.write_text(json.dumps({"start_time": time.time() - 60}))  # clocks a minute apart
+    rundir.prepare_out(out, rank=1, overwrite=False)
     manifest.write_text(json.dumps({"start_time": time.time() - 3600}))  # a run of one rank
     with pytest.raises(ConfigError, match="already holds a trace"):
         rundir.prepare_out(out, rank=1, overwrite=False)
