@@ -94,28 +94,31 @@ def library_errors(func: F) -> F:
 def require_steps(run: Path, steps: str | None) -> None:
     """Refuse ``--steps`` that selects none of ``run``'s recorded steps, naming those it holds:
     an answer about no steps read as a clean one ("no anomalies", exit 0: a CI guard with
-    --fail passed on a mistyped range). Damaged parts are left for the command to report."""
+    --fail passed on a mistyped range). Where the steps table is damaged, the steps it lost
+    may hold records: the command answers, and reports the damage itself."""
     if steps is None:
         return
     from hooktrace.analyze.findings import step_filter
     from hooktrace.trace.reader import load
 
     chosen = step_filter(steps)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", TraceWarning)
+    with warnings.catch_warnings(record=True) as damaged:
+        warnings.simplefilter("always", TraceWarning)
         recorded = load(run).steps
-    if recorded.empty or chosen is None:
+    if recorded.empty or chosen is None or _damaged(damaged):
         return
-    numbers = recorded["step"]
+    numbers = recorded["step"].drop_duplicates().sort_values()
     if isinstance(chosen, tuple):
         selected = bool(((numbers >= chosen[0]) & (numbers <= chosen[1])).any())
     else:
         selected = bool(numbers.isin(chosen).any())
     if not selected:
-        raise CommandError(
-            f"--steps {steps} selects no recorded step: {run} holds steps "
-            f"{numbers.min()}–{numbers.max()}"
+        held = (
+            ", ".join(map(str, numbers))
+            if len(numbers) <= 8
+            else f"{len(numbers):,} steps from {numbers.iloc[0]} to {numbers.iloc[-1]}"
         )
+        raise CommandError(f"--steps {steps} selects no recorded step: {run} holds steps {held}")
 
 
 def _damaged(caught: list[warnings.WarningMessage]) -> bool:

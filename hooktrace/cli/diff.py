@@ -174,8 +174,6 @@ def render(result: DiffResult, *, top: int = 10) -> str:
         lines.append(f"first divergence: {r.first.describe()}")
         for name, (a, b) in r.first.values.items():
             lines.append(f"    {name:<14} A {_num(a):>14}   B {_num(b):>14}" + _delta(a, b))
-        if r.first.pooled:
-            lines.append("    (which rank's part differs: hooktrace diff --per-rank)")
         if r.first.errors:
             e = r.first.errors
             lines.append(

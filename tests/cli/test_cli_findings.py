@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import shutil
 import textwrap
 from pathlib import Path
 
@@ -98,9 +99,32 @@ def test_steps_that_select_no_recorded_step_are_an_error(
     result = invoke(*args, "--steps", "500-600")
     assert result.exit_code == 2, result.output
     assert result.output == (
-        f"hooktrace: error: --steps 500-600 selects no recorded step: {run} holds steps 0–29\n"
+        f"hooktrace: error: --steps 500-600 selects no recorded step: {run} holds steps 30 "
+        "steps from 0 to 29\n"
     )
     assert not (tmp_path / "p.png").exists() and not (tmp_path / "tb").exists()
+
+
+def test_steps_between_the_recorded_ones_name_those_and_a_damaged_steps_table_is_no_proof(
+    tmp_path: Path,
+) -> None:
+    """A run recorded every 3rd step was said to hold "steps 0–6"; a steps table with a
+    damaged part lost steps that still hold records, and the command was refused."""
+    model = MLP()
+    with hooktrace.record(model, tmp_path / "every3", every=3) as rec:
+        for _ in range(7):
+            model(torch.randn(4, 16)).sum().backward()
+            rec.step()
+    result = invoke("anomalies", tmp_path / "every3", "--steps", "4")
+    assert result.exit_code == 2
+    assert result.output.endswith("holds steps 0, 3, 6\n"), result.output
+    damaged = tmp_path / "damaged"
+    shutil.copytree(ROOT / "sample_traces" / "distributed" / "ddp", damaged)
+    for part in damaged.glob("steps/rank=*/part-000001.parquet"):  # steps 2-5's rows
+        part.write_bytes(b"not parquet")
+    answered = invoke("anomalies", damaged, "--steps", "4-5")
+    assert answered.exit_code == 1, answered.output  # an answer, leaving the damage out
+    assert "replicas_differ" in answered.output and "left out steps/" in answered.output
 
 
 def test_anomalies_formats(runs: dict[str, Path], tmp_path: Path) -> None:

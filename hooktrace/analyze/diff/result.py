@@ -40,7 +40,8 @@ class Divergence:
     errors: dict[str, float] = field(default_factory=dict)
     pooled: bool = False
     """A logical record of a run of several ranks (``rank`` the lowest pooled into it): which
-    rank's part differs is for a comparison ``per_rank`` to say."""
+    rank's part differs is for a comparison ``per_rank`` to say, where both runs have the
+    same ranks (the comparison's note says so)."""
 
     @property
     def pass_name(self) -> str:
