@@ -8,9 +8,9 @@ import inspect
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
-import shutil
 import textwrap
 from pathlib import Path
 
