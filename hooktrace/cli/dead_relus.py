@@ -118,7 +118,7 @@ def dead_relus(
 def render(run: Path, result: DeadUnits, *, list_units: bool) -> str:
     layers = result.layers
     if layers.empty:  # no ReLU-family module, or none whose activity the steps read hold
-        what = "layers" if any("no ReLU-family" in note for note in result.notes) else "activity"
+        what = "activity" if result.relu_modules else "layers"
         return "\n".join([f"no ReLU {what} to analyse in {run}", *result.notes]) + "\n"
     dead = int(layers["dead"].sum())
     lines = [

@@ -165,10 +165,15 @@ def record(
         args = args[1:]
     settings = _settings(config_file, given)
     if not Path(script).exists():
-        if Path(script).name in ("torchrun", "python", "python3"):  # a launcher, not a script
+        if Path(script).name == "torchrun":  # a launcher, not a script
             raise CommandError(
                 f"{script}: no such script; hooktrace record runs a Python script, and a launcher "
                 "runs hooktrace: torchrun --nproc-per-node N -m hooktrace record [OPTIONS] SCRIPT"
+            )
+        if Path(script).name in ("python", "python3"):
+            raise CommandError(
+                f"{script}: no such script; hooktrace record runs the script itself: hooktrace "
+                "record [OPTIONS] SCRIPT [ARGS]"
             )
         if script.startswith("-"):  # an option click did not know, taken for the script
             raise CommandError(
@@ -258,7 +263,13 @@ def _recorder_options(settings: dict[str, Any]) -> dict[str, Any]:
         if target is None:
             continue
         if key in ("modules", "exclude", "full_modules"):
-            patterns = [value] if isinstance(value, str) else list(value)
+            patterns = [value] if isinstance(value, str) else value
+            if not isinstance(patterns, (list, tuple)) or not all(
+                isinstance(p, str) for p in patterns
+            ):  # (a TOML value of another kind)
+                raise CommandError(
+                    f"{key} is a regex or a list of regexes, such as 'blocks\\.0' (got {value!r})"
+                )
             value = "|".join(f"(?:{p})" for p in patterns)  # regexes, searched in the name
         if key == "compression" and value == "none":
             value = None

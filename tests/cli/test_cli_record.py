@@ -586,6 +586,7 @@ def test_a_forked_worker_ended_by_sigterm_leaves_the_recording_alone(tmp_path: P
         (["--bogus"], "no such option: --bogus (hooktrace record --help"),  # was "no such
         # script"
         (["torchrun"], "a launcher runs hooktrace: torchrun --nproc-per-node N -m hooktrace"),
+        (["python"], "hooktrace record runs the script itself: hooktrace record [OPTIONS]"),
         (["--compression", "zip"], "--compression"),
         (["--config", "missing.toml"], "cannot read --config"),
         (["--max-tensor-mb", "inf"], "max_tensor_mb must be a finite number"),  # was internal
@@ -639,6 +640,7 @@ def test_a_flag_or_size_of_the_wrong_kind_in_the_config_fails_before_torch(
     for line, said in [
         ('inputs = "no"', "inputs is True or False (true or false in TOML; got 'no')"),
         ("histograms = 3", "histograms takes record kinds"),  # was an internal error
+        ("modules = 5", "modules is a regex or a list of regexes, such as 'blocks\\.0' (got 5)"),
         ("max_tensor_mb = -1", "max_tensor_mb must be a finite number, 0 or more (got -1)"),
     ]:
         config = tmp_path / "hooktrace.toml"

@@ -78,6 +78,8 @@ class DeadUnits:
     threshold: float
     layer_threshold: float
     notes: list[str] = field(default_factory=list)
+    relu_modules: int = 0
+    """ReLU-family modules the trace holds (those with activity in the steps read or not)."""
 
     @property
     def flagged(self) -> pd.DataFrame:
@@ -158,7 +160,9 @@ def dead_relus(
         raise ConfigError(f"min_steps must be 1 or more (got {min_steps})")
     trace = run if isinstance(run, Trace) else load(run)
     types = modules_of_type(trace.modules, RELU_FAMILY)
-    result = DeadUnits(_empty_layers(), _empty_units(), threshold, layer_threshold)
+    result = DeadUnits(
+        _empty_layers(), _empty_units(), threshold, layer_threshold, relu_modules=len(types)
+    )
     if not types:
         result.notes.append("the trace has no ReLU-family modules (" + ", ".join(RELU_FAMILY) + ")")
         return result

@@ -35,11 +35,11 @@ class Summary:
     first_step: int | None
     last_step: int | None
     evaluation_only: list[int]
+    """Steps recorded that never trained in a run that did: an evaluation after the last
+    optimizer step, or before the first."""
     ended_in_training: int | None
     """The run's last step, where its training forward ran and the run ended (an exception,
     a signal) before its backward: neither trained nor an evaluation."""
-    """Steps recorded that never trained in a run that did: an evaluation after the last
-    optimizer step, or before the first."""
     micro_steps: int
     written_steps: int  # steps the steps table holds, readable records or not
     skipped_steps: int
