@@ -212,18 +212,10 @@ class Hooks:
             if grad is None or not self._recording or _in_transform() or not self._captures.armed:
                 return
             with self._lock:
-                try:
-                    if not self._backward_active:
-                        self._backward_active = True
-                        _queue_callback(self._backward_done)
-                    bad = (
-                        finite.check(grad) if grad.is_cpu or self._captures.device_checks else False
-                    )
-                    where = self._where_now("train", targets[0][1]) if bad else {}
-                    self._captures.after_gradient(targets, grad, bad, where)
-                except Exception as exc:  # a capture's failure is its own
-                    where = self._where_now("train", targets[0][1])
-                    self._captures.failure(exc, f"the backward of {targets[0][0]!r}", where)
+                if not self._backward_active:
+                    self._backward_active = True
+                    _queue_callback(self._backward_done)
+                self._after_gradient(targets, grad, None, looked=True)
 
         return hook
 
@@ -597,9 +589,17 @@ class Hooks:
         return {"step": self.current_step, "micro_step": self.micro_step, "phase": phase,
                 "call": call}  # fmt: skip
 
-    def _after_gradient(self, targets: list[Target], grad: torch.Tensor, stats: Any) -> None:
+    def _after_gradient(
+        self, targets: list[Target], grad: torch.Tensor, stats: Any, *, looked: bool = False
+    ) -> None:
+        """Hand a gradient to the non-finite capture: from its queued ``stats``, or where none
+        were made (``looked``: a gradient recorded from a compiled graph's tap) by a look of
+        its own where that costs no wait for a device."""
         try:
-            bad = self._nonfinite(stats, grad)
+            if looked:
+                bad = (grad.is_cpu or self._captures.device_checks) and finite.check(grad)
+            else:
+                bad = self._nonfinite(stats, grad)
             where = self._where_now("train", targets[0][1]) if bad else {}
             self._captures.after_gradient(targets, grad, bad, where)
         except Exception as exc:  # a capture's failure is its own: the recording goes on
