@@ -91,8 +91,8 @@ def capture_paths(run: Path, rank: int | None = None) -> list[tuple[int, int, Pa
             r = int(rank_directory.name.partition("=")[2])
         except ValueError:
             continue
-        if rank is not None and r != rank:
-            continue
+        if (rank is not None and r != rank) or not rank_directory.is_dir():
+            continue  # (a file in a rank's place holds no capture)
         for path in rank_directory.iterdir():
             match = _NAME.fullmatch(path.name)
             if match:

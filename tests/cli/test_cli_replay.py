@@ -318,7 +318,8 @@ def test_no_capture_is_one_line_saying_why(
     assert one_line(limit).endswith("capture was off when it was recorded (capture_limit=0)")
     failed = tmp_path / "failed"
     failed.mkdir()
-    (failed / "captures").write_text("a file where the captures' directory goes")
+    (failed / "captures").mkdir()  # a file where this rank's captures' directory goes
+    (failed / "captures" / "rank=0").write_text("in the way")
     with pytest.warns(RuntimeWarning, match="could not capture the non-finite value"):
         record_run(Log(), failed)
     assert one_line(failed) == (

@@ -394,7 +394,8 @@ def test_captures_at_other_steps_are_still_pointed_at(tmp_path: Path) -> None:
 def test_failed_captures_and_traces_without_captures(tmp_path: Path) -> None:
     failed = tmp_path / "failed"
     failed.mkdir()
-    (failed / "captures").write_text("a file where the captures' directory goes")
+    (failed / "captures").mkdir()  # a file where this rank's captures' directory goes
+    (failed / "captures" / "rank=0").write_text("in the way")
     with pytest.warns(RuntimeWarning, match="could not capture"):
         record_run(Log(), failed)
     found = hooktrace.anomalies(failed)

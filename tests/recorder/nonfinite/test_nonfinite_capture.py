@@ -157,7 +157,8 @@ def test_a_capture_over_its_size_limit_names_what_it_left_out(tmp_path: Path):
 def test_a_capture_that_fails_is_a_warning_and_a_count_and_the_recording_goes_on(tmp_path: Path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "captures").write_text("in the way")  # the capture cannot make its directory
+    (out / "captures").mkdir()  # the capture cannot make its directory
+    (out / "captures" / "rank=0").write_text("in the way")
     model = planted.make("log")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
