@@ -302,18 +302,52 @@ def test_the_closing_report_says_why_a_run_holds_no_record(tmp_path: Path) -> No
     assert "records   0\n" in summary.stdout  # no colon with nothing after it
 
 
-def test_the_closing_report_says_where_a_model_called_only_when_compiled_is(
-    tmp_path: Path,
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_model_called_only_inside_a_compiled_function_is_found_as_it_compiles(
+    tmp_path: Path, backend: str
 ) -> None:
-    """A model called only inside a compiled function is not found by its calls: the run
-    said "incomplete: 0 steps, 0 records" and no more (the reason was in summary alone)."""
-    body = """
-    @torch.compile(backend="eager")
+    """A model called only inside a compiled function has no call outside compiled code to
+    be found by: the run said "incomplete: 0 steps, 0 records" (with ``eager``), or
+    recorded aot_eager's forward graph, which it runs as a module, as the model: a root
+    "GraphModule" of 18 evaluation outputs and nothing else. It is found as dynamo
+    compiles the function, and recorded as the script run without the compiler records
+    it, with its loss module."""
+    body = f"""
+    @torch.compile(backend={backend!r})
     def loss_of(x, y):
         return criterion(model(x), y)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for i in range(2):
         loss_of(*batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    """
+    script = _script(tmp_path, body)
+    compiled = _record("-o", str(tmp_path / "compiled"), str(script))
+    assert compiled.returncode == 0, compiled.stderr
+    closing = f"hooktrace: complete: 2 steps, 36 records in {tmp_path / 'compiled'}\n"
+    assert closing in compiled.stderr, compiled.stderr
+    eager = _record(
+        "-q", "-o", str(tmp_path / "eager"), str(script),
+        env={**os.environ, "TORCHDYNAMO_DISABLE": "1"},
+    )  # fmt: skip
+    assert eager.returncode == 0, eager.stderr
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match and result.records == 36, result
+    modules = set(hooktrace.load(tmp_path / "compiled").records["module"])
+    assert modules == {"Sequential", "0", "1", "2", "CrossEntropyLoss"}
+
+
+def test_the_closing_report_says_how_to_record_a_model_it_did_not_find(tmp_path: Path) -> None:
+    """An optimizer that steps parameters no module call holds (a model written as bare
+    tensors): the run said "incomplete: 0 steps, 0 records" and no more (the reason was in
+    summary alone)."""
+    body = """
+    w = nn.Parameter(torch.randn(4, 2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for i in range(2):
+        x, y = batch(i)
+        nn.functional.cross_entropy(x @ w, y).backward()
         opt.step()
         opt.zero_grad()
     """
@@ -323,8 +357,8 @@ def test_the_closing_report_says_where_a_model_called_only_when_compiled_is(
     assert result.stderr.splitlines()[-1] == (
         f"hooktrace: incomplete: 0 steps, 0 records in {run}: an optimizer stepped 2 time(s), "
         "but no recorded model holds its parameters: nothing was recorded (hooktrace record "
-        "finds a model by its calls outside compiled code: one called only inside a "
-        "torch.compile'd function is recorded by hooktrace.record(model, out) in the script)"
+        "finds a model at its first call, or as dynamo compiles a function that calls it; "
+        "hooktrace.record(model, out) in the script records any other)"
     )
 
 

@@ -75,6 +75,11 @@ class Receiver(Protocol):
     def records_module(self, module_id: int) -> bool:
         """Whether the module with this id is recorded."""
 
+    def graph_calls(self, modules: Sequence[Any]) -> None:
+        """A graph being compiled calls ``modules`` outside any module of its own (the models
+        a compiled function calls): where a recording finds its models as they run, it takes
+        those it has not met as models, before their graph is instrumented."""
+
     def graph_regions_unopened(self, paths: list[str]) -> None:
         """The modules at ``paths`` run inside a region of a graph that is not opened
         (``torch.cond``'s branches): not recorded there."""
@@ -127,6 +132,7 @@ def wrap_call_user_compiler(original: Callable[..., Any]) -> Callable[..., Any]:
         if receiver is None:
             return original(self, gm, example_inputs)
         backend = self.compiler_fn
+        receiver.graph_calls(_outermost_modules(self, gm))
         self.compiler_fn = _Instrumenting(
             backend, receiver, alike=_alike(self, receiver), code=_frame_code(self)
         )
@@ -148,6 +154,54 @@ def _alike(output_graph: Any, receiver: Receiver) -> bool:
         return any(receiver.records_alike(value) for value in list(frame.values()))
     except Exception:
         return False
+
+
+def _outermost_modules(output_graph: Any, gm: fx.GraphModule) -> list[Any]:
+    """The modules the graph calls outside any other of its modules, in the order it calls
+    them: each found from its ``nn_module_stack`` path (``G['model']``, ``L['self'].model``)
+    in the globals and locals of the frame dynamo compiles, and kept where it is the very
+    module dynamo traced (its id). None where the frame is a module's own call (its
+    forward compiled on its own, whose module the stack leaves out: the paths name its
+    children), nor where dynamo's own attributes are missing or a path does not read so."""
+    root_tx = getattr(output_graph, "root_tx", None)
+    names = {
+        "L": getattr(root_tx, "f_locals", None),
+        "G": getattr(root_tx, "f_globals", None),
+    }
+    if names["L"] is None or names["G"] is None or _a_modules_call(root_tx):
+        return []
+    found: dict[int, Any] = {}
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        key, (path, _) = next(iter(stack.items()))
+        module_id = int(str(key).split("@")[0])
+        if module_id in found or not isinstance(path, str):
+            continue
+        found[module_id] = None
+        with contextlib.suppress(Exception):  # (dynamo's own syntax for a path: not read)
+            module = _read(path, names)
+            if id(module) == module_id and isinstance(module, torch.nn.Module):
+                found[module_id] = module
+    return [module for module in found.values() if module is not None]
+
+
+def _a_modules_call(root_tx: Any) -> bool:
+    """Whether the frame dynamo compiles is a module's own call: its ``forward``, or
+    torch's call of it (``model.compile()`` compiles ``_call_impl``)."""
+    self = root_tx.f_locals.get("self")
+    if not isinstance(self, torch.nn.Module):
+        return False
+    code = root_tx.f_code
+    forward = getattr(type(self).forward, "__code__", None)
+    return code is forward or code.co_name in ("_call_impl", "_wrapped_call_impl", "forward")
+
+
+def _read(path: str, names: dict[str, Any]) -> Any:
+    """The object at a path dynamo wrote (its sources' names: subscripts and attributes of
+    ``L`` and ``G``), read without builtins."""
+    return eval(path, {"__builtins__": {}}, names)
 
 
 def _frame_code(output_graph: Any) -> Any:

@@ -138,31 +138,36 @@ class CompiledCalls:
     def _resolve(
         self, plan: Plan, args: tuple[Any, ...], held: tuple[Any, ...]
     ) -> list[Attached | None]:
-        frames: dict[str, torch.nn.Module | None] = {}
-        for frame, (index, path) in plan.anchors.items():
-            frames[frame] = self._frame_module(args[index], path)
+        frames: dict[str, tuple[torch.nn.Module | None, str | None]] = {}
+        for frame, (index, parameter) in plan.anchors.items():
+            frames[frame] = self._frame_module(args[index], parameter)
         for frame, module in zip(plan.unanchored, held, strict=True):
             if isinstance(module, torch.nn.Module):
-                frames[frame] = unwrap(module)[0]
+                frames[frame] = (unwrap(module)[0], "")
         entries: list[Attached | None] = []
         for call in plan.calls:
             if call.watched:  # hooktrace.watch's name, whoever runs the graph
                 entries.append(Attached(None, call.watched, channels_first=False, root=False))
                 continue
-            if call.frame not in frames:  # a frame not found running: as it was traced
-                entries.append(self._table.by_id(call.traced_id))
+            frame_module, above = frames.get(call.frame, (None, None))
+            path = _below(call.path, above) if above else call.path
+            if above is None or path is None:  # a frame not found running, or a call beside
+                entries.append(self._table.by_id(call.traced_id))  # the model: as traced
                 continue
-            frame_module, module = frames[call.frame], None
+            module = None
             if frame_module is not None:  # (None: a model not recorded runs this graph)
                 try:
-                    module = frame_module.get_submodule(call.path) if call.path else frame_module
+                    module = frame_module.get_submodule(path) if path else frame_module
                 except AttributeError:
                     module = None
             entries.append(self._table.get(module) if module is not None else None)
         return entries
 
-    def _frame_module(self, parameter: Any, path: str) -> torch.nn.Module | None:
-        """The module whose parameter ``parameter`` is at ``path``."""
+    def _frame_module(self, parameter: Any, path: str) -> tuple[torch.nn.Module | None, str]:
+        """The module whose parameter ``parameter`` is at ``path`` from the frame, and ""; or
+        where the frame is above the model that holds it (a method of a trainer that holds
+        ``self.model``: the path ``model.fc.weight``), the model and its path from the
+        frame (``model``). (None, "") where no recorded model holds it."""
         owner = self._owners.get(id(parameter))
         if owner is None:
             for root in self._names.roots.values():
@@ -171,16 +176,19 @@ class CompiledCalls:
                     self._owners.setdefault(id(param), (inner, []))[1].append(qualname)
             owner = self._owners.get(id(parameter))
         if owner is None:
-            return None
+            return None, ""
         inner, qualnames = owner  # several where a parameter is tied (an embedding's)
         for qualname in qualnames:
             if qualname == path or qualname.endswith("." + path):
                 prefix = qualname[: len(qualname) - len(path)].rstrip(".")
                 try:
-                    return inner.get_submodule(prefix) if prefix else inner
+                    return (inner.get_submodule(prefix) if prefix else inner), ""
                 except AttributeError:
-                    return None
-        return None
+                    return None, ""
+        for qualname in qualnames:
+            if path.endswith("." + qualname):
+                return inner, path[: len(path) - len(qualname) - 1]
+        return None, ""
 
     def expect(self, tap: int, expected: Expected) -> None:
         """A call of a graph reached ``tap``: its gradient is recorded as ``expected`` says."""
@@ -194,6 +202,14 @@ class CompiledCalls:
     def backward_done(self) -> None:
         self._taps.clear()
         self.kept.clear()
+
+
+def _below(path: str, above: str) -> str | None:
+    """``path`` from the model at ``above`` (``model.fc`` from ``model``: ``fc``; ``model``
+    itself: ""), or None where it is not inside it."""
+    if path == above:
+        return ""
+    return path[len(above) + 1 :] if path.startswith(above + ".") else None
 
 
 _LOCAL = re.compile(r"L\['(\w+)'\]")

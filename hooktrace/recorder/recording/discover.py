@@ -16,8 +16,11 @@ Steps, where the script says nothing:
 
 from __future__ import annotations
 
+import os
+import sys
+import types
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,9 +36,8 @@ class ScriptRecorder(Recorder):
     """A recorder with no models given: it finds them, and their steps, as the script runs."""
 
     _unrecorded_hint = (
-        " (hooktrace record finds a model by its calls outside compiled code: one called only "
-        "inside a torch.compile'd function is recorded by hooktrace.record(model, out) in the "
-        "script)"
+        " (hooktrace record finds a model at its first call, or as dynamo compiles a function "
+        "that calls it; hooktrace.record(model, out) in the script records any other)"
     )
 
     def __init__(self, out: str, **options: Any) -> None:
@@ -98,9 +100,22 @@ class ScriptRecorder(Recorder):
         super()._exit(entry, module, args, output)
         self._depth = max(0, self._depth - 1)
 
+    def graph_calls(self, modules: Sequence[Any]) -> None:
+        """Models a graph calls, found as dynamo compiles it: those called only inside a
+        compiled function are met nowhere else. Taken as roots in the order the graph
+        calls them, as their first calls would take them."""
+        if not self._active or self._paused:
+            return
+        for module in modules:
+            try:
+                if id(module) not in self._names.known and id(module) not in self._wrapper_ids:
+                    self._discover_root(module)
+            except Exception as exc:
+                self._fault(exc, f"finding the model {type(module).__name__}")
+
     def _discover_root(self, module: nn.Module) -> None:
         inner, _ = unwrap(module)
-        if id(inner) in self._names.known:
+        if id(inner) in self._names.known or _run_by_the_compiler(inner):
             return
         hooked = self._discover(module, inner)
         if any(True for _ in inner.parameters()):
@@ -195,3 +210,26 @@ class ScriptRecorder(Recorder):
             return result
 
         return step
+
+
+_COMPILER_PACKAGES = tuple(
+    os.path.join(os.path.dirname(torch.__file__), package) + os.sep
+    for package in ("_dynamo", "_functorch", "_inductor")
+)
+# between the compiler and a module's forward: torch's module and fx calls, and hooktrace's
+_CALLING_PACKAGES = (
+    *(os.path.join(os.path.dirname(torch.__file__), package) + os.sep for package in ("nn", "fx")),
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+)
+
+
+def _run_by_the_compiler(module: nn.Module) -> bool:
+    """Whether ``module`` is a graph that a compiled function's backend runs (aot_eager
+    calls its forward graph as a module): no model of the script's. Told by who calls it,
+    past torch's module and fx call frames: torch's compiler."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return False
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_CALLING_PACKAGES):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_COMPILER_PACKAGES)

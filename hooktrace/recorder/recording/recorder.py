@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -416,6 +416,9 @@ class Recorder(Steps):
     def records_module(self, module_id: int) -> bool:
         entry = self._table.by_id(module_id)
         return entry is not None and entry.name is not None
+
+    def graph_calls(self, modules: Sequence[Any]) -> None:
+        """The models are the ones given (:class:`ScriptRecorder` finds its own)."""
 
     def records_alike(self, module: Any) -> bool:
         """Whether ``module`` is not recorded but a module of its type is: dynamo may run a

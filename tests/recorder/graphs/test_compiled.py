@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import json
 import math
@@ -846,6 +847,129 @@ def test_a_compiled_function_that_calls_the_model_records_it_whole(tmp_path: Pat
     result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
     assert result.match, result
     assert result.records == len(hooktrace.load(tmp_path / "eager").records)
+
+
+class _Trainer:
+    """What training scripts often compile: a method of an object that holds the model and
+    its loss (no module itself)."""
+
+    def __init__(self) -> None:
+        self.model = Blocks()
+        self.loss_fn = nn.MSELoss()
+
+    def loss(self, x: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.model(x), torch.zeros(4, 2))
+
+
+class _Lit(nn.Module):
+    """A module whose own method, not its forward, is compiled: a LightningModule's
+    ``training_step``, calling the model it holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Blocks()
+
+    def training_step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x).pow(2).mean()
+
+
+_COMPILED_CALLERS: dict[str, Callable[[nn.Module], Callable[[torch.Tensor], torch.Tensor]]] = {
+    # the model a global of the compiled function's module, reached as G['model']
+    "global": lambda model: torch.compile(_global_forward, backend="aot_eager"),
+    # a closure's variable, and an argument (L['model'])
+    "closure": lambda model: torch.compile(lambda x: model(x), backend="aot_eager"),
+    "argument": lambda model: functools.partial(
+        torch.compile(lambda m, x: m(x), backend="aot_eager"), model
+    ),
+}
+
+_global_model: list[nn.Module] = []
+
+
+def _global_forward(x: torch.Tensor) -> torch.Tensor:
+    return _global_model[0](x)
+
+
+def _train_compiled_caller(
+    out: Path, how: str, *, script: bool, steps: int = 2
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``steps`` SGD steps of :class:`Blocks` called only inside a compiled function
+    (``how``: a key of ``_COMPILED_CALLERS``; "method": a compiled method of a
+    :class:`_Trainer`; "module method": of a :class:`_Lit`), recorded by ``hooktrace.record(model, out)``, or where ``script``
+    by ``hooktrace record``'s recorder, which is told of no model. The loss is the
+    eager run's of :func:`_train` (``pow(2).mean()``), but for "method" (its own loss
+    module, inside the graph)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if how == "method":
+        trainer = _Trainer()
+        model, loss_of = trainer.model, torch.compile(trainer.loss, backend="aot_eager")
+    elif how == "module method":
+        lit = _Lit()
+        model, loss_of = lit.model, torch.compile(lit.training_step, backend="aot_eager")
+    else:
+        model = Blocks()
+        _global_model[:] = [model]
+        forward = _COMPILED_CALLERS[how](model)
+
+        def loss_of(x: torch.Tensor) -> torch.Tensor:
+            return forward(x).pow(2).mean()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    losses = []
+    recorder = (
+        ScriptRecorder(str(out), strict=True)
+        if script
+        else hooktrace.record(model, out, strict=True)
+    )
+    with recorder:
+        for _ in range(steps):
+            loss = loss_of(torch.randn(4, 8, generator=data))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    _global_model.clear()
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("how", ["global", "closure", "argument", "method", "module method"])
+@pytest.mark.parametrize("script", [False, True], ids=["record", "script"])
+def test_a_model_called_only_inside_a_compiled_function_is_recorded_as_an_eager_run(
+    tmp_path: Path, how: str, script: bool
+) -> None:
+    """However a compiled function reaches the model (a global, a closure, an argument, a
+    trainer's ``self.model``, a module's own method's), every module inside is recorded as an eager run records it:
+    given to ``hooktrace.record``, or found by ``hooktrace record`` as dynamo compiles the
+    function (no call of the model runs outside the graph for it to meet). The trainer's
+    loss module is found too, as a root of its own, as an eager run finds it."""
+    compiled = _train_compiled_caller(tmp_path / "compiled", how, script=script)
+    with torch._dynamo.config.patch(disable=True):
+        eager = _train_compiled_caller(tmp_path / "eager", how, script=script)
+    assert compiled[0] == pytest.approx(eager[0], rel=1e-5)
+    result = hooktrace.diff(tmp_path / "eager", tmp_path / "compiled", rtol=1e-4)
+    assert result.match, result
+    records = hooktrace.load(tmp_path / "compiled").records
+    assert result.records == len(records)
+    kinds = Counter(records["kind"])
+    assert kinds["output"] == kinds["grad_output"] > 0, kinds
+    modules = set(records["module"])
+    assert {"blocks.0.fc", "blocks.2.act", "norm", "head"} <= modules, modules
+    if script and how == "method":
+        assert "MSELoss" in modules  # the trainer's loss module, a root found beside it
+    roots = hooktrace.load(tmp_path / "compiled").modules
+    assert not any("GraphModule" in name for name in roots["module"]), roots
+
+
+def test_a_graph_a_backend_runs_as_a_module_is_not_taken_for_a_model(tmp_path: Path) -> None:
+    """aot_eager runs its forward graph as a module, called at the top of the script's
+    calls as a model is: ``hooktrace record`` does not record it as a root (it recorded the
+    graph's outputs as an evaluation's, and found no model)."""
+    _train_compiled_caller(tmp_path / "run", "global", script=True)
+    trace = hooktrace.load(tmp_path / "run")
+    assert set(trace.records["phase"]) == {"train"}
+    assert not any("GraphModule" in name for name in trace.modules["module"])
 
 
 def test_dynamic_shapes_record_each_calls_own_shape(tmp_path: Path) -> None:
