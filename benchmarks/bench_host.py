@@ -25,6 +25,9 @@ repetitions. The variants:
   python floor   (on the CPU) not a recording: the least Python that reads what ``outputs
                  only`` reads (:func:`python_floor`); ``outputs only`` beyond it is the
                  recorder's bookkeeping
+  c++ floor      (on the CPU, where torch's extension builder finds ninja and a compiler)
+                 the python floor's hook written in C++ (``cpp_floor.cpp``, :func:`cpp_floor`),
+                 its gradient hook a C++ one: what a hook pays past torch's own Python
   torch's route  (on a GPU) the defaults, a tensor's statistics and histogram by torch's
                  operations instead of the Triton kernels
   one by one     (on a GPU) the defaults, parameters and gradients each by its own route
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import os
 import statistics
@@ -143,6 +147,39 @@ def python_floor(model: nn.Module, out: Path) -> Iterator[None]:
         handle.remove()
 
 
+@functools.cache
+def _cpp_floor() -> Any:
+    """``cpp_floor.cpp`` built by torch's extension builder (ninja and a C++ compiler), or
+    None where it cannot be built here."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load("hooktrace_cpp_floor", [str(Path(__file__).with_name("cpp_floor.cpp"))],
+                    extra_cflags=["-O2"])  # fmt: skip
+    except Exception as exc:
+        print(f"bench_host: c++ floor left out: {type(exc).__name__}: {exc}".splitlines()[0])
+        return None
+
+
+@contextlib.contextmanager
+def cpp_floor(model: nn.Module, out: Path) -> Iterator[None]:
+    """Not a recording either: ``python floor`` written in C++ (``cpp_floor.cpp``), the
+    gradient hooked by a C++ hook that runs in the autograd engine without the interpreter.
+    What a hook costs where only torch's own Python (``Module._call_impl``) is left."""
+    hooks = _cpp_floor().Hooks()
+    for index, (name, module) in enumerate(model.named_modules()):
+        if name:
+            hooks.add(module, index)
+    handle = register_module_forward_hook(hooks.post, with_kwargs=True, always_call=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+        with_kwargs = torch.nn.modules.module._global_forward_hooks_with_kwargs
+        with_kwargs.pop(handle.id, None)  # (its handle leaves it there)
+        hooks.taken()
+
+
 @contextlib.contextmanager
 def torch_route(model: nn.Module, out: Path) -> Iterator[None]:
     """The defaults with a device's statistics and histograms taken by torch's operations,
@@ -177,8 +214,8 @@ VARIANTS: dict[str, Variant] = {
 }
 ON_A_DEVICE: dict[str, Variant] = {"torch's route": torch_route, "one by one": one_by_one}
 """Variants measured on a GPU only."""
-ON_THE_CPU: dict[str, Variant] = {"python floor": python_floor}
-"""Variants measured on the CPU only."""
+ON_THE_CPU: dict[str, Variant] = {"python floor": python_floor, "c++ floor": cpp_floor}
+"""Variants measured on the CPU only (the c++ floor where it builds)."""
 
 
 def make_model(layers: int) -> nn.Module:
@@ -229,6 +266,8 @@ def measure(device: torch.device, reps: int, steps: int, layers: int) -> dict[st
     torch.set_num_threads(1)
     model = make_model(layers).to(device)
     variants = {**VARIANTS, **(ON_A_DEVICE if device.type == "cuda" else ON_THE_CPU)}
+    if "c++ floor" in variants and _cpp_floor() is None:
+        del variants["c++ floor"]
     times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as tmp:
         time_steps(VARIANTS["defaults"], model, Path(tmp), 2)  # kernels loaded, compiled
@@ -266,6 +305,7 @@ def report(times: dict[str, list[float]], device: torch.device, steps: int, laye
         "outputs, output gradients": ("outputs only", "plain"),
         "Python's collector": ("defaults", "no collector"),
         "outputs only beyond the floor": ("outputs only", "python floor"),
+        "outputs only beyond c++'s": ("outputs only", "c++ floor"),
     }
     for what, (this, less) in shares.items():
         if less not in per_call:

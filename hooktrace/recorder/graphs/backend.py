@@ -132,7 +132,11 @@ def wrap_call_user_compiler(original: Callable[..., Any]) -> Callable[..., Any]:
         if receiver is None:
             return original(self, gm, example_inputs)
         backend = self.compiler_fn
-        receiver.graph_calls(_outermost_modules(self, gm))
+        try:
+            called = _outermost_modules(self, gm)
+        except Exception:  # (dynamo's own attributes, changed): found by their calls alone
+            called = []
+        receiver.graph_calls(called)
         self.compiler_fn = _Instrumenting(
             backend, receiver, alike=_alike(self, receiver), code=_frame_code(self)
         )
