@@ -26,6 +26,7 @@ because of hooktrace.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -41,6 +42,7 @@ class Receiver(Protocol):
     """The recorder, as the graphs see it."""
 
     max_units: int
+    finds_models: bool  # the models a compiled function calls are found as it compiles
 
     @property
     def skips_steps(self) -> bool:
@@ -77,8 +79,8 @@ class Receiver(Protocol):
 
     def graph_calls(self, modules: Sequence[Any]) -> None:
         """A graph being compiled calls ``modules`` outside any module of its own (the models
-        a compiled function calls): where a recording finds its models as they run, it takes
-        those it has not met as models, before their graph is instrumented."""
+        a compiled function calls), where ``finds_models``: those it has not met are taken
+        as models before their graph is instrumented."""
 
     def graph_regions_unopened(self, paths: list[str]) -> None:
         """The modules at ``paths`` run inside a region of a graph that is not opened
@@ -132,11 +134,13 @@ def wrap_call_user_compiler(original: Callable[..., Any]) -> Callable[..., Any]:
         if receiver is None:
             return original(self, gm, example_inputs)
         backend = self.compiler_fn
-        try:
-            called = _outermost_modules(self, gm)
-        except Exception:  # (dynamo's own attributes, changed): found by their calls alone
-            called = []
-        receiver.graph_calls(called)
+        if receiver.finds_models:
+            try:
+                called = _outermost_modules(self, gm)
+            except Exception:  # (dynamo's own attributes, changed): found by their calls alone
+                called = []
+            if called:
+                receiver.graph_calls(called)
         self.compiler_fn = _Instrumenting(
             backend, receiver, alike=_alike(self, receiver), code=_frame_code(self)
         )
@@ -180,11 +184,14 @@ def _outermost_modules(output_graph: Any, gm: fx.GraphModule) -> list[Any]:
         if not stack:
             continue
         key, (path, _) = next(iter(stack.items()))
-        module_id = int(str(key).split("@")[0])
+        try:  # an id, but for a module dynamo keeps as it is (its name: not found so)
+            module_id = int(str(key).split("@")[0])
+        except ValueError:
+            continue
         if module_id in found or not isinstance(path, str):
             continue
         found[module_id] = None
-        with contextlib.suppress(Exception):  # (dynamo's own syntax for a path: not read)
+        with contextlib.suppress(Exception):  # (a path that does not read so: not found)
             module = _read(path, names)
             if id(module) == module_id and isinstance(module, torch.nn.Module):
                 found[module_id] = module
@@ -202,10 +209,30 @@ def _a_modules_call(root_tx: Any) -> bool:
     return code is forward or code.co_name in ("_call_impl", "_wrapped_call_impl", "forward")
 
 
+_PATH_BASE = re.compile(r"([LG])\['([^']*)'\]")
+_PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']*)'\]")
+
+
 def _read(path: str, names: dict[str, Any]) -> Any:
-    """The object at a path dynamo wrote (its sources' names: subscripts and attributes of
-    ``L`` and ``G``), read without builtins."""
-    return eval(path, {"__builtins__": {}}, names)
+    """The object at a path dynamo wrote for a module (``L['self'].model``,
+    ``G['models']['enc']``, ``G['blocks'][0].fc``): a local or a global, then attributes,
+    indices and keys, read as dynamo read them. LookupError for any other path."""
+    base = _PATH_BASE.match(path)
+    if base is None:
+        raise LookupError(path)
+    value = names[base.group(1)][base.group(2)]
+    position = base.end()
+    while position < len(path):
+        part = _PATH_PART.match(path, position)
+        if part is None:
+            raise LookupError(path)
+        attribute, index, key = part.groups()
+        if attribute is not None:
+            value = getattr(value, attribute)
+        else:
+            value = value[int(index) if index is not None else key]
+        position = part.end()
+    return value
 
 
 def _frame_code(output_graph: Any) -> Any:

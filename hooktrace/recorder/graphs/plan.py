@@ -179,7 +179,7 @@ def instrument(
     for position, mark in enumerate(marks):
         value, slot = mark.args
         stack = mark.meta.get("nn_module_stack") or {}
-        for depth, outer in enumerate(stack, start=1):  # this mark is inside each of them
+        for depth, outer in enumerate(_call_keys(stack), start=1):  # inside each of them
             begins.setdefault(outer, (position, depth))
         graph.erase_node(mark)
         if mark.target in ops.WATCH_MARKS:  # a call of its own, at its place
@@ -191,6 +191,7 @@ def instrument(
         key, (path, module_type) = next(reversed(stack.items()), ("", ("", None)))
         if key and not recorded(int(key.split("@")[0])):
             continue  # (no stack: the frame's own module, known only when the graph runs)
+        key = _call_keys(stack)[-1] if key else ""
         local = mark.target in ops.LOCAL_MARKS
         kind = "input" if mark.target in ops.INPUT_MARKS else "output"
         if kind == "output":
@@ -263,7 +264,7 @@ def instrument(
     graph.lint()
     gm.recompile()
     frames = {c.frame for c in planned if not c.watched}
-    anchors = _anchors(placeholders, frames)
+    anchors = _anchors(placeholders, frames, recorded)
     return Plan(
         returns=returns,
         calls=planned,
@@ -718,6 +719,13 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
     return copy
 
 
+def _call_keys(stack: dict[str, Any]) -> list[str]:
+    """The module calls of an ``nn_module_stack``, outermost first, each by its key (the
+    module's id, with ``@n`` from its second call) and its path: dynamo counts calls by
+    path, so that one module two models share, called through each, has one key twice."""
+    return [f"{key}@{value[0]}" for key, value in stack.items()]
+
+
 def _starts(graph: fx.Graph) -> dict[str, fx.Node]:
     """Where each module call in ``graph`` begins: the first node run inside it (by the
     calls in its ``nn_module_stack``) that is not a mark; for a call that runs nothing but
@@ -725,7 +733,7 @@ def _starts(graph: fx.Graph) -> dict[str, fx.Node]:
     starts: dict[str, fx.Node] = {}
     for node in graph.nodes:
         stack = node.meta.get("nn_module_stack") or {}
-        for key in stack:
+        for key in _call_keys(stack):
             if key not in starts:
                 first = node
                 while first.op == "call_function" and first.target in ops.MARKS:
@@ -798,10 +806,15 @@ def _split_path(path: str) -> tuple[str, str]:
     return path[: end + 1], path[end + 2 :]
 
 
-def _anchors(placeholders: list[fx.Node], frames: set[str]) -> dict[str, tuple[int, str]]:
+def _anchors(
+    placeholders: list[fx.Node], frames: set[str], recorded: Callable[[int], bool]
+) -> dict[str, tuple[int, str]]:
     """For each frame, a placeholder that takes one of its module's parameters, and that
-    parameter's path from the module (``"blocks.0.fc.weight"``)."""
+    parameter's path from the module (``"blocks.0.fc.weight"``): the first of a module
+    ``recorded`` where there is one (a trainer's method may take a module that is not
+    recorded first, its projection or a frozen teacher), else the first."""
     anchors: dict[str, tuple[int, str]] = {}
+    others: dict[str, tuple[int, str]] = {}
     for index, node in enumerate(placeholders):
         name = _source_name(node)
         if name is None:
@@ -809,8 +822,14 @@ def _anchors(placeholders: list[fx.Node], frames: set[str]) -> dict[str, tuple[i
         frame, rest = _split_source(name)
         if frame not in frames or frame in anchors or rest is None:
             continue
-        anchors[frame] = (index, rest)
-    return anchors
+        stack = node.meta.get("nn_module_stack") or {}
+        key = next(reversed(stack), "")
+        owner = key.split("@")[0]
+        if owner.isdigit() and recorded(int(owner)):
+            anchors[frame] = (index, rest)
+        else:
+            others.setdefault(frame, (index, rest))
+    return {**others, **anchors}
 
 
 def _split_source(name: str) -> tuple[str, str | None]:

@@ -20,6 +20,7 @@ hook on the tensor the graph returns.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import sys
@@ -49,7 +50,8 @@ class CompiledCalls:
         self._names = names
         self._table = table
         self._modules: dict[tuple[int, tuple[int, ...]], list[Attached | None]] = {}
-        self._owners: dict[int, tuple[torch.nn.Module, list[str]]] = {}  # by parameter id
+        # by parameter id: the recorded models holding it, and its path in each
+        self._owners: dict[int, list[tuple[torch.nn.Module, str]]] = {}
         self._taps: dict[int, list[Expected]] = {}
         self.kept: dict[int, torch.Tensor] = {}  # gradients handed on in full, by tap
         self.delivered = 0  # graph runs recorded
@@ -163,32 +165,36 @@ class CompiledCalls:
             entries.append(self._table.get(module) if module is not None else None)
         return entries
 
-    def _frame_module(self, parameter: Any, path: str) -> tuple[torch.nn.Module | None, str]:
+    def _frame_module(self, parameter: Any, path: str) -> tuple[torch.nn.Module | None, str | None]:
         """The module whose parameter ``parameter`` is at ``path`` from the frame, and ""; or
         where the frame is above the model that holds it (a method of a trainer that holds
         ``self.model``: the path ``model.fc.weight``), the model and its path from the
-        frame (``model``). (None, "") where no recorded model holds it."""
-        owner = self._owners.get(id(parameter))
-        if owner is None:
+        frame (``model``). (None, ""): no recorded model holds it (a model not recorded
+        runs the graph); (None, None): recorded models hold it in more than one place that
+        fits the path (a module two models share): the frame's calls are taken as traced."""
+        owners = self._owners.get(id(parameter))
+        if owners is None:
             for root in self._names.roots.values():
                 inner, _ = unwrap(root)
                 for qualname, param in inner.named_parameters(remove_duplicate=False):
-                    self._owners.setdefault(id(param), (inner, []))[1].append(qualname)
-            owner = self._owners.get(id(parameter))
-        if owner is None:
+                    self._owners.setdefault(id(param), []).append((inner, qualname))
+            owners = self._owners.get(id(parameter))
+        if owners is None:
             return None, ""
-        inner, qualnames = owner  # several where a parameter is tied (an embedding's)
-        for qualname in qualnames:
+        found: dict[tuple[int, str], torch.nn.Module] = {}  # several: tied, or shared
+        for inner, qualname in owners:
             if qualname == path or qualname.endswith("." + path):
                 prefix = qualname[: len(qualname) - len(path)].rstrip(".")
-                try:
-                    return (inner.get_submodule(prefix) if prefix else inner), ""
-                except AttributeError:
-                    return None, ""
-        for qualname in qualnames:
-            if path.endswith("." + qualname):
-                return inner, path[: len(path) - len(qualname) - 1]
-        return None, ""
+                with contextlib.suppress(AttributeError):
+                    module = inner.get_submodule(prefix) if prefix else inner
+                    found[(id(module), "")] = module
+        if not found:
+            for inner, qualname in owners:
+                if path.endswith("." + qualname):
+                    found[(id(inner), path[: len(path) - len(qualname) - 1])] = inner
+        if len(found) > 1:
+            return None, None
+        return next(((module, above) for (_, above), module in found.items()), (None, ""))
 
     def expect(self, tap: int, expected: Expected) -> None:
         """A call of a graph reached ``tap``: its gradient is recorded as ``expected`` says."""

@@ -51,6 +51,7 @@ class ScriptRecorder(Recorder):
         self._saw_backward = False
         self._model_forwards = 0  # top-level forwards of models with parameters in this step
         self._model_ids: set[int] = set()  # roots with parameters, and their wrappers
+        self._graphs: dict[int, weakref.ref[nn.Module]] = {}  # a backend's, run as modules
         self._wrapper_ids: set[int] = set()
         super().__init__(None, out, **options)
 
@@ -80,17 +81,31 @@ class ScriptRecorder(Recorder):
         self._depth += 1
         if self._depth == 1 and self._active:
             try:
-                if id(module) not in self._names.known and id(module) not in self._wrapper_ids:
-                    self._discover_root(module)
+                if (
+                    id(module) not in self._names.known
+                    and id(module) not in self._wrapper_ids
+                    and not self._a_compilers_graph(module)
+                ):
+                    with self._lock:
+                        self._discover_root(module)
                 if id(module) in self._model_ids:
-                    # inference (no backward pass, no optimizer): each model forward is a
-                    # step, ended when the next one starts: a backward pass may still follow
-                    if self._model_forwards and self._inference_mode():
-                        self._end_step()
-                    self._model_forwards += 1
+                    self._model_forward()
             except Exception as exc:
                 self._fault(exc, f"finding the model {type(module).__name__}")
         super()._pre(module, args, kwargs)
+
+    def _model_forward(self) -> None:
+        """A model's forward begins, outside any module's: in inference (no backward pass,
+        no optimizer), each is a step, ended when the next one starts (a backward pass may
+        still follow)."""
+        if self._model_forwards and self._inference_mode():
+            self._end_step()
+        self._model_forwards += 1
+
+    def _enter_root(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._depth == 0 and id(module) in self._model_ids:  # no call of it outside: a
+            self._model_forward()  # compiled function's graph runs it (_on_graph)
+        super()._enter_root(module, args)
 
     def _exit(
         self, entry: Attached | None, module: nn.Module, args: tuple[Any, ...], output: Any
@@ -100,22 +115,45 @@ class ScriptRecorder(Recorder):
         super()._exit(entry, module, args, output)
         self._depth = max(0, self._depth - 1)
 
+    finds_models = True
+
     def graph_calls(self, modules: Sequence[Any]) -> None:
         """Models a graph calls, found as dynamo compiles it: those called only inside a
         compiled function are met nowhere else. Taken as roots in the order the graph
         calls them, as their first calls would take them."""
         if not self._active or self._paused:
             return
-        for module in modules:
-            try:
-                if id(module) not in self._names.known and id(module) not in self._wrapper_ids:
-                    self._discover_root(module)
-            except Exception as exc:
-                self._fault(exc, f"finding the model {type(module).__name__}")
+        with self._lock:
+            for module in modules:
+                try:
+                    if id(module) not in self._names.known and id(module) not in self._wrapper_ids:
+                        self._discover_root(module)
+                except Exception as exc:
+                    self._fault(exc, f"finding the model {type(module).__name__}")
+
+    def _a_compilers_graph(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a graph that a compiled function's backend runs as a module
+        (aot_eager's forward graph): no model of the script's. Told by who calls it, past
+        torch's module and fx frames: a backend, or AOTAutograd's runtime (not a user's
+        ``torch.fx`` model called through ``torch.func``). Remembered, while it lives."""
+        graphs = self._graphs
+        known = graphs.get(id(module))
+        if known is not None and known() is module:
+            return True
+        if not isinstance(module, torch.fx.GraphModule):
+            return False
+        frame: types.FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(_CALLING_PACKAGES):
+            frame = frame.f_back
+        if frame is None or not frame.f_code.co_filename.startswith(_COMPILER_RUNTIME):
+            return False
+        key = id(module)
+        graphs[key] = weakref.ref(module, lambda _: graphs.pop(key, None))
+        return True
 
     def _discover_root(self, module: nn.Module) -> None:
         inner, _ = unwrap(module)
-        if id(inner) in self._names.known or _run_by_the_compiler(inner):
+        if id(inner) in self._names.known:
             return
         hooked = self._discover(module, inner)
         if any(True for _ in inner.parameters()):
@@ -212,24 +250,17 @@ class ScriptRecorder(Recorder):
         return step
 
 
-_COMPILER_PACKAGES = tuple(
-    os.path.join(os.path.dirname(torch.__file__), package) + os.sep
-    for package in ("_dynamo", "_functorch", "_inductor")
+_TORCH = os.path.dirname(torch.__file__)
+_COMPILER_RUNTIME = tuple(
+    os.path.join(_TORCH, *package) + os.sep
+    for package in (("_dynamo", "backends"), ("_functorch", "_aot_autograd"), ("_inductor",))
 )
-# between the compiler and a module's forward: torch's module and fx calls, and hooktrace's
+"""Where a backend runs a graph it compiled as a module (aot_eager: the first)."""
+_HOOKTRACE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _CALLING_PACKAGES = (
-    *(os.path.join(os.path.dirname(torch.__file__), package) + os.sep for package in ("nn", "fx")),
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,
+    os.path.join(_TORCH, "nn") + os.sep,
+    os.path.join(_TORCH, "fx") + os.sep,
+    _HOOKTRACE + os.sep,
 )
-
-
-def _run_by_the_compiler(module: nn.Module) -> bool:
-    """Whether ``module`` is a graph that a compiled function's backend runs (aot_eager
-    calls its forward graph as a module): no model of the script's. Told by who calls it,
-    past torch's module and fx call frames: torch's compiler."""
-    if not isinstance(module, torch.fx.GraphModule):
-        return False
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_CALLING_PACKAGES):
-        frame = frame.f_back
-    return frame is not None and frame.f_code.co_filename.startswith(_COMPILER_PACKAGES)
+"""Between a module's caller and a forward pre-hook: torch's module and fx calls, and
+hooktrace's own."""

@@ -417,8 +417,11 @@ class Recorder(Steps):
         entry = self._table.by_id(module_id)
         return entry is not None and entry.name is not None
 
+    finds_models = False
+    """The models are the ones given (:class:`ScriptRecorder` finds its own)."""
+
     def graph_calls(self, modules: Sequence[Any]) -> None:
-        """The models are the ones given (:class:`ScriptRecorder` finds its own)."""
+        pass
 
     def records_alike(self, module: Any) -> bool:
         """Whether ``module`` is not recorded but a module of its type is: dynamo may run a

@@ -972,6 +972,181 @@ def test_a_graph_a_backend_runs_as_a_module_is_not_taken_for_a_model(tmp_path: P
     assert not any("GraphModule" in name for name in trace.modules["module"])
 
 
+def _eager_and_compiled(
+    tmp_path: Path, run: Callable[[Path], None]
+) -> tuple[hooktrace.Trace, hooktrace.Trace]:
+    """``run(out)`` with dynamo disabled into ``eager``, then compiled into ``compiled``
+    (``run`` compiles what it compiles), each from a fresh dynamo: both traces."""
+    for name, disable in (("eager", True), ("compiled", False)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        with torch._dynamo.config.patch(disable=disable):
+            run(tmp_path / name)
+    return hooktrace.load(tmp_path / "eager"), hooktrace.load(tmp_path / "compiled")
+
+
+def _matching(eager: hooktrace.Trace, compiled: hooktrace.Trace) -> None:
+    result = hooktrace.diff(eager.path, compiled.path, rtol=1e-4)
+    assert result.match, result
+    assert result.records == len(eager.records) == len(compiled.records) > 0
+
+
+class _TwoParts(nn.Module):
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.emb = embedding
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, i: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(i))
+
+
+def test_two_models_sharing_a_module_are_each_recorded_under_their_names(tmp_path: Path) -> None:
+    """An encoder and a decoder sharing an embedding, called by a trainer's compiled method
+    (the decoder first): the shared parameter fits both models' paths, and the decoder's
+    calls were written under the encoder's names."""
+
+    def run(out: Path) -> None:
+        embedding = nn.Embedding(10, 4)
+        enc, dec = _TwoParts(embedding), _TwoParts(embedding)
+
+        class Trainer:
+            def loss(self, i: torch.Tensor) -> torch.Tensor:
+                return (self.dec(i) * 3).sum() + self.enc(i).sum()
+
+        trainer = Trainer()
+        trainer.enc, trainer.dec = enc, dec  # type: ignore[attr-defined]
+        step = torch.compile(trainer.loss, backend="aot_eager")
+        with hooktrace.record({"enc": enc, "dec": dec}, out, strict=True):
+            step(torch.tensor([1, 2, 3])).backward()
+
+    eager, compiled = _eager_and_compiled(tmp_path, run)
+    _matching(eager, compiled)
+    assert {"dec.fc", "enc.fc"} <= set(compiled.records["module"])
+
+
+def test_a_module_not_recorded_called_first_leaves_the_model_recorded(tmp_path: Path) -> None:
+    """A trainer's compiled method calls a projection that is not recorded before the model:
+    the frame was found by the projection's parameter, held by no recorded model, and
+    nothing of the model was recorded."""
+
+    class Trainer:
+        def __init__(self) -> None:
+            self.projection, self.model = nn.Linear(8, 8), Blocks()
+
+        def loss(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model(self.projection(x)).pow(2).mean()
+
+    def run(out: Path) -> None:
+        trainer = Trainer()
+        step = torch.compile(trainer.loss, backend="aot_eager")
+        with hooktrace.record(trainer.model, out, strict=True):
+            step(torch.randn(4, 8)).backward()
+
+    eager, compiled = _eager_and_compiled(tmp_path, run)
+    _matching(eager, compiled)
+
+
+def test_a_model_found_inside_a_compiled_function_in_inference_has_a_step_a_forward(
+    tmp_path: Path,
+) -> None:
+    """``hooktrace record`` of inference (no backward, no optimizer) makes each forward of
+    the model a step: a model called only inside a compiled function had its three
+    forwards in one step."""
+
+    def run(out: Path) -> None:
+        model = Blocks()
+        predict = torch.compile(lambda x: model(x).softmax(-1), backend="aot_eager")
+        with ScriptRecorder(str(out), strict=True), torch.no_grad():
+            for _ in range(3):
+                predict(torch.randn(4, 8))
+
+    eager, compiled = _eager_and_compiled(tmp_path, run)
+    _matching(eager, compiled)
+    assert list(compiled.steps["step"]) == [0, 1, 2]
+
+
+class _Static(nn.Linear):
+    torchdynamo_force_dynamic = False  # dynamo keeps it as it is: its stack key is a name
+
+
+@pytest.mark.parametrize("script", [False, True], ids=["record", "script"])
+def test_a_module_dynamo_keeps_as_it_is_compiles_and_trains_as_unrecorded(
+    tmp_path: Path, script: bool
+) -> None:
+    """A module dynamo does not trace as a dynamic one names its graph's calls by name, not
+    id: reading them failed the script's compile ("invalid literal for int()"), recorded
+    or not. The compile is the script's; the training goes on as unrecorded. Such a graph
+    is compiled as it was, and the trace says so; ``hooktrace record`` cannot find the
+    model in it, and says that nothing was recorded."""
+
+    def losses(out: Path | None) -> list[float]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = _Static(4, 2)
+        step = torch.compile(lambda x: model(x).pow(2).mean(), backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        recorder: Any = contextlib.nullcontext()
+        if out is not None:
+            recorder = ScriptRecorder(str(out)) if script else hooktrace.record(model, out)
+        found = []
+        with recorder:
+            for i in range(2):
+                loss = step(torch.randn(3, 4, generator=torch.Generator().manual_seed(i)))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                found.append(loss.item())
+        return found
+
+    assert losses(tmp_path / "run") == losses(None)
+    trace = hooktrace.load(tmp_path / "run")
+    if script:
+        assert trace.status == "incomplete"
+        assert "no recorded model holds its parameters" in trace.manifest["ranks"]["0"]["error"]
+    else:
+        assert trace.status == "complete"
+
+
+class _Traced(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+@pytest.mark.parametrize("how", ["compiled function", "functional_call"])
+def test_a_users_fx_graph_module_is_found_as_a_model(tmp_path: Path, how: str) -> None:
+    """A model that is an ``fx.GraphModule`` (``torch.fx.symbolic_trace``'s) is the
+    script's, not a backend's graph: called inside a compiled function, or through
+    ``torch.func.functional_call`` (torch's ``_functorch``), it was taken for aot_eager's
+    forward graph and nothing was recorded."""
+
+    def run(out: Path) -> None:
+        model = torch.fx.symbolic_trace(_Traced())
+        if how == "compiled function":
+            forward = torch.compile(lambda x: model(x), backend="aot_eager")
+        else:
+            params = dict(model.named_parameters())
+
+            def forward(x: torch.Tensor) -> torch.Tensor:
+                return torch.func.functional_call(model, params, (x,))
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with ScriptRecorder(str(out), strict=True):
+            for _ in range(2):
+                forward(torch.randn(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    eager, compiled = _eager_and_compiled(tmp_path, run)
+    _matching(eager, compiled)
+    assert {"fc", "act"} <= set(compiled.records["module"])
+
+
 def test_dynamic_shapes_record_each_calls_own_shape(tmp_path: Path) -> None:
     """``dynamic=True``: one graph for every batch size; each record has its call's shape,
     its sizes handed out by the graph with the statistics."""
