@@ -168,16 +168,19 @@ def _outermost_modules(output_graph: Any, gm: fx.GraphModule) -> list[Any]:
     """The modules the graph calls outside any other of its modules, in the order it calls
     them: each found from its ``nn_module_stack`` path (``G['model']``, ``L['self'].model``)
     in the globals and locals of the frame dynamo compiles, and kept where it is the very
-    module dynamo traced (its id). None where the frame is a module's own call (its
-    forward compiled on its own, whose module the stack leaves out: the paths name its
-    children), nor where dynamo's own attributes are missing or a path does not read so."""
+    module dynamo traced (its id). Where the frame is a module's own call (its forward
+    compiled on its own, ``torch.compile(model.forward)``: the stack leaves it out, its
+    paths name its children), that module. None where dynamo's own attributes are missing
+    or a path does not read so."""
     root_tx = getattr(output_graph, "root_tx", None)
     names = {
         "L": getattr(root_tx, "f_locals", None),
         "G": getattr(root_tx, "f_globals", None),
     }
-    if names["L"] is None or names["G"] is None or _a_modules_call(root_tx):
+    if names["L"] is None or names["G"] is None:
         return []
+    if _a_modules_call(root_tx):
+        return [names["L"]["self"]]
     found: dict[int, Any] = {}
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack")

@@ -98,6 +98,7 @@ class Call:
     outputs: tuple[Output, ...]
     counts: bool = True
     watched: str = ""  # a tensor hooktrace.watch records under this name: no module's call
+    grad: bool | None = None  # grad mode set inside the graph where it ran (None: as entered)
 
 
 @dataclass
@@ -168,11 +169,13 @@ def instrument(
     marks = [n for n in graph.nodes if n.op == "call_function" and n.target in ops.MARKS]
     if not marks:
         return None
+    grad_at = _grad_modes(graph)
     output_node = next(n for n in graph.nodes if n.op == "output")
     returns = len(output_node.args[0])
     starts = _starts(graph)
     changed = {n for n in graph.nodes if _mutated(n)}  # before taps take their users
     calls: dict[str, tuple[str, type | None, list[tuple[str, fx.Node, bool, str, int | None]]]] = {}
+    grads: dict[str, bool | None] = {}  # by call: the grad mode at its first mark
     begins: dict[str, tuple[int, int]] = {"": (0, 0)}  # by call: (its first mark, depth)
     ends: dict[str, int] = {}  # by call: its first output's mark
     watched: dict[str, str] = {}  # by call: the name a watched tensor is recorded under
@@ -196,6 +199,7 @@ def instrument(
         kind = "input" if mark.target in ops.INPUT_MARKS else "output"
         if kind == "output":
             ends.setdefault(key, position)
+        grads.setdefault(key, grad_at.get(mark))
         calls.setdefault(key, (path, module_type, []))[2].append(
             (str(slot), value, local, kind, mark.meta.get(_TAPPED_INSIDE))
         )
@@ -249,11 +253,13 @@ def instrument(
         frame, relative = _split_path(path) if path else (_SELF, "")
         arguments = tuple(o for o in outputs if o.kind == "input")
         returned = tuple(o for o in outputs if o.kind == "output")
+        grad = grads.get(key)
         if arguments:  # where the call began, before the calls inside it, as hooks see them
-            call = Call(frame, relative, traced_id, arguments, counts=not returned)
+            call = Call(frame, relative, traced_id, arguments, counts=not returned, grad=grad)
             placed.append(((begin, 0, depth), call))
         if returned:
-            placed.append(((ends[key], 1, depth), Call(frame, relative, traced_id, returned)))
+            call = Call(frame, relative, traced_id, returned, grad=grad)
+            placed.append(((ends[key], 1, depth), call))
     planned = [call for _, call in sorted(placed, key=lambda p: p[0])]
     if not planned:  # marks of values with nothing to summarise (complex, not tensors)
         gm.recompile()
@@ -717,6 +723,21 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
         if hasattr(old, "_dynamo_source"):
             new._dynamo_source = old._dynamo_source
     return copy
+
+
+def _grad_modes(graph: fx.Graph) -> dict[fx.Node, bool | None]:
+    """The grad mode at each mark, as the graph sets it (dynamo traces ``torch.no_grad()``
+    as ``_set_grad_enabled`` calls): None before the first, where it is the caller's."""
+    modes: dict[fx.Node, bool | None] = {}
+    mode: bool | None = None
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._set_grad_enabled and node.args:
+            mode = bool(node.args[0])
+        elif node.target in ops.MARKS:
+            modes[node] = mode
+    return modes
 
 
 def _call_keys(stack: dict[str, Any]) -> list[str]:

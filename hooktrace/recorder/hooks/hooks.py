@@ -18,6 +18,7 @@ cost no more than a method call.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import sys
 import threading
@@ -42,7 +43,7 @@ from hooktrace.recorder.nonfinite import finite
 from hooktrace.recorder.nonfinite.capture import Captures
 from hooktrace.recorder.records.flatten import describe_call, flatten, flatten_call
 from hooktrace.recorder.records.observe import Observer
-from hooktrace.recorder.records.params import queue_records, trainable
+from hooktrace.recorder.records.params import Entry, RecordsCache, queue_records, trainable
 from hooktrace.recorder.records.pending import PendingStep
 from hooktrace.recorder.records.staging import Staged
 
@@ -253,18 +254,32 @@ class Hooks:
         stats = stats.detach().clone()  # a graph may hand out the same buffers again
         counts = counts.detach().clone() if counts is not None else None
         outside = self._root_depth > 0  # inside a root's call, whose hooks record the root
-        entered = None
-        if not outside:  # a compiled function that calls the model: its root runs in here
-            roots = (e.module for e in entries if e is not None and e.root)
-            entered = next((m for m in roots if m is not None), None)
-            if entered is not None:
-                self._enter_root(entered, ())
-        try:
-            self._graph_records(plan, entries, stats, counts, sizes, values, roots=not outside,
-                                returned=returned)  # fmt: skip
-        finally:
-            if entered is not None:
+        phases = None if outside else self._enter_graph_roots(plan, entries)
+        self._graph_records(plan, entries, stats, counts, sizes, values, phases=phases,
+                            returned=returned)  # fmt: skip
+
+    def _enter_graph_roots(self, plan: Plan, entries: list[Attached | None]) -> list[str | None]:
+        """A compiled function's graph, no root's call around it: the roots its calls run in
+        (a teacher and a student, the model and its loss module) are each entered as their
+        calls would be, in the order the graph first calls them, under the grad mode the
+        graph set there (``torch.no_grad()`` around a teacher); each call's phase is its
+        root's, as an eager run's (None: no root's, a watched tensor's)."""
+        phases: list[str | None] = []
+        entered: dict[int, str] = {}  # by root: its phase
+        for module_call, entry in zip(plan.calls, entries, strict=True):
+            module = entry.module if entry is not None else None
+            root = self._names.root_of(module) if module is not None else None
+            if root is None:
+                phases.append(None)
+                continue
+            if id(root) not in entered:
+                grad = module_call.grad
+                with contextlib.nullcontext() if grad is None else torch.set_grad_enabled(grad):
+                    self._enter_root(root, ())
                 self._root_depth = max(0, self._root_depth - 1)
+                entered[id(root)] = self._phase
+            phases.append(entered[id(root)])
+        return phases
 
     def _graph_records(
         self,
@@ -275,23 +290,27 @@ class Hooks:
         sizes: Sequence[Any],
         values: Sequence[torch.Tensor],
         *,
-        roots: bool,
+        phases: list[str | None] | None,
         returned: Sequence[Any] = (),
     ) -> None:
-        """Queue the records of a graph's module calls (``roots``: its roots' calls too);
+        """Queue the records of a graph's module calls; ``phases``: each call's, where no
+        root's call runs around the graph (a compiled function's: its roots' calls are
+        recorded too), else None (the root's phase; the root's hooks record the root);
         ``values``: where the step needs them (tensors saved whole, histograms of outputs),
         the values summarised, by row; ``returned``: the graph's own outputs, those that
         left it through a tap (``plan.returned_taps``) handed to the hooks that run outside
-        it (``roots`` False: a root's call around it) to record their gradients from it."""
-        phase = (
+        it to record their gradients from it."""
+        roots = phases is not None
+        outside_phase = (
             self._phase if self._root_depth else ("train" if torch.is_grad_enabled() else "eval")
         )
-        training = phase == "train"
         pending, observer, calls = self._pending, self._observer, self._calls
         taps: dict[int, Expected] = {}
-        for module_call, entry in zip(plan.calls, entries, strict=True):
+        for i, (module_call, entry) in enumerate(zip(plan.calls, entries, strict=True)):
             if entry is None or entry.name is None or (entry.root and not roots):
                 continue
+            phase = (phases[i] if phases is not None else None) or outside_phase
+            training = phase == "train"
             name = entry.name
             # an entry of a call's arguments comes first: the call is counted by its outputs'
             call = calls.count(phase, name) if module_call.counts else calls.peek(phase, name)
@@ -311,7 +330,7 @@ class Hooks:
                     taps.setdefault(out.tap, ([], out.dtype, shape))[0].append(target)
         for tap, expected in taps.items():
             self._compiled.expect(tap, expected)
-        if training and not roots and plan.returned_taps and returned:
+        if outside_phase == "train" and not roots and plan.returned_taps and returned:
             self._compiled.returned(plan.returned_taps, returned, taps)
 
     def graph_kept(self, site: int, value: torch.Tensor) -> None:
@@ -545,10 +564,14 @@ class Hooks:
                                       tensor, phase=phase, full=full, units=units, note=note,
                                       histogram=histogram)  # fmt: skip
 
-    def _record_params(self, kind: str) -> None:
+    def _record_params(
+        self, kind: str, only: list[Entry] | None = None, phase: str | None = None
+    ) -> None:
         """Parameters and buffers as the step's first forward finds them; gradients as
         accumulated at the step's end (labelled with the step's last micro-step), of the
-        parameters that require one (a frozen backbone's, an EMA copy's have none to miss)."""
+        parameters that require one (a frozen backbone's, an EMA copy's have none to miss).
+        ``only``: these entries alone, in ``phase`` (a root found after the step's first
+        forward), their records built for this once."""
         full_step = self._full_step
         saved_micro_step = self.micro_step
         if kind == "grad_param":
@@ -556,12 +579,14 @@ class Hooks:
         try:
             names, observer = self._names, self._observer
             entries = names.buffer_entries if kind == "buffer" else names.param_entries
+            if only is not None:
+                entries = only
             queue_records(
                 kind,
                 trainable(entries) if kind == "grad_param" else entries,
-                names.param_records,
+                names.param_records if only is None else RecordsCache(),
                 self._pending,
-                phase="train" if kind == "grad_param" else self._phase,
+                phase="train" if kind == "grad_param" else (phase or self._phase),
                 micro_step=self.micro_step,
                 saved_whole=names.full_modules if full_step else (),
                 histograms=observer.histograms if kind in observer.histogram_now else None,

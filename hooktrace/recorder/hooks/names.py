@@ -193,6 +193,11 @@ class Names:
             return name in self.full_modules
         return bool(self._full_match(name))
 
+    def root_of(self, module: nn.Module) -> nn.Module | None:
+        """The root ``module`` was named under (of a module two roots share, the first)."""
+        where = self._where.get(id(module))
+        return self.roots.get(where[0]) if where is not None else None
+
     def locate(self, name: str) -> tuple[nn.Module, str] | None:
         """A recorded module by its trace name, and its qualified name inside its root."""
         module = self.modules.get(name)

@@ -153,13 +153,31 @@ class ScriptRecorder(Recorder):
 
     def _discover_root(self, module: nn.Module) -> None:
         inner, _ = unwrap(module)
-        if id(inner) in self._names.known:
+        names = self._names
+        if id(inner) in names.known:
             return
+        before = {(e.module, e.slot) for e in (*names.param_entries, *names.buffer_entries)}
         hooked = self._discover(module, inner)
         if any(True for _ in inner.parameters()):
             self._model_ids.update({id(module), id(hooked)})
         if hooked is not module:
             self._wrapper_ids.add(id(module))
+        self._params_of_a_late_root(before)
+
+    def _params_of_a_late_root(self, before: set[tuple[str, str]]) -> None:
+        """A root found after the step's first forward recorded the parameters (a student
+        met after its teacher): its own, as that forward would have found them (nothing has
+        stepped them since), in its phase: as a run that knew the root from its start (a
+        later step, or a compiled function's graph, which finds every root it calls before
+        it runs) records them."""
+        phase = self._params_phase
+        if not (self._recording and self.params) or phase is None:
+            return
+        names = self._names
+        for kind, entries in (("param", names.param_entries), ("buffer", names.buffer_entries)):
+            late = [e for e in entries if (e.module, e.slot) not in before]
+            if late:
+                self._record_params(kind, late, phase)
 
     def _end_step(self, *, skipped: bool = False) -> None:
         super()._end_step(skipped=skipped)

@@ -1066,6 +1066,106 @@ def test_a_model_found_inside_a_compiled_function_in_inference_has_a_step_a_forw
     assert list(compiled.steps["step"]) == [0, 1, 2]
 
 
+class _Teacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("teacher_first", [True, False], ids=["teacher first", "student first"])
+@pytest.mark.parametrize("script", [False, True], ids=["record", "script"])
+def test_a_teacher_and_a_student_in_one_graph_each_take_their_own_phase(
+    tmp_path: Path, teacher_first: bool, script: bool
+) -> None:
+    """Distillation in one compiled function: a frozen teacher in eval mode under
+    ``torch.no_grad()``, and the student training. The graph took the phase of the first
+    root it called for every call in it: teacher first, the student's records were an
+    evaluation's and its gradients went unrecorded; student first, the teacher's were a
+    training's. Each root now takes its own, as an eager run's calls do; and a root found
+    after the step's first forward has its parameters recorded at that step too (the
+    eager run found the student after the teacher, and missed them)."""
+
+    def run(out: Path) -> None:
+        teacher, student = _Teacher().eval(), Blocks()
+
+        def loss_of(x: torch.Tensor) -> torch.Tensor:
+            if teacher_first:
+                with torch.no_grad():
+                    target = teacher(x)
+                return (student(x) - target).pow(2).mean()
+            guess = student(x)
+            with torch.no_grad():
+                target = teacher(x)
+            return (guess - target).pow(2).mean()
+
+        step = torch.compile(loss_of, backend="aot_eager")
+        recorder = (
+            ScriptRecorder(str(out), strict=True)
+            if script
+            else hooktrace.record({"Teacher": teacher, "Blocks": student}, out, strict=True)
+        )
+        with recorder:  # (the optimizer made inside, as a script's is)
+            opt = torch.optim.SGD(student.parameters(), lr=0.1)
+            for i in range(2):
+                step(torch.randn(4, 8, generator=torch.Generator().manual_seed(i))).backward()
+                opt.step()
+                opt.zero_grad()
+
+    eager, compiled = _eager_and_compiled(tmp_path, run)
+    _matching(eager, compiled)
+    assert list(compiled.steps["step"]) == [0, 1]
+    records = compiled.records
+    calls = records[records["kind"].isin(["output", "grad_output"])]
+    teacher = calls["module"].str.contains("Teacher") | calls["module"].str.startswith("body")
+    assert set(calls.loc[teacher, "phase"]) == {"eval"}
+    assert set(calls.loc[~teacher, "phase"]) == {"train"}
+    assert (calls.loc[~teacher, "kind"] == "grad_output").sum() > 0
+    assert not (calls.loc[teacher, "kind"] == "grad_output").any()
+
+
+def test_modules_selected_inside_a_model_a_compiled_function_calls_keep_its_parameters(
+    tmp_path: Path,
+) -> None:
+    """``modules`` that leaves the model's root out: no call of the root was in the graph
+    to enter it by, and the step recorded no parameters."""
+
+    def run(out: Path) -> None:
+        model = Blocks()
+        step = torch.compile(lambda x: model(x).pow(2).mean(), backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with hooktrace.record(model, out, strict=True, modules="blocks.0"):
+            for _ in range(2):
+                step(torch.randn(4, 8)).backward()
+                opt.step()
+                opt.zero_grad()
+
+    eager, compiled = _eager_and_compiled(tmp_path, run)
+    _matching(eager, compiled)
+    assert "param" in set(compiled.records["kind"])
+
+
+def test_a_models_forward_compiled_on_its_own_is_found_as_the_model(tmp_path: Path) -> None:
+    """``torch.compile(model.forward)``: the model's own call never runs, and the graph's
+    stack leaves the frame's module out: ``hooktrace record`` found nothing (0 records). It
+    finds the model, named as its own call would name it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Blocks()
+    forward = torch.compile(model.forward, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ScriptRecorder(str(tmp_path / "run"), strict=True):
+        for _ in range(2):
+            forward(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    records = hooktrace.load(tmp_path / "run").records
+    assert {"blocks.0.fc", "norm", "head"} <= set(records["module"])
+    assert {"output", "grad_output", "param", "grad_param"} <= set(records["kind"])
+
+
 class _Static(nn.Linear):
     torchdynamo_force_dynamic = False  # dynamo keeps it as it is: its stack key is a name
 
