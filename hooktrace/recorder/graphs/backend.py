@@ -195,7 +195,7 @@ def _outermost_modules(output_graph: Any, gm: fx.GraphModule) -> list[Any]:
             continue
         found[module_id] = None
         with contextlib.suppress(Exception):  # (a path that does not read so: not found)
-            module = _read(path, names)
+            module = read_source(path, names)
             if id(module) == module_id and isinstance(module, torch.nn.Module):
                 found[module_id] = module
     return [module for module in found.values() if module is not None]
@@ -216,7 +216,7 @@ _PATH_BASE = re.compile(r"([LG])\['([^']*)'\]")
 _PATH_PART = re.compile(r"\.(\w+)|\[(\d+)\]|\['([^']*)'\]")
 
 
-def _read(path: str, names: dict[str, Any]) -> Any:
+def read_source(path: str, names: dict[str, Any]) -> Any:
     """The object at a path dynamo wrote for a module (``L['self'].model``,
     ``G['models']['enc']``, ``G['blocks'][0].fc``): a local or a global, then attributes,
     indices and keys, read as dynamo read them. LookupError for any other path."""

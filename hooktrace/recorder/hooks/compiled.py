@@ -26,11 +26,12 @@ import re
 import sys
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from hooktrace.recorder.graphs.backend import read_source
 from hooktrace.recorder.graphs.plan import Plan
 from hooktrace.recorder.hooks.attach import Attached, ModuleTable
 from hooktrace.recorder.hooks.calls import Target
@@ -60,6 +61,9 @@ class CompiledCalls:
         # in a root's call, by id: a tensor a graph returned through a tap, as it was
         # returned (its version), and where the tap's gradient is recorded
         self.tapped: dict[int, tuple[weakref.ref[torch.Tensor], int, list[Target]]] = {}
+        # a recording that finds its models (hooktrace record's): takes a module met in a
+        # graph's frame as a model, where it has not met it; whether it did
+        self.finder: Callable[[torch.nn.Module], bool] | None = None
         self._warned = False
 
     def entering(self) -> None:
@@ -142,7 +146,10 @@ class CompiledCalls:
     ) -> list[Attached | None]:
         frames: dict[str, tuple[torch.nn.Module | None, str | None]] = {}
         for frame, (index, parameter) in plan.anchors.items():
-            frames[frame] = self._frame_module(args[index], parameter)
+            found = self._frame_module(args[index], parameter)
+            if found == (None, "") and self.finder is not None and self._found(plan, frame):
+                found = self._frame_module(args[index], parameter)
+            frames[frame] = found
         for frame, module in zip(plan.unanchored, held, strict=True):
             if isinstance(module, torch.nn.Module):
                 frames[frame] = (unwrap(module)[0], "")
@@ -164,6 +171,23 @@ class CompiledCalls:
                     module = None
             entries.append(self._table.get(module) if module is not None else None)
         return entries
+
+    def _found(self, plan: Plan, frame: str) -> bool:
+        """Whether the module at ``frame`` (``L['model']``), read in the Python frame running
+        the graph, is one the ``finder`` took as a model now: a second model of the first
+        one's class, running the graph compiled for it (two models passed in turn to one
+        compiled function), met nowhere else."""
+        running = _running(plan.code)
+        if running is None or self.finder is None:
+            return False
+        try:
+            module = read_source(frame, {"L": running.f_locals, "G": running.f_globals})
+        except Exception:  # (a frame that does not read so: not found)
+            return False
+        if not isinstance(module, torch.nn.Module) or not self.finder(module):
+            return False
+        self._owners.clear()  # the new model's parameters are owned now
+        return True
 
     def _frame_module(self, parameter: Any, path: str) -> tuple[torch.nn.Module | None, str | None]:
         """The module whose parameter ``parameter`` is at ``path`` from the frame, and ""; or
@@ -237,18 +261,26 @@ def _held(plan: Plan) -> tuple[Any, ...]:
     """What the frames of ``plan`` that take no parameter hold (``L['self']``: the module
     compiled on its own), read from the locals of the Python frame running the graph: the
     nearest caller running ``plan.code``. None for each where it is not found."""
-    code = plan.code
+    frame = _running(plan.code)
+    if frame is None:
+        return (None,) * len(plan.unanchored)
+    local = frame.f_locals
+    return tuple(local.get(_local_name(source)) for source in plan.unanchored)
+
+
+def _running(code: types.CodeType | None) -> types.FrameType | None:
+    """The nearest Python frame running ``code`` (the frame dynamo compiled, which runs its
+    graph), within ``_MOST_FRAMES`` callers; None where there is none."""
     frame: types.FrameType | None = sys._getframe(1)
     for _ in range(_MOST_FRAMES):
         if frame is None or code is None:
-            break
+            return None
         running = frame.f_code
         if running is code or (
             running.co_name == code.co_name
             and running.co_filename == code.co_filename
             and running.co_firstlineno == code.co_firstlineno
         ):
-            local = frame.f_locals
-            return tuple(local.get(_local_name(source)) for source in plan.unanchored)
+            return frame
         frame = frame.f_back
-    return (None,) * len(plan.unanchored)
+    return None

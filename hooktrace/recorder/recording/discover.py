@@ -54,6 +54,7 @@ class ScriptRecorder(Recorder):
         self._graphs: dict[int, weakref.ref[nn.Module]] = {}  # a backend's, run as modules
         self._wrapper_ids: set[int] = set()
         super().__init__(None, out, **options)
+        self._compiled.finder = self._found_in_a_graph
 
     # -- installing ------------------------------------------------------------------------
 
@@ -130,6 +131,19 @@ class ScriptRecorder(Recorder):
                         self._discover_root(module)
                 except Exception as exc:
                     self._fault(exc, f"finding the model {type(module).__name__}")
+
+    def _found_in_a_graph(self, module: nn.Module) -> bool:
+        """A module a compiled graph runs for, met nowhere else (a second model of the first
+        one's class, passed to the compiled function that was compiled for the first):
+        taken as a root, as its first call would take it. Whether it was."""
+        if not self._active or self._paused or id(module) in self._names.known:
+            return False
+        try:
+            self._discover_root(module)
+        except Exception as exc:
+            self._fault(exc, f"finding the model {type(module).__name__}")
+            return False
+        return id(unwrap(module)[0]) in self._names.known
 
     def _a_compilers_graph(self, module: nn.Module) -> bool:
         """Whether ``module`` is a graph that a compiled function's backend runs as a module

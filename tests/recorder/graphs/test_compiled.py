@@ -1166,6 +1166,29 @@ def test_a_models_forward_compiled_on_its_own_is_found_as_the_model(tmp_path: Pa
     assert {"output", "grad_output", "param", "grad_param"} <= set(records["kind"])
 
 
+def test_two_models_passed_in_turn_to_one_compiled_function_are_both_found(
+    tmp_path: Path,
+) -> None:
+    """Two models of one class passed in turn to a compiled function: dynamo runs the graph
+    compiled for the first for the second, so no compile meets the second, and no call of
+    it runs outside the graph: ``hooktrace record`` recorded the first only, silently. It
+    is found in the graph's frame as the graph runs for it."""
+
+    def run(out: Path) -> None:
+        first, second = Blocks(), Blocks()
+        loss_of = torch.compile(lambda model, x: model(x).pow(2).mean(), backend="aot_eager")
+        with ScriptRecorder(str(out), strict=True):
+            opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+            for i in range(4):
+                loss_of(first if i % 2 == 0 else second, torch.randn(4, 8)).backward()
+                opt.step()
+                opt.zero_grad()
+
+    eager, compiled = _eager_and_compiled(tmp_path, run)
+    _matching(eager, compiled)
+    assert {"Blocks", "Blocks#1"} <= set(compiled.records["module"])
+
+
 class _Static(nn.Linear):
     torchdynamo_force_dynamic = False  # dynamo keeps it as it is: its stack key is a name
 
