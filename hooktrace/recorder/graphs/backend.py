@@ -71,6 +71,12 @@ class Receiver(Protocol):
         """An instrumented graph ran: ``extras`` are its statistics and counts, ``returned``
         its own outputs."""
 
+    def graph_begins(self, plan: Plan, args: tuple[Any, ...]) -> None:
+        """An instrumented graph is about to run."""
+
+    def graph_ran_unrecorded(self, plan: Plan, args: tuple[Any, ...]) -> None:
+        """An instrumented graph ran without its statistics (a step not recorded)."""
+
     def graph_gradient(self, site: int, row: torch.Tensor) -> None:
         """A tap's gradient summary arrived (in the backward)."""
 
@@ -396,11 +402,15 @@ class _Run:
 
     def __call__(self, *args: Any) -> Any:
         receiver = _receiver[0]
+        if receiver is not None:
+            receiver.graph_begins(self.plan, args)
         if self.plain is not None and (
             receiver is None
             or not receiver.recording_graphs
             or (self.alike and not receiver.runs_recorded(self.plan, args))
         ):
+            if receiver is not None and not receiver.recording_graphs:
+                receiver.graph_ran_unrecorded(self.plan, args)
             return self.plain(*args)
         compiled, plan = self.compiled, self.plan
         if self.full is not None and receiver is not None and receiver.full_graphs:

@@ -58,11 +58,13 @@ class Hooks:
     params: bool
     current_step: int
     micro_step: int
+    _active: bool  # hooks act (not closed, no fault)
     _recording: bool
     _full_step: bool
     _pending: PendingStep
     _params_phase: str | None  # the phase whose forward recorded the step's parameters
     _root_depth: int  # > 0 inside a root's forward
+    _began: Plan | None  # a compiled function's graph about to run, its first forward entered
     _root_thread: int  # the thread that entered it (threading.get_ident)
     _phase: str  # the phase of the root's forward running, or of the last one
     _backward_active: bool
@@ -254,32 +256,82 @@ class Hooks:
         stats = stats.detach().clone()  # a graph may hand out the same buffers again
         counts = counts.detach().clone() if counts is not None else None
         outside = self._root_depth > 0  # inside a root's call, whose hooks record the root
-        phases = None if outside else self._enter_graph_roots(plan, entries)
-        self._graph_records(plan, entries, stats, counts, sizes, values, phases=phases,
+        forwards = None if outside else self._root_forwards(plan, entries)
+        self._graph_records(plan, entries, stats, counts, sizes, values, forwards=forwards,
                             returned=returned)  # fmt: skip
 
-    def _enter_graph_roots(self, plan: Plan, entries: list[Attached | None]) -> list[str | None]:
-        """A compiled function's graph, no root's call around it: the roots its calls run in
-        (a teacher and a student, the model and its loss module) are each entered as their
-        calls would be, in the order the graph first calls them, under the grad mode the
-        graph set there (``torch.no_grad()`` around a teacher); each call's phase is its
-        root's, as an eager run's (None: no root's, a watched tensor's)."""
-        phases: list[str | None] = []
-        entered: dict[int, str] = {}  # by root: its phase
-        for module_call, entry in zip(plan.calls, entries, strict=True):
-            module = entry.module if entry is not None else None
-            root = self._names.root_of(module) if module is not None else None
-            if root is None:
-                phases.append(None)
-                continue
-            if id(root) not in entered:
-                grad = module_call.grad
-                with contextlib.nullcontext() if grad is None else torch.set_grad_enabled(grad):
-                    self._enter_root(root, ())
-                self._root_depth = max(0, self._root_depth - 1)
-                entered[id(root)] = self._phase
-            phases.append(entered[id(root)])
-        return phases
+    def graph_begins(self, plan: Plan, args: tuple[Any, ...]) -> None:
+        """An instrumented graph is about to run: where it is a compiled function's (no
+        root's call around it), the first root forward in it is entered now, as an eager
+        call's pre-hook runs before its forward: a step found by forwards ends before the
+        graph's variant for the step is chosen (recorded or not)."""
+        self._began = None
+        if not self._active or self._paused or _in_transform() or self._root_depth:
+            return
+        with self._lock:
+            try:
+                forwards = self._root_forwards(plan, self._compiled.modules(plan, args))
+                for (root, opens), module_call in zip(forwards, plan.calls, strict=True):
+                    if opens and root is not None:
+                        self._enter_root_of_graph(root, module_call.grad)
+                        self._began = plan
+                        return
+            except Exception as exc:
+                self._fault(exc, "the models of a compiled graph")
+
+    def graph_ran_unrecorded(self, plan: Plan, args: tuple[Any, ...]) -> None:
+        """An instrumented graph ran without its statistics (a step not recorded): the root
+        forwards in it after the first (:meth:`graph_begins`) are entered all the same, as
+        their eager calls would be."""
+        if self._paused or _in_transform() or self._root_depth:
+            return
+        with self._lock:
+            try:
+                forwards = self._root_forwards(plan, self._compiled.modules(plan, args))
+                for (root, opens), module_call in zip(forwards, plan.calls, strict=True):
+                    if opens and root is not None:
+                        self._enter_root_of_graph(root, module_call.grad)
+            except Exception as exc:
+                self._fault(exc, "the models of a compiled graph")
+
+    def _root_forwards(
+        self, plan: Plan, entries: list[Attached | None]
+    ) -> list[tuple[nn.Module | None, bool]]:
+        """For a compiled function's graph (no root's call around it), each call's root (the
+        root its module was named under; a watched tensor's, the next call's root's) and
+        whether a forward of that root begins there: at its first call, and after each call
+        of the root itself (a model called three times, a teacher then a student: a forward
+        each, as an eager run's calls are)."""
+        roots: list[nn.Module | None] = [
+            self._names.root_of(e.module) if e is not None and e.module is not None else None
+            for e in entries
+        ]
+        after: nn.Module | None = None
+        for i in reversed(range(len(roots))):  # a watched tensor: in the forward around it
+            after = roots[i] = roots[i] if roots[i] is not None else after
+        before: nn.Module | None = None
+        for i, root in enumerate(roots):
+            before = roots[i] = root if root is not None else before
+        forwards: list[tuple[nn.Module | None, bool]] = []
+        current: nn.Module | None = None
+        began = self._began is plan  # its first forward entered before it ran
+        self._began = None
+        for root, entry, module_call in zip(roots, entries, plan.calls, strict=True):
+            opens = root is not None and root is not current
+            forwards.append((root, opens and not began))
+            began = began and not opens
+            current = root
+            if entry is not None and entry.root and module_call.outputs[0].kind != "input":
+                current = None  # the root returned: its next call is another forward
+        return forwards
+
+    def _enter_root_of_graph(self, root: nn.Module, grad: bool | None) -> None:
+        """A forward of ``root`` begins inside a compiled function's graph: entered as its
+        call would be, under the grad mode the graph set there (``torch.no_grad()`` around
+        a teacher), and left at once (its calls are the graph's)."""
+        with contextlib.nullcontext() if grad is None else torch.set_grad_enabled(grad):
+            self._enter_root(root, ())
+        self._root_depth = max(0, self._root_depth - 1)
 
     def _graph_records(
         self,
@@ -290,31 +342,39 @@ class Hooks:
         sizes: Sequence[Any],
         values: Sequence[torch.Tensor],
         *,
-        phases: list[str | None] | None,
+        forwards: list[tuple[nn.Module | None, bool]] | None,
         returned: Sequence[Any] = (),
     ) -> None:
-        """Queue the records of a graph's module calls; ``phases``: each call's, where no
-        root's call runs around the graph (a compiled function's: its roots' calls are
-        recorded too), else None (the root's phase; the root's hooks record the root);
-        ``values``: where the step needs them (tensors saved whole, histograms of outputs),
-        the values summarised, by row; ``returned``: the graph's own outputs, those that
-        left it through a tap (``plan.returned_taps``) handed to the hooks that run outside
-        it to record their gradients from it."""
-        roots = phases is not None
-        outside_phase = (
+        """Queue the records of a graph's module calls. ``forwards``: where no root's call
+        runs around the graph (a compiled function's), each call's root and whether a
+        forward of it begins there (:meth:`_root_forwards`): entered there, before its calls
+        are queued (a step found by forwards may end there), each call in its forward's
+        phase, the roots' own calls recorded too; None: inside a root's call, whose phase
+        the calls take and whose hooks record the root. ``values``: where the step needs
+        them (tensors saved whole, histograms of outputs), the values summarised, by row;
+        ``returned``: the graph's own outputs, those that left it through a tap
+        (``plan.returned_taps``) handed to the hooks that run outside it to record their
+        gradients from it."""
+        roots = forwards is not None
+        outside_phase = phase = (
             self._phase if self._root_depth else ("train" if torch.is_grad_enabled() else "eval")
         )
-        pending, observer, calls = self._pending, self._observer, self._calls
+        observer, calls = self._observer, self._calls
         taps: dict[int, Expected] = {}
         for i, (module_call, entry) in enumerate(zip(plan.calls, entries, strict=True)):
+            if forwards is not None:
+                root, opens = forwards[i]
+                if opens and root is not None:
+                    self._enter_root_of_graph(root, module_call.grad)
+                phase = self._phase if root is not None else outside_phase
             if entry is None or entry.name is None or (entry.root and not roots):
                 continue
-            phase = (phases[i] if phases is not None else None) or outside_phase
             training = phase == "train"
             name = entry.name
             # an entry of a call's arguments comes first: the call is counted by its outputs'
             call = calls.count(phase, name) if module_call.counts else calls.peek(phase, name)
             full = self._full_step and self._names.wants_full(name)  # (a watched tensor's too)
+            pending = self._pending  # (a forward entered may have ended the step)
             for out in module_call.outputs:
                 span, shape = out.counts, out.shape_of(sizes)
                 units = (

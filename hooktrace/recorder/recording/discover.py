@@ -35,6 +35,8 @@ from hooktrace.recorder.recording.recorder import Recorder
 class ScriptRecorder(Recorder):
     """A recorder with no models given: it finds them, and their steps, as the script runs."""
 
+    finds_models = True  # models a compiled function calls, found as it compiles
+
     _unrecorded_hint = (
         " (hooktrace record finds a model at its first call, or as dynamo compiles a function "
         "that calls it; hooktrace.record(model, out) in the script records any other)"
@@ -116,8 +118,6 @@ class ScriptRecorder(Recorder):
         super()._exit(entry, module, args, output)
         self._depth = max(0, self._depth - 1)
 
-    finds_models = True
-
     def graph_calls(self, modules: Sequence[Any]) -> None:
         """Models a graph calls, found as dynamo compiles it: those called only inside a
         compiled function are met nowhere else. Taken as roots in the order the graph
@@ -180,10 +180,10 @@ class ScriptRecorder(Recorder):
 
     def _params_of_a_late_root(self, before: set[tuple[str, str]]) -> None:
         """A root found after the step's first forward recorded the parameters (a student
-        met after its teacher): its own, as that forward would have found them (nothing has
-        stepped them since), in its phase: as a run that knew the root from its start (a
-        later step, or a compiled function's graph, which finds every root it calls before
-        it runs) records them."""
+        met after its teacher): its own, in that forward's phase, as a run that knew the
+        root from its start records them (a later step; a compiled function's graph, which
+        finds every root it calls before it runs). Parameters as that forward found them
+        (no optimizer has stepped them since); buffers as they are now."""
         phase = self._params_phase
         if not (self._recording and self.params) or phase is None:
             return

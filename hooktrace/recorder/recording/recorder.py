@@ -243,6 +243,7 @@ class Recorder(Steps):
         )
         self._reset_step_state()
         self._root_depth = 0
+        self._began: Plan | None = None  # a graph whose first root forward is entered
         self._root_thread = 0
         self._phase = "train"
         self._backward_active = False
@@ -421,7 +422,7 @@ class Recorder(Steps):
     """The models are the ones given (:class:`ScriptRecorder` finds its own)."""
 
     def graph_calls(self, modules: Sequence[Any]) -> None:
-        pass
+        """Nothing: the models are the ones given."""
 
     def records_alike(self, module: Any) -> bool:
         """Whether ``module`` is not recorded but a module of its type is: dynamo may run a

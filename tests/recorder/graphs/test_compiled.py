@@ -1189,6 +1189,102 @@ def test_two_models_passed_in_turn_to_one_compiled_function_are_both_found(
     assert {"Blocks", "Blocks#1"} <= set(compiled.records["module"])
 
 
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+class _Watching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(hooktrace.watch(torch.relu(self.a(x)), "hidden"))
+
+
+def _every_other_prediction(out: Path) -> None:
+    model = Blocks()
+    predict = torch.compile(lambda x: model(x).softmax(-1), backend="aot_eager")
+    with ScriptRecorder(str(out), strict=True, every=2), torch.no_grad():
+        for _ in range(6):
+            predict(torch.randn(4, 8))
+
+
+def _an_ensemble(out: Path) -> None:
+    first, second = Blocks(), Blocks()
+    predict = torch.compile(lambda x: first(x) + second(x), backend="aot_eager")
+    with ScriptRecorder(str(out), strict=True), torch.no_grad():
+        for _ in range(2):
+            predict(torch.randn(4, 8))
+
+
+def _a_model_called_three_times(out: Path) -> None:
+    model = _Traced()
+
+    def generate(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(3):
+            x = torch.cat([x[:, 2:], model(x)], dim=1)
+        return x
+
+    with ScriptRecorder(str(out), strict=True), torch.no_grad():
+        torch.compile(generate, backend="aot_eager")(torch.randn(3, 4))
+
+
+def _a_watched_tensor_in_an_evaluation(out: Path) -> None:
+    model = _Watching().eval()  # grad mode left on
+    predict = torch.compile(lambda x: model(x).softmax(-1), backend="aot_eager")
+    with hooktrace.record(model, out, strict=True) as recording:
+        for _ in range(2):
+            predict(torch.randn(4, 8))
+            recording.step()
+
+
+def _batch_norm_statistics(out: Path) -> None:
+    model, criterion = _Normed(), nn.MSELoss()
+    loss_of = torch.compile(lambda x: criterion(model(x), torch.zeros(4, 8)), backend="aot_eager")
+    with hooktrace.record({"model": model, "criterion": criterion}, out, strict=True):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            loss_of(torch.randn(4, 8)).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        _every_other_prediction,
+        _an_ensemble,
+        _a_model_called_three_times,
+        _a_watched_tensor_in_an_evaluation,
+        _batch_norm_statistics,
+    ],
+    ids=lambda run: run.__name__.strip("_").replace("_", " "),
+)
+def test_a_compiled_functions_root_forwards_are_entered_as_eager_calls_are(
+    tmp_path: Path, run: Callable[[Path], None]
+) -> None:
+    """A compiled function's graph runs its models' forwards with no call of theirs around
+    it: each is entered where it begins, as an eager call is. Found by a review, each
+    diffed against the same script with dynamo disabled:
+    - every other step recorded, in inference: the forward was counted only where the
+      graph ran with its statistics, and steps stopped ending after the first unrecorded
+      one ({0: 11, 1: 3} records, not {0, 2, 4: 11});
+    - two models in one graph, in inference: both entered before any record was queued,
+      the step ended between them, and both models' outputs landed in the next step;
+    - a model called three times in one graph: one forward, one step (eager: three);
+    - a watched tensor in a model evaluated with grad mode on: recorded as training;
+    - a BatchNorm's running statistics: recorded after the graph had updated them."""
+    eager, compiled = _eager_and_compiled(tmp_path, run)
+    _matching(eager, compiled)
+
+
 class _Static(nn.Linear):
     torchdynamo_force_dynamic = False  # dynamo keeps it as it is: its stack key is a name
 
