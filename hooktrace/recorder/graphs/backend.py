@@ -210,11 +210,11 @@ def _outermost_modules(output_graph: Any, gm: fx.GraphModule) -> list[Any]:
 def _a_modules_call(root_tx: Any) -> bool:
     """Whether the frame dynamo compiles is a module's own call: its ``forward``, or
     torch's call of it (``model.compile()`` compiles ``_call_impl``)."""
-    self = root_tx.f_locals.get("self")
-    if not isinstance(self, torch.nn.Module):
+    owner = root_tx.f_locals.get("self")
+    if not isinstance(owner, torch.nn.Module):
         return False
     code = root_tx.f_code
-    forward = getattr(type(self).forward, "__code__", None)
+    forward = getattr(type(owner).forward, "__code__", None)
     return code is forward or code.co_name in ("_call_impl", "_wrapped_call_impl", "forward")
 
 

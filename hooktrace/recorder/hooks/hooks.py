@@ -266,33 +266,34 @@ class Hooks:
         call's pre-hook runs before its forward: a step found by forwards ends before the
         graph's variant for the step is chosen (recorded or not)."""
         self._began = None
-        if not self._active or self._paused or _in_transform() or self._root_depth:
-            return
-        with self._lock:
-            try:
-                forwards = self._root_forwards(plan, self._compiled.modules(plan, args))
-                for (root, opens), module_call in zip(forwards, plan.calls, strict=True):
-                    if opens and root is not None:
-                        self._enter_root_of_graph(root, module_call.grad)
-                        self._began = plan
-                        return
-            except Exception as exc:
-                self._fault(exc, "the models of a compiled graph")
+        if self._active and not self._root_depth and self._enter_forwards(plan, args, first=True):
+            self._began = plan
 
     def graph_ran_unrecorded(self, plan: Plan, args: tuple[Any, ...]) -> None:
         """An instrumented graph ran without its statistics (a step not recorded): the root
         forwards in it after the first (:meth:`graph_begins`) are entered all the same, as
         their eager calls would be."""
-        if self._paused or _in_transform() or self._root_depth:
-            return
+        if not self._root_depth:
+            self._enter_forwards(plan, args, first=False)
+
+    def _enter_forwards(self, plan: Plan, args: tuple[Any, ...], *, first: bool) -> bool:
+        """Enter the root forwards of a compiled function's graph (:meth:`_root_forwards`;
+        ``first``: the first alone). Whether one was entered."""
+        if self._paused or _in_transform():
+            return False
+        entered = False
         with self._lock:
             try:
                 forwards = self._root_forwards(plan, self._compiled.modules(plan, args))
                 for (root, opens), module_call in zip(forwards, plan.calls, strict=True):
                     if opens and root is not None:
                         self._enter_root_of_graph(root, module_call.grad)
+                        entered = True
+                        if first:
+                            break
             except Exception as exc:
                 self._fault(exc, "the models of a compiled graph")
+        return entered
 
     def _root_forwards(
         self, plan: Plan, entries: list[Attached | None]
